@@ -1,0 +1,50 @@
+"""prefixrt: an LLM runtime that treats shared prefixes as first-class.
+
+Public names are listed in __all__ and documented in docs/ and API.md; everything else is internal.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+# Running from a source checkout (PYTHONPATH=<repo>): `adapters/` and `kernels/` live beside this package
+# and are mapped to prefixrt.adapters / prefixrt.kernels by pyproject's package-dir. Make the same mapping
+# hold without an install by letting the repo root serve as a second search path for subpackages.
+_repo_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_repo_root, "kernels", "__init__.py")) and _repo_root not in __path__:
+    __path__.append(_repo_root)
+
+from prefixrt.errors import InvalidRequest  # noqa: E402
+from prefixrt.outputs import Chunk, Completion, EngineStats  # noqa: E402
+from prefixrt.params import SamplingParams  # noqa: E402
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": ("prefixrt.engine.engine", "Engine"),
+    "Provider": ("prefixrt.provider", "Provider"),
+    "RemoteEngine": ("prefixrt.remote", "RemoteEngine"),
+    "LM": ("prefixrt.adapters.dspy", "LM"),
+    "ChatPrefixRT": ("prefixrt.adapters.langchain", "ChatPrefixRT"),
+    "function": ("prefixrt.frontend", "function"),
+    "system": ("prefixrt.frontend", "system"),
+    "user": ("prefixrt.frontend", "user"),
+    "assistant": ("prefixrt.frontend", "assistant"),
+    "gen": ("prefixrt.frontend", "gen"),
+    "select": ("prefixrt.frontend", "select"),
+    "OpenAIBackend": ("prefixrt.frontend", "OpenAIBackend"),
+}
+
+__all__ = ["InvalidRequest", "Chunk", "Completion", "EngineStats", "SamplingParams", *_LAZY]
+
+
+def __getattr__(name: str):
+    # Heavy modules (torch models, dspy, langchain) load only when their name is first used.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'prefixrt' has no attribute {name!r}")

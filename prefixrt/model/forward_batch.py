@@ -1,0 +1,100 @@
+"""ForwardBatch: everything one model forward needs, passed explicitly (never through globals).
+
+The scheduler builds it from its requests; the model and the attention backend read it. Kernels see only
+the flat index arrays below. All tensors live on the model's device unless the name ends in `_cpu`.
+
+Token layout: the new tokens of every sequence are concatenated, sequence after sequence:
+    input_ids[extend_start_loc[i] : extend_start_loc[i] + extend_lens[i]] are sequence i's new tokens,
+at positions prefix_lens[i] .. seq_lens[i]-1. Their K/V is written to pool slots `out_cache_loc`.
+The K/V of sequence i's token at position p lives in pool slot req_to_token[req_pool_indices[i], p].
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # any number of new tokens per sequence (prefill, chunked prefill, jump-forward)
+    DECODE = "decode"  # exactly one new token per sequence
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64, new tokens of all sequences, concatenated
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    out_cache_loc: torch.Tensor  # [T] int64, pool slot that receives each new token's K/V
+    req_pool_indices: torch.Tensor  # [B] int64, row of each sequence in req_to_token
+    seq_lens: torch.Tensor  # [B] int32, tokens with K/V after this forward (prefix + new)
+    prefix_lens: torch.Tensor  # [B] int32, tokens whose K/V was already in the pool
+    extend_lens: torch.Tensor  # [B] int32, new tokens per sequence (all 1 in DECODE)
+    extend_start_loc: torch.Tensor  # [B] int32, offset of each sequence's first new token in [T]
+    req_to_token: torch.Tensor  # [R, max_context] int32, pool slot of every (request row, position)
+    logits_indices: torch.Tensor  # [L] int64, rows of [T] whose logits the caller wants
+    # Host copies of the per-sequence lengths: backends use them to plan without a device sync.
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_lens_cpu: list[int] = field(default_factory=list)
+    # Optional shared-prefix groups for cascade decode: list of (prefix_len, [sequence indices]) whose first
+    # prefix_len slots are identical. Backends that do not use it ignore it.
+    prefix_groups: list[tuple[int, list[int]]] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_tokens: list[list[int]],
+        out_cache_loc: list[int] | torch.Tensor,
+        req_to_token: torch.Tensor,
+        logits_indices: list[int],
+        device: torch.device | str,
+        prefix_groups: list[tuple[int, list[int]]] | None = None,
+    ) -> ForwardBatch:
+        """Build a batch from host lists (one entry per sequence). The only host→device copies of a step."""
+        extend_lens = [len(t) for t in extend_tokens]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        starts, acc = [], 0
+        for e in extend_lens:
+            starts.append(acc)
+            acc += e
+        flat_ids = [tok for toks in extend_tokens for tok in toks]
+        positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
+        mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+        dev = torch.device(device)
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        if not isinstance(out_cache_loc, torch.Tensor):
+            out_cache_loc = t(out_cache_loc, torch.int64)
+        return cls(
+            mode=mode,
+            input_ids=t(flat_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            out_cache_loc=out_cache_loc.to(dev, torch.int64),
+            req_pool_indices=t(req_pool_indices, torch.int64),
+            seq_lens=t(seq_lens, torch.int32),
+            prefix_lens=t(prefix_lens, torch.int32),
+            extend_lens=t(extend_lens, torch.int32),
+            extend_start_loc=t(starts, torch.int32),
+            req_to_token=req_to_token,
+            logits_indices=t(logits_indices, torch.int64),
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=extend_lens,
+            prefix_groups=prefix_groups,
+        )

@@ -1,0 +1,63 @@
+"""Result types returned to users: Completion, Chunk, EngineStats."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    matched_stop: str | int | None = None  # the stop string or stop/EOS token id that ended the request
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[dict] | None = None  # [{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}]
+    outputs: list[Completion] = field(default_factory=list)  # the n samples when n > 1 (first is self)
+    choice_scores: dict[str, float] | None = None  # select/choices: the score of each choice
+    error: str | None = None  # set when the request was aborted by an internal error
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["outputs"] = [o.to_dict() for o in self.outputs] if len(self.outputs) > 1 else []
+        return d
+
+
+@dataclass
+class Chunk:
+    request_id: str
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new token ids since the previous chunk
+    finish_reason: str | None = None  # set on the last chunk
+    index: int = 0  # which of the n samples
+    logprobs: list[dict] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    matched_stop: str | int | None = None
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    cached_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    cache_hit_rate: float = 0.0
+    evicted_tokens_total: int = 0
+    requests_total: int = 0
+    requests_running: int = 0
+    requests_waiting: int = 0
+    kv_total: int = 0
+    kv_free: int = 0
+    kv_evictable: int = 0
+    kv_locked: int = 0
+    forward_passes_total: int = 0
+    retracted_requests_total: int = 0
+    aborted_requests_total: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
