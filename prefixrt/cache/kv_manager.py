@@ -1,0 +1,180 @@
+"""KVManager: the one owner of KV memory for requests — allocator, request table and prefix cache together.
+
+Every slot is in exactly one of: free (allocator), cached (radix tree, locked or evictable), or private to a
+running request (its pages past cached_len). check_integrity() verifies free + cached + private == total.
+The scheduler asks this class for memory; it never touches pages or the tree itself.
+"""
+
+from __future__ import annotations
+
+from prefixrt.cache.allocator import PageAllocator
+from prefixrt.cache.base import MatchResult, PrefixCache
+from prefixrt.cache.kv_pool import KVPool
+from prefixrt.cache.req_table import ReqToTokenTable
+from prefixrt.engine.request import Req
+
+
+class KVManager:
+    def __init__(
+        self,
+        pool: KVPool,
+        allocator: PageAllocator,
+        table: ReqToTokenTable,
+        cache: PrefixCache,
+        debug: bool = False,
+    ):
+        self.pool = pool
+        self.allocator = allocator
+        self.table = table
+        self.cache = cache
+        self.page_size = allocator.page_size
+        self.debug = debug
+        self.evicted_tokens_total = 0
+        self._running: dict[int, Req] = {}  # row -> request holding it
+
+    # ------------------------------------------------------------------ sizes (tokens)
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.total_tokens
+
+    @property
+    def free_tokens(self) -> int:
+        return self.allocator.free_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.cache.evictable_tokens
+
+    @property
+    def available_tokens(self) -> int:
+        """Tokens obtainable now: free plus evictable."""
+        return self.allocator.free_tokens + self.cache.evictable_tokens
+
+    def pages_for(self, req: Req, num_new_tokens: int) -> int:
+        """Pages req needs to store num_new_tokens more tokens."""
+        ps = self.page_size
+        return max(0, -(-(req.kv_len + num_new_tokens) // ps) - len(req.pages))
+
+    # ------------------------------------------------------------------ admission
+    def match(self, req: Req) -> MatchResult:
+        """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
+        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=req.seq_len - 1)
+
+    def admit(self, req: Req) -> None:
+        """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale."""
+        m = self.match(req)
+        req.cache_handle = self.cache.lock(m)
+        req.row = self.table.alloc_row()
+        self._running[req.row] = req
+        ps = self.page_size
+        req.pages = [m.slots[i] // ps for i in range(0, m.length, ps)]
+        req.kv_len = req.cached_len = m.length
+        self.table.write(req.row, 0, m.slots)
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = m.length
+
+    def ensure_pages(self, num_pages: int) -> bool:
+        """Evict until num_pages are free. False if even full eviction cannot reach it (nothing evicted then
+        beyond what was evictable)."""
+        short = num_pages - self.allocator.free_pages
+        if short <= 0:
+            return True
+        if short * self.page_size > self.cache.evictable_tokens:
+            return False
+        self.evicted_tokens_total += self.cache.evict(short * self.page_size)
+        return self.allocator.free_pages >= num_pages
+
+    def extend(self, req: Req, num_new_tokens: int) -> list[int]:
+        """Slots for positions [kv_len, kv_len + n) of req, allocating pages (call ensure_pages first) and
+        writing them into req's table row. kv_len is advanced by the caller once the forward is issued."""
+        need = self.pages_for(req, num_new_tokens)
+        if need:
+            req.pages.extend(self.allocator.alloc(need))
+        slots = self.slots_of(req, req.kv_len, req.kv_len + num_new_tokens)
+        self.table.write(req.row, req.kv_len, slots)
+        return slots
+
+    def slots_of(self, req: Req, start: int, end: int) -> list[int]:
+        ps = self.page_size
+        pages = req.pages
+        if ps == 1:
+            return pages[start:end]
+        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+    # ------------------------------------------------------------------ caching and release
+    def cache_unfinished(self, req: Req) -> None:
+        """Publish req's computed K/V (whole pages) to the prefix cache while it keeps running, so requests
+        arriving now can reuse it (prefill-once). Private duplicates of what the tree already had are freed
+        and req's table row is pointed at the tree's slots."""
+        if not self.cache.retains:
+            return
+        ps = self.page_size
+        n = req.kv_len // ps * ps
+        if n <= req.cached_len:
+            return
+        tokens = req.all_ids[:n]
+        existing = self.cache.insert(tokens, self.slots_of(req, 0, n), req.namespace)
+        m = self.cache.match_prefix(tokens, req.namespace)
+        assert m.length == n, f"inserted {n} tokens but matched {m.length}"
+        if existing > req.cached_len:
+            first, last = req.cached_len // ps, existing // ps
+            self._free_pages(req.pages[first:last])
+            req.pages[first:last] = [m.slots[i] // ps for i in range(req.cached_len, existing, ps)]
+            self.table.write(req.row, req.cached_len, m.slots[req.cached_len : existing])
+        handle = self.cache.lock(m)
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = handle
+        req.cached_len = n
+
+    def release(self, req: Req) -> None:
+        """req stops running (finished, aborted or retracted): publish its computed K/V to the cache, free
+        what the cache does not take, unlock, and give back the table row. Its pages are cleared."""
+        if req.row is None:
+            return
+        ps = self.page_size
+        if self.cache.retains:
+            self.cache_unfinished(req)
+            private = req.pages[req.cached_len // ps :]
+        else:
+            private = req.pages
+        self._free_pages(private)
+        self.cache.unlock(req.cache_handle)
+        del self._running[req.row]
+        self.table.free_row(req.row)
+        req.row, req.cache_handle, req.pages = None, None, []
+        req.kv_len = req.cached_len = 0
+
+    def _free_pages(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        if self.debug:
+            import torch
+
+            from prefixrt.cache.allocator import pages_to_slots
+
+            self.pool.poison(torch.tensor(pages_to_slots(pages, self.page_size), device=self.pool.device))
+        self.allocator.free(pages)
+
+    def flush(self) -> int:
+        freed = self.cache.flush()
+        self.evicted_tokens_total += freed
+        return freed
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def private_tokens(self) -> int:
+        ps = self.page_size
+        return sum((len(r.pages) - r.cached_len // ps) * ps for r in self._running.values())
+
+    def check_integrity(self) -> None:
+        """free + cached (evictable + locked) + private == total, and no page owned twice."""
+        self.cache.check_integrity()
+        free = self.allocator.free_tokens
+        cached = self.cache.evictable_tokens + self.cache.locked_tokens
+        private = self.private_tokens
+        assert free + cached + private == self.total_tokens, (
+            f"KV leak: free {free} + cached {cached} + private {private} != total {self.total_tokens}"
+        )
+        ps = self.page_size
+        owned = [p for r in self._running.values() for p in r.pages[r.cached_len // ps :]]
+        assert len(owned) == len(set(owned)), "a private page is owned by two requests"

@@ -1,0 +1,244 @@
+"""RadixCache: a radix tree over token ids whose nodes own the KV slots of their tokens.
+
+Invariants (DESIGN.md): matches compare tokens, never hashes; a lookup never changes the tree's shape (only
+lock and insert split nodes); every node on a matched path has its recency refreshed; only unlocked leaves
+are evicted, least recently used first, from an incremental heap (lazy deletion, compacted when stale
+entries outnumber live ones); each namespace (cache_salt) has its own root.
+Keys are page-aligned: every node holds a whole number of pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Any
+
+from prefixrt.cache.allocator import PageAllocator
+from prefixrt.cache.base import MatchResult, PrefixCache
+
+
+class _Node:
+    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access", "id")
+    _ids = itertools.count()
+
+    def __init__(self, key: list[int], slots: list[int], parent: _Node | None, last_access: int):
+        self.key = key
+        self.slots = slots
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.id = next(_Node._ids)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # fast path in C for the common full-match case
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache(PrefixCache):
+    retains = True
+
+    def __init__(self, allocator: PageAllocator, on_evict=None):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._roots: dict[Any, _Node] = {}
+        self._clock = itertools.count(1)
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._num_nodes = 0
+        self._evictable = 0
+        self._locked = 0
+        self.version = 0
+        self.on_evict = on_evict  # optional callback(slots) before slots are freed (debug poisoning)
+
+    # ------------------------------------------------------------------ helpers
+    def _page_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
+        return tuple(tokens[pos : pos + self.page_size])
+
+    def _align(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def _is_root(self, node: _Node) -> bool:
+        return node.parent is None
+
+    def _push_if_evictable_leaf(self, node: _Node) -> None:
+        if not self._is_root(node) and node.lock_ref == 0 and not node.children:
+            heapq.heappush(self._heap, (node.last_access, node.id, node))
+
+    def _touch(self, node: _Node, tick: int) -> None:
+        node.last_access = tick
+        self._push_if_evictable_leaf(node)
+
+    def _split(self, node: _Node, offset: int) -> _Node:
+        """Split node after `offset` tokens; returns the new upper node. Counters are unchanged."""
+        parent = node.parent
+        upper = _Node(node.key[:offset], node.slots[:offset], parent, node.last_access)
+        upper.lock_ref = node.lock_ref
+        parent.children[self._page_key(upper.key, 0)] = upper
+        node.key = node.key[offset:]
+        node.slots = node.slots[offset:]
+        node.parent = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        self._num_nodes += 1
+        self.version += 1
+        return upper
+
+    # ------------------------------------------------------------------ contract
+    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
+        root = self._roots.get(namespace)
+        limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
+        if root is None or limit == 0:
+            return MatchResult(0, [], None, 0, self.version)
+        tick = next(self._clock)
+        node, pos, slots = root, 0, []
+        while pos < limit:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            n = self._align(_common_prefix_len(child.key, tokens[pos:limit]))
+            if n == 0:
+                break
+            self._touch(child, tick)
+            slots.extend(child.slots[:n])
+            pos += n
+            if n < len(child.key):
+                return MatchResult(pos, slots, child, n, self.version)
+            node = child
+        if node is root:
+            return MatchResult(0, [], None, 0, self.version)
+        return MatchResult(pos, slots, node, len(node.key), self.version)
+
+    def lock(self, match: MatchResult) -> _Node | None:
+        if match.handle is None or match.length == 0:
+            return None
+        if match.version != self.version:
+            raise RuntimeError("lock() on a stale match: the tree changed since match_prefix()")
+        node: _Node = match.handle
+        if match.offset < len(node.key):
+            node = self._split(node, match.offset)
+        handle = node
+        while not self._is_root(node):
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._locked += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        return handle
+
+    def unlock(self, handle: _Node | None) -> None:
+        node = handle
+        while node is not None and not self._is_root(node):
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlock of an unlocked radix node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._locked -= len(node.key)
+                self._push_if_evictable_leaf(node)
+            node = node.parent
+
+    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
+        n_total = self._align(len(tokens))
+        if n_total == 0:
+            return 0
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node([], [], None, 0)
+        tick = next(self._clock)
+        node, pos = root, 0
+        while pos < n_total:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                new = _Node(list(tokens[pos:n_total]), list(slots[pos:n_total]), node, tick)
+                node.children[self._page_key(new.key, 0)] = new
+                self._num_nodes += 1
+                self._evictable += n_total - pos
+                self.version += 1
+                self._push_if_evictable_leaf(new)
+                return pos
+            n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
+            if n < len(child.key):
+                child = self._split(child, n)
+            self._touch(child, tick)
+            pos += n
+            node = child
+        return pos
+
+    def evict(self, num_tokens: int) -> int:
+        freed = 0
+        while freed < num_tokens and self._heap:
+            tick, _, node = heapq.heappop(self._heap)
+            if node.parent is None or node.children or node.lock_ref > 0 or node.last_access != tick:
+                continue  # stale entry: the node was touched, locked, grew children, or is gone
+            parent = node.parent
+            del parent.children[self._page_key(node.key, 0)]
+            node.parent = None
+            self._num_nodes -= 1
+            self._evictable -= len(node.key)
+            freed += len(node.key)
+            if self.on_evict is not None:
+                self.on_evict(node.slots)
+            self.allocator.free_slots(node.slots)
+            self.version += 1
+            if self._is_root(parent):
+                if not parent.children:
+                    self._roots = {k: r for k, r in self._roots.items() if r is not parent}
+            else:
+                self._push_if_evictable_leaf(parent)
+        if len(self._heap) > 4 * self._num_nodes + 64:
+            self._compact_heap()
+        return freed
+
+    def _compact_heap(self) -> None:
+        live = [(n.last_access, n.id, n) for n in self._iter_nodes() if n.lock_ref == 0 and not n.children]
+        heapq.heapify(live)
+        self._heap = live
+
+    def flush(self) -> int:
+        return self.evict(self._evictable)
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self._evictable
+
+    @property
+    def locked_tokens(self) -> int:
+        return self._locked
+
+    # ------------------------------------------------------------------ debugging
+    def _iter_nodes(self):
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def cached_slots(self) -> list[int]:
+        return [s for n in self._iter_nodes() for s in n.slots]
+
+    def check_integrity(self) -> None:
+        evictable = locked = count = 0
+        seen: set[int] = set()
+        for node in self._iter_nodes():
+            count += 1
+            assert len(node.key) == len(node.slots) and len(node.key) % self.page_size == 0, "ragged node"
+            assert len(node.key) > 0, "empty non-root node"
+            for s in node.slots:
+                assert s not in seen, f"slot {s} owned twice in the tree"
+                seen.add(s)
+            child_lock = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= child_lock, "a child is locked more than its parent"
+            if node.lock_ref:
+                locked += len(node.key)
+            else:
+                evictable += len(node.key)
+                if not node.children:
+                    assert any(e[2] is node and e[0] == node.last_access for e in self._heap), "leaf missing from heap"
+        assert count == self._num_nodes, f"node count {count} != {self._num_nodes}"
+        assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
+        assert locked == self._locked, f"locked {locked} != counter {self._locked}"

@@ -1,0 +1,54 @@
+"""EngineConfig: the engine's construction arguments, validated once (frozen afterwards)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixrt.engine.policy import POLICIES
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "gemma-3-270m"
+    load_format: str = "auto"  # "auto" | "dummy"
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    attention_backend: str = "auto"  # "auto" | "triton" | "torch"
+    kv_cache_tokens: int | None = None
+    mem_fraction: float = 0.85
+    page_size: int = 1
+    radix_cache: bool = True
+    schedule_policy: str = "lpm"
+    chunked_prefill_tokens: int = 8192
+    max_running_requests: int | None = None
+    seed: int = 0
+    max_context: int | None = None  # cap on the model's context (None: the model's own)
+    aging_s: float = 5.0  # a waiting request older than this is admitted first, whatever the policy
+    grammar_backend: str = "llguidance"  # "llguidance" | "xgrammar"
+    cuda_graph: bool = True  # capture decode batches (CUDA only)
+    debug: bool = False  # check KV accounting every idle step; poison freed slots with NaN
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"EngineConfig: {msg}")
+
+        if self.load_format not in ("auto", "dummy"):
+            bad(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            bad(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            bad(f"attention_backend must be auto/triton/torch, got {self.attention_backend!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:
+            bad("kv_cache_tokens must hold at least two pages")
+        if not 0 < self.mem_fraction < 1:
+            bad("mem_fraction must be in (0, 1)")
+        if self.page_size < 1:
+            bad("page_size must be >= 1")
+        if self.schedule_policy not in POLICIES:
+            bad(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
+        if self.chunked_prefill_tokens < 1:
+            bad("chunked_prefill_tokens must be >= 1")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            bad("max_running_requests must be >= 1")
+        if self.grammar_backend not in ("llguidance", "xgrammar"):
+            bad("grammar_backend must be 'llguidance' or 'xgrammar'")

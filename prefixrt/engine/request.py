@@ -1,0 +1,81 @@
+"""Req: one sequence being generated, as the scheduler loop sees it (one per sample when n > 1).
+
+Token layout: all_ids = prompt_ids + output_ids. The pool holds K/V for all_ids[:kv_len]; the next forward
+feeds all_ids[kv_len:] (the whole prompt at first, in chunks; then one sampled token, or a sampled token
+followed by grammar-forced ones).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixrt.params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Any  # OutputSink: where outputs go (see engine/outputs.py)
+    index: int = 0  # which of the n samples
+    namespace: Any = None  # cache_salt: requests in different namespaces never share KV
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    all_ids: list[int] = field(default_factory=list)  # prompt_ids + output_ids, kept in step with them
+    state: ReqState = ReqState.WAITING
+    # KV state (owned by KVManager)
+    row: int | None = None  # row in the request-to-token table
+    pages: list[int] = field(default_factory=list)  # pool pages covering positions [0, len(pages)*page_size)
+    kv_len: int = 0  # tokens of all_ids with K/V in the pool
+    cached_len: int = 0  # leading tokens whose pages belong to the radix tree (locked via cache_handle)
+    cache_handle: Any = None
+    # Reporting
+    num_cached_tokens: int | None = None  # prompt tokens reused at first admission (None: not admitted yet)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    num_forced_tokens: int = 0  # tokens emitted by jump-forward without sampling
+    # Sampling state
+    generator: Any = None  # torch.Generator when params.seed is set
+    matcher: Any = None  # grammar matcher when a constraint is set
+    logprobs: list[dict] | None = None
+    # Text state (only for requests whose text the loop must watch: stop strings)
+    text: str = ""
+    detok: Any = None
+    aborted: bool = False
+    retractions: int = 0
+
+    def __post_init__(self):
+        self.all_ids = list(self.prompt_ids) + list(self.output_ids)
+
+    def append_output(self, token_ids: list[int]) -> None:
+        self.output_ids.extend(token_ids)
+        self.all_ids.extend(token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.all_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens the next forward must feed for this request."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_pending > 1 or not self.output_ids
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)

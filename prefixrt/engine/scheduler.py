@@ -1,0 +1,188 @@
+"""Scheduler: decides which requests run in the next forward and how many tokens each feeds.
+
+Each step: every running request feeds its pending tokens (one for decode; a sampled token plus
+grammar-forced tokens after jump-forward; a chunk for a long prefill), then waiting requests are admitted
+in policy order while the prefill token budget, the running-request cap and memory allow. Requests that
+share a not-yet-cached prefix with a request already prefilling it are held back one step so the prefix is
+prefilled once (the leader publishes it to the cache after each chunk). When memory runs out, the most
+recently admitted running requests are retracted: they release their K/V (published to the cache, so the
+resume usually re-matches it) and go back to waiting with their output so far.
+The scheduler knows requests and token counts; KVManager knows memory; neither knows tensors' layouts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prefixrt.cache.kv_manager import KVManager
+from prefixrt.engine.policy import order_waiting
+from prefixrt.engine.request import Req, ReqState
+
+# Hold back a waiting request when it shares at least this many uncached tokens with a request that is
+# prefilling them now: cheaper to wait a step than to compute them twice.
+PREFIX_DEDUP_MIN_TOKENS = 32
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    num_tokens: list[int]  # tokens fed per request (all_ids[prefix_len : prefix_len + n])
+    prefix_lens: list[int]  # kv_len of each request before this forward
+    slots: list[list[int]]  # pool slots receiving the new tokens' K/V
+    sample: list[bool]  # True where the forward reaches the end of all_ids, so a token is sampled
+    retracted: list[Req] = field(default_factory=list)
+    finished_early: list[Req] = field(default_factory=list)  # could not get memory even alone: stop them
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "lpm"
+    chunked_prefill_tokens: int = 8192
+    max_running_requests: int = 256
+    aging_s: float = 5.0
+    dedup_shared_prefill: bool = True
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, config: SchedulerConfig):
+        self.kv = kv
+        self.config = config
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.retracted_total = 0
+        self._match_cache: dict[int, tuple[int, object]] = {}
+
+    # ------------------------------------------------------------------ queue operations
+    def add(self, req: Req) -> None:
+        req.state = ReqState.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        """Take req out of the scheduler (finish or abort) and release its memory."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.release(req)
+        self._match_cache.pop(id(req), None)
+        req.state = ReqState.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [], [], [], [])
+        budget = self.config.chunked_prefill_tokens
+
+        # 1. Running requests: plan their tokens, retract until their pages fit.
+        while True:
+            plan, left = [], budget
+            for req in self.running:
+                n = req.num_pending
+                if n > 1:  # a prefill chunk or a jump-forward run: bounded by the token budget
+                    n = min(n, max(left, 1))
+                    left -= n
+                plan.append((req, n))
+            pages = sum(self.kv.pages_for(r, n) for r, n in plan)
+            if self.kv.ensure_pages(pages):
+                break
+            victim = self._pick_victim()
+            if len(self.running) == 1:
+                # Alone and still out of memory: it can never continue. Stop it (finish_reason "length").
+                self.running.remove(victim)
+                batch.finished_early.append(victim)
+            else:
+                self._retract(victim)
+                batch.retracted.append(victim)
+
+        prefilling = [r for r, _ in plan if r.kv_len < len(r.prompt_ids)]
+        for req, n in plan:
+            self._add_to_batch(batch, req, n)
+            if n > 1:
+                budget -= n
+
+        # 2. Admit waiting requests.
+        if self.waiting and budget > 0:
+            self._admit(batch, budget, prefilling)
+        return batch
+
+    def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
+        slots = self.kv.extend(req, n)
+        batch.reqs.append(req)
+        batch.num_tokens.append(n)
+        batch.prefix_lens.append(req.kv_len)
+        batch.slots.append(slots)
+        batch.sample.append(req.kv_len + n == req.seq_len)
+        req.kv_len += n
+
+    def _admit(self, batch: ScheduledBatch, budget: int, prefilling: list[Req]) -> None:
+        kv = self.kv
+        now = time.monotonic()
+        version = getattr(kv.cache, "version", 0)
+
+        def match(r: Req):
+            hit = self._match_cache.get(id(r))
+            if hit is None or hit[0] != version:
+                hit = (version, kv.match(r))
+                self._match_cache[id(r)] = hit
+            return hit[1]
+
+        order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s)
+        leaders = list(prefilling)
+        reserve_pages = len(self.running)  # keep one page per running request for its next decode step
+        for req in order:
+            if len(self.running) >= self.config.max_running_requests or kv.table.free_rows == 0 or budget <= 0:
+                break
+            m = match(req)
+            if (self.config.dedup_shared_prefill and kv.cache.retains
+                    and self._shares_uncached_prefix(req, m.length, leaders)):
+                continue
+            kv.admit(req)
+            n = min(req.num_pending, budget)
+            pages = kv.pages_for(req, n)
+            if not kv.ensure_pages(pages + reserve_pages):
+                kv.release(req)
+                break
+            self.waiting.remove(req)
+            self._match_cache.pop(id(req), None)
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+            self._add_to_batch(batch, req, n)
+            budget -= n
+            leaders.append(req)
+            version = getattr(kv.cache, "version", 0)
+
+    def _shares_uncached_prefix(self, req: Req, matched: int, leaders: list[Req]) -> bool:
+        ids = req.all_ids
+        for leader in leaders:
+            if leader.namespace != req.namespace:
+                continue
+            other = leader.all_ids
+            n = min(len(ids) - 1, len(other))
+            if n - matched < PREFIX_DEDUP_MIN_TOKENS or ids[matched:matched + PREFIX_DEDUP_MIN_TOKENS] != \
+                    other[matched:matched + PREFIX_DEDUP_MIN_TOKENS]:
+                continue
+            return True
+        return False
+
+    # ------------------------------------------------------------------ retraction
+    def _pick_victim(self) -> Req | None:
+        if not self.running:
+            return None
+        # Lowest priority first, then the most recently arrived: it has made the least progress.
+        return min(self.running, key=lambda r: (r.params.priority, -r.arrival))
+
+    def _retract(self, req: Req) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        self.retracted_total += 1
+        self.waiting.insert(0, req)
