@@ -1,0 +1,213 @@
+"""Build a model from a local transformers folder (config.json + *.safetensors), or random weights.
+
+Nothing is downloaded: configs are read with local_files_only. Checkpoint names are transformers'
+(`model.layers.N...`); multimodal Gemma-3 checkpoints (`model.language_model.` / `language_model.model.`)
+load their text half only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from prefixrt.model.base import CausalLM, eos_ids_from_hf
+from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
+from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_STD = 0.02  # small enough that activations stay finite through any depth
+
+
+def _build_llama(hf_config, architecture: str) -> CausalLM:
+    return LlamaForCausalLM(LlamaConfig.from_hf(hf_config, architecture))
+
+
+def _build_gemma3(hf_config, architecture: str) -> CausalLM:
+    if architecture != "Gemma3ForConditionalGeneration":
+        return Gemma3ForCausalLM(Gemma3Config.from_hf(hf_config))
+    config = Gemma3Config.from_hf(hf_config.text_config)
+    if not config.eos_token_ids:  # multimodal configs keep it at the top level
+        config = dataclasses.replace(config, eos_token_ids=eos_ids_from_hf(hf_config))
+    return Gemma3ForCausalLM(config)
+
+
+_BUILDERS: dict[str, Callable[[object, str], CausalLM]] = {
+    **{arch: _build_llama for arch in LLAMA_ARCHITECTURES},
+    "Gemma3ForCausalLM": _build_gemma3,
+    "Gemma3ForConditionalGeneration": _build_gemma3,  # text half only
+}
+_ARCH_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BUILDERS)
+
+
+def architecture_of(hf_config) -> str:
+    """The config's architecture name; raises a ValueError naming the supported ones if we lack it."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    model_type = getattr(hf_config, "model_type", None)
+    if not archs and model_type in _ARCH_OF_MODEL_TYPE:
+        archs = [_ARCH_OF_MODEL_TYPE[model_type]]
+    for arch in archs:
+        if arch in _BUILDERS:
+            return arch
+    raise ValueError(
+        f"unsupported model architecture {archs or model_type!r}; supported: {', '.join(supported_architectures())}"
+    )
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    return resolved
+
+
+def _instantiate(
+    hf_config, *, dtype: torch.dtype | str, device: torch.device | str, extra_eos_ids: tuple[int, ...] = ()
+) -> CausalLM:
+    """Construct the model with uninitialised parameters of `dtype` on `device` (no init cost)."""
+    arch = architecture_of(hf_config)
+    with torch.device("meta"):
+        model = _BUILDERS[arch](hf_config, arch)
+    model.to(dtype=_resolve_dtype(dtype))  # still on meta: free
+    model.to_empty(device=torch.device(device))
+    model.tie_weights()  # to_empty materialises shared parameters separately
+    for eos in extra_eos_ids:
+        if eos not in model.eos_token_ids:
+            model.eos_token_ids.append(eos)
+    return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, std: float = DUMMY_STD) -> None:
+    """Random weights: N(0, std) everywhere; norm weights at their identity value plus N(0, std).
+    Deterministic given the torch seed (uses the default generator of the parameters' device)."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            param.normal_(0.0, std)
+            if isinstance(module, (RMSNorm, GemmaRMSNorm)):
+                param.add_(module.identity_weight)
+
+
+def load_model_from_config(
+    hf_config, *, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """A model with random (dummy) weights built from a transformers config object."""
+    model = _instantiate(hf_config, dtype=dtype, device=device)
+    init_dummy_weights(model)
+    return model
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a folder: from the shard index if there is one."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    # Some repos ship a second, differently named copy (Mistral's consolidated.safetensors): skip it.
+    files = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("consolidated"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors checkpoint in {path}")
+    return files
+
+
+_TEXT_PREFIXES = (  # multimodal checkpoints -> our text-model names
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_NON_TEXT_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def checkpoint_name(name: str) -> str | None:
+    """Our parameter name for a checkpoint tensor name; None for tensors outside the text model."""
+    if name.startswith(_NON_TEXT_PREFIXES):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every text-model tensor of the given safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                name = checkpoint_name(key)
+                if name is not None:
+                    yield name, f.get_tensor(key)
+
+
+def _generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """eos ids from generation_config.json (instruct models often list more stop tokens there)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    load_format: str = "auto",
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
+    """Load a model from a local transformers folder.
+
+    load_format "auto" reads the safetensors weights (single file or sharded); "dummy" needs only
+    config.json and fills random weights (see init_dummy_weights). Returns the model in eval mode.
+    """
+    from transformers import AutoConfig
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    extra_eos = _generation_eos_ids(path)
+    model = _instantiate(hf_config, dtype=dtype, device=device, extra_eos_ids=extra_eos)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        with torch.no_grad():
+            model.load_weights(iter_checkpoint(checkpoint_files(path)))
+    return model
+
+
+__all__ = [
+    "architecture_of",
+    "init_dummy_weights",
+    "load_model",
+    "load_model_from_config",
+    "supported_architectures",
+]

@@ -1,0 +1,34 @@
+"""ModelRunner: one forward step of a model over the paged KV pool.
+
+The single place where a step is executed; CUDA graphs for decode will be captured and replayed here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixrt.cache.kv_pool import KVPool
+from prefixrt.model.attention.base import AttentionBackend
+from prefixrt.model.base import CausalLM
+from prefixrt.model.forward_batch import ForwardBatch
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVPool, attn_backend: AttentionBackend):
+        if pool.num_layers != model.num_layers:
+            raise ValueError(f"KV pool has {pool.num_layers} layers, the model {model.num_layers}")
+        if (pool.num_kv_heads, pool.head_dim) != (model.num_kv_heads, model.head_dim):
+            raise ValueError(
+                f"KV pool slots are [{pool.num_kv_heads}, {pool.head_dim}], the model needs "
+                f"[{model.num_kv_heads}, {model.head_dim}]"
+            )
+        self.model = model
+        self.pool = pool
+        self.attn_backend = attn_backend
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step: writes the new tokens' K/V into the pool, returns float32 logits
+        [len(batch.logits_indices), vocab_size]."""
+        with torch.inference_mode():
+            self.attn_backend.prepare(batch)
+            return self.model(batch, self.attn_backend)

@@ -1,0 +1,74 @@
+"""Tiny random transformers checkpoints for every supported architecture (the oracle for model tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+_COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.1,  # sharper attention than the default 0.02: masking bugs show up in the logits
+    rms_norm_eps=1e-6,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+
+
+def tiny_config(name: str):
+    """transformers config of a tiny model; `name` is one of ARCH_NAMES."""
+    import transformers as tf
+
+    if name == "llama":
+        return tf.LlamaConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False)
+    if name == "llama3_rope":
+        # original_max_position_embeddings 32 puts the 8 rotary frequencies in all three llama3 bands.
+        rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=32)
+        return tf.LlamaConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True, rope_parameters=rope)
+    if name == "mistral":
+        return tf.MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=4, head_dim=16)
+    if name == "qwen2":
+        return tf.Qwen2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True)
+    if name == "qwen3":
+        return tf.Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False)
+    if name == "gemma3":
+        rope = {SLIDING: dict(rope_type="default", rope_theta=10000.0),
+                FULL: dict(rope_type="linear", factor=4.0, rope_theta=1_000_000.0)}
+        return tf.Gemma3TextConfig(
+            **_COMMON, num_hidden_layers=3, head_dim=16, sliding_window=4, layer_types=[SLIDING, FULL, SLIDING],
+            query_pre_attn_scalar=24, final_logit_softcapping=30.0, rope_parameters=rope,
+        )
+    raise ValueError(name)
+
+
+ARCH_NAMES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3")
+
+
+def build_hf_model(name: str, seed: int = 0):
+    """A randomly initialised transformers model (fp32, eager attention). Norm weights and biases are
+    perturbed too, so a missing bias or a wrong norm variant cannot hide behind identity values."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(name), attn_implementation="eager")
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.2)
+    return model.eval()
+
+
+def save_tiny_checkpoint(name: str, path: Path, max_shard_size: str | None = None):
+    """Build and save a tiny checkpoint; returns the transformers model (the oracle)."""
+    model = build_hf_model(name)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(path), **kwargs)
+    return model
