@@ -63,4 +63,5 @@ class PrefixCache(ABC):
         """Evict every unlocked entry; returns tokens freed."""
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if internal counters disagree with the structure."""
+        """Raise AssertionError if internal counters disagree with the structure (default: nothing to check)."""
+        return None
