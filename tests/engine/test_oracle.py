@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from model.checkpoints import ARCH_NAMES
 
 NEW_TOKENS = 8
