@@ -74,7 +74,7 @@ def test_paged_prefix_extend_decode(models):
             got[i].append(lg)
 
     ref_c = hf_logits(hf, seq_c)[6:]  # seq_c's first 6 positions were computed as seq_a's
-    for i, (seq, ref) in enumerate([(seq_a, hf_logits(hf, seq_a)), (seq_b, hf_logits(hf, seq_b)), (seq_c, ref_c)]):
+    for i, ref in enumerate([hf_logits(hf, seq_a), hf_logits(hf, seq_b), ref_c]):
         ours_all = torch.cat(got[i])
         assert ours_all.shape == ref.shape
         assert rel_err(ours_all, ref) < RTOL, f"sequence {i}"
