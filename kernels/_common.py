@@ -15,9 +15,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs would otherwise go through TF32 on tensor cores (~1e-3 relative error); keep them exact.
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_args(dtype: torch.dtype) -> dict:
+    """Constexpr kernel arguments for `mma`. fp32 inputs would otherwise go through TF32 on tensor cores
+    (~1e-3 relative error), so they ask for IEEE products. The CPU interpreter multiplies bf16 tiles as raw
+    integers (triton 3.9), so there the tiles are widened to fp32 first; values are unchanged."""
+    return {
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "UPCAST_DOT": interpreting() and dtype == torch.bfloat16,
+    }
 
 
 def check_pool_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> tuple[int, int, int]:
@@ -31,6 +36,14 @@ def check_pool_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Ten
     if k_buffer.stride(2) != 1 or v_buffer.stride(2) != 1 or q.stride(2) != 1:
         raise ValueError("head_dim must be the contiguous (last) dimension of q and the kv buffers")
     return num_heads, num_kv_heads, head_dim
+
+
+@triton.jit
+def mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """a @ b with fp32 accumulation."""
+    if UPCAST_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
 
 
 @triton.jit

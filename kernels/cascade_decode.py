@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from prefixrt.kernels._common import check_pool_args, dot_precision, interpreting, softcap_scores
+from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
 from prefixrt.kernels.cascade_plan import CascadePlan
 from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
 
@@ -32,7 +31,7 @@ def _cascade_prefix_kernel(
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     HEADS_PER_KV: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -74,7 +73,7 @@ def _cascade_prefix_kernel(
         slots = tl.load(ReqToToken + lead_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # s: [rows, BLOCK_N]
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [rows, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap_scores(s, logit_softcap)
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -83,7 +82,7 @@ def _cascade_prefix_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     lse_ptrs = MidLse + seqs * stride_mlb + heads * stride_mlh + split
@@ -144,7 +143,7 @@ def cascade_decode_attention(
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             NUM_SPLITS=num_prefix_splits, HAS_SOFTCAP=logit_softcap is not None,
-            DOT_PRECISION=dot_precision(q.dtype), **cfg,
+            **dot_args(q.dtype), **cfg,
         )  # fmt: skip
     launch_decode_stage1(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,

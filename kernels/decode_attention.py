@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from prefixrt.kernels._common import check_pool_args, dot_precision, interpreting, softcap_scores
+from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
 
 
 @triton.jit
@@ -29,7 +28,7 @@ def _decode_stage1(
     split_offset,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -71,7 +70,7 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )  # k: [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # s: [BLOCK_H, BLOCK_N]
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [BLOCK_H, BLOCK_N]
         if HAS_SOFTCAP:
             s = softcap_scores(s, logit_softcap)
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -84,7 +83,7 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )  # v: [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     out_split = split_offset + split
@@ -99,12 +98,12 @@ def _decode_stage1(
 
 @triton.jit
 def _merge_splits(
-    MidO, MidLse, O, KvStart,
+    MidO, MidLse, Out, KvStart,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     NUM_GUARDED: tl.constexpr,
 ):  # fmt: skip
-    """O[b, h] = LSE-weighted mean of the split partials. The first NUM_GUARDED splits (cascade prefix
+    """Out[b, h] = LSE-weighted mean of the split partials. The first NUM_GUARDED splits (cascade prefix
     splits) count only for sequences with KvStart[b] > 0, i.e. members of a prefix group."""
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -125,7 +124,7 @@ def _merge_splits(
         other=0.0,
     )  # parts: [BLOCK_S, BLOCK_D]
     out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def decode_workspace(
@@ -165,7 +164,7 @@ def launch_decode_stage1(
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)),
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=logit_softcap is not None, DOT_PRECISION=dot_precision(q.dtype), **cfg,
+        HAS_SOFTCAP=logit_softcap is not None, **dot_args(q.dtype), **cfg,
     )  # fmt: skip
 
 

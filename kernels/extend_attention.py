@@ -14,17 +14,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from prefixrt.kernels._common import check_pool_args, dot_precision, interpreting, softcap_scores
+from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
 
 
 @triton.jit
 def _attend_block(
     q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # s: [BLOCK_M, BLOCK_N]
+    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         s = softcap_scores(s, logit_softcap)
     visible = key_ok[None, :]
@@ -39,19 +38,19 @@ def _attend_block(
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _extend_kernel(
-    Q, O, K, V, KExt, VExt, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
+    Q, Out, K, V, KExt, VExt, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
     sm_scale, logit_softcap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ket, stride_keh, stride_vet, stride_veh, stride_rt,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    CONTIGUOUS_NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CONTIGUOUS_NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -102,7 +101,7 @@ def _extend_kernel(
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
             CAUSAL=not CONTIGUOUS_NEW_KV, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
-            DOT_PRECISION=DOT_PRECISION,
+            DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
 
     if CONTIGUOUS_NEW_KV:
@@ -121,14 +120,14 @@ def _extend_kernel(
             )
             acc, m_i, l_i = _attend_block(
                 q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
-                CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+                CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
             )  # fmt: skip
 
     # Every valid query sees at least itself (l_i > 0); padded rows may see nothing under a window.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
-        O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
+        Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
 
@@ -182,5 +181,5 @@ def extend_attention(
         v_ext.stride(1), req_to_token.stride(0),
         HEADS_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
-        CONTIGUOUS_NEW_KV=contiguous, DOT_PRECISION=dot_precision(q.dtype), **cfg,
+        CONTIGUOUS_NEW_KV=contiguous, **dot_args(q.dtype), **cfg,
     )  # fmt: skip

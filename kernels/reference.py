@@ -8,7 +8,6 @@ They are slow and simple on purpose: they are the oracle, not a fallback path.
 from __future__ import annotations
 
 import torch
-
 from prefixrt.kernels.cascade_plan import CascadePlan
 
 
