@@ -50,7 +50,7 @@ def _extend_kernel(
     stride_ket, stride_keh, stride_vet, stride_veh, stride_rt,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    CONTIGUOUS_NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -100,7 +100,7 @@ def _extend_kernel(
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
-            CAUSAL=not CONTIGUOUS_NEW_KV, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+            CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
 
@@ -181,5 +181,5 @@ def extend_attention(
         v_ext.stride(1), req_to_token.stride(0),
         HEADS_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
-        CONTIGUOUS_NEW_KV=contiguous, **dot_args(q.dtype), **cfg,
+        CONTIGUOUS_NEW_KV=contiguous, POOL_NEEDS_CAUSAL=not contiguous, **dot_args(q.dtype), **cfg,
     )  # fmt: skip
