@@ -20,18 +20,19 @@ from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mm
 @triton.jit
 def _attend_block(
     q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q."""
     s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         s = softcap_scores(s, logit_softcap)
-    visible = key_ok[None, :]
-    if CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    if MASK_KEYS:  # block may hold keys past the range end or after some queries
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
     if HAS_WINDOW:
-        visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-    s = tl.where(visible, s, float("-inf"))
+        s = tl.where(k_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row can see nothing in this block (window): keep its max finite so exp() gives 0, not NaN.
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -87,11 +88,23 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Keys from the pool: the cached prefix only (no causal mask needed), or everything.
+    # Keys from the pool: the cached prefix only, or everything. Whole blocks before the first query of
+    # this block (and before pool_hi) need no causal or bounds mask; the rest are masked.
     pool_hi = kv_hi
     if CONTIGUOUS_NEW_KV:
         pool_hi = prefix_len
-    for n0 in range(kv_lo, pool_hi, BLOCK_N):
+    unmasked_hi = kv_lo + (tl.maximum(tl.minimum(pool_hi, prefix_len + mb * BLOCK_M) - kv_lo, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(kv_lo, unmasked_hi, BLOCK_N):
+        k_pos = n0 + offs_n
+        slots = tl.load(ReqToToken + req_row * stride_rt + k_pos).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, k, v, q_pos, k_pos, k_pos < pool_hi, sm_scale, logit_softcap, sliding_window,
+            MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
+        )  # fmt: skip
+    for n0 in range(unmasked_hi, pool_hi, BLOCK_N):
         k_pos = n0 + offs_n
         key_ok = k_pos < pool_hi
         slots = tl.load(ReqToToken + req_row * stride_rt + k_pos, mask=key_ok, other=0).to(tl.int64)
@@ -100,7 +113,7 @@ def _extend_kernel(
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
-            CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+            MASK_KEYS=True, CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
 
@@ -120,7 +133,7 @@ def _extend_kernel(
             )
             acc, m_i, l_i = _attend_block(
                 q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
-                CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
+                MASK_KEYS=True, CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
             )  # fmt: skip
 
     # Every valid query sees at least itself (l_i > 0); padded rows may see nothing under a window.
