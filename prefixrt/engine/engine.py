@@ -348,11 +348,9 @@ class Engine:
             self.cache_prefix(ids, cache_salt)
         subs = [self._submit(ids + cont, base, input_logprobs_from=len(ids)) for cont in continuations]
         scores = []
-        for rid, stream, full, p in subs:
-            events = [[]]
+        for _, stream, _, _ in subs:
             while True:
                 ev = stream.get()
-                events[0].append(ev)
                 if ev.finished:
                     break
             if ev.finish_reason != "length" or ev.error:
