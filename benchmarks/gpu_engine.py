@@ -134,7 +134,6 @@ def main():
     # Batch-1 decode at 4k context.
     p4k = [rng.randrange(16, vocab) for _ in range(4096 if scale else 64)]
     c = None
-    t0 = time.perf_counter()
     first = None
     n = 0
     for ch in eng.stream(p4k, {"max_new_tokens": 256 if scale else 8, "temperature": 0, "ignore_eos": True}):
