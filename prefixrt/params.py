@@ -40,6 +40,7 @@ class SamplingParams:
     # choices scoring: "token_length_normalized" (mean logprob, default) | "sum" | "unconditional_normalized"
     choices_method: str = "token_length_normalized"
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: outputs carry token ids only (token-level benchmarks)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

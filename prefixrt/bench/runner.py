@@ -87,7 +87,7 @@ async def _run_async(provider, workload: Workload, concurrency: int, progress) -
 
     async def one(prompt: list[int], max_new: int) -> list[int]:
         async with sem:
-            params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+            params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, "detokenize": False}
             t0 = time.perf_counter()
             first = last = None
             itl, out, cached = [], [], 0

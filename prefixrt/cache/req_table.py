@@ -15,6 +15,7 @@ class ReqToTokenTable:
         self.max_context = max_context
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
+        self._pending: list[tuple[int, int, list[int]]] = []
 
     @property
     def free_rows(self) -> int:
@@ -29,14 +30,21 @@ class ReqToTokenTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: list[int]) -> None:
-        """table[row, start:start+len(slots)] = slots."""
+        """table[row, start:start+len(slots)] = slots — queued; applied by flush() (one copy per step)."""
         if slots:
-            self.table[row, start : start + len(slots)] = torch.tensor(slots, dtype=torch.int32).to(
-                self.table.device, non_blocking=True
-            )
+            self._pending.append((row, start, slots))
 
-    def write_many(self, rows: list[int], positions: list[int], slots: list[int]) -> None:
-        """Scatter one slot per (row, position): the decode-step fast path (one host->device copy)."""
-        if rows:
-            idx = torch.tensor([rows, positions, slots], dtype=torch.int64).to(self.table.device, non_blocking=True)
-            self.table[idx[0], idx[1]] = idx[2].to(torch.int32)
+    def flush(self) -> None:
+        """Apply every queued write with one host->device copy. Called before each forward."""
+        if not self._pending:
+            return
+        rows, cols, vals = [], [], []
+        for row, start, slots in self._pending:
+            rows.extend([row] * len(slots))
+            cols.extend(range(start, start + len(slots)))
+            vals.extend(slots)
+        self._pending.clear()
+        idx = torch.tensor([rows, cols, vals], dtype=torch.int64)
+        if self.table.device.type == "cuda":
+            idx = idx.pin_memory().to(self.table.device, non_blocking=True)
+        self.table[idx[0], idx[1]] = idx[2].to(torch.int32)

@@ -16,7 +16,7 @@ import torch
 from prefixrt.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from prefixrt.engine.request import Req
 from prefixrt.engine.scheduler import ScheduledBatch, Scheduler
-from prefixrt.engine.stream import StepOutput
+from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
 from prefixrt.sampling.sampler import Sampler
@@ -54,6 +54,8 @@ class EngineCore:
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
         self.metrics_hook = None  # optional callable(event, **values) for Prometheus
+        self._outbox: list = []  # (stream, StepOutput) produced this step, delivered together
+        self._in_step = False
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -73,6 +75,19 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> bool:
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+            self.flush_outputs()
+
+    def flush_outputs(self) -> None:
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            RequestStream.push_many(out)
+
+    def _step(self) -> bool:
         batch = self.scheduler.schedule()
         for r in batch.finished_early:
             self._finish(r, "length")
@@ -131,6 +146,7 @@ class EngineCore:
                 r._counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
+        self.kv.table.flush()
         fb = ForwardBatch.build(
             req_pool_indices=[r.row for r in batch.reqs],
             prefix_lens=batch.prefix_lens,
@@ -220,12 +236,12 @@ class EngineCore:
         r.matched_stop = matched
         if self.metrics_hook is not None:
             self.metrics_hook("tokens", req=r, num=len(new), now=now)
-        r.sink.push(StepOutput(
+        self._outbox.append((r.sink, StepOutput(
             index=r.index, token_ids=new, text=text, logprobs=logprobs,
             finished=reason is not None, finish_reason=reason, matched_stop=matched,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0,
             final_text=r.text if (reason and r.detok is not None) else None,
-        ))
+        )))
         if reason is not None:
             self._release(r)
 
@@ -252,12 +268,14 @@ class EngineCore:
         text = None
         if r.detok is not None:
             text = r.text[getattr(r, "_emitted", 0):]
-        r.sink.push(StepOutput(
+        self._outbox.append((r.sink, StepOutput(
             index=r.index, token_ids=[], text=text, finished=True, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0, error=error,
             final_text=r.text if r.detok is not None else None,
             input_logprobs=r.input_logprobs if r.input_logprobs_from is not None else None,
-        ))
+        )))
+        if not self._in_step:
+            self.flush_outputs()
         self._release(r)
 
     def _release(self, r: Req) -> None:

@@ -71,6 +71,23 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
+        import os
+
+        if os.environ.get("PREFIXRT_PROFILE_LOOP"):  # debugging aid: cProfile the scheduler thread
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            try:
+                self._run_loop()
+            finally:
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ["PREFIXRT_PROFILE_LOOP"]))
+        else:
+            self._run_loop()
+
+    def _run_loop(self) -> None:
         core = self.core
         while True:
             try:
@@ -230,6 +247,8 @@ class Engine:
             last = evs[-1]
             if last.final_text is not None:
                 text = last.final_text
+            elif not p.detokenize:
+                text = ""
             else:
                 text_ids = toks[:-1] if isinstance(last.matched_stop, int) and toks else toks
                 text = self._decode(text_ids, p.skip_special_tokens)
@@ -454,6 +473,8 @@ class _ChunkState:
         self.counts[i] += len(ev.token_ids)
         if ev.text is not None:
             text = ev.text
+        elif not self.p.detokenize:
+            text = ""
         else:
             toks = self.tokens[i]
             text_ids = toks[:-1] if ev.finished and isinstance(ev.matched_stop, int) and toks else toks

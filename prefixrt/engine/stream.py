@@ -43,8 +43,29 @@ class RequestStream:
             except RuntimeError:
                 pass  # the caller's event loop is closed: nobody is listening any more
 
+    @staticmethod
+    def push_many(items: list[tuple[RequestStream, StepOutput]]) -> None:
+        """Deliver a step's outputs: one wake-up per asyncio loop instead of one per token (each
+        call_soon_threadsafe writes to the loop's self-pipe)."""
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for stream, item in items:
+            if stream._loop is None:
+                stream._q.put(item)
+            else:
+                by_loop.setdefault(id(stream._loop), (stream._loop, []))[1].append((stream._q, item))
+        for loop, pairs in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_deliver, pairs)
+            except RuntimeError:
+                pass  # that event loop is closed: nobody is listening any more
+
     def get(self, timeout: float | None = None) -> StepOutput:
         return self._q.get(timeout=timeout)
 
     async def aget(self) -> StepOutput:
         return await self._q.get()
+
+
+def _deliver(pairs) -> None:
+    for q, item in pairs:
+        q.put_nowait(item)
