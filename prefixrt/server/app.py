@@ -50,6 +50,11 @@ def _loc_param(loc) -> str | None:
     return out
 
 
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, e: InvalidRequest):
@@ -61,7 +66,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = errs[0] if errs else {"loc": (), "msg": "invalid request body"}
         param = _loc_param(first.get("loc", ()))
         msg = first.get("msg", "invalid request body")
-        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        same_field = [x for x in errs if _loc_param(x.get("loc", ())) == param]
+        if len(same_field) > 1:  # a union field: no single alternative's message is the useful one
+            msg = f"invalid value {_short(first.get('input'))}; it matches none of the accepted types"
+        others = len(errs) - len(same_field)
+        more = f" (and {others} more error{'s' if others > 1 else ''})" if others > 0 else ""
         return error_response(400, f"{param}: {msg}{more}" if param else f"{msg}{more}",
                               "invalid_request_error", param)
 
@@ -94,7 +103,7 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.model_name = served_model_name or engine.model_name
     app.state.created = int(time.time())
-    app.state.metrics = Metrics(engine)
+    app.state.metrics = Metrics.for_engine(engine)
     _install_error_handlers(app)
     app.include_router(openai_router)
 

@@ -2,8 +2,8 @@
 
 Counters and gauges are read from `Engine.stats()` at scrape time, so /metrics and /stats always agree (no
 second set of books). Latency histograms (TTFT, inter-token latency, end-to-end) are observed on the
-scheduler thread through `EngineCore.metrics_hook`. Each app gets its own CollectorRegistry, so several
-servers or shims in one process do not collide.
+scheduler thread through `EngineCore.metrics_hook`. There is one Metrics (and one CollectorRegistry) per
+engine, shared by every app serving it (`Metrics.for_engine`); separate engines never collide.
 """
 
 from __future__ import annotations
@@ -52,7 +52,16 @@ class _StatsCollector:
 class Metrics:
     """Owns the registry of one engine's metrics and installs the latency hook on its core."""
 
+    @classmethod
+    def for_engine(cls, engine) -> Metrics:
+        existing = getattr(engine, "_prometheus_metrics", None)
+        if existing is None:
+            existing = cls(engine)
+            engine._prometheus_metrics = existing
+        return existing
+
     def __init__(self, engine):
+        self._last_token: dict[int, float] = {}  # id(req) -> time of its previous output step
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(engine))
         self.ttft = Histogram("prefixrt_time_to_first_token_seconds", "Arrival to first output token.",
@@ -77,13 +86,14 @@ class Metrics:
     def observe(self, event: str, req=None, now: float = 0.0, **_) -> None:
         """Called on the scheduler thread: keep it cheap."""
         if event == "tokens":
-            last = getattr(req, "_metrics_last_token", None)
+            last = self._last_token.get(id(req))
             if last is None:
                 self.ttft.observe(now - req.arrival)
             else:
                 self.itl.observe(now - last)
-            req._metrics_last_token = now
+            self._last_token[id(req)] = now
         elif event == "finished":
+            self._last_token.pop(id(req), None)
             self.e2e.observe(now - req.arrival)
             self.finished.labels(req.finish_reason or "unknown").inc()
 

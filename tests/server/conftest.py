@@ -71,3 +71,39 @@ def server(engine):
 
     with LiveServer(create_app(engine)) as live:
         yield live
+
+
+@pytest.fixture(params=["http", "shim"])
+def client(request, server, engine):
+    """A real openai.OpenAI: over HTTP to the live server, or the in-process shim (no sockets)."""
+    import openai
+
+    from prefixrt.openai import OpenAI
+
+    if request.param == "http":
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
+    else:
+        c = OpenAI(engine=engine)
+    yield c
+    c.close()
+
+
+@pytest.fixture(params=["http", "shim"])
+async def aclient(request, server, engine):
+    import openai
+
+    from prefixrt.openai import AsyncOpenAI
+
+    if request.param == "http":
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
+    else:
+        c = AsyncOpenAI(engine=engine)
+    yield c
+    await c.close()
+
+
+def needs_constrained_decoding():
+    import importlib.util
+
+    return pytest.mark.skipif(importlib.util.find_spec("prefixrt.constrained.compiler") is None,
+                              reason="prefixrt.constrained.compiler (constrained decoding) is not on this branch yet")
