@@ -118,6 +118,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    tool_prompt: bool = True  # prefixrt extra: False when the messages already describe the tools
 
 
 class CompletionRequest(_Sampling):

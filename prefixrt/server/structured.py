@@ -1,8 +1,10 @@
 """OpenAI structured outputs on top of constrained decoding: response_format and tools/tool_choice.
 
-- response_format json_schema -> SamplingParams.json_schema = its schema; json_object -> {"type": "object"}.
+- response_format json_schema -> SamplingParams.json_schema = its schema; json_object -> the engine's
+  "json_object" constraint (any JSON object: {"type": "object"}).
 - tools are described to the model in a system message (the chat template is not asked to render them:
-  templates differ too much in how, and many have no tool support at all).
+  templates differ too much in how, and many have no tool support at all). The extra body field
+  `tool_prompt: false` leaves the messages alone (the caller has described the tools itself).
 - tool_choice "required" or a named function -> the output is constrained to a JSON object
   {"name": <tool name>, "arguments": <that tool's parameters schema>} (anyOf over the allowed tools) and
   returned as `tool_calls` with finish_reason "tool_calls".
@@ -77,7 +79,7 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
     rf = req.response_format
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
-            schema: Any = {"type": "object"}
+            schema: Any = "json_object"  # the engine's spelling of {"type": "object"}
         else:
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise InvalidRequest("response_format json_schema needs json_schema.schema",
@@ -110,6 +112,8 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
         schema = branches[0] if len(branches) == 1 else {"anyOf": branches}
         _set_constraint(params, "json_schema", schema, "tool_choice")
         mode = ToolMode(names=allowed, forced=True)
+    if not req.tool_prompt:
+        return mode
     described = "\n".join(json.dumps({"name": n, "description": tools[n].description or "",
                                       "parameters": tools[n].parameters or {"type": "object"}})
                           for n in mode.names)
