@@ -8,6 +8,7 @@ them), and returns; the engine is shut down after it.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from typing import Any
@@ -68,6 +69,10 @@ def serve(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.graceful_timeout)
         server = uvicorn.Server(config)
+        # uvicorn catches SIGINT/SIGTERM, drains, then re-raises the signal to the handler that was installed
+        # before it: make that a no-op so the engine below is shut down and the exit status is 0.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
         print(f"[prefixrt] serving {app.state.model_name} on http://{args.host}:{args.port} "
               f"(OpenAI base_url http://{args.host}:{args.port}/v1)", file=sys.stderr, flush=True)
         server.run()
