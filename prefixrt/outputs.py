@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -23,8 +24,18 @@ class Completion:
     error: str | None = None  # set when the request was aborted by an internal error
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["outputs"] = [o.to_dict() for o in self.outputs] if len(self.outputs) > 1 else []
+        """JSON-ready dict. `outputs` holds the n samples when n > 1 (the first being this Completion itself,
+        its own `outputs` left empty), and is empty when n == 1."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outputs"}
+        d["logprobs"] = copy.deepcopy(self.logprobs)
+        many = len(self.outputs) > 1
+        d["outputs"] = [o._flat_dict() for o in self.outputs] if many else []
+        return d
+
+    def _flat_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "outputs"}
+        d["logprobs"] = copy.deepcopy(self.logprobs)
+        d["outputs"] = []
         return d
 
 

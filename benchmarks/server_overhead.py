@@ -1,0 +1,160 @@
+"""HTTP serving overhead and GIL check: the same shared-prefix workload in-process vs through `prefixrt serve`.
+
+    PYTHONPATH=. python benchmarks/server_overhead.py [--model gemma-3-270m] [--requests 256] ...
+
+Without --model, a tiny random Llama (2 layers, hidden 64, vocab 320) with a byte-level tokenizer is built in
+a temp folder: the model step is then so cheap that any HTTP/GIL cost shows. Each request: a shared prefix
+of --prefix tokens + --unique tokens of its own, --output tokens out (greedy, ignore_eos), all submitted at
+once (concurrency = --requests) and streamed. The server runs in its own process (as users run it); the
+client streams every request with httpx.AsyncClient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_model_dir(root: Path) -> Path:
+    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO))
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.conftest import CORPUS
+    from tests.model.checkpoints import save_tiny_checkpoint
+
+    path = root / "tiny-llama"
+    save_tiny_checkpoint("llama", path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                            pad_token="<pad>").save_pretrained(path)
+    return path
+
+
+def workload(n: int, prefix: int, unique: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [1] + [rng.randrange(3, vocab) for _ in range(prefix - 1)]
+    return [shared + [rng.randrange(3, vocab) for _ in range(unique)] for _ in range(n)]
+
+
+def summarize(name: str, wall: float, ttfts: list[float], tokens: int, passes: int) -> dict:
+    ttfts = sorted(ttfts)
+    return {"mode": name, "wall_s": round(wall, 3), "output_tok_s": round(tokens / wall, 1),
+            "forward_passes_per_s": round(passes / wall, 1),
+            "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3), "ttft_p99_s": round(ttfts[int(len(ttfts) * 0.99) - 1], 3)}
+
+
+async def run_inprocess(model: str, prompts, output: int, engine_kw: dict) -> dict:
+    from prefixrt.engine.engine import Engine
+
+    eng = Engine(model, **engine_kw)
+    params = {"max_new_tokens": output, "temperature": 0, "ignore_eos": True}
+    eng.generate(prompts[0][:8], {"max_new_tokens": 2})  # warm up
+    eng.flush_cache()
+    passes0 = eng.stats().forward_passes_total
+    t0 = time.perf_counter()
+
+    async def one(p):
+        first, n = None, 0
+        async for ch in eng.astream(p, params):
+            if first is None and ch.token_ids:
+                first = time.perf_counter() - t0
+            n += len(ch.token_ids)
+        return first, n
+
+    res = await asyncio.gather(*(one(p) for p in prompts))
+    wall = time.perf_counter() - t0
+    passes = eng.stats().forward_passes_total - passes0
+    eng.shutdown()
+    return summarize("in-process (Engine.astream)", wall, [r[0] for r in res], sum(r[1] for r in res), passes)
+
+
+async def run_http(model: str, prompts, output: int, engine_args: list[str]) -> dict:
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "prefixrt.cli", "serve", "--model", model, "--port", str(port),
+                             "--log-level", "warning", *engine_args], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1024)) as http:
+            while True:
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.3)
+            await http.post("/generate", json={"prompt": prompts[0][:8], "sampling_params": {"max_new_tokens": 2}})
+            await http.post("/flush_cache")
+            passes0 = (await http.get("/stats")).json()["forward_passes_total"]
+            t0 = time.perf_counter()
+
+            async def one(p):
+                body = {"model": "m", "prompt": p, "max_tokens": output, "temperature": 0, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                first, n = None, 0
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        d = json.loads(line[6:])
+                        if d["choices"] and first is None:
+                            first = time.perf_counter() - t0
+                        if d.get("usage"):
+                            n = d["usage"]["completion_tokens"]
+                return first, n
+
+            res = await asyncio.gather(*(one(p) for p in prompts))
+            wall = time.perf_counter() - t0
+            passes = (await http.get("/stats")).json()["forward_passes_total"] - passes0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    return summarize("HTTP (prefixrt serve, SSE)", wall, [r[0] for r in res], sum(r[1] for r in res), passes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="default: a tiny random Llama built in a temp folder")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prefix", type=int, default=64)
+    ap.add_argument("--unique", type=int, default=8)
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(tiny_model_dir(Path(tmp)))
+        vocab = 320 if args.model is None else 30000
+        prompts = workload(args.requests, args.prefix, args.unique, vocab)
+        kw = {"device": "cpu", "kv_cache_tokens": 65536, "max_running_requests": args.max_running_requests}
+        flags = ["--device", "cpu", "--kv-cache-tokens", "65536", "--max-running-requests",
+                 str(args.max_running_requests)]
+        rows = [asyncio.run(run_inprocess(model, prompts, args.output, kw)),
+                asyncio.run(run_http(model, prompts, args.output, flags))]
+    print(json.dumps({"workload": vars(args), "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

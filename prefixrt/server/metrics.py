@@ -1,0 +1,101 @@
+"""Prometheus metrics for one engine.
+
+Counters and gauges are read from `Engine.stats()` at scrape time, so /metrics and /stats always agree (no
+second set of books). Latency histograms (TTFT, inter-token latency, end-to-end) are observed on the
+scheduler thread through `EngineCore.metrics_hook`. There is one Metrics (and one CollectorRegistry) per
+engine, shared by every app serving it (`Metrics.for_engine`); separate engines never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_COUNTERS = {  # EngineStats field -> (metric name without _total, help)
+    "prompt_tokens_total": ("prefixrt_prompt_tokens", "Prompt tokens of admitted requests."),
+    "cached_tokens_total": ("prefixrt_cached_tokens", "Prompt tokens whose KV was reused from the radix cache."),
+    "generated_tokens_total": ("prefixrt_generated_tokens", "Tokens generated (sampled or grammar-forced)."),
+    "evicted_tokens_total": ("prefixrt_evicted_tokens", "Cached tokens evicted from the KV pool."),
+    "requests_total": ("prefixrt_requests", "Requests submitted."),
+    "aborted_requests_total": ("prefixrt_aborted_requests", "Request samples aborted."),
+    "retracted_requests_total": ("prefixrt_retracted_requests", "Requests retracted under KV pressure."),
+    "forward_passes_total": ("prefixrt_forward_passes", "Model forward passes."),
+}
+_GAUGES = {
+    "kv_total": ("prefixrt_kv_total_tokens", "KV pool size in tokens."),
+    "kv_free": ("prefixrt_kv_free_tokens", "Free KV slots in tokens."),
+    "kv_evictable": ("prefixrt_kv_evictable_tokens", "Cached, unlocked KV in tokens (reclaimable)."),
+    "kv_locked": ("prefixrt_kv_locked_tokens", "KV held by running requests, in tokens."),
+    "requests_running": ("prefixrt_requests_running", "Requests in the running batch."),
+    "requests_waiting": ("prefixrt_requests_waiting", "Requests waiting to be admitted."),
+    "cache_hit_rate": ("prefixrt_cache_hit_rate", "cached_tokens_total / prompt_tokens_total."),
+}
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _StatsCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats()
+        for fld, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=getattr(s, fld))
+        for fld, (name, doc) in _GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=getattr(s, fld))
+        yield GaugeMetricFamily("prefixrt_kv_used_tokens", "KV in use (total - free), in tokens.",
+                                value=s.kv_total - s.kv_free)
+
+
+class Metrics:
+    """Owns the registry of one engine's metrics and installs the latency hook on its core."""
+
+    @classmethod
+    def for_engine(cls, engine) -> Metrics:
+        existing = getattr(engine, "_prometheus_metrics", None)
+        if existing is None:
+            existing = cls(engine)
+            engine._prometheus_metrics = existing
+        return existing
+
+    def __init__(self, engine):
+        self._last_token: dict[int, float] = {}  # id(req) -> time of its previous output step
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(engine))
+        self.ttft = Histogram("prefixrt_time_to_first_token_seconds", "Arrival to first output token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("prefixrt_inter_token_latency_seconds", "Time between a request's output steps.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("prefixrt_e2e_request_latency_seconds", "Arrival to finish, per sample.",
+                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter("prefixrt_request_finished", "Finished request samples by reason.",
+                                ["finish_reason"], registry=self.registry)
+        core = getattr(engine, "core", None)
+        if core is not None:
+            previous = core.metrics_hook
+
+            def hook(event, **values):
+                self.observe(event, **values)
+                if previous is not None:
+                    previous(event, **values)
+
+            core.metrics_hook = hook
+
+    def observe(self, event: str, req=None, now: float = 0.0, **_) -> None:
+        """Called on the scheduler thread: keep it cheap."""
+        if event == "tokens":
+            last = self._last_token.get(id(req))
+            if last is None:
+                self.ttft.observe(now - req.arrival)
+            else:
+                self.itl.observe(now - last)
+            self._last_token[id(req)] = now
+        elif event == "finished":
+            self._last_token.pop(id(req), None)
+            self.e2e.observe(now - req.arrival)
+            self.finished.labels(req.finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

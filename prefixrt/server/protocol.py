@@ -1,0 +1,148 @@
+"""Request bodies the server accepts: OpenAI chat/completions (plus prefixrt's extra fields) and the native API.
+
+Only requests are modelled (they define the OpenAPI schema and the 400s for malformed bodies); responses are
+plain dicts built in convert.py. Unknown fields are ignored, as vLLM and SGLang do, so clients that send
+newer OpenAI fields keep working. Range checks live in SamplingParams (one place, one message per field).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and completions: OpenAI's, then prefixrt's extras."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    user: str | None = None
+    # prefixrt / vLLM / SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choices: list[str] | None = None
+    json_schema: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    tool_prompt: bool = True  # prefixrt extra: False when the messages already describe the tools
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class GenerateRequest(_Body):
+    """Native /generate: one prompt (text, token ids or chat messages) or a batch, and SamplingParams fields."""
+
+    prompt: str | list[int] | list[dict[str, Any]] | None = None
+    prompts: list[str | list[int] | list[dict[str, Any]]] | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+
+
+class CachePrefixRequest(_Body):
+    prompt: str | list[int] | list[dict[str, Any]]
+    cache_salt: str | None = None
+
+
+class AbortRequest(_Body):
+    request_id: str

@@ -1,0 +1,200 @@
+"""The OpenAI-compatible API through the real `openai` client: over HTTP and through the in-process shim."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_list(client, engine):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [engine.model_name]
+
+
+def test_chat_nonstream_and_stream_agree(client):
+    full = client.chat.completions.create(model="m", messages=MSGS, max_tokens=12, **GREEDY)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    u = full.usage
+    assert u.completion_tokens == 12 and u.total_tokens == u.prompt_tokens + 12
+    assert u.prompt_tokens_details is not None and u.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(client.chat.completions.create(model="m", messages=MSGS, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == u.prompt_tokens
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == u.prompt_tokens - 1
+
+
+def test_completions_nonstream_and_stream_agree(client):
+    full = client.completions.create(model="m", prompt="The quick brown", max_tokens=10, **GREEDY)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 10
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(client.completions.create(model="m", prompt="The quick brown", max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_completions_batch_of_prompts(client):
+    prompts = ["The quick brown", "A stitch in time", "prefix caching"]
+    out = client.completions.create(model="m", prompt=prompts, max_tokens=4, n=2, **GREEDY)
+    assert [c.index for c in out.choices] == list(range(6))
+    solo = [client.completions.create(model="m", prompt=p, max_tokens=4, **GREEDY).choices[0].text for p in prompts]
+    assert [out.choices[2 * k].text for k in range(3)] == solo
+
+
+def test_n_samples(client):
+    out = client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, n=3, temperature=1.0, seed=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == sum(1 for _ in range(3)) * 0 + out.usage.completion_tokens
+    assert len({c.message.content for c in out.choices}) > 1, "3 samples at temperature 1 should differ"
+    stream = client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, n=3, temperature=1.0, seed=3,
+                                            stream=True)
+    texts = {0: "", 1: "", 2: ""}
+    for ch in stream:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert [texts[i] for i in range(3)] == [c.message.content for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_stop_string(client):
+    ref = client.completions.create(model="m", prompt="Question: what", max_tokens=30, **GREEDY).choices[0].text
+    stop = ref[8:11]
+    assert stop and stop in ref
+    out = client.completions.create(model="m", prompt="Question: what", max_tokens=30, stop=[stop], **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == ref[: ref.index(stop)]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_length(client, field):
+    out = client.chat.completions.create(model="m", messages=MSGS, **{field: 7}, **GREEDY)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 7
+
+
+def test_logprobs(client):
+    out = client.chat.completions.create(model="m", messages=MSGS, max_tokens=5, logprobs=True, top_logprobs=3,
+                                         **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 5
+    for lp in content:
+        assert len(lp.top_logprobs) == 3 and lp.logprob <= 0
+        assert lp.logprob == pytest.approx(max(t.logprob for t in lp.top_logprobs))  # greedy picks the top
+    assert "".join(lp.token for lp in content) == out.choices[0].message.content
+    cmp = client.completions.create(model="m", prompt="The quick", max_tokens=4, logprobs=2, **GREEDY)
+    lps = cmp.choices[0].logprobs
+    assert len(lps.tokens) == 4 and all(len(t) <= 2 for t in lps.top_logprobs)
+    assert lps.text_offset[0] == 0
+
+
+def test_same_seed_same_text(client):
+    kw = dict(model="m", prompt="A stitch", max_tokens=16, temperature=1.0)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    c = client.completions.create(seed=99, **kw).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_same_chat_twice_is_cached(client):
+    msgs = [{"role": "user", "content": f"radix trees index token sequences {time.monotonic_ns()}"}]
+    client.chat.completions.create(model="m", messages=msgs, max_tokens=2, **GREEDY)
+    second = client.chat.completions.create(model="m", messages=msgs, max_tokens=2, **GREEDY)
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+
+
+def test_streaming_is_incremental(client):
+    t0 = time.monotonic()
+    times = []
+    for ch in client.completions.create(model="m", prompt="hi", max_tokens=110, stream=True, **GREEDY):
+        if ch.choices and ch.choices[0].text:
+            times.append(time.monotonic() - t0)
+    assert len(times) > 20
+    assert times[0] < times[-1] / 4, f"first chunk at {times[0]:.3f}s, last at {times[-1]:.3f}s"
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"extra_body": {"top_k": 0}}, "top_k"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": []}, "messages"),
+    ({"logprobs": True, "top_logprobs": 50}, "logprobs"),
+    ({"extra_body": {"regex": "a", "choices": ["x"]}}, "choices"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_params_are_400_with_param(client, kwargs, param):
+    body = {"model": "m", "messages": MSGS, "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**body)
+    assert e.value.status_code == 400
+    assert e.value.param == param, e.value.body
+    assert e.value.response.headers.get("x-should-retry") == "false"
+    assert client.chat.completions.create(model="m", messages=MSGS, max_tokens=1).choices  # still serving
+
+
+def test_prompt_too_long_and_bad_token_ids(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt="x " * 400, max_tokens=1)
+    assert e.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="m", prompt=[1, 99999], max_tokens=1)
+    assert e.value.param == "prompt"
+
+
+async def test_async_chat_and_completions(aclient):
+    out = await aclient.chat.completions.create(model="m", messages=MSGS, max_tokens=6, **GREEDY)
+    assert out.usage.completion_tokens == 6
+    text = ""
+    stream = await aclient.chat.completions.create(model="m", messages=MSGS, max_tokens=6, stream=True, **GREEDY)
+    async for ch in stream:
+        if ch.choices:
+            text += ch.choices[0].delta.content or ""
+    assert text == out.choices[0].message.content
+    cmp = await aclient.completions.create(model="m", prompt="The quick", max_tokens=3, **GREEDY)
+    assert cmp.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):
+        await aclient.completions.create(model="m", prompt="x", max_tokens=-1)
+
+
+def _prometheus(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_agree_with_stats(server, engine):
+    http = httpx.Client(base_url=server.url, timeout=30)
+    http.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 3}).raise_for_status()
+    engine.wait_idle()
+    stats = http.get("/stats").json()
+    m = _prometheus(http.get("/metrics").text)
+    assert m["prefixrt_prompt_tokens_total"] == stats["prompt_tokens_total"]
+    assert m["prefixrt_cached_tokens_total"] == stats["cached_tokens_total"]
+    assert m["prefixrt_generated_tokens_total"] == stats["generated_tokens_total"]
+    assert m["prefixrt_evicted_tokens_total"] == stats["evicted_tokens_total"]
+    assert m["prefixrt_requests_total"] == stats["requests_total"]
+    for g in ("kv_total", "kv_free", "kv_evictable", "kv_locked"):
+        assert m[f"prefixrt_{g}_tokens"] == stats[g]
+    assert m["prefixrt_requests_running"] == 0 and m["prefixrt_requests_waiting"] == 0
+    assert m["prefixrt_time_to_first_token_seconds_count"] > 0
+    assert m["prefixrt_inter_token_latency_seconds_count"] > 0
+    assert m["prefixrt_e2e_request_latency_seconds_count"] > 0
+    assert http.get("/health").json() == {"status": "ok"}
+    err = http.get("/nope")
+    assert err.status_code == 404 and err.json()["error"]["type"] == "not_found_error"

@@ -1,0 +1,179 @@
+"""response_format and tools/tool_choice, through the real openai client (HTTP and shim)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pydantic
+import pytest
+
+from prefixrt.server import structured
+from prefixrt.server.protocol import ChatCompletionRequest
+from tests.server.conftest import needs_constrained_decoding
+
+
+@pytest.fixture(scope="module")
+def gemma_client():
+    """The real default model through the in-process shim (loads in ~10-20 s on the CPU)."""
+    from prefixrt.openai import OpenAI
+
+    client = OpenAI(model="gemma-3-270m", device="cpu", kv_cache_tokens=4096)
+    yield client
+    client.close()
+
+MSGS = [{"role": "user", "content": "Describe a person as JSON."}]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["city"],
+                                                     "properties": {"city": {"type": "string", "maxLength": 6}}}}},
+    {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                      "parameters": {"type": "object", "additionalProperties": False,
+                                                     "required": ["a", "b"],
+                                                     "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                                    "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+]
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=150)
+
+
+@needs_constrained_decoding()
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema(client, stream):
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for seed in range(3):
+        kw = dict(model="m", messages=MSGS, max_tokens=100, temperature=1.0, seed=seed, response_format=rf)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)
+        else:
+            out = client.chat.completions.create(**kw)
+            assert out.choices[0].finish_reason == "stop"
+            text = out.choices[0].message.content
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+@needs_constrained_decoding()
+def test_json_object(client):
+    out = client.chat.completions.create(model="m", messages=MSGS, max_tokens=100, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+@needs_constrained_decoding()
+def test_parse_pydantic(client):
+    out = client.chat.completions.parse(model="m", messages=MSGS, max_tokens=100, temperature=0.7, seed=1,
+                                        response_format=Person)
+    person = out.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 150
+
+
+@needs_constrained_decoding()
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_tool_call(client, choice):
+    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
+                                         max_tokens=100, temperature=0, tools=TOOLS, tool_choice=choice,
+                                         extra_body={"tool_prompt": False})
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    tool = {t["function"]["name"]: t["function"] for t in TOOLS}[call.function.name]
+    if isinstance(choice, dict):
+        assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), tool["parameters"])
+    assert call.id.startswith("call_") and call.type == "function"
+    # Streaming gives the same call, as one tool_calls delta.
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
+                                                 max_tokens=100, temperature=0, tools=TOOLS, tool_choice=choice,
+                                                 stream=True, extra_body={"tool_prompt": False}))
+    deltas = [tc for ch in chunks for ch_c in ch.choices for tc in (ch_c.delta.tool_calls or [])]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@needs_constrained_decoding()
+def test_regex_and_choices_extra_body(client):
+    out = client.completions.create(model="m", prompt="Phone:", max_tokens=20, temperature=1.0, seed=0,
+                                    extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})
+    assert len(out.choices[0].text) == 8 and out.choices[0].text[3] == "-"
+    out = client.chat.completions.create(model="m", messages=MSGS, max_tokens=5,
+                                         extra_body={"choices": ["alpha", "beta"]})
+    assert out.choices[0].message.content in ("alpha", "beta")
+
+
+@needs_constrained_decoding()
+def test_invalid_schema_is_400(client):
+    import openai
+
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=MSGS, max_tokens=5, response_format=rf)
+    assert e.value.param == "json_schema"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="x", max_tokens=5, extra_body={"regex": "(unclosed"})
+    assert client.completions.create(model="m", prompt="x", max_tokens=1).choices
+
+
+@needs_constrained_decoding()
+def test_gemma_tool_call_with_tool_prompt(gemma_client):
+    """The real model, with the tools described in the prompt: a forced call names a tool and valid args."""
+    out = gemma_client.chat.completions.create(
+        model="gemma-3-270m", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        max_tokens=40, temperature=0, tools=TOOLS, tool_choice="required")
+    (call,) = out.choices[0].message.tool_calls
+    tool = {t["function"]["name"]: t["function"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["parameters"])
+    assert out.usage.prompt_tokens > 100  # the tool descriptions went into the prompt
+
+
+# ------------------------------------------------------------------ request folding (no model needed)
+def _req(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_tool_modes_fold_into_params_and_prompt():
+    params: dict = {}
+    messages = [{"role": "user", "content": "hi"}]
+    mode = structured.apply(_req(tools=TOOLS, tool_choice="required"), messages, params)
+    assert mode.forced and mode.names == ["get_weather", "add"]
+    assert [b["properties"]["name"]["const"] for b in params["json_schema"]["anyOf"]] == ["get_weather", "add"]
+    assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
+
+    params, messages = {}, [{"role": "user", "content": "hi"}]
+    mode = structured.apply(_req(tools=TOOLS), messages, params)  # auto: no constraint
+    assert not mode.forced and "json_schema" not in params and messages[0]["role"] == "system"
+    params, messages = {}, [{"role": "user", "content": "hi"}]
+    mode = structured.apply(_req(tools=TOOLS, tool_choice="none"), messages, params)
+    assert not mode.active and params == {} and len(messages) == 1
+
+
+def test_auto_mode_reads_tool_calls_or_text():
+    mode = structured.ToolMode(names=["add"], forced=False)
+    (call,) = structured.parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', mode)
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert structured.parse_tool_calls("```json\n{\"name\": \"add\", \"arguments\": {}}\n```", mode)
+    assert structured.parse_tool_calls("The answer is 3.", mode) is None
+    assert structured.parse_tool_calls('{"name": "unknown", "arguments": {}}', mode) is None
+
+
+def test_tool_history_messages_render():
+    req = ChatCompletionRequest(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "add "}, {"type": "text", "text": "1 2"}]},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ])
+    assert structured.to_engine_messages(req) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "add 1 2"},
+        {"role": "assistant", "content": '{"name": "add", "arguments": {"a": 1}}'},
+        {"role": "user", "content": "Tool result: 3"},
+    ]
