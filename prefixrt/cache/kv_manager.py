@@ -58,7 +58,10 @@ class KVManager:
     # ------------------------------------------------------------------ admission
     def match(self, req: Req) -> MatchResult:
         """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
-        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=req.seq_len - 1)
+        cap = req.seq_len - 1
+        if req.input_logprobs_from is not None:  # the logits of the token before the first scored one
+            cap = min(cap, req.input_logprobs_from - 1)
+        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=cap)
 
     def admit(self, req: Req) -> None:
         """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale."""

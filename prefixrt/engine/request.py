@@ -54,6 +54,9 @@ class Req:
     text: str = ""
     detok: Any = None
     aborted: bool = False
+    # Prompt logprobs (select scoring): report log p(all_ids[k]) for k >= input_logprobs_from
+    input_logprobs_from: int | None = None
+    input_logprobs: list[float] = field(default_factory=list)
     retractions: int = 0
 
     def __post_init__(self):
