@@ -42,7 +42,6 @@ from dspy.lm15 import (
     UnsupportedFeatureError,
     Usage,
 )
-
 from prefixrt.adapters._lowering import (
     ProviderHandle,
     ToolSpec,
@@ -57,6 +56,7 @@ from prefixrt.adapters._lowering import (
     tools_instruction,
     with_system_note,
 )
+
 from prefixrt.errors import InvalidRequest
 
 _PROVIDER = "prefixrt"

@@ -42,8 +42,6 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, Runn
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import secret_from_env
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
-
 from prefixrt.adapters._lowering import (
     ProviderHandle,
     ToolSpec,
@@ -58,6 +56,8 @@ from prefixrt.adapters._lowering import (
     tools_instruction,
     with_system_note,
 )
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+
 from prefixrt.errors import InvalidRequest
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
