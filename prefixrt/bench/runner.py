@@ -184,7 +184,6 @@ def run_hf_generate(model_path: str, workload: Workload, *, load_format: str, dt
         ttfts.append(time.perf_counter() - s)
         out_tokens += gen(b, b[0].max_new_tokens) * len(b)
     duration = time.perf_counter() - t0 - sum(ttfts)
-    del model
     return Result("transformers generate", workload.name, len(turns), duration,
                   sum(len(t.new_tokens) for t in turns), out_tokens, 0,
                   optimal_hit_rate([t.new_tokens for t in turns]), ttft_ms=_pcts(ttfts),

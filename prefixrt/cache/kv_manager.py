@@ -73,8 +73,8 @@ class KVManager:
         req.pages = [m.slots[i] // ps for i in range(0, m.length, ps)]
         req.kv_len = req.cached_len = m.length
         self.table.write(req.row, 0, m.slots)
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = m.length
+        if req.num_cached_tokens is None:  # reported as prompt tokens reused (forced output is not prompt)
+            req.num_cached_tokens = min(m.length, len(req.prompt_ids))
 
     def ensure_pages(self, num_pages: int) -> bool:
         """Evict until num_pages are free. False if even full eviction cannot reach it (nothing evicted then

@@ -157,10 +157,10 @@ class EngineCore:
             return None
 
         def apply(logits: torch.Tensor) -> None:
-            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])
+            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
             for i in rows:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
-            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device), rows)
+            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
         return apply
 
@@ -169,13 +169,16 @@ class EngineCore:
         now = time.monotonic()
         if r.first_token_time is None:
             r.first_token_time = now
-        new = [tok]
+        new = r.pending_emit + [tok]
+        r.pending_emit = []
         reason, matched = None, None
         p = r.params
         if tok in (p.stop_token_ids or ()) or (tok in self.eos_token_ids and not p.ignore_eos):
             reason, matched = "stop", tok
         r.append_output([tok])
-        logprobs = [self._logprob_entry(tok, lp)] if lp is not None else None
+        logprobs = None
+        if lp is not None:
+            logprobs = [self._logprob_entry(f, (0.0, [])) for f in new[:-1]] + [self._logprob_entry(tok, lp)]
         if reason is None and r.matcher is not None:
             if not r.matcher.accept_token(tok):
                 raise RuntimeError(f"grammar rejected sampled token {tok}")

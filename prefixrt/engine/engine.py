@@ -173,13 +173,22 @@ class Engine:
                                  param="prompt")
 
     def grammar_compiler(self):
+        """The engine's GrammarCompiler (built on first use: the backend's vocab tables take ~1 s)."""
         with self._grammar_lock:
             if self._grammar is None:
-                from prefixrt.constrained.compiler import make_compiler
+                from prefixrt.constrained import GrammarCompiler, make_backend
 
-                self._grammar = make_compiler(self.config.grammar_backend, self._tokenizer, self.vocab_size,
-                                              sorted(self.core.eos_token_ids))
+                backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
+                                       sorted(self.core.eos_token_ids))
+                self._grammar = GrammarCompiler(backend, timeout_s=self.config.grammar_timeout_s)
             return self._grammar
+
+    def _compile(self, p: SamplingParams):
+        kind = p.constraint_kind
+        spec = getattr(p, kind)
+        if kind == "json_schema" and spec == "json_object":
+            kind, spec = "json_object", None
+        return self.grammar_compiler().compile(kind, spec)
 
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
         if self._stopped:
@@ -189,14 +198,22 @@ class Engine:
         self._validate_ids(ids, p)
         compiled = None
         if p.constraint_kind not in (None, "choices"):
-            compiled = self.grammar_compiler().compile_params(p)
+            compiled = self._compile(p)
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
         stream = RequestStream(loop)
         reqs = []
         for i in range(p.n):
             r = Req(rid=rid, prompt_ids=ids, params=p, sink=stream, index=i, namespace=p.cache_salt, **req_fields)
             if compiled is not None:
-                r.matcher = self.grammar_compiler().matcher(compiled)
+                r.matcher = self.grammar_compiler().backend.matcher(compiled)
+                if p.jump_forward:  # step-0 forced tokens join the prefill
+                    forced = r.matcher.forced_tokens()[: max(0, p.max_new_tokens - 1)]
+                    forced = forced[: max(0, self.max_context - 1 - len(ids))]
+                    if forced:
+                        r.matcher.accept_tokens(forced)
+                        r.append_output(forced)
+                        r.num_forced_tokens += len(forced)
+                        r.pending_emit = list(forced)
             reqs.append(r)
         self._inbox.put(("add", reqs))
         return rid, stream, ids, p
@@ -331,11 +348,9 @@ class Engine:
             self.cache_prefix(ids, cache_salt)
         subs = [self._submit(ids + cont, base, input_logprobs_from=len(ids)) for cont in continuations]
         scores = []
-        for rid, stream, full, p in subs:
-            events = [[]]
+        for _, stream, _, _ in subs:
             while True:
                 ev = stream.get()
-                events[0].append(ev)
                 if ev.finished:
                     break
             if ev.finish_reason != "length" or ev.error:
