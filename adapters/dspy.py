@@ -1,0 +1,436 @@
+"""prefixrt.LM: a dspy.LM whose execution engine is a prefixrt Provider.
+
+DSPy 3.4 splits an LM into the outer `dspy.LM` (response cache, retries, n fan-out, history, usage tracking,
+callbacks) and an execution engine with `complete(Request) -> Response` and `stream(Request)`, plus an async
+twin, passed as `dspy.LM(engine=..., async_engine=...)` (dspy/clients/engines/base.py). This module supplies that
+engine pair over any `prefixrt.Provider`, and `LM`, the `dspy.LM` subclass that builds it:
+
+- lm15 `Request` messages -> chat messages, rendered by the model's chat template in the Provider;
+- `Config` (max_tokens, temperature, top_p, top_k, stop, seed, penalties, logprobs) -> SamplingParams;
+  `Config.extensions` may carry prefixrt knobs (regex, choices, grammar, cache_salt, repetition_penalty, ...);
+- `Config.response_format` (JSONAdapter's structured-output schema) -> `json_schema` constrained decoding, so
+  every reply parses; the engine declares `supports_response_schema` for JSONAdapter to send it;
+- `Request.tools` -> constrained decoding over a schema of the tools, returned as ToolCallParts;
+- `Completion.cached_tokens` -> `Usage.cache_read_tokens`, which DSPy reports as
+  `prompt_tokens_details.cached_tokens` to its usage tracker and history.
+
+Concurrent calls (module.batch, dspy.Parallel, asyncio.gather over acall) reach the engine as concurrent
+requests; the engine prefills a shared uncached prefix (DSPy's system prompt, demos) once and the others reuse it
+from the radix cache, which shows up as cache_read_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import dspy
+from dspy.lm15 import (
+    InvalidRequestError,
+    Message,
+    Request,
+    Response,
+    ServerError,
+    StreamDeltaEvent,
+    StreamEndEvent,
+    StreamStartEvent,
+    TextDelta,
+    TextPart,
+    ToolCallDelta,
+    ToolCallPart,
+    UnsupportedFeatureError,
+    Usage,
+)
+from prefixrt.adapters._lowering import (
+    ProviderHandle,
+    ToolSpec,
+    format_tool_call,
+    format_tool_result,
+    new_call_id,
+    normalize_messages,
+    parse_tool_reply,
+    response_format_constraint,
+    sampling_params,
+    tool_call_schema,
+    tools_instruction,
+    with_system_note,
+)
+
+from prefixrt.errors import InvalidRequest
+
+_PROVIDER = "prefixrt"
+_LM_CLASS_PATH = "prefixrt.adapters.dspy.LM"
+_ENGINE_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
+                   "logprobs")
+
+
+# ---------------------------------------------------------------------------------------------- lowering
+
+
+def _parts_text(parts, where: str) -> str:
+    texts = []
+    for part in parts:
+        kind = part.type
+        if kind == "text":
+            texts.append(part.text)
+        elif kind == "tool_call":
+            texts.append(format_tool_call(part.name, part.input))
+        elif kind == "tool_result":
+            texts.append(format_tool_result(part.name, _parts_text(part.content, "tool result")))
+        elif kind in ("thinking", "citation"):
+            continue  # replay state and annotations, not conversation text
+        elif kind == "data":
+            texts.append(json.dumps(part.value, ensure_ascii=False))
+        else:
+            raise UnsupportedFeatureError(f"prefixrt models read text only; {where} has a {kind!r} part",
+                                          provider=_PROVIDER)
+    return "\n".join(t for t in texts if t)
+
+
+def request_messages(request: Request) -> list[dict]:
+    """lm15 Request -> chat messages (system/user/assistant) for the Provider's chat template."""
+    messages = []
+    if request.system is not None:
+        system = request.system if isinstance(request.system, str) else _parts_text(request.system, "system")
+        messages.append({"role": "system", "content": system})
+    for m in request.messages:
+        role = {"developer": "system", "tool": "user"}.get(m.role, m.role)
+        messages.append({"role": role, "content": _parts_text(m.parts, f"a {m.role} message")})
+    return normalize_messages(messages)
+
+
+def _tool_choice(request: Request) -> str | None:
+    """"required", "auto", a tool name, or None (no tools, or tool_choice none)."""
+    if not request.tools:
+        return None
+    tc = request.config.tool_choice
+    if tc is None or tc.mode == "auto":
+        mode = "auto"
+    elif tc.mode == "none":
+        return None
+    else:
+        mode = "required"
+    if tc is not None and len(tc.allowed) == 1 and mode == "required":
+        return tc.allowed[0]
+    return mode
+
+
+def lower_request(request: Request) -> tuple[list[dict], dict, list[ToolSpec] | None]:
+    """Request -> (chat messages, SamplingParams dict, tools when a tool-call schema constrains the reply)."""
+    cfg = request.config
+    options: dict[str, Any] = {name: getattr(cfg, name) for name in _ENGINE_OPTIONS}
+    options["stop"] = list(cfg.stop) or None
+    extensions = dict(cfg.extensions or {})
+    if "top_logprobs" in extensions:
+        options["logprobs"] = extensions.pop("top_logprobs")
+    for key in ("max_completion_tokens",):
+        extensions.pop(key, None)
+    if cfg.reasoning is not None or cfg.cache is not None or cfg.probabilities is not None:
+        raise UnsupportedFeatureError("prefixrt: reasoning, provider prompt-cache config and probabilities are not "
+                                      "supported (prefix caching is automatic)", provider=_PROVIDER)
+    try:
+        params = sampling_params({**options, **extensions}, what="dspy request")
+        messages = request_messages(request)
+        tools = None
+        choice = _tool_choice(request)
+        if choice is not None:
+            tools = [ToolSpec(t.name, t.description or "", dict(t.parameters))
+                     for t in request.tools if t.type == "function"]
+            if len(tools) != len(request.tools):
+                raise UnsupportedFeatureError("prefixrt: only function tools are supported", provider=_PROVIDER)
+            if cfg.response_format is not None:
+                raise InvalidRequest("pass tools or response_format, not both", param="response_format")
+            params["json_schema"] = tool_call_schema(tools, choice)
+            messages = with_system_note(messages, tools_instruction(tools, choice))
+        else:
+            params.update(response_format_constraint(cfg.response_format))
+    except InvalidRequest as e:
+        raise InvalidRequestError(str(e), provider=_PROVIDER) from e
+    return messages, params, tools
+
+
+def _translate(e: Exception) -> Exception:
+    if isinstance(e, InvalidRequest):
+        return InvalidRequestError(str(e), provider=_PROVIDER)
+    if isinstance(e, ImportError):
+        return UnsupportedFeatureError(f"prefixrt: a component this request needs is not installed: {e}",
+                                       provider=_PROVIDER)
+    return ServerError(f"{type(e).__name__}: {e}", provider=_PROVIDER)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(input_tokens=prompt_tokens, output_tokens=completion_tokens, cache_read_tokens=cached_tokens)
+
+
+def _finish(reason: str | None, error: str | None) -> str:
+    if reason == "abort":
+        raise ServerError(f"request aborted: {error or 'aborted'}", provider=_PROVIDER)
+    return "length" if reason == "length" else "stop"
+
+
+def build_response(request: Request, completion, tools: list[ToolSpec] | None) -> Response:
+    """A prefixrt Completion -> an lm15 Response (tool calls parsed when a tool schema constrained it)."""
+    finish = _finish(completion.finish_reason, getattr(completion, "error", None))
+    parts: list[Any]
+    if tools is not None and finish == "stop":
+        try:
+            reply = parse_tool_reply(completion.text)
+        except ValueError as e:
+            raise ServerError(str(e), provider=_PROVIDER) from e
+        if reply.tool_name is not None:
+            parts = [ToolCallPart(id=new_call_id(), name=reply.tool_name, input=reply.tool_arguments)]
+            finish = "tool_call"
+        else:
+            parts = [TextPart(reply.text)]
+    else:
+        parts = [TextPart(completion.text)]
+    return Response(
+        id=completion.request_id, model=request.model, message=Message.assistant(parts), finish_reason=finish,
+        usage=_usage(completion.prompt_tokens, completion.completion_tokens, completion.cached_tokens),
+    )
+
+
+class _StreamState:
+    """Turns prefixrt Chunks into lm15 stream events (text deltas; a tool call arrives whole at the end)."""
+
+    def __init__(self, request: Request, tools: list[ToolSpec] | None):
+        self.request, self.tools = request, tools
+        self.text: list[str] = []
+        self.last = None
+
+    def start(self, request_id: str) -> StreamStartEvent:
+        return StreamStartEvent(id=request_id, model=self.request.model)
+
+    def push(self, chunk) -> list:
+        self.last = chunk
+        if not chunk.text:
+            return []
+        self.text.append(chunk.text)
+        if self.tools is not None:
+            return []  # a tool call is JSON: emit it parsed, once complete
+        return [StreamDeltaEvent(delta=TextDelta(text=chunk.text, part_index=0))]
+
+    def end(self) -> list:
+        c = self.last
+        if c is None:
+            raise ServerError("the stream ended without output", provider=_PROVIDER)
+        finish = _finish(c.finish_reason, None)
+        events = []
+        if self.tools is not None and finish == "stop":
+            try:
+                reply = parse_tool_reply("".join(self.text))
+            except ValueError as e:
+                raise ServerError(str(e), provider=_PROVIDER) from e
+            if reply.tool_name is not None:
+                events.append(StreamDeltaEvent(delta=ToolCallDelta(
+                    input=json.dumps(reply.tool_arguments), part_index=0, id=new_call_id(), name=reply.tool_name)))
+                finish = "tool_call"
+            elif reply.text:
+                events.append(StreamDeltaEvent(delta=TextDelta(text=reply.text, part_index=0)))
+        events.append(StreamEndEvent(finish_reason=finish,
+                                     usage=_usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
+        return events
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+class PrefixRTEngine:
+    """DSPy's synchronous engine interface (`complete`, `stream`, `close`) over a prefixrt Provider.
+
+    Capability hints are read by DSPy's adapters: JSONAdapter sends its output schema as `response_format`
+    because `supports_response_schema` is True, and prefixrt enforces it by constrained decoding.
+    """
+
+    supports_response_schema = True
+    supports_function_calling = False  # DSPy adapters keep text-based tool use; explicit Request.tools work
+    supports_reasoning = False
+    supported_params = frozenset({"temperature", "max_tokens", "top_p", "top_k", "stop", "seed", "response_format",
+                                  "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "n"})
+
+    def __init__(self, handle: ProviderHandle):
+        self.handle = handle
+
+    @property
+    def provider(self):
+        return self.handle.get()
+
+    def complete(self, request: Request) -> Response:
+        messages, params, tools = lower_request(request)
+        try:
+            completion = self.provider.generate(messages, params)
+        except Exception as e:
+            raise _translate(e) from e
+        return build_response(request, completion, tools)
+
+    def stream(self, request: Request) -> Iterator:
+        messages, params, tools = lower_request(request)
+        try:
+            chunks = self.provider.stream(messages, params)
+        except Exception as e:
+            raise _translate(e) from e
+        return self._events(request, tools, params["request_id"], chunks)
+
+    def _events(self, request, tools, request_id, chunks) -> Iterator:
+        state = _StreamState(request, tools)
+        yield state.start(request_id)
+        try:
+            for chunk in chunks:
+                yield from state.push(chunk)
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()  # aborts the request when the consumer stopped early
+        yield from state.end()
+
+    def close(self) -> None:
+        """Borrowed engines are not shut down here: other LMs may share them."""
+
+    # DSPy saves a custom engine by its class path and this state (LM.dump_state has its own, simpler form).
+    def dump_state(self) -> dict:
+        return _handle_state(self.handle)
+
+    @classmethod
+    def load_state(cls, state: dict) -> PrefixRTEngine:
+        return cls(_handle_from_state(state))
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class AsyncPrefixRTEngine(PrefixRTEngine):
+    """DSPy's async engine interface: `await complete(request)`, `async for event in stream(request)`."""
+
+    async def complete(self, request: Request) -> Response:  # type: ignore[override]
+        messages, params, tools = lower_request(request)
+        try:
+            completion = await self.provider.agenerate(messages, params)
+        except Exception as e:
+            raise _translate(e) from e
+        return build_response(request, completion, tools)
+
+    async def stream(self, request: Request) -> AsyncIterator:  # type: ignore[override]
+        messages, params, tools = lower_request(request)
+        try:
+            chunks = self.provider.astream(messages, params)
+        except Exception as e:
+            raise _translate(e) from e
+        state = _StreamState(request, tools)
+        yield state.start(params["request_id"])
+        try:
+            async for chunk in chunks:
+                for event in state.push(chunk):
+                    yield event
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        for event in state.end():
+            yield event
+
+    async def aclose(self) -> None:
+        """Borrowed engines are not shut down here."""
+
+
+def _handle_state(handle: ProviderHandle) -> dict:
+    state: dict[str, Any] = {"model": handle.model_name}
+    if handle.base_url is not None:
+        state["base_url"] = handle.base_url
+    if handle.engine_kwargs:
+        state["engine_kwargs"] = handle.engine_kwargs
+    return state
+
+
+def _handle_from_state(state: dict) -> ProviderHandle:
+    return ProviderHandle(model=state.get("model"), base_url=state.get("base_url"),
+                          engine_kwargs=state.get("engine_kwargs"))
+
+
+# ---------------------------------------------------------------------------------------------- the LM
+
+
+class LM(dspy.LM):
+    """A `dspy.LM` that runs on prefixrt.
+
+    `LM("gemma-3-270m")` loads the model in-process on first use (one engine per model per process, shared by
+    every LM and LangChain model naming it); `LM(engine=eng)` uses an existing Engine or any Provider;
+    `LM(base_url="http://127.0.0.1:30000")` talks to a `prefixrt serve` server through `prefixrt.RemoteEngine`.
+
+    The DSPy model string is `prefixrt/<name>@<revision>`: DSPy keys its response cache by that string, so
+    different weights never share cached answers. Defaults suit a small local model: temperature 0 (greedy)
+    and max_tokens 512. Other keyword arguments are default request options (as for `dspy.LM`), including
+    prefixrt's own (regex, choices, grammar, cache_salt, repetition_penalty, top_k, min_p).
+    """
+
+    def __init__(self, model: str | None = None, *, engine: Any = None, base_url: str | None = None,
+                 api_key: str | None = None, engine_kwargs: dict | None = None, temperature: float | None = 0.0,
+                 max_tokens: int | None = 512, cache: bool = True, num_retries: int = 3, callbacks=None,
+                 model_type: str = "chat", **kwargs):
+        if model_type != "chat":
+            raise ValueError("prefixrt.LM supports model_type='chat' only")
+        if isinstance(engine, PrefixRTEngine):  # DSPy's load_state / copy hand the engine object back
+            handle = engine.handle
+        else:
+            if isinstance(model, str) and model.startswith(f"{_PROVIDER}/"):
+                model = model[len(_PROVIDER) + 1:].split("@", 1)[0]  # a DSPy model string from a saved state
+            handle = ProviderHandle(model=model, provider=engine, base_url=base_url, api_key=api_key,
+                                    engine_kwargs=engine_kwargs)
+        kwargs.pop("async_engine", None)
+        self.handle = handle
+        super().__init__(
+            model=f"{_PROVIDER}/{handle.model_id()}", model_type="chat", temperature=temperature,
+            max_tokens=max_tokens, cache=cache, callbacks=callbacks, num_retries=num_retries,
+            engine=PrefixRTEngine(handle), async_engine=AsyncPrefixRTEngine(handle), **kwargs,
+        )
+
+    @property
+    def runtime(self):
+        """The prefixrt Provider behind this LM (built on first use). (`provider` is dspy.LM's training provider.)"""
+        return self.handle.get()
+
+    def copy(self, **kwargs):
+        if "engine" in kwargs and not isinstance(kwargs["engine"], PrefixRTEngine):
+            handle = ProviderHandle(provider=kwargs.pop("engine"))
+            kwargs["engine"], kwargs["async_engine"] = PrefixRTEngine(handle), AsyncPrefixRTEngine(handle)
+        copied = super().copy(**kwargs)
+        copied.handle = copied.engine.handle
+        return copied
+
+    def dump_state(self) -> dict[str, Any]:
+        """What rebuilds this LM: model name and revision, server address, default request options.
+
+        An LM over a passed-in engine saves that engine's model name; loading rebuilds it from the registry
+        (or pass engine= to load_state to attach a live one). API keys are never saved.
+        """
+        from dspy.clients.base_lm import LM_CLASS_STATE_KEY
+
+        state = {
+            LM_CLASS_STATE_KEY: _LM_CLASS_PATH,
+            **_handle_state(self.handle),
+            "revision": self.model.split("@", 1)[1] if "@" in self.model else None,
+            "cache": self.cache,
+            "num_retries": self.num_retries,
+        }
+        state.update({k: v for k, v in self.kwargs.items() if k != "api_key"})
+        return state
+
+    @classmethod
+    def load_state(cls, state: dict[str, Any], *, allow_custom_lm_class: bool = False, engine: Any = None) -> LM:
+        """Rebuild from `dump_state`. Warns when the model's revision differs from the saved one."""
+        import warnings
+
+        from dspy.clients.base_lm import LM_CLASS_STATE_KEY
+
+        state = {k: v for k, v in state.items() if k != LM_CLASS_STATE_KEY}
+        revision = state.pop("revision", None)
+        if engine is not None:
+            state.pop("model", None)
+            state.pop("base_url", None)
+            state.pop("engine_kwargs", None)
+            lm = cls(engine=engine, **state)
+        else:
+            lm = cls(**state)
+        if revision is not None and not lm.model.endswith(f"@{revision}"):
+            warnings.warn(f"prefixrt.LM: saved for revision {revision!r}, loaded {lm.model!r}", stacklevel=2)
+        return lm

@@ -1,0 +1,37 @@
+"""The OpenAI client, unchanged, on an in-process prefixrt engine (no server, no sockets).
+
+Run: python examples/openai_shim.py          (Gemma-3-270M in-process)
+
+Shows: chat completions, streaming, and cached_tokens in usage on a repeated prefix.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    try:
+        from prefixrt.openai import OpenAI
+    except ImportError:
+        sys.exit("prefixrt.openai (the OpenAI client shim) is not in this installation yet; "
+                 "see docs/adapters.md, or run `prefixrt serve` and point openai.OpenAI(base_url=...) at it.")
+    client = OpenAI(model="gemma-3-270m")
+    system = {"role": "system", "content": "You are a helpful librarian. Answer in one short sentence."}
+    for question in ["What is a library card?", "What is an e-book?"]:
+        r = client.chat.completions.create(model="gemma-3-270m", max_tokens=40,
+                                           messages=[system, {"role": "user", "content": question}])
+        cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
+        print(f"Q: {question}\n  A: {r.choices[0].message.content}\n"
+              f"  prompt tokens {r.usage.prompt_tokens}, cached {cached}")
+    print("streaming: ", end="")
+    stream = client.chat.completions.create(model="gemma-3-270m", max_tokens=40, stream=True,
+                                            messages=[system, {"role": "user", "content": "Say hello."}])
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""LangChain's standard test suites (langchain-tests) for ChatPrefixRT.
+
+Unit tests need no model (construction is lazy). Integration tests run on Gemma-3-270M, in-process and (once
+RemoteEngine exists) through a live `prefixrt serve`. Tests that judge answer quality beyond a 270M base model
+are skipped with their reason (docs/adapters.md lists them).
+"""
+
+from __future__ import annotations
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+from prefixrt.adapters.langchain import ChatPrefixRT
+
+from tests.adapters.conftest import constraints_available
+
+
+class TestChatPrefixRTUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self):
+        return ChatPrefixRT
+
+    @property
+    def chat_model_params(self):
+        return {"model": "gemma-3-270m"}
+
+    @property
+    def supports_json_mode(self):
+        return True
+
+    @property
+    def init_from_env_params(self):
+        return {"PREFIXRT_API_KEY": "key-from-env"}, {"base_url": "http://127.0.0.1:30000"}, {"api_key": "key-from-env"}
+
+
+_QUALITY = "judges answer quality beyond a 270M base model"
+
+
+class TestChatPrefixRTIntegration(ChatModelIntegrationTests):
+    """Runs on Gemma-3-270M: in-process, then through `prefixrt serve` (the gemma_provider parameter)."""
+
+    @pytest.fixture(autouse=True)
+    def _provider(self, gemma_provider):
+        type(self).provider = gemma_provider
+
+    @property
+    def chat_model_class(self):
+        return ChatPrefixRT
+
+    @property
+    def chat_model_params(self):
+        # Short replies keep the suite fast on CPU; structured replies are short JSON.
+        return {"engine": type(self).provider, "max_tokens": 24}
+
+    @property
+    def has_tool_calling(self):
+        return constraints_available()  # tool calls are produced by constrained decoding
+
+    @property
+    def has_structured_output(self):
+        return constraints_available()
+
+    @property
+    def supports_json_mode(self):
+        return constraints_available()
+
+    @property
+    def returns_usage_metadata(self):
+        return True
+
+    @property
+    def supported_usage_metadata_details(self):
+        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+
+    def invoke_with_cache_read_input(self, *, stream: bool = False):
+        model = ChatPrefixRT(engine=type(self).provider, max_tokens=4)
+        prompt = "Repeat after me: the library opens at nine. " * 4
+        model.invoke(prompt)
+        if stream:
+            full = None
+            for chunk in model.stream(prompt):
+                full = chunk if full is None else full + chunk
+            return full
+        return model.invoke(prompt)
+
+    @pytest.mark.xfail(reason=f"skipped: {_QUALITY} (needs a non-empty, on-topic string argument)")
+    def test_bind_runnables_as_tools(self, model):
+        pytest.skip(_QUALITY)
+
+    @pytest.mark.xfail(reason=f"skipped: {_QUALITY} (needs the model to reproduce non-ASCII text in arguments)")
+    def test_unicode_tool_call_integration(self, model, tool_choice=None, force_tool_call=True):
+        pytest.skip(_QUALITY)
+
+    @pytest.mark.xfail(reason=f"skipped: {_QUALITY} (needs the model to answer from a tool result)")
+    def test_agent_loop(self, model):
+        pytest.skip(_QUALITY)
+
+    @pytest.mark.xfail(reason=f"skipped: {_QUALITY} (needs the model to follow few-shot tool examples)")
+    def test_structured_few_shot_examples(self, model, my_adder_tool):
+        pytest.skip(_QUALITY)
