@@ -10,6 +10,7 @@ and then run concurrently, so their requests reach the engine together.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from prefixrt.frontend.backend import Backend, Context, SamplingArgs
 from prefixrt.frontend.chat_format import Message, Piece
 from prefixrt.frontend.ir import Expr, Gen, Role, Select, Text, flatten, to_expr
+
+log = logging.getLogger("prefixrt.frontend")
 
 
 class ProgramError(RuntimeError):
@@ -60,6 +63,7 @@ class StreamExecutor:
         self.select_scores: dict[str, dict[str, float]] = {}
         self.requests: list[RequestRecord] = []
         self.children: list[StreamExecutor] = []
+        self.hints: list[threading.Thread] = []  # in-flight prefix hints (joined by sync_tree)
         self.error: BaseException | None = None
         self.state: ProgramState | None = None  # the user-facing wrapper (for error messages)
         self._queue: collections.deque = collections.deque()
@@ -133,6 +137,8 @@ class StreamExecutor:
         """Wait for this stream and every fork below it; raise the first failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.sync(timeout)
+        for t in list(self.hints):
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for child in list(self.children):
             child.sync_tree(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
@@ -257,7 +263,9 @@ class _ExprOp:
 
 
 class _ForkOp:
-    """On the parent: commit the shared prefix (prefix hint) and hand a snapshot to the children."""
+    """On the parent: send the shared prefix to the backend's cache (prefix hint) and hand a snapshot to the
+    children. The hint is not awaited: the branches' first requests go out alongside it, and the engine
+    prefills the shared part once (the hint is the leader), without an extra round trip per fork."""
 
     def __init__(self, k: int, hint: bool):
         self.k = k
@@ -266,11 +274,21 @@ class _ForkOp:
 
     def run(self, ex: StreamExecutor) -> None:
         if self.hint and self.k > 1 and (ex.pieces or ex.open_role):
-            t0 = time.monotonic()
             ctx = ex.context()
-            cached = ex.backend.cache_prefix(ctx)
-            ex.requests.append(RequestRecord("cache_prefix", None, cached, cached, time.monotonic() - t0))
+            t = threading.Thread(target=self._send_hint, args=(ex, ctx), name="prefixrt-prefix-hint", daemon=True)
+            ex.hints.append(t)
+            t.start()
         self.snapshot.set_result((list(ex.pieces), dict(ex.variables)))
+
+    @staticmethod
+    def _send_hint(ex: StreamExecutor, ctx: Context) -> None:
+        t0 = time.monotonic()
+        try:
+            cached = ex.backend.cache_prefix(ctx)
+        except Exception as e:  # a lost hint costs speed, not correctness; the branches' own calls report errors
+            log.warning("prefix hint failed: %s", e)
+            return
+        ex.requests.append(RequestRecord("cache_prefix", None, cached, cached, time.monotonic() - t0))
 
     def fail(self, error: BaseException) -> None:
         if not self.snapshot.done():
