@@ -25,6 +25,7 @@ class EngineConfig:
     max_context: int | None = None  # cap on the model's context (None: the model's own)
     aging_s: float = 5.0  # a waiting request older than this is admitted first, whatever the policy
     grammar_backend: str = "llguidance"  # "llguidance" | "xgrammar"
+    grammar_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused (InvalidRequest)
     cuda_graph: bool = True  # capture decode batches (CUDA only)
     debug: bool = False  # check KV accounting every idle step; poison freed slots with NaN
 

@@ -19,6 +19,7 @@ class Completion:
     logprobs: list[dict] | None = None  # [{token_id, token, logprob, top_logprobs: [{token_id, token, logprob}]}]
     outputs: list[Completion] = field(default_factory=list)  # the n samples when n > 1 (first is self)
     choice_scores: dict[str, float] | None = None  # select/choices: the score of each choice
+    choice_logprobs: list[list[float]] | None = None  # select/choices: token logprobs of every choice
     error: str | None = None  # set when the request was aborted by an internal error
 
     def to_dict(self) -> dict[str, Any]:

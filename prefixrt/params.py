@@ -37,6 +37,8 @@ class SamplingParams:
     request_id: str | None = None
     # Internal knobs (not in the public contract, but harmless to set):
     jump_forward: bool = True  # emit grammar-forced tokens in one forward
+    # choices scoring: "token_length_normalized" (mean logprob, default) | "sum" | "unconditional_normalized"
+    choices_method: str = "token_length_normalized"
     skip_special_tokens: bool = True
     extra: dict = field(default_factory=dict)
 
@@ -115,6 +117,10 @@ class SamplingParams:
                  and all(isinstance(c, str) and c for c in self.choices),
                  "choices must be a non-empty list of non-empty strings", "choices")
             self.choices = list(self.choices)
+
+        need(self.choices_method in ("token_length_normalized", "sum", "unconditional_normalized"),
+             f"choices_method must be token_length_normalized, sum or unconditional_normalized, "
+             f"got {self.choices_method!r}", "choices_method")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -58,7 +58,10 @@ class KVManager:
     # ------------------------------------------------------------------ admission
     def match(self, req: Req) -> MatchResult:
         """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
-        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=req.seq_len - 1)
+        cap = req.seq_len - 1
+        if req.input_logprobs_from is not None:  # the logits of the token before the first scored one
+            cap = min(cap, req.input_logprobs_from - 1)
+        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=cap)
 
     def admit(self, req: Req) -> None:
         """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale."""
@@ -70,8 +73,8 @@ class KVManager:
         req.pages = [m.slots[i] // ps for i in range(0, m.length, ps)]
         req.kv_len = req.cached_len = m.length
         self.table.write(req.row, 0, m.slots)
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = m.length
+        if req.num_cached_tokens is None:  # reported as prompt tokens reused (forced output is not prompt)
+            req.num_cached_tokens = min(m.length, len(req.prompt_ids))
 
     def ensure_pages(self, num_pages: int) -> bool:
         """Evict until num_pages are free. False if even full eviction cannot reach it (nothing evicted then

@@ -104,6 +104,15 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     from prefixrt.model.runner import ModelRunner
 
     runner = ModelRunner(model, pool, backend)
+    if config.cuda_graph and device.type == "cuda" and config.attention_backend != "torch":
+        pad_row = table.alloc_row()  # never freed: stays all zeros, read by padded graph rows
+        say(f"capturing decode CUDA graphs (batch sizes up to {max_running})")
+        try:
+            runner.capture_decode_graphs(table.table, pad_row, max_running, max_context)
+        except Exception as e:  # keep serving, eagerly, and say so loudly
+            runner.graphs = None
+            log.warning("CUDA graph capture failed, decoding eagerly: %s", e, exc_info=True)
+            print(f"WARNING: CUDA graph capture failed, decoding eagerly: {e}", flush=True)
     eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
                  | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()

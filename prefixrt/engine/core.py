@@ -115,7 +115,14 @@ class EngineCore:
     def _forward(self, batch: ScheduledBatch):
         ends, acc = [], 0
         sampled: list[Req] = []
-        for r, n, s in zip(batch.reqs, batch.num_tokens, batch.sample):
+        scored: list[tuple[Req, list[int]]] = []  # (request, positions whose next-token logprob it wants)
+        extra: list[int] = []
+        for r, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.num_tokens, batch.sample):
+            if r.input_logprobs_from is not None:
+                pos = [j for j in range(p, p + n) if r.input_logprobs_from - 1 <= j <= r.seq_len - 2]
+                if pos:
+                    scored.append((r, pos))
+                    extra.extend(acc + j - p for j in pos)
             acc += n
             if s and r.params.max_new_tokens > 0:
                 ends.append(acc - 1)
@@ -130,11 +137,18 @@ class EngineCore:
             extend_tokens=[r.all_ids[p : p + n] for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.num_tokens)],
             out_cache_loc=[s for slots in batch.slots for s in slots],
             req_to_token=self.kv.table.table,
-            logits_indices=ends or [acc - 1],
+            logits_indices=(ends + extra) or [acc - 1],
             device=self.device,
             prefix_groups=None,
         )
         logits = self.runner.forward(fb)
+        if scored:
+            rows = torch.log_softmax(logits[len(ends):].float(), dim=-1)
+            k = 0
+            for r, pos in scored:
+                targets = torch.tensor([r.all_ids[j + 1] for j in pos], device=rows.device)
+                r.input_logprobs.extend(rows[k : k + len(pos)].gather(1, targets[:, None]).squeeze(1).tolist())
+                k += len(pos)
         return logits[: len(sampled)], sampled
 
     def _mask_fn(self, reqs: list[Req]):
@@ -143,10 +157,10 @@ class EngineCore:
             return None
 
         def apply(logits: torch.Tensor) -> None:
-            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])
+            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
             for i in rows:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
-            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device), rows)
+            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
         return apply
 
@@ -155,13 +169,16 @@ class EngineCore:
         now = time.monotonic()
         if r.first_token_time is None:
             r.first_token_time = now
-        new = [tok]
+        new = r.pending_emit + [tok]
+        r.pending_emit = []
         reason, matched = None, None
         p = r.params
         if tok in (p.stop_token_ids or ()) or (tok in self.eos_token_ids and not p.ignore_eos):
             reason, matched = "stop", tok
         r.append_output([tok])
-        logprobs = [self._logprob_entry(tok, lp)] if lp is not None else None
+        logprobs = None
+        if lp is not None:
+            logprobs = [self._logprob_entry(f, (0.0, [])) for f in new[:-1]] + [self._logprob_entry(tok, lp)]
         if reason is None and r.matcher is not None:
             if not r.matcher.accept_token(tok):
                 raise RuntimeError(f"grammar rejected sampled token {tok}")
@@ -239,6 +256,7 @@ class EngineCore:
             index=r.index, token_ids=[], text=text, finished=True, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0, error=error,
             final_text=r.text if r.detok is not None else None,
+            input_logprobs=r.input_logprobs if r.input_logprobs_from is not None else None,
         ))
         self._release(r)
 

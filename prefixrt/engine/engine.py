@@ -173,30 +173,47 @@ class Engine:
                                  param="prompt")
 
     def grammar_compiler(self):
+        """The engine's GrammarCompiler (built on first use: the backend's vocab tables take ~1 s)."""
         with self._grammar_lock:
             if self._grammar is None:
-                from prefixrt.constrained.compiler import make_compiler
+                from prefixrt.constrained import GrammarCompiler, make_backend
 
-                self._grammar = make_compiler(self.config.grammar_backend, self._tokenizer, self.vocab_size,
-                                              sorted(self.core.eos_token_ids))
+                backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
+                                       sorted(self.core.eos_token_ids))
+                self._grammar = GrammarCompiler(backend, timeout_s=self.config.grammar_timeout_s)
             return self._grammar
 
-    def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None):
+    def _compile(self, p: SamplingParams):
+        kind = p.constraint_kind
+        spec = getattr(p, kind)
+        if kind == "json_schema" and spec == "json_object":
+            kind, spec = "json_object", None
+        return self.grammar_compiler().compile(kind, spec)
+
+    def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
         if self._stopped:
             raise EngineDeadError("engine is shut down")
         p = SamplingParams.coerce(params)
         ids = self._tokenize(prompt)
         self._validate_ids(ids, p)
         compiled = None
-        if p.constraint_kind is not None:
-            compiled = self.grammar_compiler().compile_params(p)
+        if p.constraint_kind not in (None, "choices"):
+            compiled = self._compile(p)
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
         stream = RequestStream(loop)
         reqs = []
         for i in range(p.n):
-            r = Req(rid=rid, prompt_ids=ids, params=p, sink=stream, index=i, namespace=p.cache_salt)
+            r = Req(rid=rid, prompt_ids=ids, params=p, sink=stream, index=i, namespace=p.cache_salt, **req_fields)
             if compiled is not None:
-                r.matcher = self.grammar_compiler().matcher(compiled)
+                r.matcher = self.grammar_compiler().backend.matcher(compiled)
+                if p.jump_forward:  # step-0 forced tokens join the prefill
+                    forced = r.matcher.forced_tokens()[: max(0, p.max_new_tokens - 1)]
+                    forced = forced[: max(0, self.max_context - 1 - len(ids))]
+                    if forced:
+                        r.matcher.accept_tokens(forced)
+                        r.append_output(forced)
+                        r.num_forced_tokens += len(forced)
+                        r.pending_emit = list(forced)
             reqs.append(r)
         self._inbox.put(("add", reqs))
         return rid, stream, ids, p
@@ -257,21 +274,32 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(self, prompt, params: SamplingParams | dict | None = None):
         """One prompt -> Completion; a list of prompts -> list[Completion] (submitted together)."""
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            if _is_batch(prompt):
+                return [self._select(q, p) for q in prompt]
+            return self._select(prompt, p)
         if _is_batch(prompt):
-            subs = [self._submit(p, params) for p in prompt]
+            subs = [self._submit(q, p) for q in prompt]
             return [self._wait(*s) for s in subs]
-        return self._wait(*self._submit(prompt, params))
+        return self._wait(*self._submit(prompt, p))
 
     async def agenerate(self, prompt, params: SamplingParams | dict | None = None):
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            return await asyncio.to_thread(self.generate, prompt, p)
         loop = asyncio.get_running_loop()
         if _is_batch(prompt):
-            subs = [self._submit(p, params, loop) for p in prompt]
+            subs = [self._submit(q, p, loop) for q in prompt]
             return list(await asyncio.gather(*(self._await(*s) for s in subs)))
-        return await self._await(*self._submit(prompt, params, loop))
+        return await self._await(*self._submit(prompt, p, loop))
 
     def stream(self, prompt, params: SamplingParams | dict | None = None) -> Iterator[Chunk]:
         """Submit now (errors raise here), then iterate Chunks. Closing the iterator early aborts."""
-        rid, stream, ids, p = self._submit(prompt, params)
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            return iter([_completion_chunk(self._select(prompt, p))])
+        rid, stream, ids, p = self._submit(prompt, p)
         return self._iter_chunks(rid, stream, ids, p)
 
     def _iter_chunks(self, rid, stream, ids, p) -> Iterator[Chunk]:
@@ -287,8 +315,11 @@ class Engine:
                 self.abort(rid)
 
     def astream(self, prompt, params: SamplingParams | dict | None = None) -> AsyncIterator[Chunk]:
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            return _aiter_one(asyncio.to_thread(lambda: _completion_chunk(self._select(prompt, p))))
         loop = asyncio.get_running_loop()
-        rid, stream, ids, p = self._submit(prompt, params, loop)
+        rid, stream, ids, p = self._submit(prompt, p, loop)
         return self._aiter_chunks(rid, stream, ids, p)
 
     async def _aiter_chunks(self, rid, stream, ids, p) -> AsyncIterator[Chunk]:
@@ -302,6 +333,57 @@ class Engine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    # ------------------------------------------------------------------ select
+    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None
+                            ) -> tuple[list[int], int, list[list[float]]]:
+        """Log p(continuation tokens | prompt) for each continuation, token by token. The prompt is prefilled
+        once (cache_prefix) and every continuation is an extend of it, submitted together.
+        Returns (prompt ids, prompt tokens reused from the cache, per-continuation token logprobs)."""
+        ids = self._tokenize(prompt)
+        base = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
+        self._validate_ids(ids, base)
+        hit = self._call(lambda: self.core.kv.cache.match_prefix(ids, cache_salt, max_len=len(ids) - 1).length)
+        if self.config.radix_cache:
+            self.cache_prefix(ids, cache_salt)
+        subs = [self._submit(ids + cont, base, input_logprobs_from=len(ids)) for cont in continuations]
+        scores = []
+        for _, stream, _, _ in subs:
+            while True:
+                ev = stream.get()
+                if ev.finished:
+                    break
+            if ev.finish_reason != "length" or ev.error:
+                raise RuntimeError(f"scoring request failed: {ev.error or ev.finish_reason}")
+            scores.append(list(ev.input_logprobs or []))
+        return ids, hit, scores
+
+    def _select(self, prompt, p: SamplingParams) -> Completion:
+        from prefixrt.constrained.choices import score_choices
+
+        with self._tok_lock:
+            cont = [self._tokenizer.encode(c, add_special_tokens=False) for c in p.choices]
+        if any(not c for c in cont):
+            raise InvalidRequest("a choice tokenizes to nothing", param="choices")
+        ids, hit, lps = self.score_continuations(prompt, cont, p.cache_salt)
+        uncond = None
+        method = p.choices_method
+        if method == "unconditional_normalized":
+            bos = getattr(self._tokenizer, "bos_token_id", None)
+            start = [bos] if bos is not None else cont[0][:1]
+            uncond = self.score_continuations(start, cont, p.cache_salt)[2]
+        scores = score_choices(lps, normalization=method, unconditional_logprobs=uncond)
+        best = max(range(len(scores)), key=lambda i: scores[i])
+        rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        c = Completion(
+            request_id=rid, text=p.choices[best], token_ids=cont[best], finish_reason="stop",
+            prompt_tokens=len(ids), cached_tokens=hit, completion_tokens=len(cont[best]),
+            choice_scores=dict(zip(p.choices, scores)), choice_logprobs=lps,
+            logprobs=[{"token_id": t, "token": self._decode([t], False), "logprob": lp, "top_logprobs": []}
+                      for t, lp in zip(cont[best], lps[best])] if p.logprobs is not None else None,
+        )
+        c.outputs = [c]
+        return c
 
     def cache_prefix(self, prompt, cache_salt: str | None = None) -> int:
         """Prefill prompt into the radix cache without generating. Returns how many of its tokens are cached."""
@@ -384,6 +466,16 @@ class _ChunkState:
             logprobs=ev.logprobs, prompt_tokens=len(self.ids), cached_tokens=ev.cached_tokens,
             completion_tokens=self.counts[i], matched_stop=ev.matched_stop,
         )
+
+
+def _completion_chunk(c: Completion) -> Chunk:
+    return Chunk(request_id=c.request_id, text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
+                 logprobs=c.logprobs, prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
+                 completion_tokens=c.completion_tokens)
+
+
+async def _aiter_one(awaitable):
+    yield await awaitable
 
 
 def _is_batch(prompt) -> bool:

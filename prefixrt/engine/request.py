@@ -46,6 +46,7 @@ class Req:
     error: str | None = None
     first_token_time: float | None = None
     num_forced_tokens: int = 0  # tokens emitted by jump-forward without sampling
+    pending_emit: list[int] = field(default_factory=list)  # step-0 forced tokens, streamed with the first token
     # Sampling state
     generator: Any = None  # torch.Generator when params.seed is set
     matcher: Any = None  # grammar matcher when a constraint is set
@@ -54,6 +55,9 @@ class Req:
     text: str = ""
     detok: Any = None
     aborted: bool = False
+    # Prompt logprobs (select scoring): report log p(all_ids[k]) for k >= input_logprobs_from
+    input_logprobs_from: int | None = None
+    input_logprobs: list[float] = field(default_factory=list)
     retractions: int = 0
 
     def __post_init__(self):

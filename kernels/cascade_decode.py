@@ -1,0 +1,152 @@
+"""Shared-prefix (cascade) decode: a prefix shared by a group of sequences is read once per tile of the group.
+
+Three launches, all on flat index arrays from a CascadePlan:
+1. prefix stage, grid [num_tiles, KVH * head_blocks, num_prefix_splits]: the tile's queries times the query
+   heads of one kv head form a [BLOCK_Q * BLOCK_G, D] matrix that is multiplied against [D, BLOCK_N]
+   chunks of the group's shared prefix (tensor-core sized, K/V loaded once for all of them), giving
+   partial outputs + LSE for splits [0, num_prefix_splits);
+2. suffix stage: decode stage 1 over each sequence's own slots [suffix_start, seq_len) (the whole sequence
+   when ungrouped), splits [num_prefix_splits, num_prefix_splits + num_suffix_splits);
+3. the decode merge over all splits; prefix splits count only for grouped sequences.
+The result equals plain decode attention (up to float rounding). No sliding window: a windowed layer
+reads only its last `window` positions anyway, so callers use plain decode there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
+from prefixrt.kernels.cascade_plan import CascadePlan
+from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
+
+
+@triton.jit
+def _cascade_prefix_kernel(
+    Q, K, V, ReqToToken, ReqPoolIdx, GroupPrefixLens, GroupLeadSeq, GroupSeqIds,
+    TileGroup, TileSeqStart, TileNumSeqs, MidO, MidLse,
+    sm_scale, logit_softcap,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    HEADS_PER_KV: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+
+    group = tl.load(TileGroup + tile)
+    seq_start = tl.load(TileSeqStart + tile)
+    num_seqs = tl.load(TileNumSeqs + tile)
+    prefix_len = tl.load(GroupPrefixLens + group)
+    lead_row = tl.load(ReqPoolIdx + tl.load(GroupLeadSeq + group)).to(tl.int64)
+
+    split_len = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, prefix_len)
+
+    # Row r of the query matrix = (sequence r // BLOCK_G of the tile, head r % BLOCK_G of this head block).
+    offs_r = tl.arange(0, BLOCK_Q * BLOCK_G)
+    q_idx = offs_r // BLOCK_G
+    head_in_kv = head_block * BLOCK_G + offs_r % BLOCK_G
+    row_ok = (q_idx < num_seqs) & (head_in_kv < HEADS_PER_KV)
+    seqs = tl.load(GroupSeqIds + seq_start + q_idx, mask=q_idx < num_seqs, other=0).to(tl.int64)
+    heads = kv_head * HEADS_PER_KV + head_in_kv
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + seqs[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # q: [BLOCK_Q * BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        slots = tl.load(ReqToToken + lead_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [rows, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = softcap_scores(s, logit_softcap)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    lse_ptrs = MidLse + seqs * stride_mlb + heads * stride_mlh + split
+    if end > start:
+        o_ptrs = MidO + seqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+        tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & mask_d[None, :])
+        tl.store(lse_ptrs, m_i + tl.log(l_i), mask=row_ok)
+    else:
+        tl.store(lse_ptrs, tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32), mask=row_ok)
+
+
+def _prefix_config(head_dim: int, heads_per_kv: int, queries_per_tile: int) -> dict:
+    block_g = triton.next_power_of_2(heads_per_kv)
+    block_q = triton.next_power_of_2(queries_per_tile)
+    max_rows = 64 if interpreting() or head_dim > 128 else 128
+    block_g = min(block_g, max(1, max_rows // block_q))  # cap the matrix at max_rows rows
+    block_q = max(block_q, 16 // block_g)  # tl.dot needs at least 16 rows
+    cfg = {"BLOCK_G": block_g, "BLOCK_Q": block_q, "HEAD_BLOCKS": triton.cdiv(heads_per_kv, block_g)}
+    if interpreting():
+        return {**cfg, "BLOCK_N": 16, "num_warps": 1}
+    return {**cfg, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 8 if block_q * block_g >= 128 else 4,
+            "num_stages": 2}  # fmt: skip
+
+
+def cascade_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    o: torch.Tensor,  # [B, H, D]
+    k_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    v_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    req_to_token: torch.Tensor,  # [R, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]
+    sm_scale: float,
+    plan: CascadePlan,
+    logit_softcap: float | None = None,
+    num_prefix_splits: int = 4,
+    num_suffix_splits: int = 4,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+) -> None:
+    """Decode attention for a batch with shared-prefix groups (see plan_cascade); equals decode_attention.
+    Workspace: mid_o [>=B, H, >=Sp+Ss, D], mid_lse [>=B, H, >=Sp+Ss] fp32 (allocated when None)."""
+    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    batch_size = q.shape[0]
+    num_splits = num_prefix_splits + num_suffix_splits
+    if mid_o is None or mid_lse is None:
+        mid_o, mid_lse = decode_workspace(batch_size, num_heads, head_dim, num_splits, q.device)
+    heads_per_kv = num_heads // num_kv_heads
+    cfg = _prefix_config(head_dim, heads_per_kv, plan.queries_per_tile)
+    if plan.num_tiles:
+        grid = (plan.num_tiles, num_kv_heads * cfg["HEAD_BLOCKS"], num_prefix_splits)
+        _cascade_prefix_kernel[grid](
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, plan.group_prefix_lens, plan.group_lead_seq,
+            plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs, mid_o, mid_lse,
+            sm_scale, logit_softcap or 0.0,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+            v_buffer.stride(1), req_to_token.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            NUM_SPLITS=num_prefix_splits, HAS_SOFTCAP=logit_softcap is not None,
+            **dot_args(q.dtype), **cfg,
+        )  # fmt: skip
+    launch_decode_stage1(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
+        None, logit_softcap, num_suffix_splits, kv_start=plan.suffix_start, split_offset=num_prefix_splits,
+    )  # fmt: skip
+    launch_merge(o, mid_o, mid_lse, num_splits, kv_start=plan.suffix_start, num_guarded=num_prefix_splits)

@@ -1,0 +1,210 @@
+"""Split-KV flash-decoding over the paged pool: one query per sequence.
+
+Stage 1 (grid [B, KVH, num_splits]): each program takes one sequence, one kv head and one chunk of the
+sequence's slots, and computes the partial output and log-sum-exp of all the query heads that share the kv
+head (a [heads_per_kv, D] x [D, BLOCK_N] product per block, so K/V is loaded once per group).
+Stage 2 (grid [B, H]): merges the partials by their LSE.
+
+CUDA-graph safe: the grid depends only on B, the head counts and `num_kv_splits`, all static; split
+boundaries are computed on the device from seq_lens, and a split past the end of its sequence writes
+lse = -inf so stale workspace never leaks into the merge. Stage 1 also serves the per-sequence suffix part
+of cascade decode (kv_start, split_offset).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, KvStart, MidO, MidLse,
+    sm_scale, logit_softcap, sliding_window,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    split_offset,
+    HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    kv_lo = seq_len * 0
+    if HAS_KV_START:
+        kv_lo = tl.load(KvStart + b)
+    if HAS_WINDOW:  # the query at seq_len-1 sees positions > seq_len-1-window
+        kv_lo = tl.maximum(kv_lo, seq_len - sliding_window)
+    kv_len = tl.maximum(seq_len - kv_lo, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = kv_lo + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * HEADS_PER_KV + offs_h
+    mask_h = offs_h < HEADS_PER_KV
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # q: [BLOCK_H, BLOCK_D]
+    req_row = tl.load(ReqPoolIdx + b).to(tl.int64)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        slots = tl.load(ReqToToken + req_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # k: [BLOCK_N, BLOCK_D]
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [BLOCK_H, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = softcap_scores(s, logit_softcap)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # v: [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    out_split = split_offset + split
+    lse_ptrs = MidLse + b * stride_mlb + heads * stride_mlh + out_split
+    if end > start:
+        o_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + out_split * stride_mos + offs_d[None, :]
+        tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(lse_ptrs, m_i + tl.log(l_i), mask=mask_h)
+    else:
+        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+
+
+@triton.jit
+def _merge_splits(
+    MidO, MidLse, Out, KvStart,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_GUARDED: tl.constexpr,
+):  # fmt: skip
+    """Out[b, h] = LSE-weighted mean of the split partials. The first NUM_GUARDED splits (cascade prefix
+    splits) count only for sequences with KvStart[b] > 0, i.e. members of a prefix group."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    if NUM_GUARDED > 0:
+        first_split = NUM_GUARDED * (tl.load(KvStart + b) <= 0).to(tl.int32)
+        mask_s = mask_s & (offs_s >= first_split)
+    lse = tl.load(MidLse + b * stride_mlb + h * stride_mlh + offs_s, mask=mask_s, other=float("-inf"))
+    live = lse > float("-inf")
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # nothing live (padded entry): output 0, not NaN
+    w = tl.where(live, tl.exp(lse - m), 0.0)  # w: [BLOCK_S]
+    parts = tl.load(
+        MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+        mask=live[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )  # parts: [BLOCK_S, BLOCK_D]
+    out = tl.sum(parts * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def decode_workspace(
+    batch_size: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate (mid_o [B, H, S, D] fp32, mid_lse [B, H, S] fp32) for up to num_splits partials."""
+    mid_o = torch.empty(batch_size, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    mid_lse = torch.empty(batch_size, num_heads, num_splits, dtype=torch.float32, device=device)
+    return mid_o, mid_lse
+
+
+def _stage1_config(head_dim: int) -> dict:
+    if interpreting():
+        return {"BLOCK_N": 16, "num_warps": 1}
+    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
+
+
+def launch_decode_stage1(
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
+    sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0,
+):  # fmt: skip
+    """Write partials for splits [split_offset, split_offset + num_splits) of mid_o / mid_lse."""
+    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    heads_per_kv = num_heads // num_kv_heads
+    batch_size = q.shape[0]
+    if batch_size == 0:
+        return
+    cfg = _stage1_config(head_dim)
+    _decode_stage1[(batch_size, num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+        kv_start if kv_start is not None else seq_lens, mid_o, mid_lse,
+        sm_scale, logit_softcap or 0.0, sliding_window or 0,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        split_offset,
+        HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)),
+        BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
+        HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=logit_softcap is not None, **dot_args(q.dtype), **cfg,
+    )  # fmt: skip
+
+
+def launch_merge(o, mid_o, mid_lse, num_splits, kv_start=None, num_guarded=0):
+    batch_size, num_heads, head_dim = o.shape
+    if batch_size == 0:
+        return
+    _merge_splits[(batch_size, num_heads)](
+        mid_o, mid_lse, o, kv_start if kv_start is not None else mid_lse,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), NUM_GUARDED=num_guarded,
+        num_warps=1 if interpreting() else 4,
+    )  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D] one query per sequence, at position seq_lens[i] - 1
+    o: torch.Tensor,  # [B, H, D] output, written in place
+    k_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    v_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    req_to_token: torch.Tensor,  # [R, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B] tokens with K/V, the query's own included; 0 = padded entry (output 0)
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    num_kv_splits: int = 8,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+) -> None:
+    """Attention of each sequence's single new query over its slots [0, seq_len) (windowed if asked).
+    mid_o [>=B, H, >=S, D] / mid_lse [>=B, H, >=S] (fp32) are the split workspace; pass preallocated
+    ones under CUDA graphs, else they are allocated here. num_kv_splits is static (part of the grid)."""
+    batch_size, num_heads, head_dim = q.shape
+    if mid_o is None or mid_lse is None:
+        mid_o, mid_lse = decode_workspace(batch_size, num_heads, head_dim, num_kv_splits, q.device)
+    launch_decode_stage1(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
+        sliding_window, logit_softcap, num_kv_splits,
+    )  # fmt: skip
+    launch_merge(o, mid_o, mid_lse, num_kv_splits)

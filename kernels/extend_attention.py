@@ -1,0 +1,198 @@
+"""Extend (prefill / chunked prefill / multi-token) attention over the paged pool.
+
+Grid [B, H, cdiv(max_extend_len, BLOCK_M)]: one program per (sequence, query head, block of BLOCK_M new
+tokens). It streams keys from the start of the visible range up to its last query's position, with an
+online softmax in fp32. The new tokens' K/V is already in the pool, so by default everything is read
+through req_to_token; with k_extend/v_extend the new tokens are read from those contiguous tensors
+instead (one indirection less per key block on the diagonal part).
+
+Visibility: a query at position p sees keys k with k <= p, and p - window < k when sliding_window is set.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
+
+
+@triton.jit
+def _attend_block(
+    q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q."""
+    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        s = softcap_scores(s, logit_softcap)
+    if MASK_KEYS:  # block may hold keys past the range end or after some queries
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    if HAS_WINDOW:
+        s = tl.where(k_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row can see nothing in this block (window): keep its max finite so exp() gives 0, not NaN.
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q, Out, K, V, KExt, VExt, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
+    sm_scale, logit_softcap, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ket, stride_keh, stride_vet, stride_veh, stride_rt,
+    HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    extend_len = tl.load(ExtendLens + b)
+    if mb * BLOCK_M >= extend_len:
+        return
+    prefix_len = tl.load(PrefixLens + b)
+    start_loc = tl.load(ExtendStart + b)
+    req_row = tl.load(ReqPoolIdx + b).to(tl.int64)
+    kv_head = h // HEADS_PER_KV
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < extend_len
+    mask_d = offs_d < HEAD_DIM
+    rows = (start_loc + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # q: [BLOCK_M, BLOCK_D]
+    q_pos = prefix_len + offs_m
+
+    # Visible keys of this query block: [kv_lo, kv_hi).
+    kv_hi = prefix_len + tl.minimum((mb + 1) * BLOCK_M, extend_len)
+    kv_lo = kv_hi * 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(prefix_len + mb * BLOCK_M - sliding_window + 1, 0)
+        kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Keys from the pool: the cached prefix only, or everything. Whole blocks before the first query of
+    # this block (and before pool_hi) need no causal or bounds mask; the rest are masked.
+    pool_hi = kv_hi
+    if CONTIGUOUS_NEW_KV:
+        pool_hi = prefix_len
+    unmasked_hi = kv_lo + (tl.maximum(tl.minimum(pool_hi, prefix_len + mb * BLOCK_M) - kv_lo, 0) // BLOCK_N) * BLOCK_N
+    for n0 in range(kv_lo, unmasked_hi, BLOCK_N):
+        k_pos = n0 + offs_n
+        slots = tl.load(ReqToToken + req_row * stride_rt + k_pos).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, k, v, q_pos, k_pos, k_pos < pool_hi, sm_scale, logit_softcap, sliding_window,
+            MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
+        )  # fmt: skip
+    for n0 in range(unmasked_hi, pool_hi, BLOCK_N):
+        k_pos = n0 + offs_n
+        key_ok = k_pos < pool_hi
+        slots = tl.load(ReqToToken + req_row * stride_rt + k_pos, mask=key_ok, other=0).to(tl.int64)
+        kv_mask = key_ok[:, None] & mask_d[None, :]
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc, m_i, l_i = _attend_block(
+            q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
+            MASK_KEYS=True, CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
+            DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
+        )  # fmt: skip
+
+    if CONTIGUOUS_NEW_KV:
+        # New tokens' keys from the contiguous k/v of this forward, rows start_loc + (pos - prefix_len).
+        new_lo = tl.maximum(kv_lo, prefix_len)
+        for n0 in range(new_lo, kv_hi, BLOCK_N):
+            k_pos = n0 + offs_n
+            key_ok = k_pos < kv_hi
+            ext_rows = (start_loc + k_pos - prefix_len).to(tl.int64)
+            kv_mask = key_ok[:, None] & mask_d[None, :]
+            k = tl.load(
+                KExt + ext_rows[:, None] * stride_ket + kv_head * stride_keh + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            v = tl.load(
+                VExt + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            acc, m_i, l_i = _attend_block(
+                q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
+                MASK_KEYS=True, CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
+            )  # fmt: skip
+
+    # Every valid query sees at least itself (l_i > 0); padded rows may see nothing under a window.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
+    )
+
+
+def _config(head_dim: int, max_extend_len: int) -> dict:
+    if interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1}
+    block_m = 128 if max_extend_len > 64 else 64
+    if head_dim > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 8 if block_m == 128 else 4, "num_stages": 2}
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D] new queries of all sequences, concatenated
+    o: torch.Tensor,  # [T, H, D] output, written in place
+    k_buffer: torch.Tensor,  # [num_slots, KVH, D] pool K of this layer
+    v_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    req_to_token: torch.Tensor,  # [R, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B]
+    prefix_lens: torch.Tensor,  # [B]
+    extend_lens: torch.Tensor,  # [B]
+    extend_start_loc: torch.Tensor,  # [B]
+    max_extend_len: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    k_extend: torch.Tensor | None = None,
+    v_extend: torch.Tensor | None = None,
+) -> None:
+    """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
+    pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
+    K/V contiguously and are read instead of the pool for those positions; the result is the same.
+    max_extend_len (a host int) sizes the grid; shorter sequences' extra programs exit at once."""
+    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    batch_size = req_pool_indices.shape[0]
+    if batch_size == 0 or max_extend_len == 0:
+        return
+    contiguous = k_extend is not None
+    if contiguous and (v_extend is None or k_extend.shape != (q.shape[0], num_kv_heads, head_dim)):
+        raise ValueError(f"k_extend/v_extend must both be [T, KVH, D]; got {k_extend.shape}")
+    k_ext = k_extend if contiguous else k_buffer
+    v_ext = v_extend if contiguous else v_buffer
+    cfg = _config(head_dim, max_extend_len)
+    grid = (batch_size, num_heads, triton.cdiv(max_extend_len, cfg["BLOCK_M"]))
+    _extend_kernel[grid](
+        q, o, k_buffer, v_buffer, k_ext, v_ext, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+        extend_start_loc, sm_scale, logit_softcap or 0.0, sliding_window or 0,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), k_ext.stride(0), k_ext.stride(1), v_ext.stride(0),
+        v_ext.stride(1), req_to_token.stride(0),
+        HEADS_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
+        CONTIGUOUS_NEW_KV=contiguous, POOL_NEEDS_CAUSAL=not contiguous, **dot_args(q.dtype), **cfg,
+    )  # fmt: skip

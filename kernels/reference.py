@@ -1,0 +1,170 @@
+"""Plain torch reference implementations of the attention kernels (float32 math, one sequence at a time).
+
+Each function has exactly the signature of its Triton counterpart, so a test can call either with the same
+arguments. Arguments that only steer the Triton launch (split counts, workspaces) are accepted and ignored.
+They are slow and simple on purpose: they are the oracle, not a fallback path.
+"""
+
+from __future__ import annotations
+
+import torch
+from prefixrt.kernels.cascade_plan import CascadePlan
+
+
+def _softcap(scores: torch.Tensor, logit_softcap: float | None) -> torch.Tensor:
+    if logit_softcap is None:
+        return scores
+    return logit_softcap * torch.tanh(scores / logit_softcap)
+
+
+def _attend(
+    q: torch.Tensor,  # [M, H, D] float32
+    k: torch.Tensor,  # [N, KVH, D] float32
+    v: torch.Tensor,  # [N, KVH, D] float32
+    visible: torch.Tensor,  # [M, N] bool
+    sm_scale: float,
+    logit_softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [M, H, D], lse [M, H] (natural log; -inf if nothing visible)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)  # k: [N, H, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("mhd,nhd->hmn", q, k) * sm_scale  # scores: [H, M, N]
+    scores = _softcap(scores, logit_softcap)
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # lse: [H, M]
+    probs = torch.exp(scores - lse.clamp_min(-1e30)[..., None])  # rows with nothing visible -> zeros
+    out = torch.einsum("hmn,nhd->mhd", probs, v)
+    return out, lse.transpose(0, 1)
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    visible = k_pos[None, :] <= q_pos[:, None]  # causal
+    if sliding_window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return visible
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D] new queries of all sequences, concatenated
+    o: torch.Tensor,  # [T, H, D] output, written in place
+    k_buffer: torch.Tensor,  # [num_slots, KVH, D] pool K of this layer
+    v_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    req_to_token: torch.Tensor,  # [R, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B]
+    prefix_lens: torch.Tensor,  # [B]
+    extend_lens: torch.Tensor,  # [B]
+    extend_start_loc: torch.Tensor,  # [B]
+    max_extend_len: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    k_extend: torch.Tensor | None = None,
+    v_extend: torch.Tensor | None = None,
+) -> None:
+    """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
+    pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
+    K/V contiguously; the result is the same either way."""
+    for i in range(req_pool_indices.shape[0]):
+        prefix, ext, start = int(prefix_lens[i]), int(extend_lens[i]), int(extend_start_loc[i])
+        if ext == 0:
+            continue
+        slots = req_to_token[req_pool_indices[i], : prefix + ext].long()
+        k = k_buffer[slots].float()
+        v = v_buffer[slots].float()
+        if k_extend is not None:
+            k[prefix:] = k_extend[start : start + ext].float()
+            v[prefix:] = v_extend[start : start + ext].float()
+        q_pos = torch.arange(prefix, prefix + ext, device=q.device)
+        k_pos = torch.arange(prefix + ext, device=q.device)
+        out, _ = _attend(
+            q[start : start + ext].float(), k, v, _visible(q_pos, k_pos, sliding_window), sm_scale, logit_softcap
+        )
+        o[start : start + ext] = out.to(o.dtype)
+
+
+def _decode_one(q, k_buffer, v_buffer, slots, kv_lo, seq_len, sm_scale, sliding_window, logit_softcap):
+    """One decode query q: [H, D] at position seq_len-1 over positions [kv_lo, seq_len). -> out, lse"""
+    k_pos = torch.arange(kv_lo, seq_len, device=q.device)
+    q_pos = torch.tensor([seq_len - 1], device=q.device)
+    rows = slots[kv_lo:seq_len].long()
+    return _attend(
+        q[None].float(),
+        k_buffer[rows].float(),
+        v_buffer[rows].float(),
+        _visible(q_pos, k_pos, sliding_window),
+        sm_scale,
+        logit_softcap,
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D] one query per sequence, at position seq_lens[i] - 1
+    o: torch.Tensor,  # [B, H, D] output, written in place
+    k_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    v_buffer: torch.Tensor,  # [num_slots, KVH, D]
+    req_to_token: torch.Tensor,  # [R, max_context] int32
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B] tokens with K/V, the query's own included; 0 = padded entry (output 0)
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    num_kv_splits: int = 8,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+) -> None:
+    """Attention of each sequence's single new query over its slots [0, seq_len) (windowed if asked)."""
+    for i in range(q.shape[0]):
+        seq_len = int(seq_lens[i])
+        if seq_len == 0:
+            o[i] = 0
+            continue
+        out, _ = _decode_one(
+            q[i], k_buffer, v_buffer, req_to_token[req_pool_indices[i]], 0, seq_len, sm_scale, sliding_window, logit_softcap
+        )
+        o[i] = out[0].to(o.dtype)
+
+
+def cascade_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    o: torch.Tensor,  # [B, H, D]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    plan: CascadePlan,
+    logit_softcap: float | None = None,
+    num_prefix_splits: int = 4,
+    num_suffix_splits: int = 4,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+) -> None:
+    """Decode attention computed the cascade way: every grouped sequence attends to its group's shared
+    prefix (read through the group's lead sequence) and to its own suffix, and the two parts are merged by
+    their log-sum-exp. Equals decode_attention when the plan's groups really share their prefix slots."""
+    group_of, prefix_len_of = {}, {}
+    seq_ids = plan.group_seq_ids.tolist()
+    starts = plan.group_seq_start.tolist()
+    for g, prefix_len in enumerate(plan.group_prefix_lens.tolist()):
+        for s in seq_ids[starts[g] : starts[g + 1]]:
+            group_of[s], prefix_len_of[s] = g, prefix_len
+    for i in range(q.shape[0]):
+        seq_len = int(seq_lens[i])
+        if seq_len == 0:
+            o[i] = 0
+            continue
+        own_slots = req_to_token[req_pool_indices[i]]
+        if i not in group_of:
+            out, _ = _decode_one(q[i], k_buffer, v_buffer, own_slots, 0, seq_len, sm_scale, None, logit_softcap)
+            o[i] = out[0].to(o.dtype)
+            continue
+        lead = int(plan.group_lead_seq[group_of[i]])
+        prefix_slots = req_to_token[req_pool_indices[lead]]
+        p = prefix_len_of[i]
+        out_p, lse_p = _decode_one(q[i], k_buffer, v_buffer, prefix_slots, 0, p, sm_scale, None, logit_softcap)
+        out_s, lse_s = _decode_one(q[i], k_buffer, v_buffer, own_slots, p, seq_len, sm_scale, None, logit_softcap)
+        lse = torch.logaddexp(lse_p, lse_s)  # [1, H]
+        out = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
+        o[i] = out[0].to(o.dtype)

@@ -1,0 +1,95 @@
+"""Token-level benchmark workloads (DESIGN.md): prompts are token ids, outputs have fixed lengths
+(ignore_eos), so they run with dummy weights and any tokenizer.
+
+A workload is a list of sessions; a session is a list of turns run one after another (a turn's prompt may
+extend the previous turn's prompt and output). Single-turn workloads have one turn per session.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Turn:
+    new_tokens: list[int]  # appended to the session's history (previous prompts + outputs) to form the prompt
+    max_new_tokens: int
+
+
+@dataclass
+class Workload:
+    name: str
+    sessions: list[list[Turn]]
+    description: str = ""
+    params: dict = field(default_factory=dict)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s) for s in self.sessions)
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # Skip the lowest ids: they are special tokens (pad/bos/eos) in most vocabularies.
+    return [rng.randrange(16, vocab) for _ in range(n)]
+
+
+def shared_prefix(vocab: int, groups: int = 64, prompts_per_group: int = 16, system_len: int = 2048,
+                  question_len: int = 128, output_len: int = 256, seed: int = 0) -> Workload:
+    """G groups x P prompts: a group's prompts share a system prefix of S tokens, then Q unique tokens."""
+    rng = random.Random(seed)
+    sessions = []
+    for _ in range(groups):
+        system = _ids(rng, system_len, vocab)
+        for _ in range(prompts_per_group):
+            sessions.append([Turn(system + _ids(rng, question_len, vocab), output_len)])
+    rng.shuffle(sessions)
+    return Workload("shared-prefix", sessions, f"{groups}x{prompts_per_group} groups, {system_len} shared + "
+                    f"{question_len} unique, {output_len} out",
+                    dict(groups=groups, prompts_per_group=prompts_per_group, system_len=system_len,
+                         question_len=question_len, output_len=output_len))
+
+
+def rag(vocab: int, requests: int = 64, shared_len: int = 3500, unique_len: int = 80, output_len: int = 200,
+        seed: int = 0) -> Workload:
+    """One document block shared by every request (RAG): the shared-prefix case with one group."""
+    w = shared_prefix(vocab, 1, requests, shared_len, unique_len, output_len, seed)
+    w.name = "rag"
+    w.description = f"{requests} requests, {shared_len} shared + {unique_len} unique, {output_len} out"
+    return w
+
+
+def random_prompts(vocab: int, requests: int = 256, input_len: int = 1024, output_len: int = 256,
+                   seed: int = 0) -> Workload:
+    """No reuse at all: measures the radix cache's overhead."""
+    rng = random.Random(seed)
+    sessions = [[Turn(_ids(rng, input_len, vocab), output_len)] for _ in range(requests)]
+    return Workload("random", sessions, f"{requests} prompts, {input_len} in, {output_len} out",
+                    dict(requests=requests, input_len=input_len, output_len=output_len))
+
+
+def multi_turn(vocab: int, sessions: int = 32, turns: int = 4, min_append: int = 256, max_append: int = 512,
+               output_len: int = 64, seed: int = 0) -> Workload:
+    """Chat sessions: each turn appends 256-512 new tokens to the whole history (prompts and outputs)."""
+    rng = random.Random(seed)
+    out = [[Turn(_ids(rng, rng.randint(min_append, max_append), vocab), output_len) for _ in range(turns)]
+           for _ in range(sessions)]
+    return Workload("multi-turn", out, f"{sessions} sessions x {turns} turns, +{min_append}-{max_append} "
+                    f"tokens a turn, {output_len} out",
+                    dict(sessions=sessions, turns=turns, output_len=output_len))
+
+
+def optimal_hit_rate(prompts: list[list[int]]) -> float:
+    """Cache hit rate of an ideal cache that keeps everything: every distinct prefix computed once."""
+    trie: dict = {}
+    nodes = total = 0
+    for p in prompts:
+        total += len(p)
+        cur = trie
+        for t in p:
+            nxt = cur.get(t)
+            if nxt is None:
+                nxt = cur[t] = {}
+                nodes += 1
+            cur = nxt
+    return (total - nodes) / total if total else 0.0

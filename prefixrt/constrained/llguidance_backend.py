@@ -1,0 +1,219 @@
+"""llguidance backend (the default): Earley parser + lexer, token masks computed on the fly, canonical forced tokens.
+
+Accepts: "regex" (Rust `regex` crate syntax: no look-around, no back-references), "json_schema"
+(llguidance's JSON-schema subset; unknown keywords are an error, not silently ignored), "grammar" (Lark as
+llguidance extends it, https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md, or llama.cpp
+GBNF, converted to Lark), "choices", "json_object".
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from prefixrt.constrained import spec as specs
+from prefixrt.constrained.base import CompiledGrammar, GrammarBackend, Matcher
+from prefixrt.constrained.logits import fill_only
+from prefixrt.errors import InvalidRequest
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else message
+
+
+class LLGuidanceMatcher(Matcher):
+    """Wraps `llguidance.LLMatcher`. EOS is tracked here, not by llguidance, so that accepting and rolling
+    back EOS behave like any other token (llguidance does not count an EOS toward rollback)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend):
+        self._m = matcher
+        self._eos = backend.eos_token_ids
+        self.vocab_size = backend.vocab_size
+        self._num_accepted = 0
+        self._eos_accepted = False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._eos_accepted:
+            fill_only(bitmask, row, self._eos)
+            return
+        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._eos_accepted:
+            return False
+        if token_id in self._eos:
+            if not self.can_stop():
+                return False
+            self._eos_accepted = True
+        else:
+            # consume_token on a rejected token would put llguidance in a permanent error state: check first.
+            if self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
+                return False
+        self._num_accepted += 1
+        return True
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        if self._eos_accepted or any(t in self._eos for t in token_ids):
+            return super().accept_tokens(token_ids)
+        n = self._m.validate_tokens(token_ids)
+        if n and not self._m.consume_tokens(token_ids[:n]):
+            raise RuntimeError(f"llguidance rejected tokens it had validated: {self._m.get_error()}")
+        self._num_accepted += n
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self._num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: only {self._num_accepted} accepted")
+        remaining = num_tokens
+        if remaining and self._eos_accepted:
+            self._eos_accepted = False
+            remaining -= 1
+        if remaining and not self._m.rollback(remaining):
+            raise RuntimeError(f"llguidance rollback failed: {self._m.get_error()}")
+        self._num_accepted -= num_tokens
+
+    def forced_tokens(self) -> list[int]:
+        if self.is_finished():
+            return []
+        return [t for t in self._m.compute_ff_tokens() if t not in self._eos]
+
+    def is_finished(self) -> bool:
+        return self._eos_accepted or self._m.is_stopped() or self._m.is_error()
+
+    def can_stop(self) -> bool:
+        return self._eos_accepted or (self._m.is_accepting() and not self._m.is_error())
+
+    def error(self) -> str | None:
+        return _first_line(self._m.get_error()) if self._m.is_error() else None
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """llguidance for one tokenizer.
+
+    tokenizer: a transformers fast tokenizer. vocab_size: the model's lm_head width (>= len(tokenizer);
+    ids past the tokenizer are never allowed); None means len(tokenizer). eos_token_ids: the ids that end
+    generation (default: the tokenizer's eos_token_id). json_whitespace_flexible: allow any whitespace
+    between JSON tokens (default False: `json.dumps` layout, `, ` and `: `). limits: llguidance
+    `LLParserLimits` (the defaults bound per-token work, so a pathological grammar errors, never hangs).
+    mask_threads: threads for `fill_bitmasks` (llguidance's executor).
+    """
+
+    name = "llguidance"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        eos_token_ids: list[int] | tuple[int, ...] | None = None,
+        *,
+        json_whitespace_flexible: bool = False,
+        limits: llguidance.LLParserLimits | None = None,
+        mask_threads: int = 2,
+    ):
+        num_tokenizer_ids = len(tokenizer)
+        self.vocab_size = num_tokenizer_ids if vocab_size is None else int(vocab_size)
+        if self.vocab_size < num_tokenizer_ids:
+            raise ValueError(
+                f"vocab_size {self.vocab_size} is smaller than the tokenizer's {num_tokenizer_ids} ids; "
+                "pass the model's lm_head width"
+            )
+        if eos_token_ids is None:
+            if tokenizer.eos_token_id is None:
+                raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids")
+            eos_token_ids = [tokenizer.eos_token_id]
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.tokenizer = tokenizer
+        self._json_options: dict = (
+            {"whitespace_flexible": True}
+            if json_whitespace_flexible
+            else {
+                "whitespace_flexible": False,
+                "item_separator": specs.JSON_ITEM_SEPARATOR,
+                "key_separator": specs.JSON_KEY_SEPARATOR,
+            }
+        )
+        self._limits = limits
+        self._mask_threads = mask_threads
+        self._executor: llguidance.LLExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self.ll_tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+        )
+
+    @property
+    def cache_namespace(self) -> tuple:
+        return (
+            self.name,
+            id(self.tokenizer),  # the backend keeps the tokenizer alive, so the id is not reused
+            self.vocab_size,
+            self.eos_token_ids,
+            tuple(sorted(self._json_options.items())),
+        )
+
+    # ------------------------------------------------------------------ compile
+    def _grammar_text(self, kind: str, spec: Any) -> str:
+        specs.check_kind(kind)
+        if kind == "regex":
+            # \\d means [0-9] (as in JSON Schema patterns and in xgrammar), not Rust's Unicode digits.
+            lark_regex = llguidance.regex_to_lark(specs.check_text(kind, spec), use_ascii="d")
+            return llguidance.LLMatcher.grammar_from_lark(f"start: /{lark_regex}/")
+        if kind in ("json_schema", "json_object"):
+            schema = specs.JSON_OBJECT_SCHEMA if kind == "json_object" else specs.load_json_schema(spec)
+            specs.check_json_schema_refs(schema)
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self._json_options)
+            except ValueError as e:
+                raise InvalidRequest(f"invalid json_schema: {e}", param="json_schema") from e
+        if kind == "grammar":
+            try:
+                return llguidance.grammar_from("grammar", specs.check_text(kind, spec))
+            except ValueError as e:  # GBNF -> Lark conversion failed
+                raise InvalidRequest(f"invalid grammar: {e}", param="grammar") from e
+        choices = specs.check_choices(spec)
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(specs.lark_string_literal(c) for c in choices)
+        )
+
+    def compile(self, kind: str, spec: Any) -> CompiledGrammar:
+        spec_text = specs.canonical_spec(kind, spec)
+        grammar = self._grammar_text(kind, spec)
+        param = specs._param_for(kind)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.ll_tokenizer, limits=self._limits
+        )
+        if is_error:
+            raise InvalidRequest(f"invalid {kind}: {messages[0].strip()}", param=param)
+        # Some grammars are well-formed yet match nothing ({"$ref": "#"}): llguidance only finds out when
+        # it computes the first mask. Find out now, at submit time, instead of mid-generation.
+        probe = llguidance.LLMatcher(self.ll_tokenizer, grammar, limits=self._limits, log_level=0)
+        if not probe.is_error():
+            probe.compute_bitmask()
+        if probe.is_error():
+            raise InvalidRequest(f"{kind} matches no output: {_first_line(probe.get_error())}", param=param)
+        return CompiledGrammar(kind=kind, spec_text=spec_text, backend_name=self.name, handle=grammar)
+
+    def matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
+        if compiled.backend_name != self.name:
+            raise ValueError(f"grammar compiled by {compiled.backend_name}, not {self.name}")
+        m = llguidance.LLMatcher(self.ll_tokenizer, compiled.handle, limits=self._limits, log_level=0)
+        if m.is_error():
+            raise InvalidRequest(f"invalid {compiled.kind}: {_first_line(m.get_error())}")
+        return LLGuidanceMatcher(m, self)
+
+    def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        native = [(m._m, row) for m, row in rows if isinstance(m, LLGuidanceMatcher) and not m._eos_accepted]
+        rest = [(m, row) for m, row in rows if not (isinstance(m, LLGuidanceMatcher) and not m._eos_accepted)]
+        if len(native) > 1:
+            with self._executor_lock:
+                if self._executor is None:
+                    self._executor = llguidance.LLExecutor(num_threads=self._mask_threads)
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, native, bitmask)
+        else:
+            rest = rows
+        for m, row in rest:
+            m.fill_bitmask(bitmask, row)

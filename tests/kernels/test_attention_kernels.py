@@ -1,0 +1,293 @@
+"""Triton attention kernels vs the torch reference (kernels/reference.py), and the Triton backend vs a
+dense torch attention over the pool. Under TRITON_INTERPRET=1 (see conftest.py) this runs on CPU."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from prefixrt.kernels import reference as ref  # noqa: E402
+from prefixrt.kernels.cascade_decode import cascade_decode_attention  # noqa: E402
+from prefixrt.kernels.cascade_plan import plan_cascade  # noqa: E402
+from prefixrt.kernels.decode_attention import decode_attention  # noqa: E402
+from prefixrt.kernels.extend_attention import extend_attention  # noqa: E402
+
+from prefixrt.cache.kv_pool import KVPool  # noqa: E402
+from prefixrt.model.attention.base import AttentionLayer  # noqa: E402
+from prefixrt.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from prefixrt.model.forward_batch import ForwardBatch  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+class PagedKV:
+    """Random K/V in a pool whose slots are handed out in random order, so sequences are scattered."""
+
+    def __init__(self, num_kv_heads, head_dim, dtype, num_slots=512, num_rows=16, max_context=96, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+        self.v = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+        self.req_to_token = torch.zeros(num_rows, max_context, dtype=torch.int32, device=DEVICE)
+        self.free_slots = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()  # slot 0 is padding
+        self.free_rows = (torch.randperm(num_rows - 1, generator=gen) + 1).tolist()
+
+    def new_sequence(self, length: int, shared_prefix: list[int] | None = None) -> int:
+        """Allocate a request row holding `length` positions, the first ones mapped to shared_prefix."""
+        row = self.free_rows.pop()
+        shared = list(shared_prefix or [])
+        own = [self.free_slots.pop() for _ in range(length - len(shared))]
+        self.req_to_token[row, :length] = torch.tensor(shared + own, dtype=torch.int32)
+        return row
+
+
+def make_extend_case(rng, heads_per_kv, head_dim, dtype, num_seqs=3, num_kv_heads=2, seed=0):
+    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed)
+    prefix_lens = [rng.randint(0, 40) for _ in range(num_seqs)]
+    extend_lens = [rng.randint(1, 24) for _ in range(num_seqs)]
+    prefix_lens[0] = 0  # always one plain prefill
+    rows = [kv.new_sequence(p + e) for p, e in zip(prefix_lens, extend_lens)]
+    starts = [sum(extend_lens[:i]) for i in range(num_seqs)]
+    num_tokens = sum(extend_lens)
+    q = torch.randn(num_tokens, num_kv_heads * heads_per_kv, head_dim).to(DEVICE, dtype)
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    args = (
+        kv.k, kv.v, kv.req_to_token, torch.tensor(rows, device=DEVICE), torch.tensor(prefix_lens, **i32),
+        torch.tensor(extend_lens, **i32), torch.tensor(starts, **i32), max(extend_lens), 1 / math.sqrt(head_dim),
+    )  # fmt: skip
+    # The new tokens' K/V, contiguous, as the forward computed them (for the k_extend option).
+    new_slots = torch.cat([kv.req_to_token[r, p : p + e].long() for r, p, e in zip(rows, prefix_lens, extend_lens)])
+    return q, args, kv.k[new_slots], kv.v[new_slots]
+
+
+EXTEND_CASES = [  # (heads_per_kv, head_dim, window, softcap, contiguous, dtype)
+    (1, 64, None, None, False, torch.float32),
+    (2, 64, 8, None, False, torch.float32),
+    (4, 64, None, None, True, torch.float32),
+    (4, 128, 16, None, False, torch.float32),
+    (2, 128, None, 30.0, False, torch.float32),
+    (1, 128, 5, None, True, torch.float32),
+    (2, 80, None, None, False, torch.float32),
+    (4, 64, 8, None, False, torch.bfloat16),
+    (2, 128, None, None, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("heads_per_kv,head_dim,window,softcap,contiguous,dtype", EXTEND_CASES)
+def test_extend_attention(heads_per_kv, head_dim, window, softcap, contiguous, dtype):
+    rng = random.Random(f"{heads_per_kv}-{head_dim}-{window}-{dtype}")
+    q, args, k_new, v_new = make_extend_case(rng, heads_per_kv, head_dim, dtype)
+    extra = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    extend_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, **extra)
+    ref.extend_attention(q, expected, *args, sliding_window=window, logit_softcap=softcap)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_extend_reference_matches_dense_sdpa():
+    """The oracle itself, checked against torch's SDPA with an explicit mask on one prefilled sequence."""
+    rng = random.Random(1)
+    q, args, k_new, v_new = make_extend_case(rng, 2, 64, torch.float32, num_seqs=1)
+    for window in (None, 6):
+        expected = torch.empty_like(q)
+        ref.extend_attention(q, expected, *args, sliding_window=window)
+        n = q.shape[0]
+        pos = torch.arange(n, device=DEVICE)
+        mask = pos[None, :] <= pos[:, None]
+        if window is not None:
+            mask &= pos[None, :] > pos[:, None] - window
+        k = k_new.repeat_interleave(2, dim=1).transpose(0, 1)  # k: [H, n, D]
+        v = v_new.repeat_interleave(2, dim=1).transpose(0, 1)
+        dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+        assert rel_err(expected, dense.transpose(0, 1)) < 1e-5
+
+
+def make_decode_case(rng, heads_per_kv, head_dim, dtype, num_seqs=4, num_kv_heads=2, seed=0):
+    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed)
+    seq_lens = [rng.randint(1, 60) for _ in range(num_seqs)]
+    rows = [kv.new_sequence(n) for n in seq_lens]
+    q = torch.randn(num_seqs, num_kv_heads * heads_per_kv, head_dim).to(DEVICE, dtype)
+    args = (
+        kv.k, kv.v, kv.req_to_token, torch.tensor(rows, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), 1 / math.sqrt(head_dim),
+    )  # fmt: skip
+    return q, args
+
+
+DECODE_CASES = [  # (heads_per_kv, head_dim, window, softcap, num_splits, dtype)
+    (1, 64, None, None, 1, torch.float32),
+    (2, 64, 10, None, 4, torch.float32),
+    (4, 128, None, None, 3, torch.float32),
+    (4, 64, 5, 20.0, 8, torch.float32),
+    (2, 80, None, None, 2, torch.float32),
+    (4, 128, None, None, 4, torch.bfloat16),
+    (2, 64, 10, None, 2, torch.float16),
+]
+
+
+@pytest.mark.parametrize("heads_per_kv,head_dim,window,softcap,num_splits,dtype", DECODE_CASES)
+def test_decode_attention(heads_per_kv, head_dim, window, softcap, num_splits, dtype):
+    rng = random.Random(f"{heads_per_kv}-{head_dim}-{num_splits}-{dtype}")
+    q, args = make_decode_case(rng, heads_per_kv, head_dim, dtype)
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    decode_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, num_kv_splits=num_splits)
+    ref.decode_attention(q, expected, *args, sliding_window=window, logit_softcap=softcap)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_decode_padded_entry_gives_zeros_and_ignores_stale_workspace():
+    """A CUDA-graph padded entry (seq_len 0) must come out as zeros, and splits past a sequence's end must
+    not read whatever an earlier launch left in the workspace."""
+    rng = random.Random(7)
+    q, (k, v, r2t, rows, seq_lens, scale) = make_decode_case(rng, 2, 64, torch.float32)
+    seq_lens[1] = 0
+    mid_o = torch.full((4, q.shape[1], 8, 64), float("nan"), device=DEVICE)
+    mid_lse = torch.full((4, q.shape[1], 8), 1e4, device=DEVICE)
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    decode_attention(q, out, k, v, r2t, rows, seq_lens, scale, num_kv_splits=8, mid_o=mid_o, mid_lse=mid_lse)
+    ref.decode_attention(q, expected, k, v, r2t, rows, seq_lens, scale)
+    assert torch.all(out[1] == 0)
+    assert rel_err(out, expected) < 1e-4
+
+
+def make_cascade_case(heads_per_kv, head_dim, dtype, num_kv_heads=2, seed=0):
+    """Two groups sharing 30 and 17 slots (one member with an empty own suffix) and one ungrouped sequence."""
+    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed)
+    shared_a = [kv.free_slots.pop() for _ in range(30)]
+    shared_b = [kv.free_slots.pop() for _ in range(17)]
+    seq_lens = [35, 20, 31, 40, 17, 9, 30]
+    group_of = {0: shared_a, 2: shared_a, 3: shared_a, 6: shared_a, 1: shared_b, 4: shared_b}
+    rows = [kv.new_sequence(n, group_of.get(i)) for i, n in enumerate(seq_lens)]
+    groups = [(30, [0, 2, 3, 6]), (17, [1, 4])]
+    q = torch.randn(len(seq_lens), num_kv_heads * heads_per_kv, head_dim).to(DEVICE, dtype)
+    args = (
+        kv.k, kv.v, kv.req_to_token, torch.tensor(rows, device=DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), 1 / math.sqrt(head_dim),
+    )  # fmt: skip
+    return q, args, groups, seq_lens
+
+
+CASCADE_CASES = [  # (heads_per_kv, head_dim, softcap, queries_per_tile, prefix_splits, suffix_splits, dtype)
+    (1, 64, None, 16, 1, 1, torch.float32),
+    (2, 64, None, 2, 3, 2, torch.float32),
+    (4, 128, 25.0, 3, 2, 4, torch.float32),
+    (4, 64, None, 16, 2, 2, torch.bfloat16),
+    (2, 128, None, 4, 4, 1, torch.float16),
+]
+
+
+@pytest.mark.parametrize("heads_per_kv,head_dim,softcap,per_tile,prefix_splits,suffix_splits,dtype", CASCADE_CASES)
+def test_cascade_decode_equals_plain_decode(
+    heads_per_kv, head_dim, softcap, per_tile, prefix_splits, suffix_splits, dtype
+):
+    q, args, groups, seq_lens = make_cascade_case(heads_per_kv, head_dim, dtype)
+    plan = plan_cascade(groups, seq_lens, DEVICE, queries_per_tile=per_tile)
+    out, by_cascade_ref, expected = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    cascade_decode_attention(
+        q, out, *args, plan=plan, logit_softcap=softcap, num_prefix_splits=prefix_splits,
+        num_suffix_splits=suffix_splits,
+    )  # fmt: skip
+    ref.cascade_decode_attention(q, by_cascade_ref, *args, plan=plan, logit_softcap=softcap)
+    ref.decode_attention(q, expected, *args, logit_softcap=softcap)
+    assert rel_err(by_cascade_ref, expected) < 1e-5 if dtype == torch.float32 else True
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_plan_cascade_filters_and_validates():
+    seq_lens = [40, 40, 40, 10]
+    assert plan_cascade(None, seq_lens, "cpu") is None
+    assert plan_cascade([(30, [0])], seq_lens, "cpu") is None  # a group of one shares nothing
+    assert plan_cascade([(30, [0, 1])], seq_lens, "cpu", min_prefix_len=64) is None
+    plan = plan_cascade([(30, [0, 1, 2])], seq_lens, "cpu", queries_per_tile=2)
+    assert plan.num_tiles == 2 and plan.tile_num_seqs.tolist() == [2, 1]
+    assert plan.suffix_start.tolist() == [30, 30, 30, 0] and plan.max_suffix_len == 10
+    with pytest.raises(ValueError, match="exceeds"):
+        plan_cascade([(30, [0, 3])], seq_lens, "cpu")
+    with pytest.raises(ValueError, match="two prefix groups"):
+        plan_cascade([(5, [0, 1]), (5, [1, 2])], seq_lens, "cpu")
+    with pytest.raises(ValueError, match="batch has"):
+        plan_cascade([(5, [0, 9])], seq_lens, "cpu")
+
+
+# ---- backend ---------------------------------------------------------------------------------------------
+
+
+def dense_attention_over_pool(q, pool, layer, batch):
+    """Straightforward attention: per sequence, gather its K/V by position and apply the causal/window mask."""
+    num_heads, head_dim = layer.num_heads, layer.head_dim
+    q = q.view(-1, num_heads, head_dim).float()
+    out = torch.zeros_like(q)
+    k_all, v_all = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+    for i in range(batch.batch_size):
+        prefix, ext, start = batch.prefix_lens_cpu[i], batch.extend_lens_cpu[i], int(batch.extend_start_loc[i])
+        slots = batch.req_to_token[batch.req_pool_indices[i], : prefix + ext].long()
+        group = num_heads // layer.num_kv_heads
+        k = k_all[slots].float().repeat_interleave(group, dim=1)  # k: [S, H, D]
+        v = v_all[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + ext], k) * layer.scaling
+        if layer.logit_softcap is not None:
+            scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
+        q_pos = torch.arange(prefix, prefix + ext, device=q.device)[:, None]
+        k_pos = torch.arange(prefix + ext, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if layer.sliding_window is not None:
+            visible &= k_pos > q_pos - layer.sliding_window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start : start + ext] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out.view(-1, num_heads * head_dim)
+
+
+def test_triton_backend_extend_then_cascade_decode():
+    """Prefill a shared prompt, extend two more requests on the cached prefix, then decode all of them with
+    prefix_groups: every forward of both layers (full and sliding-window) must match dense attention."""
+    num_kv_heads, head_dim, num_heads = 2, 64, 4
+    layers = [
+        AttentionLayer(0, num_heads, num_kv_heads, head_dim, scaling=head_dim**-0.5),
+        AttentionLayer(1, num_heads, num_kv_heads, head_dim, scaling=head_dim**-0.5, sliding_window=8),
+    ]
+    pool = KVPool(256, len(layers), num_kv_heads, head_dim, torch.float32, DEVICE)
+    backend = TritonAttentionBackend(pool, max_batch_size=8, cascade_min_prefix_len=1)
+    req_to_token = torch.zeros(8, 64, dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    free = (torch.randperm(255, generator=gen) + 1).tolist()
+    lengths = {1: 0, 2: 0, 3: 0, 4: 0}  # request row -> tokens with K/V
+
+    def step(rows, num_new, prefix_groups=None, share_from=None, shared_len=0):
+        out_loc = []
+        for row, n in zip(rows, num_new):
+            if share_from is not None and lengths[row] == 0 and row != share_from:
+                req_to_token[row, :shared_len] = req_to_token[share_from, :shared_len]
+                lengths[row] = shared_len
+            new = [free.pop() for _ in range(n)]
+            req_to_token[row, lengths[row] : lengths[row] + n] = torch.tensor(new, dtype=torch.int32)
+            out_loc += new
+        batch = ForwardBatch.build(
+            req_pool_indices=rows, prefix_lens=[lengths[r] for r in rows],
+            extend_tokens=[[7] * n for n in num_new], out_cache_loc=out_loc, req_to_token=req_to_token,
+            logits_indices=[], device=DEVICE, prefix_groups=prefix_groups,
+        )  # fmt: skip
+        for row, n in zip(rows, num_new):
+            lengths[row] += n
+        backend.prepare(batch)
+        for layer in layers:
+            t = batch.num_tokens
+            q = torch.randn(t, num_heads * head_dim, generator=gen).to(DEVICE)
+            k = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(DEVICE)
+            v = torch.randn(t, num_kv_heads * head_dim, generator=gen).to(DEVICE)
+            out = backend.forward(q, k, v, layer, batch)
+            assert rel_err(out, dense_attention_over_pool(q, pool, layer, batch)) < 1e-4
+        return batch
+
+    step([1, 4], [21, 12])  # prefill: row 1 holds the shared 20-token prompt + 1 own token; row 4 unrelated
+    step([2, 3], [3, 7], share_from=1, shared_len=20)  # extend on the cached prefix
+    batch = step([1, 2, 3, 4], [1, 1, 1, 1], prefix_groups=[(20, [0, 1, 2])])  # decode, cascade
+    assert batch.mode.value == "decode" and backend.cascade_plan is not None
