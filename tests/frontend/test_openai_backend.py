@@ -15,6 +15,7 @@ from prefixrt.frontend import (
     function,
     gen,
     select,
+    system,
     user,
 )
 from prefixrt.frontend.ir import Gen, Text
@@ -146,3 +147,25 @@ def test_chat_gen_outside_assistant_is_an_error():
 
     with pytest.raises(ProgramError, match="inside assistant"):
         bad.run(backend=_backend(ScriptedModel(RECORD), 0, True), timeout=TIMEOUT)
+
+
+def test_judge_forks_same_on_chat_endpoint_as_on_engine(make_frontend_engine):
+    """The chat path renders the same prompts as the Provider path, so greedy judgments agree."""
+    eng = make_frontend_engine()
+
+    @function
+    def judge(s, essay):
+        s += system("Evaluate an essay.")
+        s += user(essay)
+        forks = s.fork(3)
+        for f, dim in zip(forks, ["clarity", "originality", "evidence"]):
+            f += user(f"Judge {dim}.") + assistant(gen("j", max_tokens=8, stop="END"))
+        s.forks = forks
+
+    essay = "The quick brown fox jumps over the lazy dog. A stitch in time saves nine."
+    on_engine = judge.run(essay=essay, backend=eng, temperature=0, timeout=TIMEOUT)
+    be = OpenAIBackend("tiny", client=client_for(EngineModel(eng, ProviderBackend(eng))), chat=True)
+    on_api = judge.run(essay=essay, backend=be, temperature=0, timeout=TIMEOUT)
+    assert [f["j"] for f in on_api.forks] == [f["j"] for f in on_engine.forks]
+    assert be.num_api_calls == 3
+    assert [f.messages() for f in on_api.forks] == [f.messages() for f in on_engine.forks]

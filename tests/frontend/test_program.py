@@ -273,3 +273,33 @@ def test_gen_regex_reaches_engine(engine):
 
     st = prog.run(backend=engine, timeout=TIMEOUT)
     assert isinstance(st["n"], str)
+
+
+def test_fork_join_returns_branch_variables(engine):
+    @function
+    def prog(s):
+        s += "Question:"
+        forks = s.fork(2)
+        for i, f in enumerate(forks):
+            f += f" idea {i}:" + gen("idea", max_tokens=3)
+        s.joined = forks.join(timeout=TIMEOUT)
+        s += " Best:" + gen("best", max_tokens=3)
+
+    st = prog.run(backend=engine, temperature=0, timeout=TIMEOUT)
+    assert [set(v) for v in st.joined] == [{"idea"}, {"idea"}]
+    assert "idea" not in st.variables() and "best" in st.variables()  # s continues on its own
+
+
+def test_run_batch_return_exceptions(engine):
+    @function
+    def prog(s, fail):
+        s += "Question:" + gen("a", max_tokens=2)
+        if fail:
+            s["missing"]
+
+    out = prog.run_batch([{"fail": False}, {"fail": True}], backend=engine, temperature=0, timeout=TIMEOUT,
+                         return_exceptions=True)
+    assert out[0]["a"] == prog.run(fail=False, backend=engine, temperature=0)["a"]
+    assert isinstance(out[1], VariableNotFound) and out[1].state is not None
+    with pytest.raises(VariableNotFound):
+        prog.run_batch([{"fail": True}], backend=engine, timeout=TIMEOUT)
