@@ -1,0 +1,90 @@
+"""Three-field extraction on an OpenAI-compatible endpoint, with and without API speculative execution.
+
+    python examples/openai_extraction.py                                   # Gemma-3-270M in-process (CPU)
+    python examples/openai_extraction.py --base-url http://127.0.0.1:30000/v1 --model gemma-3-270m [--chat]
+
+With speculation, the three gens are answered by one call (max_tokens = --speculative-tokens) split against
+the template; a continuation that does not follow the template falls back to ordinary calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import openai
+
+import prefixrt
+from prefixrt import assistant, function, gen, user
+
+SHOT = ("Text: Marie Curie was a physicist and chemist who worked in Paris.\n"
+        "Name: Marie Curie\nJob: physicist\nCity: Paris\n\n")
+DOC = "Kenji Tanaka runs a small ramen shop in Osaka, where he has cooked noodles for twenty years."
+
+
+@function
+def extract(s, doc):
+    s += SHOT + "Text: " + doc + "\n"
+    s += "Name:" + gen("name", max_tokens=16, stop="\n") + "\nJob:" + gen("job", max_tokens=16, stop="\n") \
+        + "\nCity:" + gen("city", max_tokens=16, stop="\n")
+
+
+@function
+def extract_chat(s, doc):
+    s += user("Extract the person's name, job and city, one per line as in this example.\n" + SHOT + doc)
+    s += assistant("Name:" + gen("name", max_tokens=16, stop="\n") + "\nJob:" + gen("job", max_tokens=16, stop="\n")
+                   + "\nCity:" + gen("city", max_tokens=16, stop="\n"))
+
+
+def local_client(model: str) -> openai.OpenAI:
+    """An openai.OpenAI served in-process by an Engine: prefixrt.openai when installed, else a minimal
+    /v1/completions transport (this example's stand-in until the shim is available)."""
+    try:
+        from prefixrt.openai import OpenAI
+
+        return OpenAI(model=model)
+    except ImportError:
+        pass
+    import httpx
+
+    eng = prefixrt.Engine(model)
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        import json
+
+        body = json.loads(request.content)
+        if not request.url.path.endswith("/completions") or "messages" in body:
+            return httpx.Response(404, json={"error": {"message": "only /v1/completions here", "type": "x"}})
+        c = eng.generate(body["prompt"], {"max_new_tokens": body.get("max_tokens") or 16,
+                                          "temperature": body.get("temperature", 1.0), "stop": body.get("stop")})
+        usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                 "total_tokens": c.prompt_tokens + c.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+        return httpx.Response(200, json={"id": c.request_id, "object": "text_completion", "created": 0,
+                                         "model": model, "usage": usage, "choices": [
+                                             {"index": 0, "text": c.text, "finish_reason": c.finish_reason}]})
+
+    return openai.OpenAI(base_url="http://in-process/v1", api_key="EMPTY", max_retries=0,
+                         http_client=httpx.Client(transport=httpx.MockTransport(handle)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--base-url")
+    ap.add_argument("--chat", action="store_true", help="use /chat/completions (default: /completions)")
+    ap.add_argument("--speculative-tokens", type=int, default=48)
+    args = ap.parse_args()
+    client = openai.OpenAI(base_url=args.base_url, api_key="EMPTY") if args.base_url else local_client(args.model)
+    program = extract_chat if args.chat else extract
+    for spec in (0, args.speculative_tokens):
+        backend = prefixrt.OpenAIBackend(args.model, client=client, speculative_tokens=spec, chat=args.chat)
+        t0 = time.perf_counter()
+        st = program.run(doc=DOC, backend=backend, temperature=0)
+        fields = {k: st[k].strip() for k in ("name", "job", "city")}
+        print(f"speculative_tokens={spec:>3}: {fields}  api_calls={backend.num_api_calls} "
+              f"prompt_tokens={backend.prompt_tokens} time={time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

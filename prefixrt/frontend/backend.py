@@ -1,0 +1,237 @@
+"""Backends: where a program's gen/select/fork-hint calls go.
+
+`Backend` is the small interface the interpreter needs. `ProviderBackend` runs programs on any
+`prefixrt.Provider` (Engine, RemoteEngine) with prefix hints; `OpenAIBackend` (openai_backend.py) runs them on a
+black-box OpenAI-compatible endpoint with API speculative execution.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixrt.frontend.chat_format import ChatFormat, Message, Piece, PlainFormat, TemplateFormat
+from prefixrt.frontend.ir import Expr, Gen
+from prefixrt.frontend.select import ChoiceScores, choose, score_choices
+
+
+@dataclass
+class Context:
+    """A snapshot of a state at the point of a backend call (the backend renders it as it needs)."""
+
+    pieces: list[Piece]
+    open_role: str | None = None
+    partial: str = ""  # content of the open role block so far
+
+    def messages(self) -> list[dict]:
+        """Completed chat messages (the open block is not included)."""
+        return [p.to_dict() for p in self.pieces if isinstance(p, Message)]
+
+
+@dataclass
+class SamplingArgs:
+    """A gen's sampling parameters after the run's defaults were applied."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    stop: list[str] | None = None
+    regex: str | None = None
+    json_schema: Any = None
+    choices: list[str] | None = None
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def resolve(cls, g: Gen, defaults: dict) -> SamplingArgs:
+        return cls(
+            max_tokens=g.max_tokens if g.max_tokens is not None else defaults.get("max_new_tokens", 128),
+            temperature=g.temperature if g.temperature is not None else defaults.get("temperature", 1.0),
+            top_p=g.top_p if g.top_p is not None else defaults.get("top_p", 1.0),
+            stop=g.stop, regex=g.regex, json_schema=g.json_schema, choices=g.choices, extra=dict(g.extra),
+        )
+
+
+@dataclass
+class GenResult:
+    text: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class SelectResult:
+    choice: str
+    scores: dict[str, float]
+    method: str  # how the scores were obtained ("engine", "logprobs", "constrained", "nearest", ...)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class BackendError(RuntimeError):
+    """The backend failed or refused a call (the message says which call and why)."""
+
+
+class Backend(ABC):
+    """What the interpreter calls. Implementations must be thread-safe: every state's stream calls them."""
+
+    chat_format: ChatFormat = PlainFormat()
+    speculative_tokens: int = 0
+
+    def render(self, ctx: Context) -> str:
+        return self.chat_format.render(ctx.pieces, ctx.open_role, ctx.partial)
+
+    @abstractmethod
+    def generate(self, ctx: Context, args: SamplingArgs) -> GenResult:
+        """Generate a continuation of ctx. Raises BackendError on failure."""
+
+    @abstractmethod
+    def select(self, ctx: Context, choices: list[str]) -> SelectResult:
+        """Pick the best continuation of ctx among choices."""
+
+    def cache_prefix(self, ctx: Context) -> int:
+        """Prefix hint: make ctx's prompt cached before several requests extend it. Returns cached tokens."""
+        return 0
+
+    def speculate(self, ctx: Context, items: list[Expr], defaults: dict) -> list[GenResult] | None:
+        """API speculative execution: values for the leading gens of `items` (the Text/Gen run that follows
+        ctx, starting with a Gen) from one call. None: declined, no call made. A list (maybe shorter than the
+        number of gens, maybe empty): the interpreter runs the unmatched remainder as separate calls."""
+        return None
+
+
+# ---------------------------------------------------------------------- ProviderBackend
+class ProviderBackend(Backend):
+    """Runs programs on a prefixrt Provider (Engine in-process, RemoteEngine over HTTP).
+
+    Prompts are sent as token ids when the provider has a tokenizer, so prefix lengths are exact and
+    prefix hints line up with later requests. `prefix_hints=False` turns off fork/batch `cache_prefix` calls
+    (the ablation). `select_method`: "auto" (the engine's `choices` scores when it reports them, else
+    scoring each choice from the engine's token logprobs), "engine" or "logprobs".
+    """
+
+    def __init__(self, provider, prefix_hints: bool = True, select_method: str = "auto",
+                 normalization: str = "token_length_normalized"):
+        if select_method not in ("auto", "engine", "logprobs"):
+            raise ValueError("select_method must be 'auto', 'engine' or 'logprobs'")
+        self.provider = provider
+        self.prefix_hints = prefix_hints
+        self.select_method = select_method
+        self.normalization = normalization
+        self.tokenizer = provider.tokenizer
+        self._tok_lock = threading.Lock()
+        self._engine_choices_ok: bool | None = None  # learnt on first select in "auto"
+        if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
+            self.chat_format = TemplateFormat(self.tokenizer, self._tok_lock)
+        else:
+            self.chat_format = PlainFormat()
+
+    @property
+    def model_name(self) -> str:
+        return self.provider.model_name
+
+    # ------------------------------------------------------------------ prompts
+    def encode(self, text: str) -> list[int]:
+        """Prompt text -> token ids; BOS is added unless the rendered text already starts with it."""
+        tok = self.tokenizer
+        bos = tok.bos_token or ""
+        with self._tok_lock:
+            return tok.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+    def prompt(self, ctx: Context):
+        text = self.render(ctx)
+        if not text:
+            raise BackendError("the prompt is empty: append some text before gen/select")
+        return self.encode(text) if self.tokenizer is not None else text
+
+    def _params(self, args: SamplingArgs, **over):
+        from prefixrt.params import SamplingParams
+
+        kw = dict(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, stop=args.stop,
+                  regex=args.regex, json_schema=args.json_schema, choices=args.choices)
+        kw.update(args.extra)
+        kw.update(over)
+        return SamplingParams(**kw)
+
+    def _call(self, prompt, params):
+        try:
+            out = self.provider.generate(prompt, params)
+        except Exception as e:
+            raise BackendError(f"{type(e).__name__}: {e}") from e
+        for c in out if isinstance(out, list) else [out]:
+            if c.finish_reason == "abort":
+                raise BackendError(f"request {c.request_id} was aborted: {c.error or 'no reason given'}")
+        return out
+
+    # ------------------------------------------------------------------ Backend
+    def generate(self, ctx: Context, args: SamplingArgs) -> GenResult:
+        c = self._call(self.prompt(ctx), self._params(args))
+        return GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason)
+
+    def cache_prefix(self, ctx: Context) -> int:
+        if not self.prefix_hints:
+            return 0
+        prompt = self.prompt(ctx)
+        try:
+            return self.provider.cache_prefix(prompt)
+        except Exception as e:
+            raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
+
+    def cache_prefix_text(self, text: str) -> int:
+        if not self.prefix_hints or not text:
+            return 0
+        return self.provider.cache_prefix(self.encode(text) if self.tokenizer is not None else text)
+
+    def select(self, ctx: Context, choices: list[str]) -> SelectResult:
+        text = self.render(ctx)
+        prompt = self.prompt(ctx)
+        choice_ids = [self._choice_ids(text, prompt, c) for c in choices] if self.tokenizer is not None else None
+        if self.select_method in ("auto", "engine") and self._engine_choices_ok is not False:
+            res = self._select_by_engine(prompt, choices, choice_ids)
+            if res is not None:
+                return res
+            if self.select_method == "engine":
+                raise BackendError("the provider does not report choice scores for `choices` requests")
+        if self.tokenizer is None:
+            raise BackendError("select needs either the engine's choice scores or a tokenizer to score choices")
+        scores = score_choices(self.provider, prompt, choice_ids, self.normalization, prefix_hint=self.prefix_hints)
+        return self._result(choices, scores, "logprobs")
+
+    # ------------------------------------------------------------------ select scoring sources
+    def _select_by_engine(self, prompt, choices: list[str], choice_ids) -> SelectResult | None:
+        """The engine's constrained `choices` request with its per-choice scores; None if not supported."""
+        from prefixrt.errors import InvalidRequest
+
+        try:
+            c = self.provider.generate(prompt, self._params(
+                SamplingArgs(max_tokens=max(map(len, choice_ids)) + 1 if choice_ids else 64, temperature=0.0),
+                choices=choices, logprobs=0))
+        except (ImportError, NotImplementedError, InvalidRequest):
+            self._engine_choices_ok = False
+            return None
+        except Exception as e:
+            raise BackendError(f"select failed: {type(e).__name__}: {e}") from e
+        if c.finish_reason == "abort" or not c.choice_scores:
+            self._engine_choices_ok = False
+            return None
+        self._engine_choices_ok = True
+        scores = ChoiceScores([c.choice_scores[ch] for ch in choices], approximate=False)
+        return self._result(choices, scores, "engine", c.prompt_tokens, c.cached_tokens)
+
+    def _choice_ids(self, text: str, prompt: list[int], choice: str) -> list[int]:
+        """The tokens choice adds after prompt: from a joint tokenization when it extends the prompt's."""
+        joint = self.encode(text + choice)
+        if joint[: len(prompt)] == prompt and len(joint) > len(prompt):
+            return joint[len(prompt):]
+        with self._tok_lock:
+            return self.tokenizer.encode(choice, add_special_tokens=False)
+
+    @staticmethod
+    def _result(choices, scores: ChoiceScores, method: str, prompt_tokens: int = 0, cached: int = 0):
+        best = choose(scores.scores)
+        if scores.approximate:
+            method += "~"  # some token was outside the reported top logprobs: its logprob is a bound
+        return SelectResult(choices[best], dict(zip(choices, scores.scores)), method,
+                            prompt_tokens or scores.prompt_tokens, cached or scores.cached_tokens)
