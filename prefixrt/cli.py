@@ -15,6 +15,9 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = {"max_new_tokens": args.max_tokens, "temperature": args.temperature}
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+        for _ in range(args.repeat - 1):  # earlier runs warm the radix cache; the last one reports its reuse
+            c = eng.generate(prompt, params)
+            print(f"[run: prompt_tokens={c.prompt_tokens} cached_tokens={c.cached_tokens}]", file=sys.stderr)
         try:
             if args.stream:
                 last = None
@@ -75,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--stream", action="store_true")
+    g.add_argument("--repeat", type=int, default=1, help="send the prompt this many times (shows cache reuse)")
     m = sub.add_parser("models", help="list the built-in model registry")
     m.add_argument("--json", action="store_true")
     sub.add_parser("bench", help="benchmarks (see `prefixrt bench --help`)", add_help=False)

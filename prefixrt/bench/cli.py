@@ -1,0 +1,141 @@
+"""`prefixrt bench`: run a token-level workload against the in-process engine (and its baselines in the
+same run) or against a `prefixrt serve` URL; prints a table and optionally writes JSON.
+
+    prefixrt bench --workload shared-prefix --model gemma-3-270m --groups 2 --prompts-per-group 16 \\
+        --system-len 512 --question-len 32 --output-len 32 --baselines radix,no-radix,hf
+    prefixrt bench --workload rag --model llama-3-8b --load-format dummy
+    prefixrt bench --workload random --url http://127.0.0.1:30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+
+from prefixrt.bench import runner as R
+from prefixrt.bench import workloads as W
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="prefixrt bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn"], default="shared-prefix")
+    ap.add_argument("--model", default="gemma-3-270m", help="registry name or local folder")
+    ap.add_argument("--model-config", dest="model", help="alias of --model (e.g. llama-3-8b with dummy weights)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--url", default=None, help="benchmark a running `prefixrt serve` instead")
+    ap.add_argument("--baselines", default="radix,no-radix",
+                    help="comma list of: radix, no-radix, hf (transformers generate)")
+    ap.add_argument("--concurrency", type=int, default=1024, help="requests in flight at most")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--no-progress", action="store_true")
+    # workload shapes
+    ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--prompts-per-group", type=int, default=16)
+    ap.add_argument("--system-len", type=int, default=2048)
+    ap.add_argument("--question-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    # engine flags
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--schedule-policy", default="lpm")
+    ap.add_argument("--chunked-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--max-running-requests", type=int, default=None)
+    return ap
+
+
+def make_workload(args, vocab: int) -> W.Workload:
+    if args.workload == "shared-prefix":
+        return W.shared_prefix(vocab, args.groups, args.prompts_per_group, args.system_len, args.question_len,
+                               args.output_len or 256, args.seed)
+    if args.workload == "rag":
+        return W.rag(vocab, args.requests or 64, 3500, 80, args.output_len or 200, args.seed)
+    if args.workload == "random":
+        return W.random_prompts(vocab, args.requests or 256, args.input_len, args.output_len or 256, args.seed)
+    return W.multi_turn(vocab, args.sessions, args.turns, output_len=args.output_len or 64, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    results: list[R.Result] = []
+    meta = {"date": datetime.date.today().isoformat(), "argv": ["prefixrt", "bench", *(argv or sys.argv[1:])],
+            "host": platform.node(), "python": platform.python_version()}
+    show = not args.no_progress
+    if args.url:
+        from prefixrt.remote import RemoteEngine
+
+        remote = RemoteEngine(args.url)
+        vocab = int(remote.stats().to_dict().get("vocab_size", 0)) or 32000
+        w = make_workload(args, vocab)
+        results.append(R.run_workload(remote, w, f"server {args.url}", args.concurrency, show))
+    else:
+        import torch
+
+        import prefixrt
+
+        engine_kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
+                             attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
+                             page_size=args.page_size, schedule_policy=args.schedule_policy,
+                             chunked_prefill_tokens=args.chunked_prefill_tokens,
+                             max_running_requests=args.max_running_requests, seed=args.seed)
+        baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+        w = None
+        path = dtype = device = None
+        for b in baselines:
+            if b not in ("radix", "no-radix", "hf"):
+                raise SystemExit(f"unknown baseline {b!r}")
+            if b == "hf":
+                continue
+            eng = prefixrt.Engine(args.model, radix_cache=(b == "radix"), **engine_kwargs)
+            if w is None:
+                w = make_workload(args, eng.vocab_size)
+            meta.update(device=str(eng.device), model=eng.model_name, dtype=str(eng._built.dtype),
+                        workload=w.description)
+            path, dtype, device = eng._built.resolved.path, eng._built.dtype, eng.device
+            warm = W.random_prompts(eng.vocab_size, 4, 32, 4, seed=12345)
+            R.run_workload(eng, warm, "warm-up", show_progress=False)
+            eng.flush_cache()
+            label = "prefixrt (radix cache)" if b == "radix" else "prefixrt (radix_cache=False)"
+            results.append(R.run_workload(eng, w, label, args.concurrency, show))
+            eng.shutdown()
+            eng = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if "hf" in baselines:
+            if path is None:
+                from prefixrt.engine.builder import resolve_device, resolve_dtype
+                from prefixrt.model.registry import resolve_model
+
+                path = resolve_model(args.model).path
+                device = resolve_device(args.device)
+                dtype = resolve_dtype(args.dtype, device)
+                from transformers import AutoConfig
+
+                w = make_workload(args, AutoConfig.from_pretrained(str(path), local_files_only=True).vocab_size)
+            results.append(R.run_hf_generate(str(path), w, load_format=args.load_format, dtype=dtype, device=device,
+                                             batch_size=args.hf_batch_size, show_progress=show))
+    print(f"# {meta.get('workload', '')} | model {meta.get('model', args.model)} | device {meta.get('device', '')} "
+          f"| {meta['date']}")
+    print(R.format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": [r.to_dict() for r in results]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
