@@ -77,6 +77,54 @@ def check_backends(model: str, dtype: str, n_prompts: int, smoke: bool) -> dict:
             "decode_rel_err_max": max(dec) if dec else 0.0, "greedy_equal": same}
 
 
+LONG_KEYS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 12},
+        "customer_email_address": {"type": "string", "maxLength": 16},
+        "shipping_address_line_one": {"type": "string", "maxLength": 16},
+        "preferred_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
+        "order_total_in_cents": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "gift_wrapping_requested": {"type": "boolean"},
+    },
+    "required": ["customer_full_name", "customer_email_address", "shipping_address_line_one",
+                 "preferred_delivery_window", "order_total_in_cents", "gift_wrapping_requested"],
+    "additionalProperties": False,
+}
+
+
+def json_bench(eng, vocab: int, batch: int) -> dict:
+    """Constrained JSON with long fixed keys at batch `batch`: jump-forward on vs off (forward passes and
+    throughput), and the constrained step time against unconstrained decoding of the same length."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(16, vocab) for _ in range(64)] for _ in range(batch)]
+    out = {}
+    eng.generate(prompts[:2], {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA})  # warm
+    for jf in (True, False):
+        eng.flush_cache()
+        s0 = eng.stats().forward_passes_total
+        t0 = time.perf_counter()
+        res = eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
+                                     "jump_forward": jf})
+        dt = time.perf_counter() - t0
+        passes = eng.stats().forward_passes_total - s0
+        toks = sum(c.completion_tokens for c in res)
+        valid = sum(c.finish_reason == "stop" and bool(json.loads(c.text)) for c in res)
+        out["jf_on" if jf else "jf_off"] = {"seconds": dt, "forward_passes": passes, "output_tokens": toks,
+                                           "tok_s": toks / dt, "valid": valid, "step_ms": dt / passes * 1000}
+    n = max(1, out["jf_off"]["output_tokens"] // batch)
+    eng.flush_cache()
+    s0 = eng.stats().forward_passes_total
+    t0 = time.perf_counter()
+    eng.generate(prompts, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    dt = time.perf_counter() - t0
+    passes = eng.stats().forward_passes_total - s0
+    out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
+    out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
+    out["constrained_step_over_unconstrained"] = out["jf_off"]["step_ms"] / out["unconstrained"]["step_ms"]
+    return out
+
+
 def ttft_once(eng, prompt) -> float:
     t0 = time.perf_counter()
     for _ in eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
@@ -89,6 +137,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-json", action="store_true")
     args = ap.parse_args()
     smoke = args.smoke
     big = "llama-3-8b" if not smoke else "qwen3-0.6b"
@@ -175,6 +224,9 @@ def main():
                                  "achieved_GBps": (weight_bytes + kv_bytes) / step_s / 1e9 if step_s else 0}
     log("decode b256 2k", RESULTS["decode_b256_2k"])
 
+    if not args.skip_json:
+        RESULTS["json_jump_forward"] = json_bench(eng, vocab, 64 if scale else 4)
+        log("json", RESULTS["json_jump_forward"])
     eng.flush_cache()
     r = R.run_workload(eng, rand, "random radix", show_progress=False)
     results.append(r)

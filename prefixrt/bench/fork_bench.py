@@ -77,11 +77,12 @@ def main(argv=None) -> None:
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--context-repeat", type=int, default=1, help="repeat the shared context (longer prefix)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     import prefixrt
 
-    with prefixrt.Engine(args.model) as eng:
+    with prefixrt.Engine(args.model, load_format=args.load_format) as eng:
         run_once(eng, True, 1, 2, 2)  # warm-up (first forward passes are slower)
         rows = [run_once(eng, hint, args.levels, args.branches, args.max_tokens, dedup, args.context_repeat)
                 for dedup in (True, False) for hint in (True, False)]

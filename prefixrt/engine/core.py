@@ -51,6 +51,7 @@ class EngineCore:
         self.device = device
         self.debug = debug
         self.grammar = grammar  # module-like object with allocate_bitmask / apply_token_bitmask, or None
+        self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
         self.metrics_hook = None  # optional callable(event, **values) for Prometheus
@@ -173,9 +174,13 @@ class EngineCore:
             return None
 
         def apply(logits: torch.Tensor) -> None:
+            # Runs while the GPU still computes the forward (nothing has synchronised yet).
             bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
-            for i in rows:
-                reqs[i].matcher.fill_bitmask(bitmask, i)
+            if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
+                self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
+            else:
+                for i in rows:
+                    reqs[i].matcher.fill_bitmask(bitmask, i)
             self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
         return apply

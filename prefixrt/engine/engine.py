@@ -193,11 +193,16 @@ class Engine:
         """The engine's GrammarCompiler (built on first use: the backend's vocab tables take ~1 s)."""
         with self._grammar_lock:
             if self._grammar is None:
+                import os
+
                 from prefixrt.constrained import GrammarCompiler, make_backend
 
+                opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))} \
+                    if self.config.grammar_backend == "llguidance" else {}
                 backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
-                                       sorted(self.core.eos_token_ids))
+                                       sorted(self.core.eos_token_ids), **opts)
                 self._grammar = GrammarCompiler(backend, timeout_s=self.config.grammar_timeout_s)
+                self.core.grammar_backend = backend
             return self._grammar
 
     def _compile(self, p: SamplingParams):

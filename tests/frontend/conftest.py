@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from conftest import assert_idle_and_clean
+from tests.conftest import assert_idle_and_clean
 
 
 @pytest.fixture(scope="session")
