@@ -9,7 +9,7 @@ from prefixrt.bench import workloads as W
 
 
 def test_optimal_hit_rate_counts_each_distinct_prefix_once():
-    assert W.optimal_hit_rate([[1, 2, 3], [1, 2, 4], [1, 2, 3]]) == (9 - 5) / 9
+    assert W.optimal_hit_rate([[1, 2, 3], [1, 2, 4], [1, 2, 3]]) == (9 - 4) / 9  # trie nodes: 1, 2, 3, 4
     assert W.optimal_hit_rate([[1], [2]]) == 0.0
 
 
