@@ -48,6 +48,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     seconds: float = 0.0
+    method: str | None = None  # select: how the choice was scored ("engine", "logprobs", "constrained", ...)
 
 
 class StreamExecutor:
@@ -167,7 +168,8 @@ class StreamExecutor:
 
     def record(self, kind: str, name: str | None, res, t0: float) -> None:
         self.requests.append(RequestRecord(kind, name, getattr(res, "prompt_tokens", 0),
-                                           getattr(res, "cached_tokens", 0), time.monotonic() - t0))
+                                           getattr(res, "cached_tokens", 0), time.monotonic() - t0,
+                                           getattr(res, "method", None)))
 
     # ------------------------------------------------------------------ execution (worker thread)
     def execute(self, items: list[Expr]) -> None:
