@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,12 @@ class Backend(ABC):
         """Prefix hint: make ctx's prompt cached before several requests extend it. Returns cached tokens."""
         return 0
 
+    def submit_prefix_hint(self, ctx: Context) -> Callable[[], int]:
+        """Send ctx's prompt to the cache so that calls made after this returns find it there; returns a
+        function that waits for the hint and gives the cached token count. Default: the blocking call."""
+        n = self.cache_prefix(ctx)
+        return lambda: n
+
     def speculate(self, ctx: Context, items: list[Expr], defaults: dict) -> list[GenResult] | None:
         """API speculative execution: values for the leading gens of `items` (the Text/Gen run that follows
         ctx, starting with a Gen) from one call. None: declined, no call made. A list (maybe shorter than the
@@ -103,6 +110,15 @@ class Backend(ABC):
 
 
 # ---------------------------------------------------------------------- ProviderBackend
+def _in_process(provider) -> bool:
+    """An in-process Engine: requests are queued in the order they are made (a fork's prefix hint first)."""
+    try:
+        from prefixrt.engine.engine import Engine
+    except ImportError:
+        return False
+    return isinstance(provider, Engine)
+
+
 class ProviderBackend(Backend):
     """Runs programs on a prefixrt Provider (Engine in-process, RemoteEngine over HTTP).
 
@@ -134,6 +150,7 @@ class ProviderBackend(Backend):
         self.tokenizer = getattr(provider, "tokenizer", None) or tokenizer
         self._tok_lock = threading.Lock()
         self._engine_choices_ok: bool | None = None  # learnt on first select in "auto"
+        self._in_process = _in_process(provider)
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             self.chat_format = TemplateFormat(self.tokenizer, self._tok_lock)
         else:
@@ -205,6 +222,30 @@ class ProviderBackend(Backend):
             return self.provider.cache_prefix(prompt)
         except Exception as e:
             raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
+
+    def submit_prefix_hint(self, ctx: Context) -> Callable[[], int]:
+        """On an in-process engine the hint is queued at once (a prefill-only request) and not awaited: it is
+        ahead of the branches' requests in the engine's queue. Over a network, requests may arrive in any
+        order, so the hint's round trip completes first."""
+        if not self.prefix_hints:
+            return lambda: 0
+        if not self._in_process:
+            return super().submit_prefix_hint(ctx)
+        from prefixrt.params import SamplingParams
+
+        prompt = self.prompt(ctx)
+        try:
+            chunks = self.provider.stream(prompt, SamplingParams(max_new_tokens=0))
+        except Exception as e:
+            raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
+
+        def wait() -> int:
+            last = None
+            for chunk in chunks:
+                last = chunk
+            return last.prompt_tokens if last is not None and last.finish_reason != "abort" else 0
+
+        return wait
 
     def cache_prefix_prompt(self, prompt) -> int:
         """Prefix hint for an already built prompt (token ids or text), e.g. a batch's common prefix."""

@@ -137,7 +137,7 @@ class _TracingBackend(Backend):
         self._stop(ctx)
 
     def cache_prefix(self, ctx: Context) -> int:
-        self._stop(ctx)
+        return 0  # a fork's hint: its prefix is also the prefix of the branch's first call
 
 
 def first_prompt(program: Program, backend: Backend, defaults: dict, kwargs: dict):

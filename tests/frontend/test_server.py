@@ -111,7 +111,9 @@ def _results(st):
 
 # ---------------------------------------------------------------------- Engine vs RemoteEngine
 def test_judge_same_on_engine_and_remote_engine(engine, remote):
+    engine.flush_cache()
     on_engine = judge.run(essay=ESSAY, backend=engine, temperature=0, timeout=TIMEOUT)
+    remote.flush_cache()
     on_remote = judge.run(essay=ESSAY, backend=remote, temperature=0, timeout=TIMEOUT)
     assert _results(on_remote) == _results(on_engine)
     assert [f.messages() for f in on_remote.forks] == [f.messages() for f in on_engine.forks]
@@ -121,6 +123,12 @@ def test_judge_same_on_engine_and_remote_engine(engine, remote):
     assert _select_method(on_engine) == _select_method(on_remote) == "engine"
     assert [f.requests[0].prompt_tokens for f in on_remote.forks] == \
         [f.requests[0].prompt_tokens for f in on_engine.forks]
+    # Fork hint on a cold cache: every branch's first request reuses the shared prefix, on both providers.
+    be = ProviderBackend(engine)
+    prefix_len = len(be.encode(be.chat_format.render(on_engine.forks[0]._ex.pieces[:2])))
+    for st in (on_engine, on_remote):
+        assert all(f.requests[0].cached_tokens >= prefix_len - 1 for f in st.forks), \
+            ([f.requests[0] for f in st.forks], prefix_len)
 
 
 def test_select_on_remote_engine_equals_engine(engine, remote):
