@@ -131,6 +131,17 @@ def test_judge_same_on_engine_and_remote_engine(engine, remote):
             ([f.requests[0] for f in st.forks], prefix_len)
 
 
+def test_judge_on_openai_chat_endpoint_same_as_engine(engine, server):
+    """OpenAIBackend on /v1/chat/completions: the server renders the same prompts as the Provider path, so the
+    greedy judgments agree; one API call per gen."""
+    on_engine = judge.run(essay=ESSAY, backend=engine, temperature=0, timeout=TIMEOUT)
+    be = OpenAIBackend("tiny", client=_client(server.url), chat=True)
+    on_api = judge.run(essay=ESSAY, backend=be, temperature=0, timeout=TIMEOUT)
+    assert [f["j"] for f in on_api.forks] == [f["j"] for f in on_engine.forks]
+    assert [f.messages() for f in on_api.forks] == [f.messages() for f in on_engine.forks]
+    assert on_api["grade"] == on_engine["grade"]
+
+
 def test_select_on_remote_engine_equals_engine(engine, remote):
     choices = [" Paris", " London", " the lazy dog", " radix trees"]
 
