@@ -1,7 +1,7 @@
 """OpenAIBackend against scripted endpoints (the real openai client over an httpx.MockTransport), for what a
 live `prefixrt serve` cannot show (tests/frontend/test_gemma.py and test_server.py run the rest against the
-real server): chat-endpoint speculation (the baseline continues a partial assistant message, which prefixrt
-serve does not support), guesses forced to fail at a chosen field, a cut speculative budget, endpoints that
+real server): chat-endpoint speculation whose guess holds (the small real models do not begin their reply
+with the template's text), guesses forced to fail at a chosen field, a cut speculative budget, endpoints that
 refuse `choices`, HTTP 503s."""
 
 from __future__ import annotations

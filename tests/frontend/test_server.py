@@ -278,3 +278,36 @@ def test_unresponsive_server_times_out_with_state():
                 prog.run(backend=backend, timeout=TIMEOUT)
             assert time.monotonic() - t0 < 10
             assert ei.value.state is not None and "timed out" in str(ei.value).lower()
+
+
+# ---------------------------------------------------------------------- chat: partial assistant messages
+@function
+def extract_chat(s, doc):
+    s += user("Extract name, job and city from: " + doc)
+    s += assistant("Name:" + gen("name", max_tokens=6, stop="\n") + "\nJob:" + gen("job", max_tokens=6, stop="\n")
+                   + "\nCity:" + gen("city", max_tokens=6, stop="\n"))
+
+
+def test_chat_gens_after_literal_text_continue_the_assistant_message(engine, server):
+    """Gens after literal text inside assistant(...) continue that message (`continue_final_message`), so the
+    chat endpoint gives what the Engine gives for the same program."""
+    doc = "Alice Smith is an engineer in Paris."
+    on_engine = extract_chat.run(doc=doc, backend=engine, temperature=0, timeout=TIMEOUT)
+    be = OpenAIBackend("tiny", client=_client(server.url), chat=True)
+    on_api = extract_chat.run(doc=doc, backend=be, temperature=0, timeout=TIMEOUT)
+    assert on_api.variables() == on_engine.variables() and be.num_api_calls == 3
+    assert on_api.messages() == on_engine.messages()
+
+
+def test_chat_speculation_fallback_on_real_server(server):
+    """The tiny model's reply does not start with the template's "Name:": the guess fails at once and every gen
+    runs as its own call, with the fields of non-speculative execution."""
+    doc = "Alice Smith is an engineer in Paris."
+    before = httpx.get(server.url + "/stats").json()["requests_total"]
+    plain = OpenAIBackend("tiny", client=_client(server.url), chat=True)
+    spec = OpenAIBackend("tiny", client=_client(server.url), chat=True, speculative_tokens=24)
+    st_plain = extract_chat.run(doc=doc, backend=plain, temperature=0, timeout=TIMEOUT)
+    st_spec = extract_chat.run(doc=doc, backend=spec, temperature=0, timeout=TIMEOUT)
+    assert st_spec.variables() == st_plain.variables()
+    assert (plain.num_api_calls, spec.num_api_calls) == (3, 4)  # 1 failed guess + 3 separate calls
+    assert httpx.get(server.url + "/stats").json()["requests_total"] - before == 7
