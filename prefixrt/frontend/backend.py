@@ -147,7 +147,8 @@ class ProviderBackend(Backend):
         self.prefix_hints = prefix_hints
         self.select_method = select_method
         self.normalization = normalization
-        self.tokenizer = getattr(provider, "tokenizer", None) or tokenizer
+        own = getattr(provider, "tokenizer", None)
+        self.tokenizer = own if own is not None else tokenizer
         self._tok_lock = threading.Lock()
         self._engine_choices_ok: bool | None = None  # learnt on first select in "auto"
         self._in_process = _in_process(provider)
