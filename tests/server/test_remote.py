@@ -19,7 +19,7 @@ def remote(server):
 
 def test_is_a_provider(remote, engine):
     assert isinstance(remote, prefixrt.Provider)
-    assert remote.model_name == engine.model_name
+    assert remote.model_name == engine.model_name and remote.vocab_size == engine.vocab_size
     assert remote.tokenizer is None
 
 
