@@ -5,8 +5,9 @@
 Without --model, a tiny random Llama (2 layers, hidden 64, vocab 320) with a byte-level tokenizer is built in
 a temp folder: the model step is then so cheap that any HTTP/GIL cost shows. Each request: a shared prefix
 of --prefix tokens + --unique tokens of its own, --output tokens out (greedy, ignore_eos), all submitted at
-once (concurrency = --requests) and streamed. The server runs in its own process (as users run it); the
-client streams every request with httpx.AsyncClient.
+once (concurrency = --requests) and streamed. The server runs in its own process (as users run it), twice:
+as `prefixrt serve` runs by default (the engine in a process of its own) and with --engine-in-process (the
+scheduler loop on a thread of the server process); the client streams every request with httpx.AsyncClient.
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ def workload(n: int, prefix: int, unique: int, vocab: int) -> list[list[int]]:
     return [shared + [rng.randrange(3, vocab) for _ in range(unique)] for _ in range(n)]
 
 
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def process_cpu(pids: dict[str, int]) -> dict[str, float]:
+    return {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+
 def summarize(name: str, wall: float, ttfts: list[float], tokens: int, passes: int) -> dict:
     ttfts = sorted(ttfts)
     return {"mode": name, "wall_s": round(wall, 3), "output_tok_s": round(tokens / wall, 1),
@@ -71,6 +86,7 @@ async def run_inprocess(model: str, prompts, output: int, engine_kw: dict) -> di
     eng.generate(prompts[0][:8], {"max_new_tokens": 2})  # warm up
     eng.flush_cache()
     passes0 = eng.stats().forward_passes_total
+    cpu0 = cpu_seconds(os.getpid())
     t0 = time.perf_counter()
 
     async def one(p):
@@ -83,12 +99,14 @@ async def run_inprocess(model: str, prompts, output: int, engine_kw: dict) -> di
 
     res = await asyncio.gather(*(one(p) for p in prompts))
     wall = time.perf_counter() - t0
+    cpu = {"client+engine": round(cpu_seconds(os.getpid()) - cpu0, 2)}
     passes = eng.stats().forward_passes_total - passes0
     eng.shutdown()
-    return summarize("in-process (Engine.astream)", wall, [r[0] for r in res], sum(r[1] for r in res), passes)
+    return {**summarize("in-process (Engine.astream)", wall, [r[0] for r in res], sum(r[1] for r in res), passes),
+            "cpu_s": cpu}
 
 
-async def run_http(model: str, prompts, output: int, engine_args: list[str]) -> dict:
+async def run_http(model: str, prompts, output: int, engine_args: list[str], label: str) -> dict:
     import httpx
 
     with socket.socket() as s:
@@ -109,6 +127,12 @@ async def run_http(model: str, prompts, output: int, engine_args: list[str]) -> 
             await http.post("/generate", json={"prompt": prompts[0][:8], "sampling_params": {"max_new_tokens": 2}})
             await http.post("/flush_cache")
             passes0 = (await http.get("/stats")).json()["forward_passes_total"]
+            # CPU seconds per process over the run: where the time goes on a small machine.
+            pids = {"client": os.getpid(), "server": proc.pid}
+            pids.update({f"engine{'' if k == 0 else k}": c for k, c in
+                         enumerate(c for c in child_pids(proc.pid) if "resource_tracker" not in
+                                   Path(f"/proc/{c}/cmdline").read_text())})
+            cpu0 = process_cpu(pids)
             t0 = time.perf_counter()
 
             async def one(p):
@@ -128,11 +152,12 @@ async def run_http(model: str, prompts, output: int, engine_args: list[str]) -> 
 
             res = await asyncio.gather(*(one(p) for p in prompts))
             wall = time.perf_counter() - t0
+            cpu = {k: round(v - cpu0[k], 2) for k, v in process_cpu(pids).items()}
             passes = (await http.get("/stats")).json()["forward_passes_total"] - passes0
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    return summarize("HTTP (prefixrt serve, SSE)", wall, [r[0] for r in res], sum(r[1] for r in res), passes)
+    return {**summarize(label, wall, [r[0] for r in res], sum(r[1] for r in res), passes), "cpu_s": cpu}
 
 
 def main() -> None:
@@ -152,7 +177,12 @@ def main() -> None:
         flags = ["--device", "cpu", "--kv-cache-tokens", "65536", "--max-running-requests",
                  str(args.max_running_requests)]
         rows = [asyncio.run(run_inprocess(model, prompts, args.output, kw)),
-                asyncio.run(run_http(model, prompts, args.output, flags))]
+                asyncio.run(run_http(model, prompts, args.output, flags, "HTTP, engine process (default)")),
+                asyncio.run(run_http(model, prompts, args.output, [*flags, "--engine-in-process"],
+                                     "HTTP, engine thread (--engine-in-process)"))]
+        base = rows[0]["output_tok_s"]
+        for r in rows:
+            r["vs_in_process"] = round(r["output_tok_s"] / base, 3)
     print(json.dumps({"workload": vars(args), "results": rows}, indent=2))
 
 

@@ -13,6 +13,9 @@ class InvalidRequest(ValueError):
         self.message = message
         self.param = param
 
+    def __reduce__(self):  # keep `param` when pickled (the engine process sends errors to the server)
+        return (type(self), (self.message, self.param))
+
 
 class EngineDeadError(RuntimeError):
     """The scheduler loop stopped (shutdown, or a bug that escaped per-request isolation)."""

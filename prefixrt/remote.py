@@ -85,16 +85,24 @@ class RemoteEngine:
         self._timeout = timeout
         self._client = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
         self._aclients: dict[int, httpx.AsyncClient] = {}  # one per event loop (pools are loop-bound)
-        self._model_name: str | None = None
+        self._model: dict | None = None
 
     # ------------------------------------------------------------------ properties
-    @property
-    def model_name(self) -> str:
-        if self._model_name is None:
+    def _model_card(self) -> dict:
+        if self._model is None:
             resp = self._client.get("/v1/models")
             _raise_for(resp)
-            self._model_name = resp.json()["data"][0]["id"]
-        return self._model_name
+            self._model = resp.json()["data"][0]
+        return self._model
+
+    @property
+    def model_name(self) -> str:
+        return self._model_card()["id"]
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The served model's vocabulary size (token ids are in [0, vocab_size))."""
+        return self._model_card().get("vocab_size")
 
     @property
     def tokenizer(self):
@@ -104,7 +112,9 @@ class RemoteEngine:
         loop = asyncio.get_running_loop()
         client = self._aclients.get(id(loop))
         if client is None:
-            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout)
+            # No cap on connections: every concurrent stream needs its own (httpx's default is 100).
+            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=self._timeout,
+                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
             self._aclients = {id(loop): client}  # drop clients of loops that are gone
         return client
 

@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         from prefixrt.remote import RemoteEngine
 
         remote = RemoteEngine(args.url)
-        vocab = int(remote.stats().to_dict().get("vocab_size", 0)) or 32000
-        w = make_workload(args, vocab)
+        w = make_workload(args, remote.vocab_size)
+        meta.update(model=remote.model_name, workload=w.description)
+        warm = W.random_prompts(remote.vocab_size, 4, 32, 4, seed=12345)  # as the in-process runs do
+        R.run_workload(remote, warm, "warm-up", show_progress=False)
+        remote.flush_cache()
         results.append(R.run_workload(remote, w, f"server {args.url}", args.concurrency, show))
     else:
         import torch

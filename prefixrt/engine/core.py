@@ -55,6 +55,8 @@ class EngineCore:
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
         self.metrics_hook = None  # optional callable(event, **values) for Prometheus
+        # Hands one step's [(sink, StepOutput)] to their consumers (the engine process replaces it).
+        self.deliver = RequestStream.push_many
         self._outbox: list = []  # (stream, StepOutput) produced this step, delivered together
         self._in_step = False
 
@@ -86,7 +88,7 @@ class EngineCore:
     def flush_outputs(self) -> None:
         if self._outbox:
             out, self._outbox = self._outbox, []
-            RequestStream.push_many(out)
+            self.deliver(out)
 
     def _step(self) -> bool:
         batch = self.scheduler.schedule()

@@ -98,12 +98,14 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine, served_model_name: str | None = None) -> FastAPI:
-    """An ASGI app serving `engine` (a prefixrt.Engine). The engine's lifetime is the caller's."""
+    """An ASGI app serving `engine` (a prefixrt.Engine, or a ProcessEngine: the engine in its own process).
+    The engine's lifetime is the caller's."""
     app = FastAPI(title="prefixrt", version="0.1.0", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.model_name = served_model_name or engine.model_name
     app.state.created = int(time.time())
-    app.state.metrics = Metrics.for_engine(engine)
+    # A ProcessEngine renders its metrics in the engine process, where the latency histograms are observed.
+    app.state.render_metrics = getattr(engine, "render_metrics", None) or Metrics.for_engine(engine).render
     _install_error_handlers(app)
     app.include_router(openai_router)
 
@@ -122,7 +124,7 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        body = await run_in_threadpool(app.state.metrics.render)
+        body = await run_in_threadpool(app.state.render_metrics)
         return Response(body, media_type=CONTENT_TYPE)
 
     @app.post("/flush_cache")

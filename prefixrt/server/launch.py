@@ -1,5 +1,8 @@
 """`prefixrt serve`: build the engine (printing progress), serve it with uvicorn, shut down cleanly.
 
+The engine runs in its own process (ProcessEngine) unless --engine-in-process keeps it on a thread of the
+server process (sharing the GIL with the HTTP event loop).
+
 uvicorn installs the SIGINT/SIGTERM handlers: on a signal it stops accepting connections, lets running
 requests finish (up to --graceful-timeout seconds; streams still open after that are cut, which aborts
 them), and returns; the engine is shut down after it.
@@ -14,7 +17,7 @@ import time
 from typing import Any
 
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
-                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed")
+                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -32,6 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--debug", action="store_true", help="check KV accounting whenever the scheduler is idle (slow)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -40,16 +44,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def build_engine(args: argparse.Namespace):
-    from prefixrt.engine.engine import Engine
-
+def build_engine(args: argparse.Namespace, own_process: bool = False):
+    """An Engine, or with own_process a ProcessEngine (the engine in a child process), printing progress."""
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
         print(f"[prefixrt {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    progress(f"starting engine for {args.model!r}")
-    eng = Engine(args.model, progress=progress, **engine_kwargs(args))
+    if own_process:
+        from prefixrt.engine.process import ProcessEngine as make
+    else:
+        from prefixrt.engine.engine import Engine as make
+    where = "in its own process" if own_process else "in this process"
+    progress(f"starting engine for {args.model!r} ({where})")
+    eng = make(args.model, progress=progress, **engine_kwargs(args))
     progress(f"engine ready: {eng.model_name} on {eng.device}, context {eng.max_context} tokens")
     return eng
 
@@ -60,8 +68,8 @@ def serve(args: argparse.Namespace) -> int:
     from prefixrt.server.app import create_app
 
     try:
-        eng = build_engine(args)
-    except (ValueError, FileNotFoundError) as e:
+        eng = build_engine(args, own_process=not args.engine_in_process)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"prefixrt serve: {e}", file=sys.stderr)
         return 2
     try:
@@ -90,3 +98,5 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--graceful-timeout", type=float, default=10.0,
                    help="seconds to let running requests finish on SIGINT/SIGTERM")
+    p.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the server process instead of its own process")

@@ -33,6 +33,7 @@ async def list_models(request: Request):
     return JSON({"object": "list", "data": [{
         "id": _model_name(request), "object": "model", "created": request.app.state.created,
         "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
+        "vocab_size": getattr(eng, "vocab_size", None),
     }]})
 
 

@@ -1,15 +1,31 @@
-"""Server fixtures: one tiny engine per module, served by uvicorn on a free loopback port (in a thread)."""
+"""Server fixtures.
+
+- `server`: `prefixrt serve` launched as users launch it (a subprocess, the engine in its own process) on a
+  tiny local model folder, once per session; at the end it must be idle with its KV accounted for, and stop
+  cleanly on SIGTERM.
+- `engine`: an in-process Engine on the same weights: the reference for expected outputs, and the engine
+  behind the in-process OpenAI shim.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import socket
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 
 from tests.conftest import assert_idle_and_clean
+
+REPO = Path(__file__).resolve().parents[2]
+SERVED_NAME = "tiny-llama"  # --served-model-name: the name the in-process engine reports too
 
 
 def build_engine(tiny_checkpoints, tiny_tokenizer, arch: str = "llama", **kwargs):
@@ -25,34 +41,104 @@ def build_engine(tiny_checkpoints, tiny_tokenizer, arch: str = "llama", **kwargs
     return Engine(f"tiny-{arch}", _parts=(model, tiny_tokenizer, resolved), **kwargs)
 
 
-class LiveServer:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+@pytest.fixture(scope="session")
+def model_dirs(tiny_checkpoints, tiny_tokenizer, tmp_path_factory):
+    """arch -> a local HF folder (config, weights, tokenizer), as `--model` takes it."""
+    made = {}
 
-    def __init__(self, app):
-        import uvicorn
+    def get(arch: str = "llama") -> Path:
+        if arch not in made:
+            src, _ = tiny_checkpoints(arch)
+            dst = tmp_path_factory.mktemp("served") / f"tiny-{arch}"
+            shutil.copytree(src, dst)
+            tiny_tokenizer.save_pretrained(dst)
+            made[arch] = dst
+        return made[arch]
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
+    return get
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "prefixrt.cli", *args]
+
+
+def cli_env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """`prefixrt serve ARGS` in a subprocess on a free loopback port; its output goes to `log_path`."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.log_path = log_path
+        self.args = [*args, "--port", str(self.port)]
+        self.proc: subprocess.Popen | None = None
 
     def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        return self
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cli("serve", *self.args), env=cli_env(), stdout=log,
+                                         stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, self.log()
+            assert time.monotonic() < deadline, "server did not come up:\n" + self.log()
+            time.sleep(0.1)
 
     def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
-        self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=30).json()
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s["requests_running"] == 0 and s["requests_waiting"] == 0:
+                return s
+            assert time.monotonic() < deadline, f"server not idle: {s}"
+            time.sleep(0.02)
+
+
+def assert_clean(stats: dict) -> None:
+    assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0, stats
+    assert stats["kv_free"] + stats["kv_evictable"] == stats["kv_total"], stats
+    assert stats["kv_locked"] == 0, stats
+
+
+@pytest.fixture(scope="session")
+def server(model_dirs, tmp_path_factory):
+    args = ["--model", str(model_dirs("llama")), "--served-model-name", SERVED_NAME, "--device", "cpu",
+            "--kv-cache-tokens", "8192", "--debug", "--log-level", "warning"]
+    with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as live:
+        yield live
+        assert_clean(live.wait_idle())
+        assert live.stop() == 0, live.log()
+        log = live.log()
+        assert "in its own process" in log and "engine ready" in log and "shutting down" in log, log
+        assert "scheduler loop error" not in log and "Traceback" not in log, log
 
 
 @pytest.fixture(scope="module")
@@ -65,17 +151,9 @@ def engine(tiny_checkpoints, tiny_tokenizer):
         eng.shutdown()
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    from prefixrt.server.app import create_app
-
-    with LiveServer(create_app(engine)) as live:
-        yield live
-
-
 @pytest.fixture(params=["http", "shim"])
 def client(request, server, engine):
-    """A real openai.OpenAI: over HTTP to the live server, or the in-process shim (no sockets)."""
+    """A real openai.OpenAI: over HTTP to `prefixrt serve`, or the in-process shim on `engine` (no sockets)."""
     import openai
 
     from prefixrt.openai import OpenAI

@@ -1,78 +1,90 @@
-"""`prefixrt serve` / `generate` / `models` as a user runs them (subprocesses on a tiny local model folder)."""
+"""`prefixrt serve` / `generate` / `models` as a user runs them (subprocesses on a tiny local model folder).
+
+The default `prefixrt serve` (engine in its own process) is the session `server` fixture every HTTP test
+uses; here: the in-thread mode, and what happens when either process dies.
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "prefixrt.cli", *args]
+from tests.server.conftest import ServeProcess, cli, cli_env
 
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _children(pid: int) -> set[int]:
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {int(c) for c in (task / "children").read_text().split()}
+    return out
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoints, tiny_tokenizer, tmp_path_factory):
-    """A local HF folder (config, weights, tokenizer) as `--model` takes it."""
-    src, _ = tiny_checkpoints("llama")
-    dst = tmp_path_factory.mktemp("served") / "tiny-llama"
-    shutil.copytree(src, dst)
-    tiny_tokenizer.save_pretrained(dst)
-    return dst
-
-
-def test_serve_answers_then_stops_on_sigterm(model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(_cli("serve", "--model", str(model_dir), "--port", str(port), "--device", "cpu",
-                                 "--kv-cache-tokens", "2048", "--log-level", "warning"),
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _alive(pid: int) -> bool:
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
-        r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": 3}, timeout=30)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _complete(url: str, max_tokens: int = 3) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "hi", "max_tokens": max_tokens},
+                      timeout=30)
+
+
+def test_serve_in_process_answers_then_stops_on_sigterm(model_dirs, tmp_path):
+    args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "2048",
+            "--log-level", "warning", "--engine-in-process"]
+    with ServeProcess(args, tmp_path / "serve.log") as live:
+        r = _complete(live.url)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
-    assert "engine ready" in out and "serving" in out and "shutting down" in out
+        assert live.stop() == 0, live.log()
+    out = live.log()
+    assert "in this process" in out and "engine ready" in out and "serving" in out and "shutting down" in out
 
 
-def test_generate_and_models(model_dir):
-    r = subprocess.run(_cli("generate", "The quick brown", "--model", str(model_dir), "--device", "cpu",
-                            "--kv-cache-tokens", "1024", "--max-tokens", "4"),
-                       env=_env(), capture_output=True, text=True, timeout=120)
+def test_engine_process_death(model_dirs, tmp_path):
+    """The engine process dies: running requests end with an error, /health and new requests say 503.
+    The server process dies: the engine process follows it."""
+    args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "2048",
+            "--log-level", "warning"]
+    with ServeProcess(args, tmp_path / "serve.log") as live:
+        engine_pid = max(_children(live.proc.pid))  # the resource tracker, if any, started first
+        body = {"model": "x", "prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(engine_pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason":"abort"' in "".join(rest).replace(" ", "")
+        assert httpx.get(live.url + "/health", timeout=30).status_code == 503
+        r = _complete(live.url)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+    with ServeProcess(args, tmp_path / "serve2.log") as live:
+        children = _children(live.proc.pid)
+        assert _complete(live.url).status_code == 200
+        live.proc.kill()
+        live.proc.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(c) for c in children):
+            assert time.monotonic() < deadline, "the engine process outlived the server"
+            time.sleep(0.1)
+
+
+def test_generate_and_models(model_dirs):
+    r = subprocess.run(cli("generate", "The quick brown", "--model", str(model_dirs("llama")), "--device", "cpu",
+                           "--kv-cache-tokens", "1024", "--max-tokens", "4"),
+                       env=cli_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "completion_tokens=4" in r.stderr and "cached_tokens=" in r.stderr
-    r = subprocess.run(_cli("models"), env=_env(), capture_output=True, text=True, timeout=60)
+    r = subprocess.run(cli("models"), env=cli_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "gemma-3-270m" in r.stdout
-    r = subprocess.run(_cli("serve", "--model", "/nonexistent/model"), env=_env(), capture_output=True,
+    r = subprocess.run(cli("serve", "--model", "/nonexistent/model"), env=cli_env(), capture_output=True,
                        text=True, timeout=60)
-    assert r.returncode != 0
+    assert r.returncode == 2 and "nonexistent" in r.stderr

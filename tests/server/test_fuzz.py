@@ -1,7 +1,8 @@
 """Fuzz the OpenAPI schema (schemathesis): >= 500 generated requests, no 5xx, and the server still answers.
 
-Runs in-process against the ASGI app (schemathesis' ASGI client), on an engine with a 40-token context so
-that whatever max_tokens/n the fuzzer picks, every request is short.
+Runs against the ASGI app in this process (schemathesis' ASGI client) serving a ProcessEngine (the engine in
+its own process, as `prefixrt serve` runs it) with a 40-token context, so that whatever max_tokens/n the
+fuzzer picks, every request is short.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from tests.conftest import assert_idle_and_clean
-from tests.server.conftest import build_engine
 
 CALLS: list[tuple[str, str, int]] = []
 
 
 @pytest.fixture(scope="module")
-def fuzz_engine(tiny_checkpoints, tiny_tokenizer):
-    eng = build_engine(tiny_checkpoints, tiny_tokenizer, "qwen2", max_context=40, kv_cache_tokens=4096)
+def fuzz_engine(model_dirs):
+    from prefixrt.engine.process import ProcessEngine
+
+    eng = ProcessEngine(str(model_dirs("llama")), device="cpu", max_context=40, kv_cache_tokens=4096, debug=True)
     yield eng
     eng.shutdown()
 

@@ -178,11 +178,10 @@ def _prometheus(text: str) -> dict[str, float]:
     return out
 
 
-def test_metrics_agree_with_stats(server, engine):
+def test_metrics_agree_with_stats(server):
     http = httpx.Client(base_url=server.url, timeout=30)
     http.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 3}).raise_for_status()
-    engine.wait_idle()
-    stats = http.get("/stats").json()
+    stats = server.wait_idle()
     m = _prometheus(http.get("/metrics").text)
     assert m["prefixrt_prompt_tokens_total"] == stats["prompt_tokens_total"]
     assert m["prefixrt_cached_tokens_total"] == stats["cached_tokens_total"]

@@ -1,0 +1,273 @@
+"""EngineFront: the caller-side half of an engine, shared by Engine (scheduler loop on a thread) and
+ProcessEngine (scheduler loop in a child process).
+
+It tokenizes and validates prompts in the caller's thread (a bad request raises InvalidRequest there and
+never reaches the loop), and turns the StepOutputs the loop streams back into Completion and Chunk objects
+(detokenizing on the caller's side). Subclasses say how a request reaches the loop (`_submit`), how a
+`choices` request is scored (`_select`) and how a request is aborted (`abort`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+from prefixrt.engine.detokenizer import IncrementalDetokenizer
+from prefixrt.engine.stream import RequestStream, StepOutput
+from prefixrt.errors import InvalidRequest
+from prefixrt.outputs import Chunk, Completion
+from prefixrt.params import SamplingParams
+
+
+class EngineFront:
+    """Set by subclasses before use: _tokenizer, _tok_lock, model_name, vocab_size, max_context,
+    kv_total_tokens (the KV pool size: a longer prompt can never run)."""
+
+    _tokenizer = None
+    model_name: str
+    vocab_size: int
+    max_context: int
+    kv_total_tokens: int
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields
+                ) -> tuple[str, RequestStream, list[int], SamplingParams]:
+        """Validate and enqueue one prompt; returns (request id, its output stream, prompt ids, params).
+        Raises InvalidRequest before anything is scheduled."""
+        raise NotImplementedError
+
+    def _select(self, prompt, p: SamplingParams) -> Completion:
+        """A `choices` request: score every choice and return the best as a Completion."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ tokenization and validation
+    def _tokenize(self, prompt) -> list[int]:
+        tok = self._tokenizer
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequest("prompt is empty", param="prompt")
+            with self._tok_lock:
+                return tok.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self._render_chat(list(prompt))
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequest("prompt is empty", param="prompt")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise InvalidRequest("a token-id prompt must be a list of integers", param="prompt")
+            return list(prompt)
+        raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
+                             param="prompt")
+
+    def _render_chat(self, messages: list[dict]) -> list[int]:
+        for m in messages:
+            if "role" not in m or "content" not in m:
+                raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
+        tok = self._tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise InvalidRequest(f"model {self.model_name!r} has no chat template; send a text prompt",
+                                 param="messages")
+        try:
+            with self._tok_lock:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                return tok.encode(text, add_special_tokens=False)
+        except InvalidRequest:
+            raise
+        except Exception as e:
+            raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text the chat template makes of messages (with the generation prompt)."""
+        ids = self._render_chat(messages)
+        with self._tok_lock:
+            return self._tokenizer.decode(ids)
+
+    def _validate_ids(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequest("prompt is empty", param="prompt")
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                 param="prompt")
+        if len(ids) >= self.max_context:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}",
+                                 param="prompt")
+        if len(ids) + 1 > self.kv_total_tokens:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the KV pool holds {self.kv_total_tokens}",
+                                 param="prompt")
+
+    # ------------------------------------------------------------------ outputs
+    def _decode(self, ids: list[int], skip_special: bool) -> str:
+        with self._tok_lock:
+            return self._tokenizer.decode(ids, skip_special_tokens=skip_special)
+
+    def _assemble(self, rid: str, ids: list[int], p: SamplingParams, events: list[list[StepOutput]]) -> Completion:
+        outs = []
+        for i, evs in enumerate(events):
+            toks = [t for e in evs for t in e.token_ids]
+            last = evs[-1]
+            if last.final_text is not None:
+                text = last.final_text
+            elif not p.detokenize:
+                text = ""
+            else:
+                text_ids = toks[:-1] if isinstance(last.matched_stop, int) and toks else toks
+                text = self._decode(text_ids, p.skip_special_tokens)
+            lps = [lp for e in evs for lp in (e.logprobs or [])] if p.logprobs is not None else None
+            outs.append(Completion(
+                request_id=rid if p.n == 1 else f"{rid}-{i}", text=text, token_ids=toks,
+                finish_reason=last.finish_reason, matched_stop=last.matched_stop, prompt_tokens=len(ids),
+                cached_tokens=last.cached_tokens, completion_tokens=len(toks), logprobs=lps,
+                choice_scores=last.choice_scores, error=last.error,
+            ))
+        first = outs[0]
+        first.request_id = rid
+        first.outputs = outs if p.n > 1 else [first]
+        return first
+
+    def _wait(self, rid, stream: RequestStream, ids, p) -> Completion:
+        events: list[list[StepOutput]] = [[] for _ in range(p.n)]
+        done = 0
+        try:
+            while done < p.n:
+                ev = stream.get()
+                events[ev.index].append(ev)
+                done += ev.finished
+        except BaseException:
+            self.abort(rid)
+            raise
+        return self._assemble(rid, ids, p, events)
+
+    async def _await(self, rid, stream: RequestStream, ids, p) -> Completion:
+        events: list[list[StepOutput]] = [[] for _ in range(p.n)]
+        done = 0
+        try:
+            while done < p.n:
+                ev = await stream.aget()
+                events[ev.index].append(ev)
+                done += ev.finished
+        except BaseException:  # cancelled: the caller went away
+            self.abort(rid)
+            raise
+        return self._assemble(rid, ids, p, events)
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompt, params: SamplingParams | dict | None = None):
+        """One prompt -> Completion; a list of prompts -> list[Completion] (submitted together)."""
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            if _is_batch(prompt):
+                return [self._select(q, p) for q in prompt]
+            return self._select(prompt, p)
+        if _is_batch(prompt):
+            subs = [self._submit(q, p) for q in prompt]
+            return [self._wait(*s) for s in subs]
+        return self._wait(*self._submit(prompt, p))
+
+    async def agenerate(self, prompt, params: SamplingParams | dict | None = None):
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            return await asyncio.to_thread(self.generate, prompt, p)
+        loop = asyncio.get_running_loop()
+        if _is_batch(prompt):
+            subs = [self._submit(q, p, loop) for q in prompt]
+            return list(await asyncio.gather(*(self._await(*s) for s in subs)))
+        return await self._await(*self._submit(prompt, p, loop))
+
+    def stream(self, prompt, params: SamplingParams | dict | None = None) -> Iterator[Chunk]:
+        """Submit now (errors raise here), then iterate Chunks. Closing the iterator early aborts."""
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            return iter([_completion_chunk(self._select(prompt, p))])
+        rid, stream, ids, p = self._submit(prompt, p)
+        return self._iter_chunks(rid, stream, ids, p)
+
+    def _iter_chunks(self, rid, stream, ids, p) -> Iterator[Chunk]:
+        state = _ChunkState(self, ids, p)
+        finished = False
+        try:
+            while state.done < p.n:
+                ev = stream.get()
+                yield state.chunk(rid, ev)
+            finished = True
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def astream(self, prompt, params: SamplingParams | dict | None = None) -> AsyncIterator[Chunk]:
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            return _aiter_one(asyncio.to_thread(lambda: _completion_chunk(self._select(prompt, p))))
+        loop = asyncio.get_running_loop()
+        rid, stream, ids, p = self._submit(prompt, p, loop)
+        return self._aiter_chunks(rid, stream, ids, p)
+
+    async def _aiter_chunks(self, rid, stream, ids, p) -> AsyncIterator[Chunk]:
+        state = _ChunkState(self, ids, p)
+        finished = False
+        try:
+            while state.done < p.n:
+                ev = await stream.aget()
+                yield state.chunk(rid, ev)
+            finished = True
+        finally:
+            if not finished:
+                self.abort(rid)
+
+
+class _ChunkState:
+    """Turns StepOutputs into Chunks for one streaming request (per-sample incremental detokenization)."""
+
+    def __init__(self, engine: EngineFront, ids: list[int], p: SamplingParams):
+        self.engine, self.ids, self.p = engine, ids, p
+        self.detoks = [IncrementalDetokenizer(engine.tokenizer, p.skip_special_tokens, engine._tok_lock)
+                       for _ in range(p.n)]
+        self.tokens: list[list[int]] = [[] for _ in range(p.n)]
+        self.counts = [0] * p.n
+        self.done = 0
+
+    def chunk(self, rid: str, ev: StepOutput) -> Chunk:
+        i = ev.index
+        self.tokens[i].extend(ev.token_ids)
+        self.counts[i] += len(ev.token_ids)
+        if ev.text is not None:
+            text = ev.text
+        elif not self.p.detokenize:
+            text = ""
+        else:
+            toks = self.tokens[i]
+            text_ids = toks[:-1] if ev.finished and isinstance(ev.matched_stop, int) and toks else toks
+            text = self.detoks[i].step(text_ids)
+            if ev.finished:
+                text += self.detoks[i].flush(text_ids)
+        self.done += ev.finished
+        return Chunk(
+            request_id=rid, text=text, token_ids=list(ev.token_ids), finish_reason=ev.finish_reason, index=i,
+            logprobs=ev.logprobs, prompt_tokens=len(self.ids), cached_tokens=ev.cached_tokens,
+            completion_tokens=self.counts[i], matched_stop=ev.matched_stop,
+        )
+
+
+def _completion_chunk(c: Completion) -> Chunk:
+    return Chunk(request_id=c.request_id, text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
+                 logprobs=c.logprobs, prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
+                 completion_tokens=c.completion_tokens)
+
+
+async def _aiter_one(awaitable):
+    yield await awaitable
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts (str, token lists or message lists), as opposed to one token-id or chat prompt."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    first = prompt[0]
+    return isinstance(first, str) or (isinstance(first, (list, tuple)) and not isinstance(first, dict))
