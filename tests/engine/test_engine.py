@@ -252,3 +252,24 @@ def test_sampling_params_object_and_public_names():
     with pytest.raises(InvalidRequest):
         prefixrt.SamplingParams(top_k=0)
     assert prefixrt.Engine.__name__ == "Engine"
+
+
+def test_abort_during_chunked_prefill_leaves_cache_exact(make_engine):
+    """Aborts racing chunked prefill (published chunks, private tail) never leave freed slots in the tree:
+    freed slots are poisoned with NaN (debug mode), so any stale reuse would change the greedy output."""
+    import time
+
+    ref = make_engine("llama", radix_cache=False)
+    prompt = [1] + [random.Random(3).randrange(3, 320) for _ in range(110)]
+    want = ref.generate(prompt, {"max_new_tokens": 6, **GREEDY}).token_ids
+    eng = make_engine("llama", chunked_prefill_tokens=16, debug=True)
+    for i in range(8):
+        rid = f"victim-{i}"
+        it = eng.stream(prompt[: 40 + 9 * i], {"max_new_tokens": 50, "request_id": rid, **GREEDY})
+        time.sleep(0.002 * i)
+        eng.abort(rid)
+        list(it)
+    eng.check_integrity()
+    got = eng.generate(prompt, {"max_new_tokens": 6, **GREEDY})
+    assert got.token_ids == want
+    assert got.cached_tokens > 0

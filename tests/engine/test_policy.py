@@ -1,0 +1,52 @@
+"""Scheduling policies: lpm prefers cached prefixes, dfs keeps a subtree together, fcfs keeps arrival order,
+aging puts any request waiting past the bound first, priority beats the policy key."""
+
+from __future__ import annotations
+
+from prefixrt.cache.allocator import PageAllocator, pages_to_slots
+from prefixrt.cache.radix import RadixCache
+from prefixrt.engine.policy import order_waiting
+from prefixrt.engine.request import Req
+from prefixrt.params import SamplingParams
+
+
+def _req(rid, ids, arrival, priority=0):
+    return Req(rid=rid, prompt_ids=ids, params=SamplingParams(priority=priority), sink=None, arrival=arrival)
+
+
+def _cache(*prefixes):
+    a = PageAllocator(4096, 1)
+    c = RadixCache(a)
+    for p in prefixes:
+        c.insert(p, pages_to_slots(a.alloc(len(p)), 1))
+    return c
+
+
+def test_lpm_fcfs_and_aging():
+    c = _cache(list(range(100, 140)))
+    reqs = [_req("cold", [1, 2, 3], 0.0), _req("warm", list(range(100, 140)) + [7], 1.0),
+            _req("half", list(range(100, 120)) + [8, 9], 2.0)]
+
+    def match(r):
+        return c.match_prefix(r.prompt_ids, None, len(r.prompt_ids) - 1)
+
+    now = 3.0
+    assert [r.rid for r in order_waiting(reqs, "lpm", match, now, aging_s=10)] == ["warm", "half", "cold"]
+    assert [r.rid for r in order_waiting(reqs, "fcfs", match, now, aging_s=10)] == ["cold", "warm", "half"]
+    # "cold" has waited 3 s: past a 2.5 s aging bound it goes first whatever the policy says.
+    assert [r.rid for r in order_waiting(reqs, "lpm", match, now, aging_s=2.5)][0] == "cold"
+    reqs.append(_req("urgent", [5, 5], 2.5, priority=5))
+    assert order_waiting(reqs, "lpm", match, now, aging_s=10)[0].rid == "urgent"
+
+
+def test_dfs_groups_requests_by_subtree():
+    a_pre, b_pre = list(range(200, 230)), list(range(300, 330))
+    c = _cache(a_pre, b_pre)
+    reqs = [_req("a1", a_pre + [1], 0.0), _req("b1", b_pre + [1], 0.1), _req("a2", a_pre + [2], 0.2),
+            _req("b2", b_pre + [2], 0.3), _req("a3", a_pre + [3], 0.4), _req("x", [9, 9, 9], 0.5)]
+
+    def match(r):
+        return c.match_prefix(r.prompt_ids, None, len(r.prompt_ids) - 1)
+
+    order = [r.rid for r in order_waiting(reqs, "dfs", match, 1.0, aging_s=10)]
+    assert order == ["a1", "a2", "a3", "b1", "b2", "x"]  # heavier subtree first, unmatched last
