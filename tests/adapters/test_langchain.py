@@ -12,7 +12,6 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from prefixrt.adapters._lowering import ToolSpec, parse_tool_reply, tool_call_schema
 from prefixrt.adapters.langchain import ChatPrefixRT, to_chat_messages
 
-from tests.adapters.conftest import needs_constraints
 
 SYSTEM = "You answer questions about the city library's opening hours and loan rules. " * 8
 
@@ -105,7 +104,6 @@ class Book(pydantic.BaseModel):
     fiction: bool
 
 
-@needs_constraints
 def test_structured_output_is_valid_every_time(gemma_provider):
     model = ChatPrefixRT(engine=gemma_provider, max_tokens=64).with_structured_output(Book)
     topics = ["a sea voyage", "a detective", "the moon", "gardening", "a dragon", "cooking", "war", "physics",
@@ -115,7 +113,6 @@ def test_structured_output_is_valid_every_time(gemma_provider):
     assert len(books) == 20 and all(isinstance(b, Book) for b in books)
 
 
-@needs_constraints
 def test_structured_output_methods_and_include_raw(gemma_provider):
     model = ChatPrefixRT(engine=gemma_provider, max_tokens=64)
     raw = model.with_structured_output(Book, include_raw=True).invoke("Invent a book about cats.")
@@ -124,7 +121,6 @@ def test_structured_output_methods_and_include_raw(gemma_provider):
     assert isinstance(model.with_structured_output(None, method="json_mode").invoke("JSON about cats."), dict)
 
 
-@needs_constraints
 def test_bind_tools_with_tool_choice(gemma_provider):
     def get_weather(city: str) -> str:
         """Current weather in a city."""

@@ -12,8 +12,6 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from prefixrt.adapters.langchain import ChatPrefixRT
 
-from tests.adapters.conftest import constraints_available
-
 
 class TestChatPrefixRTUnit(ChatModelUnitTests):
     @property
@@ -54,15 +52,15 @@ class TestChatPrefixRTIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self):
-        return constraints_available()  # tool calls are produced by constrained decoding
+        return True  # tool calls are produced by constrained decoding
 
     @property
     def has_structured_output(self):
-        return constraints_available()
+        return True
 
     @property
     def supports_json_mode(self):
-        return constraints_available()
+        return True
 
     @property
     def returns_usage_metadata(self):
