@@ -138,6 +138,7 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-json", action="store_true")
+    ap.add_argument("--profile-ttft", action="store_true")
     args = ap.parse_args()
     smoke = args.smoke
     big = "llama-3-8b" if not smoke else "qwen3-0.6b"
@@ -191,6 +192,13 @@ def main():
     for _ in range(3):
         eng.flush_cache()
         cold.append(ttft_once(eng, [rng.randrange(16, vocab) for _ in range(3580 if scale else 72)]))
+    if args.profile_ttft and torch.cuda.is_available():  # where the hot-prefix TTFT goes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(80)])
+        log(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+        log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
     RESULTS["ttft_hot_ms"] = statistics.median(hot) * 1000
     RESULTS["ttft_cold_ms"] = statistics.median(cold) * 1000
     log(f"TTFT hot {RESULTS['ttft_hot_ms']:.2f} ms, cold {RESULTS['ttft_cold_ms']:.2f} ms")

@@ -1,7 +1,10 @@
 """Essay judge (API.md's frontend example): three forked judgments, then a graded select.
 
-    python examples/frontend_judge.py                        # Gemma-3-270M in-process (CPU)
-    python examples/frontend_judge.py --base-url http://127.0.0.1:30000/v1 --model gemma-3-270m
+    python examples/frontend_judge.py                                  # Gemma-3-270M in-process (CPU)
+    python examples/frontend_judge.py --remote http://127.0.0.1:30000  # RemoteEngine on `prefixrt serve`
+    python examples/frontend_judge.py --base-url http://127.0.0.1:30000/v1 --model gemma-3-270m   # any OpenAI API
+
+In-process and on RemoteEngine the program sends the same prompts, so greedy results are identical.
 """
 
 from __future__ import annotations
@@ -33,13 +36,16 @@ def judge(s, essay):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma-3-270m")
-    ap.add_argument("--base-url", help="an OpenAI-compatible endpoint (e.g. prefixrt serve) instead of in-process")
+    ap.add_argument("--remote", help="a prefixrt serve server (RemoteEngine) instead of in-process")
+    ap.add_argument("--base-url", help="an OpenAI-compatible endpoint (OpenAIBackend) instead of in-process")
     args = ap.parse_args()
-    if args.base_url:
+    engine = None
+    if args.remote:
+        backend = prefixrt.RemoteEngine(args.remote)
+    elif args.base_url:
         import openai
 
         backend = prefixrt.OpenAIBackend(args.model, client=openai.OpenAI(base_url=args.base_url, api_key="EMPTY"))
-        engine = None
     else:
         engine = backend = prefixrt.Engine(args.model)
     t0 = time.perf_counter()

@@ -1,7 +1,10 @@
 """Three-field extraction on an OpenAI-compatible endpoint, with and without API speculative execution.
 
     python examples/openai_extraction.py                                   # Gemma-3-270M in-process (CPU)
-    python examples/openai_extraction.py --base-url http://127.0.0.1:30000/v1 --model gemma-3-270m [--chat]
+    python examples/openai_extraction.py --base-url http://127.0.0.1:30000/v1 --model gemma-3-270m
+
+In-process, the `openai` client is prefixrt.openai's (same app as `prefixrt serve`, without sockets).
+Counts are the endpoint's own usage reports (against `prefixrt serve`, its /stats agree).
 
 With speculation, the three gens are answered by one call (max_tokens = --speculative-tokens) split against
 the template; a continuation that does not follow the template falls back to ordinary calls.
@@ -36,46 +39,20 @@ def extract_chat(s, doc):
                    + "\nCity:" + gen("city", max_tokens=16, stop="\n"))
 
 
-def local_client(model: str) -> openai.OpenAI:
-    """An openai.OpenAI served in-process by an Engine: prefixrt.openai when installed, else a minimal
-    /v1/completions transport (this example's stand-in until the shim is available)."""
-    try:
-        from prefixrt.openai import OpenAI
-
-        return OpenAI(model=model)
-    except ImportError:
-        pass
-    import httpx
-
-    eng = prefixrt.Engine(model)
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        import json
-
-        body = json.loads(request.content)
-        if not request.url.path.endswith("/completions") or "messages" in body:
-            return httpx.Response(404, json={"error": {"message": "only /v1/completions here", "type": "x"}})
-        c = eng.generate(body["prompt"], {"max_new_tokens": body.get("max_tokens") or 16,
-                                          "temperature": body.get("temperature", 1.0), "stop": body.get("stop")})
-        usage = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-                 "total_tokens": c.prompt_tokens + c.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
-        return httpx.Response(200, json={"id": c.request_id, "object": "text_completion", "created": 0,
-                                         "model": model, "usage": usage, "choices": [
-                                             {"index": 0, "text": c.text, "finish_reason": c.finish_reason}]})
-
-    return openai.OpenAI(base_url="http://in-process/v1", api_key="EMPTY", max_retries=0,
-                         http_client=httpx.Client(transport=httpx.MockTransport(handle)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--base-url")
-    ap.add_argument("--chat", action="store_true", help="use /chat/completions (default: /completions)")
-    ap.add_argument("--speculative-tokens", type=int, default=48)
+    ap.add_argument("--chat", action="store_true", help="use /chat/completions (default: /completions); the "
+                    "non-speculative run needs an endpoint that continues a partial assistant message")
+    ap.add_argument("--speculative-tokens", type=int, default=24)
     args = ap.parse_args()
-    client = openai.OpenAI(base_url=args.base_url, api_key="EMPTY") if args.base_url else local_client(args.model)
+    if args.base_url:
+        client = openai.OpenAI(base_url=args.base_url, api_key="EMPTY")
+    else:
+        from prefixrt.openai import OpenAI
+
+        client = OpenAI(model=args.model)
     program = extract_chat if args.chat else extract
     for spec in (0, args.speculative_tokens):
         backend = prefixrt.OpenAIBackend(args.model, client=client, speculative_tokens=spec, chat=args.chat)

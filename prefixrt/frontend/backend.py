@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,12 @@ class Backend(ABC):
         """Prefix hint: make ctx's prompt cached before several requests extend it. Returns cached tokens."""
         return 0
 
+    def submit_prefix_hint(self, ctx: Context) -> Callable[[], int]:
+        """Send ctx's prompt to the cache so that calls made after this returns find it there; returns a
+        function that waits for the hint and gives the cached token count. Default: the blocking call."""
+        n = self.cache_prefix(ctx)
+        return lambda: n
+
     def speculate(self, ctx: Context, items: list[Expr], defaults: dict) -> list[GenResult] | None:
         """API speculative execution: values for the leading gens of `items` (the Text/Gen run that follows
         ctx, starting with a Gen) from one call. None: declined, no call made. A list (maybe shorter than the
@@ -103,26 +110,48 @@ class Backend(ABC):
 
 
 # ---------------------------------------------------------------------- ProviderBackend
+def _in_process(provider) -> bool:
+    """An in-process Engine: requests are queued in the order they are made (a fork's prefix hint first)."""
+    try:
+        from prefixrt.engine.engine import Engine
+    except ImportError:
+        return False
+    return isinstance(provider, Engine)
+
+
 class ProviderBackend(Backend):
     """Runs programs on a prefixrt Provider (Engine in-process, RemoteEngine over HTTP).
 
-    Prompts are sent as token ids when the provider has a tokenizer, so prefix lengths are exact and
-    prefix hints line up with later requests. `prefix_hints=False` turns off fork/batch `cache_prefix` calls
-    (the ablation). `select_method`: "auto" (the engine's `choices` scores when it reports them, else
-    scoring each choice from the engine's token logprobs), "engine" or "logprobs".
+    Prompts are sent as token ids when a tokenizer is known (the provider's own, or `tokenizer=`), so prefix
+    lengths are exact and prefix hints line up with later requests. Without one (a RemoteEngine), a context
+    made of whole chat messages is sent as messages, which the provider renders with the model's own chat
+    template (the same prompt an Engine gets); other contexts are sent as plain text.
+
+    `prefix_hints=False` turns off fork/batch `cache_prefix` calls (the ablation). `select_method`: "auto"
+    (the engine's `choices` scoring when the provider reports `choice_scores`, else scoring each choice from
+    the provider's top-k token logprobs), "engine" or "logprobs". `normalization`: the choice score, as the
+    engine's `choices_method` ("token_length_normalized", "sum", or — engine scoring only —
+    "unconditional_normalized").
     """
 
     def __init__(self, provider, prefix_hints: bool = True, select_method: str = "auto",
-                 normalization: str = "token_length_normalized"):
+                 normalization: str = "token_length_normalized", tokenizer=None):
         if select_method not in ("auto", "engine", "logprobs"):
             raise ValueError("select_method must be 'auto', 'engine' or 'logprobs'")
+        if normalization not in ("token_length_normalized", "sum", "unconditional_normalized"):
+            raise ValueError("normalization must be 'token_length_normalized', 'sum' or 'unconditional_normalized'")
+        if normalization == "unconditional_normalized" and select_method == "logprobs":
+            raise ValueError("unconditional_normalized needs the engine's choice scoring (select_method 'auto' "
+                             "or 'engine')")
         self.provider = provider
         self.prefix_hints = prefix_hints
         self.select_method = select_method
         self.normalization = normalization
-        self.tokenizer = provider.tokenizer
+        own = getattr(provider, "tokenizer", None)
+        self.tokenizer = own if own is not None else tokenizer
         self._tok_lock = threading.Lock()
         self._engine_choices_ok: bool | None = None  # learnt on first select in "auto"
+        self._in_process = _in_process(provider)
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             self.chat_format = TemplateFormat(self.tokenizer, self._tok_lock)
         else:
@@ -140,7 +169,21 @@ class ProviderBackend(Backend):
         with self._tok_lock:
             return tok.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
+    @staticmethod
+    def _as_messages(ctx: Context) -> list[dict] | None:
+        """ctx as chat messages for the provider to render, when it is exactly that: whole messages, then
+        either nothing or an empty assistant turn (the generation prompt)."""
+        if not ctx.pieces or not all(isinstance(p, Message) for p in ctx.pieces):
+            return None
+        if ctx.open_role is None or (ctx.open_role == "assistant" and not ctx.partial):
+            return ctx.messages()
+        return None
+
     def prompt(self, ctx: Context):
+        if self.tokenizer is None:
+            messages = self._as_messages(ctx)
+            if messages is not None:
+                return messages
         text = self.render(ctx)
         if not text:
             raise BackendError("the prompt is empty: append some text before gen/select")
@@ -151,6 +194,8 @@ class ProviderBackend(Backend):
 
         kw = dict(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, stop=args.stop,
                   regex=args.regex, json_schema=args.json_schema, choices=args.choices)
+        if args.choices is not None:
+            kw["choices_method"] = self.normalization
         kw.update(args.extra)
         kw.update(over)
         return SamplingParams(**kw)
@@ -179,45 +224,84 @@ class ProviderBackend(Backend):
         except Exception as e:
             raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
 
-    def cache_prefix_text(self, text: str) -> int:
-        if not self.prefix_hints or not text:
+    def submit_prefix_hint(self, ctx: Context) -> Callable[[], int]:
+        """On an in-process engine the hint is queued at once (a prefill-only request) and not awaited: it is
+        ahead of the branches' requests in the engine's queue. Over a network, requests may arrive in any
+        order, so the hint's round trip completes first."""
+        if not self.prefix_hints:
+            return lambda: 0
+        if not self._in_process:
+            return super().submit_prefix_hint(ctx)
+        from prefixrt.params import SamplingParams
+
+        prompt = self.prompt(ctx)
+        try:
+            chunks = self.provider.stream(prompt, SamplingParams(max_new_tokens=0))
+        except Exception as e:
+            raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
+
+        def wait() -> int:
+            last = None
+            for chunk in chunks:
+                last = chunk
+            return last.prompt_tokens if last is not None and last.finish_reason != "abort" else 0
+
+        return wait
+
+    def cache_prefix_prompt(self, prompt) -> int:
+        """Prefix hint for an already built prompt (token ids or text), e.g. a batch's common prefix."""
+        if not self.prefix_hints or not prompt:
             return 0
-        return self.provider.cache_prefix(self.encode(text) if self.tokenizer is not None else text)
+        try:
+            return self.provider.cache_prefix(prompt)
+        except Exception as e:
+            raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
 
     def select(self, ctx: Context, choices: list[str]) -> SelectResult:
-        text = self.render(ctx)
         prompt = self.prompt(ctx)
-        choice_ids = [self._choice_ids(text, prompt, c) for c in choices] if self.tokenizer is not None else None
         if self.select_method in ("auto", "engine") and self._engine_choices_ok is not False:
-            res = self._select_by_engine(prompt, choices, choice_ids)
+            res = self._select_by_engine(prompt, choices)
             if res is not None:
                 return res
             if self.select_method == "engine":
                 raise BackendError("the provider does not report choice scores for `choices` requests")
+        if self.normalization == "unconditional_normalized":
+            raise BackendError("unconditional_normalized needs the provider's choice scoring")
         if self.tokenizer is None:
             raise BackendError("select needs either the engine's choice scores or a tokenizer to score choices")
-        scores = score_choices(self.provider, prompt, choice_ids, self.normalization, prefix_hint=self.prefix_hints)
+        text = self.render(ctx)
+        choice_ids = [self._choice_ids(text, prompt, c) for c in choices]
+        try:
+            scores = score_choices(self.provider, prompt, choice_ids, self.normalization,
+                                   prefix_hint=self.prefix_hints)
+        except Exception as e:
+            raise BackendError(f"select failed: {type(e).__name__}: {e}") from e
         return self._result(choices, scores, "logprobs")
 
     # ------------------------------------------------------------------ select scoring sources
-    def _select_by_engine(self, prompt, choices: list[str], choice_ids) -> SelectResult | None:
-        """The engine's constrained `choices` request with its per-choice scores; None if not supported."""
+    def _select_by_engine(self, prompt, choices: list[str]) -> SelectResult | None:
+        """The provider's `choices` request: every choice scored from its token logprobs after the prompt
+        (prefilled once), the best returned with each choice's score. None if the provider cannot."""
         from prefixrt.errors import InvalidRequest
 
         try:
             c = self.provider.generate(prompt, self._params(
-                SamplingArgs(max_tokens=max(map(len, choice_ids)) + 1 if choice_ids else 64, temperature=0.0),
-                choices=choices, logprobs=0))
-        except (ImportError, NotImplementedError, InvalidRequest):
+                SamplingArgs(max_tokens=1, temperature=0.0, choices=choices)))
+        except (ImportError, NotImplementedError, InvalidRequest) as e:
+            if self.select_method == "engine":
+                raise BackendError(f"select failed: {type(e).__name__}: {e}") from e
             self._engine_choices_ok = False
             return None
         except Exception as e:
             raise BackendError(f"select failed: {type(e).__name__}: {e}") from e
-        if c.finish_reason == "abort" or not c.choice_scores:
+        if c.finish_reason == "abort":
+            raise BackendError(f"select request {c.request_id} was aborted: {c.error or 'no reason given'}")
+        if not c.choice_scores:
             self._engine_choices_ok = False
             return None
         self._engine_choices_ok = True
-        scores = ChoiceScores([c.choice_scores[ch] for ch in choices], approximate=False)
+        scores = ChoiceScores([c.choice_scores[ch] for ch in choices], approximate=False,
+                              token_logprobs=c.choice_logprobs)
         return self._result(choices, scores, "engine", c.prompt_tokens, c.cached_tokens)
 
     def _choice_ids(self, text: str, prompt: list[int], choice: str) -> list[int]:

@@ -48,6 +48,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     seconds: float = 0.0
+    method: str | None = None  # select: how the choice was scored ("engine", "logprobs", "constrained", ...)
 
 
 class StreamExecutor:
@@ -167,7 +168,8 @@ class StreamExecutor:
 
     def record(self, kind: str, name: str | None, res, t0: float) -> None:
         self.requests.append(RequestRecord(kind, name, getattr(res, "prompt_tokens", 0),
-                                           getattr(res, "cached_tokens", 0), time.monotonic() - t0))
+                                           getattr(res, "cached_tokens", 0), time.monotonic() - t0,
+                                           getattr(res, "method", None)))
 
     # ------------------------------------------------------------------ execution (worker thread)
     def execute(self, items: list[Expr]) -> None:
@@ -263,9 +265,10 @@ class _ExprOp:
 
 
 class _ForkOp:
-    """On the parent: send the shared prefix to the backend's cache (prefix hint) and hand a snapshot to the
-    children. The hint is not awaited: the branches' first requests go out alongside it, and the engine
-    prefills the shared part once (the hint is the leader), without an extra round trip per fork."""
+    """On the parent: send the shared prefix to the backend's cache (prefix hint), then hand a snapshot to the
+    children. The hint is submitted before the branches start, so it reaches the engine first and the
+    branches' first requests reuse the prefix; it is not awaited on an in-process engine (no extra round
+    trip per fork: the engine prefills the shared part once, with the hint as the leader)."""
 
     def __init__(self, k: int, hint: bool):
         self.k = k
@@ -274,18 +277,23 @@ class _ForkOp:
 
     def run(self, ex: StreamExecutor) -> None:
         if self.hint and self.k > 1 and (ex.pieces or ex.open_role):
-            ctx = ex.context()
-            t = threading.Thread(target=self._send_hint, args=(ex, ctx), name="prefixrt-prefix-hint", daemon=True)
-            ex.hints.append(t)
-            t.start()
+            t0 = time.monotonic()
+            try:
+                wait = ex.backend.submit_prefix_hint(ex.context())
+            except Exception as e:  # a lost hint costs speed, not correctness; the branches' calls report errors
+                log.warning("prefix hint failed: %s", e)
+            else:
+                t = threading.Thread(target=self._finish_hint, args=(ex, wait, t0), name="prefixrt-prefix-hint",
+                                     daemon=True)
+                ex.hints.append(t)
+                t.start()
         self.snapshot.set_result((list(ex.pieces), dict(ex.variables)))
 
     @staticmethod
-    def _send_hint(ex: StreamExecutor, ctx: Context) -> None:
-        t0 = time.monotonic()
+    def _finish_hint(ex: StreamExecutor, wait, t0: float) -> None:
         try:
-            cached = ex.backend.cache_prefix(ctx)
-        except Exception as e:  # a lost hint costs speed, not correctness; the branches' own calls report errors
+            cached = wait()
+        except Exception as e:
             log.warning("prefix hint failed: %s", e)
             return
         ex.requests.append(RequestRecord("cache_prefix", None, cached, cached, time.monotonic() - t0))

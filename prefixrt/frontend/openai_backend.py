@@ -94,8 +94,6 @@ class OpenAIBackend(Backend):
             else:
                 if logprobs:
                     kw["logprobs"] = TOP_LOGPROBS
-                if response_format is not None:
-                    body["response_format"] = response_format
                 resp = self.client.completions.create(prompt=self.render(ctx), extra_body=body or None, **kw)
                 choice = resp.choices[0]
                 text = choice.text or ""
@@ -137,7 +135,10 @@ class OpenAIBackend(Backend):
             schema = args.json_schema
             if hasattr(schema, "model_json_schema"):
                 schema = schema.model_json_schema()
-            response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+            if self.chat:
+                response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+            else:  # the completions API has no response_format: the `json_schema` extra field (prefixrt serve)
+                body["json_schema"] = schema
         text, finish, usage, _ = self._request(ctx, args.max_tokens, args.temperature, args.top_p, args.stop, body,
                                                response_format=response_format)
         return self._usage(GenResult(text, finish_reason=finish), usage)

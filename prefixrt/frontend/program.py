@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixrt.frontend.backend import Backend, Context, ProviderBackend, SamplingArgs
 from prefixrt.frontend.interpreter import ProgramError, ProgramState, StreamExecutor
+
+log = logging.getLogger("prefixrt.frontend")
 
 _default_backend: Backend | None = None
 
@@ -77,7 +80,10 @@ class Program:
         if prefix_hint and len(batch_kwargs) > 1 and isinstance(be, ProviderBackend) and be.prefix_hints:
             prefix = common_prefix([first_prompt(self, be, defaults, kw) for kw in batch_kwargs])
             if prefix:
-                be.cache_prefix_text(prefix)
+                try:
+                    be.cache_prefix_prompt(prefix)
+                except Exception as e:  # a lost hint costs speed, not correctness
+                    log.warning("batch prefix hint failed: %s", e)
 
         def one(kw):
             try:
@@ -118,7 +124,10 @@ class _TracingBackend(Backend):
         self.prompt: str | None = None
 
     def _stop(self, ctx: Context):
-        self.prompt = self.real.render(ctx)
+        try:
+            self.prompt = self.real.prompt(ctx) if isinstance(self.real, ProviderBackend) else self.real.render(ctx)
+        except Exception:
+            self.prompt = None
         raise _FirstCall()
 
     def generate(self, ctx: Context, args: SamplingArgs):
@@ -128,11 +137,12 @@ class _TracingBackend(Backend):
         self._stop(ctx)
 
     def cache_prefix(self, ctx: Context) -> int:
-        self._stop(ctx)
+        return 0  # a fork's hint: its prefix is also the prefix of the branch's first call
 
 
-def first_prompt(program: Program, backend: Backend, defaults: dict, kwargs: dict) -> str:
-    """The rendered prompt of the program's first backend call (running its body against a tracing backend)."""
+def first_prompt(program: Program, backend: Backend, defaults: dict, kwargs: dict):
+    """The prompt of the program's first backend call, as the backend would send it (token ids, text or chat
+    messages), found by running the program's body against a tracing backend."""
     tracer = _TracingBackend(backend)
     state = ProgramState(StreamExecutor(tracer, defaults))
     try:
@@ -140,10 +150,14 @@ def first_prompt(program: Program, backend: Backend, defaults: dict, kwargs: dic
         state._ex.sync_tree(30)
     except Exception:  # the tracer stops the program at its first call; the body may fail on reads after it
         pass
-    return tracer.prompt or ""
+    return tracer.prompt
 
 
-def common_prefix(texts: list[str]) -> str:
-    if not texts or any(not t for t in texts):
-        return ""
-    return os.path.commonprefix(texts)
+def common_prefix(prompts: list):
+    """The longest common prefix of prompts that are all token-id lists or all texts; None otherwise (chat
+    messages are rendered by the provider, so their common token prefix is unknown here)."""
+    if not prompts or any(not p for p in prompts):
+        return None
+    if all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) and isinstance(p[0], int) for p in prompts):
+        return os.path.commonprefix(prompts) or None
+    return None

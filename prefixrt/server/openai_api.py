@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from prefixrt.errors import InvalidRequest
 from prefixrt.server import convert, structured
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
@@ -38,16 +40,32 @@ async def list_models(request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng = _engine(request)
     messages, params, mode = convert.chat_params(body, eng.max_context)
+    prompt = _continuation_prompt(eng, messages) if body.continue_final_message else messages
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     params = dataclasses.replace(params, request_id=rid)
     model, created = _model_name(request), int(time.time())
     if not body.stream:
-        c = await until_disconnect(request, eng.agenerate(messages, params))
+        c = await until_disconnect(request, eng.agenerate(prompt, params))
         return JSON(convert.chat_response(c, rid, model, created, mode))
-    chunks = eng.astream(messages, params)  # submits now: a bad request raises here, before any byte is sent
+    chunks = eng.astream(prompt, params)  # submits now: a bad request raises here, before any byte is sent
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _chat_events(chunks, rid, model, created, mode, include_usage)
     return EventStream(gen, on_close=lambda: eng.abort(rid))
+
+
+def _continuation_prompt(eng, messages: list[dict]) -> list[int]:
+    """Token ids of the conversation up to the final assistant message's text, left open for the model to
+    continue: the chat template's rendering of the earlier messages with the generation prompt, then that text
+    (`continue_final_message`, as vLLM and SGLang accept it)."""
+    if not messages or messages[-1]["role"] != "assistant":
+        raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
+    tok = eng.tokenizer
+    try:
+        with getattr(eng, "_tok_lock", contextlib.nullcontext()):
+            head = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+            return tok.encode(head + messages[-1]["content"], add_special_tokens=False)
+    except Exception as e:
+        raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
 
 
 async def _chat_events(chunks, rid: str, model: str, created: int, mode: structured.ToolMode,

@@ -119,6 +119,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     tool_prompt: bool = True  # prefixrt extra: False when the messages already describe the tools
+    # vLLM / SGLang extra: the final assistant message is a prefix to continue, not a finished turn
+    continue_final_message: bool = False
 
 
 class CompletionRequest(_Sampling):

@@ -4,7 +4,7 @@ httpx.MockTransport (the client builds and parses real HTTP requests and respons
 - ScriptedModel: a deterministic "model" that knows a record of `Key: value` lines. Given a prompt that
   ends with `Key:` it continues with ` value` and the following lines of the record; otherwise it writes
   the whole record. Tokens are whitespace-separated words. Used to make speculation hold or fail at will.
-- EngineModel: serves /v1/completions and /v1/chat/completions from a prefixrt Engine (greedy), with logprobs.
+- FailingModel: every request fails with an HTTP error status.
 """
 
 from __future__ import annotations
@@ -70,50 +70,6 @@ class ScriptedModel:
         except ValueError as e:
             return _error(400, str(e))
         return _response(chat, body, text, finish, prompt_words, _words(text))
-
-
-class EngineModel:
-    """Greedy completions from a prefixrt Engine (its tokenizer's chat template for chat requests)."""
-
-    def __init__(self, engine, backend):
-        self.engine = engine
-        self.backend = backend  # a ProviderBackend on engine: the same prompt encoding as the frontend
-        self.requests: list[dict] = []
-
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        self.requests.append(body)
-        chat = request.url.path.endswith("/chat/completions")
-        tok = self.engine.tokenizer
-        if chat:
-            msgs = body["messages"]
-            if body.get("continue_final_message"):
-                text = tok.apply_chat_template(msgs[:-1], tokenize=False, add_generation_prompt=True)
-                text += msgs[-1]["content"]
-            else:
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            k = body.get("top_logprobs") if body.get("logprobs") else None
-        else:
-            text = body["prompt"]
-            k = body.get("logprobs")
-        params = {"max_new_tokens": body.get("max_tokens") or 16, "temperature": body.get("temperature", 1.0),
-                  "stop": body.get("stop"), "logprobs": k}
-        if body.get("choices") is not None:
-            return _error(400, "choices are not supported by this endpoint")
-        c = self.engine.generate(self.backend.encode(text), params)
-        lps = None
-        if k is not None and c.logprobs:
-            first = c.logprobs[0]
-            top = {t["token"]: t["logprob"] for t in first["top_logprobs"]}
-            if chat:
-                lps = {"content": [{"token": first["token"], "logprob": first["logprob"], "bytes": None,
-                                    "top_logprobs": [{"token": t, "logprob": v, "bytes": None}
-                                                     for t, v in top.items()]}]}
-            else:
-                lps = {"tokens": [first["token"]], "token_logprobs": [first["logprob"]], "top_logprobs": [top],
-                       "text_offset": [0]}
-        return _response(chat, body, c.text, c.finish_reason, c.prompt_tokens, c.completion_tokens, lps,
-                         c.cached_tokens)
 
 
 class FailingModel:

@@ -265,14 +265,31 @@ def test_run_batch_matches_run_and_precaches_common_prefix(make_frontend_engine)
     assert [st["a"] for st in states] == singles
 
 
-def test_gen_regex_reaches_engine(engine):
-    """Constraints are passed through as SamplingParams (the engine validates them)."""
+def test_gen_regex_json_schema_choices_on_engine(engine):
+    """Constrained gens run as the engine's constrained decoding: values match, and equal direct requests."""
+    import json
+    import re
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["city", "n"], "additionalProperties": False}
+    choices = [" Paris", " the lazy dog", " nine"]
+
     @function
     def prog(s):
-        s += "Number:" + gen("n", max_tokens=4, stop=["\n"], temperature=0)
+        s += "Phone:" + gen("phone", max_tokens=12, regex=r" [0-9]{3}-[0-9]{4}")
+        s += "\nAnswer:" + gen("answer", choices=choices)
+        s += "\nJSON:" + gen("obj", max_tokens=40, json_schema=schema)
 
-    st = prog.run(backend=engine, timeout=TIMEOUT)
-    assert isinstance(st["n"], str)
+    st = prog.run(backend=engine, temperature=0, timeout=TIMEOUT)
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", st["phone"])
+    obj = json.loads(st["obj"])
+    assert obj["city"] in ("Paris", "Rome") and 0 <= obj["n"] <= 99
+    pb = ProviderBackend(engine)
+    prefix = "Phone:" + st["phone"] + "\nAnswer:"
+    direct = engine.generate(pb.encode(prefix), {"choices": choices})
+    assert st["answer"] == direct.text and direct.choice_scores  # the engine's best choice by its scoring
+    assert st.text() == prefix + st["answer"] + "\nJSON:" + st["obj"]
 
 
 def test_fork_join_returns_branch_variables(engine):
