@@ -461,17 +461,16 @@ class ChatPrefixRT(BaseChatModel):
         method: "json_schema" (constrained decoding to the schema), "function_calling" (a forced call of a tool
         whose arguments are the schema), "json_mode" (JSON; constrained to `schema` when one is given, else to
         any JSON object). Objects in the schema are closed (no keys beyond the declared ones). strict is
-        accepted for compatibility: output is always schema-exact.
+        accepted for compatibility: output is always schema-exact. Other keyword arguments are call options for
+        the structured call (`max_tokens=`, `temperature=`, ...), as with `bind`.
         """
-        if kwargs:
-            raise ValueError(f"unexpected arguments: {sorted(kwargs)}")
         is_model = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "function_calling":
             if schema is None:
                 raise ValueError("method='function_calling' needs a schema")
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name,
+            llm = self.bind_tools([schema], tool_choice=name, **kwargs,
                                   ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                                "schema": tool})
             parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_model
@@ -480,7 +479,7 @@ class ChatPrefixRT(BaseChatModel):
             if schema is None:
                 raise ValueError("method='json_schema' needs a schema")
             json_schema = convert_to_json_schema(schema)
-            llm = self.bind(response_format={"type": "json_schema", "schema": closed_schema(json_schema)},
+            llm = self.bind(response_format={"type": "json_schema", "schema": closed_schema(json_schema)}, **kwargs,
                             ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                          "schema": json_schema})
             parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
@@ -489,7 +488,7 @@ class ChatPrefixRT(BaseChatModel):
             # parser); without one, any JSON object.
             response_format = ({"type": "json_schema", "schema": closed_schema(convert_to_json_schema(schema))}
                                if schema is not None else {"type": "json_object"})
-            llm = self.bind(response_format=response_format,
+            llm = self.bind(response_format=response_format, **kwargs,
                             ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
             parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
         else:
