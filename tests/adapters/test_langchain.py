@@ -99,9 +99,14 @@ TOPICS = ["a sea voyage", "a detective", "the moon", "gardening", "a dragon", "c
 
 
 def test_structured_output_is_valid_every_time(tiny_target):
-    model = tiny_target.chat(max_tokens=128).with_structured_output(Book)
-    books = model.batch([f"Invent a book about {t}." for t in TOPICS])  # 20 calls, concurrently
-    assert len(books) == 20 and all(isinstance(b, Book) for b in books)
+    model = tiny_target.chat(max_tokens=128).with_structured_output(Book, include_raw=True)
+    replies = model.batch([f"Invent a book about {t}." for t in TOPICS])  # 20 calls, concurrently
+    assert len(replies) == 20
+    for r in replies:  # complete, schema-valid JSON every time (not a truncated reply the parser repaired)
+        assert r["raw"].response_metadata["finish_reason"] == "stop" and r["parsing_error"] is None
+        assert isinstance(r["parsed"], Book)
+        jsonschema.validate(json.loads(r["raw"].content), Book.model_json_schema())
+    assert sum(r["raw"].usage_metadata["input_token_details"]["cache_read"] > 0 for r in replies) >= 19
 
 
 def test_structured_output_methods_and_include_raw(tiny_target):
