@@ -38,7 +38,7 @@ def main() -> None:
                              "year": {"type": "integer", "minimum": 1450, "maximum": 2030}}}
     r = client.chat.completions.create(
         model="gemma-3-270m", max_tokens=40,
-        messages=[system, {"role": "user", "content": "Name a famous novel and the year it was published."}],
+        messages=[{"role": "user", "content": "Name a famous novel and the year it was published, as JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "novel", "schema": schema}})
     print("structured:", json.loads(r.choices[0].message.content))
 

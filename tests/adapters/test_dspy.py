@@ -169,7 +169,7 @@ def test_dump_and_load_state(tiny_target):
 
 
 class Author(pydantic.BaseModel):
-    name: str = pydantic.Field(max_length=20)
+    name: str = pydantic.Field(max_length=16)
     born: int = pydantic.Field(ge=1000, le=2025)
 
 

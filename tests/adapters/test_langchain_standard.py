@@ -58,7 +58,7 @@ class TestChatPrefixRTIntegration(ChatModelIntegrationTests):
 
     @property
     def structured_output_kwargs(self):
-        return {"max_tokens": 40}
+        return {"max_tokens": 32}
 
     @property
     def has_tool_calling(self):
