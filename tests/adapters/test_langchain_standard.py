@@ -99,10 +99,6 @@ class TestChatPrefixRTIntegration(ChatModelIntegrationTests):
     def test_unicode_tool_call_integration(self, model, tool_choice=None, force_tool_call=True):
         pytest.skip(_QUALITY)
 
-    @pytest.mark.xfail(reason=f"skipped: {_QUALITY} (needs the model to answer from a tool result)")
+    @pytest.mark.xfail(reason=f"skipped: {_QUALITY} (with tool_choice 'auto', needs the model to choose the tool call)")
     def test_agent_loop(self, model):
-        pytest.skip(_QUALITY)
-
-    @pytest.mark.xfail(reason=f"skipped: {_QUALITY} (needs the model to follow few-shot tool examples)")
-    def test_structured_few_shot_examples(self, model, my_adder_tool):
         pytest.skip(_QUALITY)
