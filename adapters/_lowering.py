@@ -163,10 +163,11 @@ def sampling_params(options: dict[str, Any], *, what: str) -> dict[str, Any]:
 
 
 def response_format_constraint(response_format: dict | None) -> dict[str, Any]:
-    """An OpenAI/lm15 response_format -> {"json_schema": schema} for constrained decoding ({} for none).
+    """An OpenAI/lm15 response_format -> {"json_schema": ...} for constrained decoding ({} for none).
 
-    Accepts {"type": "json_object"}, {"type": "json_schema", "schema": ...} (lm15) and
-    {"type": "json_schema", "json_schema": {"schema": ...}} (OpenAI).
+    Accepts {"type": "json_object"} (any JSON object: the engine's "json_object" constraint),
+    {"type": "json_schema", "schema": ...} (lm15) and {"type": "json_schema", "json_schema": {"schema": ...}}
+    (OpenAI). The schema is sent as given.
     """
     if not response_format:
         return {}
@@ -174,7 +175,7 @@ def response_format_constraint(response_format: dict | None) -> dict[str, Any]:
     if kind == "text":
         return {}
     if kind == "json_object":
-        return {"json_schema": {"type": "object"}}
+        return {"json_schema": "json_object"}
     if kind == "json_schema":
         schema = response_format.get("schema")
         if schema is None and isinstance(response_format.get("json_schema"), dict):
@@ -183,6 +184,39 @@ def response_format_constraint(response_format: dict | None) -> dict[str, Any]:
             raise InvalidRequest("response_format json_schema needs a 'schema' object", param="response_format")
         return {"json_schema": schema}
     raise InvalidRequest(f"unsupported response_format type {kind!r}", param="response_format")
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of `schema` in which every object that lists its properties allows no others.
+
+    JSON Schema leaves objects open by default, and a small model under constrained decoding happily fills an
+    open object with invented keys (often copied from the schema text it was shown). Schemas derived from
+    pydantic models, TypedDicts and function signatures mean "exactly these fields", so objects that declare
+    `properties` get `additionalProperties: false` unless they say otherwise (what OpenAI's strict mode does).
+    """
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
+    if is_object and "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- tools
@@ -195,14 +229,37 @@ class ToolSpec:
     parameters: dict
 
 
+_DEF_KEYS = ("$defs", "definitions")
+
+
 def _hoist_defs(schema: dict, defs: dict) -> dict:
-    """Move a tool's `$defs` to the root of the combined schema, where its `#/$defs/...` refs point."""
+    """Move a tool's `$defs` / `definitions` to the root of the combined schema, where its refs point.
+
+    Refs of the form `#/definitions/X` are rewritten to `#/$defs/X`. Two tools may share a definition name only
+    when they define it identically.
+    """
     schema = dict(schema)
-    for name, sub in (schema.pop("$defs", None) or {}).items():
-        if name in defs and defs[name] != sub:
-            raise InvalidRequest(f"two tools define different schemas named {name!r}", param="tools")
-        defs[name] = sub
-    return schema
+    for key in _DEF_KEYS:
+        for name, sub in (schema.pop(key, None) or {}).items():
+            sub = _rewrite_refs(sub)
+            if name in defs and defs[name] != sub:
+                raise InvalidRequest(f"two tools define different schemas named {name!r}", param="tools")
+            defs[name] = sub
+    return _rewrite_refs(schema)
+
+
+def _rewrite_refs(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_rewrite_refs(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _rewrite_refs(v) for k, v in schema.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/definitions/"):
+        out["$ref"] = "#/$defs/" + ref[len("#/definitions/"):]
+    elif isinstance(ref, str) and not ref.startswith("#/$defs/"):
+        raise InvalidRequest(f"tool parameters may only refer to their own definitions, not {ref!r}", param="tools")
+    return out
 
 
 def tool_call_schema(tools: list[ToolSpec], choice: str) -> dict:
@@ -210,7 +267,8 @@ def tool_call_schema(tools: list[ToolSpec], choice: str) -> dict:
 
     choice: "required" (call one of the tools), "auto" (call a tool or answer in text), or a tool name (call
     exactly that tool). A call is {"name": <tool>, "arguments": {...}}; a text answer (auto only) is
-    {"response": "..."}. Decoding is constrained to this schema, so a reply always parses.
+    {"response": "..."}. Decoding is constrained to this schema, so a reply always parses. Argument objects
+    are closed (`closed_schema`): a call carries exactly the parameters the tool declares.
     """
     if choice not in ("required", "auto") and choice not in {t.name for t in tools}:
         raise InvalidRequest(f"tool_choice names {choice!r}, which is not a bound tool", param="tool_choice")
@@ -218,7 +276,9 @@ def tool_call_schema(tools: list[ToolSpec], choice: str) -> dict:
     defs: dict = {}
     variants = []
     for t in chosen:
-        params = _hoist_defs(t.parameters or {"type": "object", "properties": {}}, defs)
+        params = _hoist_defs(closed_schema(t.parameters or {"type": "object", "properties": {}}), defs)
+        params.pop("title", None)
+        params.pop("description", None)
         variants.append({
             "type": "object",
             "properties": {"name": {"const": t.name}, "arguments": params},
@@ -238,13 +298,46 @@ def tool_call_schema(tools: list[ToolSpec], choice: str) -> dict:
     return schema
 
 
+def _type_name(schema: dict) -> str:
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if "$ref" in schema:
+        return schema["$ref"].rsplit("/", 1)[-1]
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return " | ".join(_type_name(s) for s in schema[key] if isinstance(s, dict))
+    kind = schema.get("type", "any")
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        return f"list of {_type_name(schema['items'])}"
+    return " | ".join(kind) if isinstance(kind, list) else str(kind)
+
+
+def _signature(tool: ToolSpec) -> str:
+    props = (tool.parameters or {}).get("properties") or {}
+    required = set((tool.parameters or {}).get("required") or [])
+    args = []
+    for name, sub in props.items():
+        sub = sub if isinstance(sub, dict) else {}
+        arg = f"{name}: {_type_name(sub)}" + ("" if name in required else " (optional)")
+        if sub.get("description"):
+            arg += f" - {sub['description']}"
+        args.append(arg)
+    return f"{tool.name}({', '.join(args)})"
+
+
 def tools_instruction(tools: list[ToolSpec], choice: str) -> str:
-    """The system text that tells the model which tools exist and how a call is written."""
+    """The system text that tells the model which tools exist and how a call is written.
+
+    Tools are shown as signatures (`add(a: integer, b: integer)`), not as raw JSON schemas: the reply's shape
+    is enforced by decoding, and a small model shown a schema tends to copy it into the arguments.
+    """
     lines = ["You can call these tools:"]
     for t in tools:
         desc = f": {t.description}" if t.description else ""
-        lines.append(f"- {t.name}{desc} Arguments (JSON schema): {json.dumps(t.parameters, separators=(',', ':'))}")
-    lines.append('To call a tool, reply with JSON: {"name": "<tool name>", "arguments": {...}}.')
+        lines.append(f"- {_signature(t)}{desc}")
+    lines.append('To call a tool, reply with JSON: {"name": "<tool name>", "arguments": {<argument values>}}.')
     if choice == "auto":
         lines.append('To answer without a tool, reply with JSON: {"response": "<your answer>"}.')
     elif choice != "required":

@@ -45,6 +45,7 @@ from langchain_core.utils.utils import secret_from_env
 from prefixrt.adapters._lowering import (
     ProviderHandle,
     ToolSpec,
+    closed_schema,
     format_tool_call,
     format_tool_result,
     new_call_id,
@@ -239,7 +240,7 @@ class ChatPrefixRT(BaseChatModel):
         if specs is None and response_format is not None:
             params.update(response_format_constraint(response_format))
             schema = params.get("json_schema")
-            if schema is not None and schema != {"type": "object"}:
+            if isinstance(schema, dict):
                 note = f"Reply with a JSON object matching this JSON schema: {json.dumps(schema, separators=(',', ':'))}"
                 chat = with_system_note(chat, note)
         return chat, params, specs
@@ -458,18 +459,18 @@ class ChatPrefixRT(BaseChatModel):
         """A runnable whose output is `schema` (a pydantic class -> an instance; a dict/TypedDict -> a dict).
 
         method: "json_schema" (constrained decoding to the schema), "function_calling" (a forced call of a tool
-        whose arguments are the schema), "json_mode" (any JSON object; say the shape in the prompt).
-        strict is accepted for compatibility: output is always schema-exact under json_schema/function_calling.
+        whose arguments are the schema), "json_mode" (JSON; constrained to `schema` when one is given, else to
+        any JSON object). Objects in the schema are closed (no keys beyond the declared ones). strict is
+        accepted for compatibility: output is always schema-exact. Other keyword arguments are call options for
+        the structured call (`max_tokens=`, `temperature=`, ...), as with `bind`.
         """
-        if kwargs:
-            raise ValueError(f"unexpected arguments: {sorted(kwargs)}")
         is_model = isinstance(schema, type) and is_basemodel_subclass(schema)
         if method == "function_calling":
             if schema is None:
                 raise ValueError("method='function_calling' needs a schema")
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name,
+            llm = self.bind_tools([schema], tool_choice=name, **kwargs,
                                   ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                                "schema": tool})
             parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_model
@@ -478,12 +479,16 @@ class ChatPrefixRT(BaseChatModel):
             if schema is None:
                 raise ValueError("method='json_schema' needs a schema")
             json_schema = convert_to_json_schema(schema)
-            llm = self.bind(response_format={"type": "json_schema", "schema": json_schema},
+            llm = self.bind(response_format={"type": "json_schema", "schema": closed_schema(json_schema)}, **kwargs,
                             ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                          "schema": json_schema})
             parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
         elif method == "json_mode":
-            llm = self.bind(response_format={"type": "json_object"},
+            # With a schema, decoding follows it (a reply that is JSON but not the schema is of no use to the
+            # parser); without one, any JSON object.
+            response_format = ({"type": "json_schema", "schema": closed_schema(convert_to_json_schema(schema))}
+                               if schema is not None else {"type": "json_object"})
+            llm = self.bind(response_format=response_format, **kwargs,
                             ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
             parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
         else:

@@ -2,11 +2,13 @@
 
 Run: python examples/openai_shim.py          (Gemma-3-270M in-process)
 
-Shows: chat completions, streaming, and cached_tokens in usage on a repeated prefix.
+Shows: chat completions, streaming, cached_tokens in usage on a repeated prefix, and a JSON-schema
+response_format enforced by constrained decoding.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -31,6 +33,14 @@ def main() -> None:
         if chunk.choices and chunk.choices[0].delta.content:
             print(chunk.choices[0].delta.content, end="", flush=True)
     print()
+    schema = {"type": "object", "additionalProperties": False, "required": ["title", "year"],
+              "properties": {"title": {"type": "string", "maxLength": 40},
+                             "year": {"type": "integer", "minimum": 1450, "maximum": 2030}}}
+    r = client.chat.completions.create(
+        model="gemma-3-270m", max_tokens=40,
+        messages=[{"role": "user", "content": "Name a famous novel and the year it was published, as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "novel", "schema": schema}})
+    print("structured:", json.loads(r.choices[0].message.content))
 
 
 if __name__ == "__main__":
