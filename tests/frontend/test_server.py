@@ -26,7 +26,7 @@ from prefixrt.frontend import (
 )
 from prefixrt.remote import RemoteEngine
 from tests.conftest import assert_idle_and_clean
-from tests.server.conftest import LiveServer
+from tests.live_server import LiveServer
 
 TIMEOUT = 60
 ESSAY = "A stitch in time saves nine. The quick brown fox jumps over the lazy dog. " * 2
