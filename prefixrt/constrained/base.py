@@ -137,6 +137,23 @@ class GrammarBackend(ABC):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
+    def _set_vocab(self, tokenizer: Any, vocab_size: int | None, eos_token_ids) -> None:
+        """Resolve the model vocab size (>= the tokenizer's ids; padded ids are always masked) and the EOS
+        ids (default: the tokenizer's), shared by every backend's constructor."""
+        num_tokenizer_ids = len(tokenizer)
+        self.vocab_size = num_tokenizer_ids if vocab_size is None else int(vocab_size)
+        if self.vocab_size < num_tokenizer_ids:
+            raise ValueError(
+                f"vocab_size {self.vocab_size} is smaller than the tokenizer's {num_tokenizer_ids} ids; "
+                "pass the model's lm_head width"
+            )
+        if eos_token_ids is None:
+            if tokenizer.eos_token_id is None:
+                raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids")
+            eos_token_ids = [tokenizer.eos_token_id]
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.tokenizer = tokenizer
+
     @abstractmethod
     def compile(self, kind: str, spec: Any) -> CompiledGrammar:
         """Compile `spec` of `kind`. Pure with respect to the backend (thread-safe, no shared mutation).

@@ -115,19 +115,7 @@ class LLGuidanceBackend(GrammarBackend):
         limits: llguidance.LLParserLimits | None = None,
         mask_threads: int = 2,
     ):
-        num_tokenizer_ids = len(tokenizer)
-        self.vocab_size = num_tokenizer_ids if vocab_size is None else int(vocab_size)
-        if self.vocab_size < num_tokenizer_ids:
-            raise ValueError(
-                f"vocab_size {self.vocab_size} is smaller than the tokenizer's {num_tokenizer_ids} ids; "
-                "pass the model's lm_head width"
-            )
-        if eos_token_ids is None:
-            if tokenizer.eos_token_id is None:
-                raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids")
-            eos_token_ids = [tokenizer.eos_token_id]
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.tokenizer = tokenizer
+        self._set_vocab(tokenizer, vocab_size, eos_token_ids)
         self._json_options: dict = (
             {"whitespace_flexible": True}
             if json_whitespace_flexible

@@ -165,19 +165,8 @@ class XGrammarBackend(GrammarBackend):
         strict_json: bool = True,
         compile_threads: int = 1,
     ):
+        self._set_vocab(tokenizer, vocab_size, eos_token_ids)
         num_tokenizer_ids = len(tokenizer)
-        self.vocab_size = num_tokenizer_ids if vocab_size is None else int(vocab_size)
-        if self.vocab_size < num_tokenizer_ids:
-            raise ValueError(
-                f"vocab_size {self.vocab_size} is smaller than the tokenizer's {num_tokenizer_ids} ids; "
-                "pass the model's lm_head width"
-            )
-        if eos_token_ids is None:
-            if tokenizer.eos_token_id is None:
-                raise ValueError("the tokenizer has no eos_token_id: pass eos_token_ids")
-            eos_token_ids = [tokenizer.eos_token_id]
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.tokenizer = tokenizer
         self._json_whitespace_flexible = json_whitespace_flexible
         self._strict_json = strict_json
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
