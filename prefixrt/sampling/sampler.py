@@ -102,7 +102,7 @@ class Sampler:
             rank = torch.arange(V, device=dev).unsqueeze(0)
             cum = probs.cumsum(dim=-1)
             drop = (rank >= ks.unsqueeze(1)) | ((cum - probs) > ps.unsqueeze(1))
-            drop |= probs < (mps * probs[:, :1])
+            drop |= probs < (mps.unsqueeze(1) * probs[:, :1])
             drop[:, 0] = False  # the most likely token always survives
             vals = vals.masked_fill(drop, float("-inf"))
             probs = torch.softmax(vals, dim=-1)
