@@ -20,11 +20,11 @@ from typing import Any
 
 from prefixrt.config import EngineConfig
 from prefixrt.engine.front import EngineFront
-from prefixrt.engine.request import Req
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
+from prefixrt.request import Req
 
 log = logging.getLogger("prefixrt")
 
