@@ -12,6 +12,7 @@ from urllib.parse import unquote
 
 from prefixrt.constrained.base import CONSTRAINT_KINDS
 from prefixrt.errors import InvalidRequest
+from prefixrt.schema import schema_of, strict_schema
 
 # The OpenAI `json_object` response format: any JSON object.
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
@@ -33,30 +34,10 @@ def check_kind(kind: str) -> None:
 
 
 def load_json_schema(spec: Any) -> dict | bool:
-    """A JSON schema as a Python object, from a dict, JSON text, or a pydantic BaseModel subclass."""
-    if isinstance(spec, type):
-        schema_fn = getattr(spec, "model_json_schema", None)
-        if schema_fn is None:
-            raise InvalidRequest(
-                f"json_schema class {spec.__name__} is not a pydantic BaseModel subclass", param="json_schema"
-            )
-        try:
-            return schema_fn()
-        except Exception as e:  # pydantic raises several types for unschematizable fields
-            raise InvalidRequest(f"cannot build a JSON schema from {spec.__name__}: {e}", param="json_schema") from e
-    if isinstance(spec, (str, bytes)):
-        try:
-            spec = json.loads(spec)
-        except ValueError as e:
-            raise InvalidRequest(f"json_schema is not valid JSON: {e}", param="json_schema") from e
-    if isinstance(spec, bool):
-        return spec
-    if not isinstance(spec, dict):
-        raise InvalidRequest(
-            f"json_schema must be a JSON object (dict), JSON text or a pydantic model class, not {type(spec).__name__}",
-            param="json_schema",
-        )
-    return spec
+    """The JSON schema the engine enforces for `spec` (a dict, JSON text, a pydantic model class or another
+    type pydantic describes), with the strict-mode rule applied: objects listing `properties` and silent on
+    `additionalProperties` are closed (prefixrt/schema.py)."""
+    return strict_schema(schema_of(spec))
 
 
 def check_choices(spec: Any) -> list[str]:

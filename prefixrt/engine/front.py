@@ -96,6 +96,10 @@ class EngineFront:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  param="prompt")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                 param="logit_bias")
         if len(ids) >= self.max_context:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}",
                                  param="prompt")

@@ -228,6 +228,10 @@ class ProcessEngine(EngineFront):
     def stats(self) -> EngineStats:
         return self._call("stats", timeout=60)
 
+    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None):
+        """Engine.score_continuations, in the engine process."""
+        return self._call("score_continuations", prompt, continuations, cache_salt)
+
     def flush_cache(self) -> None:
         self._call("flush_cache", timeout=60)
 
@@ -308,6 +312,7 @@ class _EngineServer:
             "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
             "generate": engine.generate, "check_integrity": engine.check_integrity,
             "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
+            "score_continuations": engine.score_continuations,
         }
 
     def send(self, msg: tuple) -> None:

@@ -1,6 +1,6 @@
 """Sampler: logits of the sampled rows -> next tokens, with every SamplingParams knob, batched.
 
-Order per row: penalties (repetition on prompt+output, frequency/presence on output) -> grammar mask ->
+Order per row: penalties (repetition on prompt+output, frequency/presence on output) -> logit_bias -> grammar mask ->
 greedy argmax, or temperature -> top-k / top-p / min-p -> draw. Rows with a seed draw from their own
 torch.Generator (reproducible whatever the batch); others share the engine's generator.
 Logprobs are reported from the raw model distribution (before penalties, masks and temperature), as
@@ -39,10 +39,13 @@ class Sampler:
         """logits: [B, V] float32, row i for reqs[i]. bitmask_fn(logits) applies grammar masks in place.
         Returns one token per row."""
         raw = logits
-        logits = logits.clone() if any(r.params.has_penalties for r in reqs) or bitmask_fn else logits
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        logits = logits.clone() if any(r.params.has_penalties for r in reqs) or bitmask_fn or biased else logits
         for i, r in enumerate(reqs):
             if r.params.has_penalties:
                 self._apply_penalties(logits[i], r)
+        for i in biased:
+            self._apply_logit_bias(logits[i], reqs[i].params.logit_bias)
         if bitmask_fn is not None:
             bitmask_fn(logits)
 
@@ -86,6 +89,12 @@ class Sampler:
             out = torch.tensor(r.output_ids, device=dev)
             counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+        """row[V] += bias at its token ids (ids were checked against the vocabulary at submission)."""
+        ids = torch.tensor(list(bias), device=row.device)
+        row[ids] += torch.tensor(list(bias.values()), device=row.device, dtype=row.dtype)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         dev = logits.device

@@ -1,22 +1,27 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE)."""
+"""OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE).
+
+/v1/responses lives in responses.py (included here)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
-from prefixrt.errors import InvalidRequest
-from prefixrt.server import convert, structured
+from prefixrt.lowering import ToolPlan
+from prefixrt.server import convert
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
 
 router = APIRouter()
+router.include_router(responses_router)
 
 
 def _engine(request: Request):
@@ -27,50 +32,46 @@ def _model_name(request: Request) -> str:
     return request.app.state.model_name
 
 
+def _model_card(request: Request) -> dict:
+    eng = _engine(request)
+    return {"id": _model_name(request), "object": "model", "created": request.app.state.created,
+            "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
+            "vocab_size": getattr(eng, "vocab_size", None), "revision": getattr(eng, "model_revision", None)}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
-    eng = _engine(request)
-    return JSON({"object": "list", "data": [{
-        "id": _model_name(request), "object": "model", "created": request.app.state.created,
-        "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
-        "vocab_size": getattr(eng, "vocab_size", None),
-    }]})
+    return JSON({"object": "list", "data": [_model_card(request)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    if model_id != _model_name(request):
+        raise HTTPException(404, f"the model {model_id!r} does not exist; this server serves "
+                                 f"{_model_name(request)!r}")
+    return JSON(_model_card(request))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng = _engine(request)
-    messages, params, mode = convert.chat_params(body, eng.max_context)
-    prompt = _continuation_prompt(eng, messages) if body.continue_final_message else messages
+    lowered = await run_in_threadpool(convert.chat_params, body, eng)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    params = dataclasses.replace(params, request_id=rid)
+    params = dataclasses.replace(lowered.params, request_id=rid)
     model, created = _model_name(request), int(time.time())
     if not body.stream:
-        c = await until_disconnect(request, eng.agenerate(prompt, params))
-        return JSON(convert.chat_response(c, rid, model, created, mode))
-    chunks = eng.astream(prompt, params)  # submits now: a bad request raises here, before any byte is sent
+        c = await until_disconnect(request, eng.agenerate(lowered.prompt, params))
+        return JSON(convert.chat_response(c, rid, model, created, lowered.tools))
+    chunks = eng.astream(lowered.prompt, params)  # submits now: a bad request raises here, before any byte is sent
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _chat_events(chunks, rid, model, created, mode, include_usage)
+    gen = _chat_events(chunks, rid, model, created, lowered.tools, include_usage)
     return EventStream(gen, on_close=lambda: eng.abort(rid))
 
 
-def _continuation_prompt(eng, messages: list[dict]) -> list[int]:
-    """Token ids of the conversation up to the final assistant message's text, left open for the model to
-    continue: the chat template's rendering of the earlier messages with the generation prompt, then that text
-    (`continue_final_message`, as vLLM and SGLang accept it)."""
-    if not messages or messages[-1]["role"] != "assistant":
-        raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
-    tok = eng.tokenizer
-    try:
-        with getattr(eng, "_tok_lock", contextlib.nullcontext()):
-            head = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-            return tok.encode(head + messages[-1]["content"], add_special_tokens=False)
-    except Exception as e:
-        raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
-
-
-async def _chat_events(chunks, rid: str, model: str, created: int, mode: structured.ToolMode,
+async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
                        include_usage: bool) -> AsyncIterator[str]:
+    """Text streams as it comes. With tools, a sample's text is held while it may still be a call (it starts
+    like one); a call is sent whole, as one delta per call, once the sample ends."""
     usage = convert.StreamUsage()
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
@@ -80,35 +81,41 @@ async def _chat_events(chunks, rid: str, model: str, created: int, mode: structu
     def chunk(i, delta, reason=None, lps=None):
         return sse(convert.chat_chunk(rid, model, created, i, delta, reason, convert.chat_logprobs(lps)))
 
-    async for ch in chunks:
-        usage.add(0, ch)
-        i = ch.index
-        if i not in started:
-            started.add(i)
-            yield chunk(i, {"role": "assistant", "content": ""})
-        if mode.active and i not in plain:
-            held[i] = held.get(i, "") + ch.text
-            if ch.logprobs:
-                held_lps.setdefault(i, []).extend(ch.logprobs)
-            lead = held[i].lstrip()[:1]
-            if not mode.forced and lead and lead not in "{<`":  # "auto" and clearly prose: stream it
-                plain.add(i)
-                yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
-            elif ch.finish_reason is not None:
-                text, lps = held.pop(i, ""), held_lps.pop(i, None)
-                calls = structured.parse_tool_calls(text, mode)
-                if calls:
-                    delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
-                    yield chunk(i, delta, lps=lps)
-                    yield chunk(i, {}, "tool_calls")
-                else:
-                    yield chunk(i, {"content": text}, lps=lps)
-                    yield chunk(i, {}, ch.finish_reason)
-            continue
-        if ch.text or ch.logprobs:
-            yield chunk(i, {"content": ch.text}, lps=ch.logprobs)
-        if ch.finish_reason is not None:
-            yield chunk(i, {}, ch.finish_reason)
+    try:
+        async for ch in chunks:
+            usage.add(0, ch)
+            i = ch.index
+            finish = convert.check_finished(ch.finish_reason)
+            if i not in started:
+                started.add(i)
+                yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+            if plan is not None and i not in plain:
+                held[i] = held.get(i, "") + ch.text
+                if ch.logprobs:
+                    held_lps.setdefault(i, []).extend(ch.logprobs)
+                if not plan.may_be_call(held[i]):  # clearly prose: stream it
+                    plain.add(i)
+                    yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
+                    if finish is not None:
+                        yield chunk(i, {}, finish)
+                elif finish is not None:
+                    text, lps = held.pop(i, ""), held_lps.pop(i, None)
+                    calls = plan.parse(text)
+                    if calls:
+                        for k, c in enumerate(calls):
+                            yield chunk(i, {"tool_calls": [{"index": k, **c.to_openai()}]}, lps=lps if k == 0 else None)
+                        yield chunk(i, {}, "tool_calls")
+                    else:
+                        yield chunk(i, {"content": text}, lps=lps)
+                        yield chunk(i, {}, finish)
+                continue
+            if ch.text or ch.logprobs:
+                yield chunk(i, {"content": ch.text}, lps=ch.logprobs)
+            if finish is not None:
+                yield chunk(i, {}, finish)
+    except convert.RequestFailed as e:
+        yield sse(convert.error_event(str(e)))
+        return
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "chat.completion.chunk", usage.to_dict()))
     yield SSE_DONE
@@ -127,7 +134,13 @@ async def completions(body: CompletionRequest, request: Request):
             return await asyncio.gather(*(eng.agenerate(p, sp) for p, sp in zip(prompts, per_prompt)))
 
         cs = await until_disconnect(request, run())
-        return JSON(convert.completion_response(list(cs), rid, model, created))
+        echo = None
+        if body.echo:
+            if body.logprobs is not None:
+                echo = [await run_in_threadpool(convert.prompt_entries, eng, p) for p in prompts]
+            else:
+                echo = [(convert.prompt_text(eng, p), None) for p in prompts]
+        return JSON(convert.completion_response(list(cs), rid, model, created, echo))
     streams = []
     try:
         for p, sp in zip(prompts, per_prompt):
@@ -137,7 +150,8 @@ async def completions(body: CompletionRequest, request: Request):
             eng.abort(r)
         raise
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _completion_events(streams, params.n, rid, model, created, include_usage)
+    heads = [convert.prompt_text(eng, p) for p in prompts] if body.echo else None
+    gen = _completion_events(streams, params.n, rid, model, created, include_usage, heads)
 
     def close():
         for r in rids:
@@ -147,16 +161,25 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 async def _completion_events(streams, n: int, rid: str, model: str, created: int,
-                             include_usage: bool) -> AsyncIterator[str]:
+                             include_usage: bool, heads: list[str] | None = None) -> AsyncIterator[str]:
+    """heads: with echo, each prompt's text, sent first on each of its samples."""
     usage = convert.StreamUsage()
     offsets: dict[int, int] = {}
-    async for k, ch in _merge(streams):
-        usage.add(k, ch)
-        index = k * n + ch.index
-        lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + len(ch.text)
-        if ch.text or ch.logprobs or ch.finish_reason is not None:
-            yield sse(convert.completion_chunk(rid, model, created, index, ch.text, ch.finish_reason, lps))
+    try:
+        async for k, ch in _merge(streams):
+            usage.add(k, ch)
+            index = k * n + ch.index
+            finish = convert.check_finished(ch.finish_reason)
+            text = ch.text
+            if heads is not None and index not in offsets:
+                text = heads[k] + text
+            lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0) + len(text) - len(ch.text))
+            offsets[index] = offsets.get(index, 0) + len(text)
+            if text or ch.logprobs or finish is not None:
+                yield sse(convert.completion_chunk(rid, model, created, index, text, finish, lps))
+    except convert.RequestFailed as e:
+        yield sse(convert.error_event(str(e)))
+        return
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))
     yield SSE_DONE

@@ -1,0 +1,137 @@
+"""JSON schemas for constrained decoding: where they come from, the strict-mode rule, and embedding.
+
+The one home of "a Python type or a dict -> the JSON schema the engine enforces":
+
+- `schema_of(spec)`: a pydantic model class, any type pydantic can describe (TypedDict, dataclass, `list[X]`),
+  a dict, or JSON text -> a JSON schema (dict or bool).
+- `strict_schema(schema, strict)`: the rule of OpenAI's strict structured outputs and xgrammar's strict mode —
+  an object schema that lists `properties` and says nothing about `additionalProperties` is closed
+  (`additionalProperties: false`). JSON Schema leaves such objects open, and a small model under constrained
+  decoding fills an open object with invented keys until `max_new_tokens`. `strict=False` (OpenAI's
+  `"strict": false`) keeps JSON Schema's meaning instead: such objects are marked open explicitly, so that
+  nothing downstream closes them. Objects without `properties` (`{"type": "object"}`, `dict[str, Any]`) are
+  open either way: they name no fields to close over.
+- `embed(schema, name)`: a schema that will sit inside a larger one (a tool's parameters under
+  `properties.arguments`): its local `$ref`s (`#`, `#/$defs/X`, `#/properties/...`) are rewritten to point
+  under `#/$defs/<name>`, where the whole schema is moved, so they resolve wherever it is embedded.
+
+Pure functions over plain data; nothing here imports the engine. SamplingParams.json_schema (the Engine),
+the server's response_format and tools, and the DSPy / LangChain adapters all go through these.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefixrt.errors import InvalidRequest
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems")
+
+
+def schema_of(spec: Any, param: str = "json_schema") -> dict | bool:
+    """The JSON schema `spec` describes: a dict or bool (as is), JSON text, a pydantic BaseModel class, or any
+    type pydantic's TypeAdapter can describe (TypedDict, dataclass, `list[Model]`). InvalidRequest otherwise."""
+    if isinstance(spec, (str, bytes)):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise InvalidRequest(f"{param} is not valid JSON: {e}", param=param) from e
+    if isinstance(spec, (bool, dict)):
+        return spec
+    model_schema = getattr(spec, "model_json_schema", None)
+    if isinstance(spec, type) and model_schema is not None:
+        try:
+            return model_schema()
+        except Exception as e:  # pydantic raises several types for unschematizable fields
+            raise InvalidRequest(f"cannot build a JSON schema from {spec.__name__}: {e}", param=param) from e
+    if isinstance(spec, type) or getattr(spec, "__origin__", None) is not None:
+        try:
+            from pydantic import TypeAdapter
+
+            return TypeAdapter(spec).json_schema()
+        except ImportError:
+            pass
+        except Exception as e:
+            raise InvalidRequest(f"cannot build a JSON schema from {spec!r}: {e}", param=param) from e
+    raise InvalidRequest(f"{param} must be a JSON schema (dict or JSON text), a pydantic model class or a type "
+                         f"pydantic can describe, not {type(spec).__name__}", param=param)
+
+
+def _map_subschemas(schema: dict, fn) -> dict:
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: fn(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key])
+    if isinstance(out.get("items"), list):  # draft-4 tuple form
+        out["items"] = [fn(s) for s in out["items"]]
+    return out
+
+
+def _is_object(schema: dict) -> bool:
+    t = schema.get("type")
+    return t == "object" or (isinstance(t, list) and "object" in t)
+
+
+def strict_schema(schema: Any, strict: bool | None = True) -> Any:
+    """A copy of `schema` with the strict-mode rule applied to every object that lists `properties` and does
+    not say whether others are allowed: closed (`additionalProperties: false`) unless `strict` is False, then
+    marked open (`additionalProperties: true`). Objects that say, and objects without `properties`, are kept."""
+    if isinstance(schema, list):
+        return [strict_schema(s, strict) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = _map_subschemas(schema, lambda s: strict_schema(s, strict))
+    if (_is_object(out) and "properties" in out and "additionalProperties" not in out
+            and "patternProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = strict is False
+    return out
+
+
+def _rewrite_refs(node: Any, base: str) -> Any:
+    if isinstance(node, list):
+        return [_rewrite_refs(s, base) for s in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (_rewrite_refs(v, base) if k not in ("const", "enum", "default", "examples") else v)
+           for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str):
+        if ref == "#" or ref.startswith("#/"):
+            out["$ref"] = base + ref[1:]
+        elif not ref.startswith("#"):
+            raise InvalidRequest(f"only local $refs are supported, not {ref!r}", param="json_schema")
+    return out
+
+
+def embed(schema: Any, name: str) -> tuple[dict, dict]:
+    """(the reference to put where `schema` is embedded, the `$defs` entries the outer schema must carry).
+
+    The schema is moved whole to `#/$defs/<name>` and every local `$ref` in it is rewritten relative to that
+    place, so `#/$defs/X` (pydantic's nested models), `#/definitions/X` and `#` (recursion) keep resolving.
+    `name` must be unique among the schemas embedded in one outer schema."""
+    if not isinstance(schema, dict):
+        return {} if schema is True else {"not": {}}, {}
+    key = name.replace("~", "~0").replace("/", "~1")
+    return {"$ref": f"#/$defs/{key}"}, {name: _rewrite_refs(schema, f"#/$defs/{key}")}
+
+
+def with_defs(schema: dict, defs: dict) -> dict:
+    """`schema` carrying `defs` at its root (beside any it has)."""
+    if not defs:
+        return schema
+    merged = dict(schema.get("$defs") or {})
+    for k, v in defs.items():
+        if k in merged and merged[k] != v:
+            raise InvalidRequest(f"two embedded schemas are both named {k!r}", param="json_schema")
+        merged[k] = v
+    return {**schema, "$defs": merged}
