@@ -211,14 +211,12 @@ def template_call_syntax(tokenizer) -> CallSyntax | None:
 
 
 def tool_choice_name(choice: Any, param: str = "tool_choice") -> str | None:
-    """tool_choice as "auto" | "required" | "none" | a tool name (chat's and the Responses API's forms)."""
+    """tool_choice as "auto" | "required" | "none" | a tool name (chat's and the Responses API's forms, or a
+    bare name)."""
     if choice is None:
         return None
     if isinstance(choice, str):
-        if choice not in ("auto", "required", "none"):
-            raise InvalidRequest(f"tool_choice must be auto, required, none or a function, not {choice!r}",
-                                 param=param)
-        return choice
+        return choice  # "auto" | "required" | "none", or a tool's name (checked against the tools)
     if isinstance(choice, dict):
         fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
         if isinstance(fn.get("name"), str):
