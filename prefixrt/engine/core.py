@@ -14,11 +14,11 @@ import traceback
 import torch
 
 from prefixrt.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from prefixrt.engine.request import Req
 from prefixrt.engine.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
+from prefixrt.request import Req
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
@@ -161,8 +161,8 @@ class EngineCore:
             if s and r.params.max_new_tokens > 0:
                 ends.append(acc - 1)
                 sampled.append(r)
-            if r.num_cached_tokens is not None and not getattr(r, "_counted", False):
-                r._counted = True
+            if r.num_cached_tokens is not None and not r.prompt_counted:
+                r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
         self.kv.table.flush()
@@ -246,10 +246,10 @@ class EngineCore:
             if hit is not None:
                 r.text = r.text[: hit[0]]
                 reason, matched = "stop", hit[1]
-            emitted = getattr(r, "_emitted", 0)
+            emitted = r.num_emitted_chars
             upto = len(r.text) if reason else len(r.text) - stop_holdback(r.text, p.stop)
             text = r.text[emitted:upto]
-            r._emitted = max(emitted, upto)
+            r.num_emitted_chars = max(emitted, upto)
         if reason is None and len(r.output_ids) >= p.max_new_tokens:
             reason = "length"
         if reason is None and r.seq_len >= self.max_context:
@@ -290,7 +290,7 @@ class EngineCore:
             self.stats.aborted_requests_total += 1
         text = None
         if r.detok is not None:
-            text = r.text[getattr(r, "_emitted", 0):]
+            text = r.text[r.num_emitted_chars:]
         self._outbox.append((r.sink, StepOutput(
             index=r.index, token_ids=[], text=text, finished=True, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0, error=error,

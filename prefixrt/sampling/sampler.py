@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixrt.engine.request import Req
+from prefixrt.request import Req
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Transformers oracle for the embedded Gemma-3-270M: the converted folder runs in plain transformers.
 
-This is the reference the engine is held to (DESIGN.md invariant 1: fp32 on CPU, greedy, token-identical).
+This is the reference the engine is held to (docs/design.md invariant 1: fp32 on CPU, greedy, token-identical).
 `greedy_reference` is importable so engine tests can compare against exactly this setup.
 """
 
