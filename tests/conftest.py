@@ -75,7 +75,7 @@ def assert_idle_and_clean(engine) -> None:
 def make_engine(tiny_checkpoints, tiny_tokenizer):
     """make_engine(arch="llama", **engine_kwargs) -> Engine on a tiny checkpoint (CPU, fp32)."""
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     engines = []
 

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if "hf" in baselines:
             if path is None:
                 from prefixrt.engine.builder import resolve_device, resolve_dtype
-                from prefixrt.model.registry import resolve_model
+                from prefixrt.hub.registry import resolve_model
 
                 path = resolve_model(args.model).path
                 device = resolve_device(args.device)

@@ -29,7 +29,7 @@ def long_checkpoint(tmp_path_factory):
 def make_frontend_engine(long_checkpoint, tiny_tokenizer):
     """make_frontend_engine(**engine_kwargs) -> Engine on the 1k-context tiny llama (CPU, fp32)."""
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     engines = []
 

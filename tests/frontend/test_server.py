@@ -50,7 +50,7 @@ def engine(long_checkpoint, tiny_tokenizer):
     from types import SimpleNamespace
 
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     path, _ = long_checkpoint
     model = load_model(path, dtype="float32", device="cpu")

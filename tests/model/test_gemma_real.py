@@ -62,7 +62,7 @@ def greedy_reference(model_path: str, prompts, max_new_tokens: int = MAX_NEW_TOK
 def test_converted_gemma_generates_coherently_with_transformers():
     import torch
 
-    from prefixrt.model.registry import load_tokenizer, resolve_model
+    from prefixrt.hub.registry import load_tokenizer, resolve_model
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     resolved = resolve_model("gemma-3-270m")

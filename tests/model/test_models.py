@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from prefixrt.model.loader import load_model
+from prefixrt.hub.loader import load_model
 from tests.model.checkpoints import ARCH_NAMES, save_tiny_checkpoint
 from tests.model.harness import PagedHarness
 
