@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import assert_idle_and_clean
+from tests.helpers.engines import assert_idle_and_clean
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_NAME = "tiny-llama"
@@ -148,7 +148,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.model.checkpoints import tiny_config
+    from tests.helpers.checkpoints import tiny_config
 
     config = tiny_config("llama")
     config.max_position_embeddings = 8192

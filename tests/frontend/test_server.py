@@ -25,8 +25,8 @@ from prefixrt.frontend import (
     user,
 )
 from prefixrt.remote import RemoteEngine
-from tests.conftest import assert_idle_and_clean
-from tests.live_server import LiveServer
+from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.live_server import LiveServer
 
 TIMEOUT = 60
 ESSAY = "A stitch in time saves nine. The quick brown fox jumps over the lazy dog. " * 2

@@ -18,8 +18,8 @@ from prefixrt.hub.loader import (
 from prefixrt.model.gemma3 import Gemma3Config
 from prefixrt.model.layers import RopeConfig
 from prefixrt.model.llama import LlamaConfig
-from tests.model.checkpoints import save_tiny_checkpoint, tiny_config
-from tests.model.harness import PagedHarness
+from tests.helpers.checkpoints import save_tiny_checkpoint, tiny_config
+from tests.helpers.harness import PagedHarness
 
 
 def prefill_logits(model, tokens: list[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.conftest import assert_idle_and_clean
+from tests.helpers.engines import assert_idle_and_clean
 
 REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "tiny-llama"  # --served-model-name: the name the in-process engine reports too
