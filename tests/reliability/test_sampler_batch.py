@@ -44,25 +44,32 @@ def _req(params: dict, prompt: list[int], output: list[int], index: int, sampler
     return r
 
 
-def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, bool]:
     """float64, one row, written from the definitions: keep the k most likely tokens, the smallest
-    most-likely set whose mass reaches top_p, and tokens with prob >= min_p * max prob; renormalise."""
+    most-likely set whose mass reaches top_p, and tokens with prob >= min_p * max prob; renormalise.
+    Also says whether a top-p or min-p decision sits within float32 rounding of its threshold (exact ties
+    make masses like 0.5 exactly; float32 may then decide the other way, legitimately)."""
     x = logits.double() / p.temperature
     probs = torch.softmax(x, dim=-1)
     order = sorted(range(len(probs)), key=lambda t: -probs[t].item())
+    top = probs[order[0]].item()
     keep = set()
     k = p.top_k if p.top_k > 0 else len(probs)
-    mass = 0.0
+    mass, borderline = 0.0, False
     for rank, t in enumerate(order):
-        if rank < k and (p.top_p >= 1 or mass <= p.top_p) and probs[t] >= p.min_p * probs[order[0]]:
+        pt = probs[t].item()
+        if rank < k:
+            borderline |= p.top_p < 1 and abs(mass - p.top_p) < 1e-5
+            borderline |= p.min_p > 0 and abs(pt - p.min_p * top) < 1e-5 * top
+        if rank < k and (p.top_p >= 1 or mass <= p.top_p) and pt >= p.min_p * top:
             keep.add(t)
-        mass += probs[t].item()
+        mass += pt
     keep.add(order[0])
     mask = torch.tensor([t not in keep for t in range(len(probs))])
-    return torch.softmax(x.masked_fill(mask, -math.inf), dim=-1)
+    return torch.softmax(x.masked_fill(mask, -math.inf), dim=-1), borderline
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     rows=st.lists(row_params, min_size=1, max_size=16),
     data_seed=st.integers(0, 2**31 - 1),
@@ -96,11 +103,12 @@ def test_batched_rows_equal_rows_alone(rows, data_seed, scale, ties):
         row_probs = probs[sampled.index(i)]
         own_probs = sampling_probs(own, [r.params])[0]
         assert torch.equal(row_probs, own_probs), f"row {i}: distribution depends on the batch"
-        ref = _reference_probs(own[0], r.params)
-        assert torch.allclose(own_probs.double(), ref, atol=1e-5, rtol=0), (i, r.params)
-        # Filtered tokens have probability exactly 0 (float32 may also underflow where float64 does not).
-        assert torch.all(own_probs[ref == 0] == 0), f"row {i}: a filtered token kept probability"
-        assert torch.all(own_probs[ref > 1e-6] > 0), f"row {i}: a kept token lost its probability"
+        ref, borderline = _reference_probs(own[0], r.params)
+        if not borderline:
+            assert torch.allclose(own_probs.double(), ref, atol=1e-5, rtol=0), (i, r.params)
+            # Filtered tokens have probability exactly 0 (float32 may also underflow where float64 does not).
+            assert torch.all(own_probs[ref == 0] == 0), f"row {i}: a filtered token kept probability"
+            assert torch.all(own_probs[ref > 1e-6] > 0), f"row {i}: a kept token lost its probability"
         assert own_probs[out.token_ids[i]] > 0, "drew a filtered-out token"
         if r.params.seed is not None:
             assert tok == out.token_ids[i], f"seeded row {i} drew differently batched and alone"
