@@ -10,6 +10,8 @@ engine pair over any `prefixrt.Provider`, and `LM`, the `dspy.LM` subclass that 
   `Config.extensions` may carry prefixrt knobs (regex, choices, grammar, cache_salt, repetition_penalty, ...);
 - `Config.response_format` (JSONAdapter's structured-output schema) -> `json_schema` constrained decoding, so
   every reply parses; the engine declares `supports_response_schema` for JSONAdapter to send it;
+- no response_format: the reply format ChatAdapter or XMLAdapter asked for in the prompt becomes a grammar
+  (adapters/dspy_formats.py), so the default ChatAdapter parses on the first call and never falls back;
 - `Request.tools` -> constrained decoding over a schema of the tools, returned as ToolCallParts;
 - `Completion.cached_tokens` -> `Usage.cache_read_tokens`, which DSPy reports as
   `prompt_tokens_details.cached_tokens` to its usage tracker and history.
@@ -57,6 +59,7 @@ from prefixrt.adapters._lowering import (
     tools_prompt,
     with_system_note,
 )
+from prefixrt.adapters.dspy_formats import output_format_constraint
 
 from prefixrt.errors import InvalidRequest
 
@@ -148,6 +151,9 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
             messages = with_system_note(messages, tools_prompt(tools))
         else:
             params.update(response_format_constraint(cfg.response_format))
+            if not any(params.get(k) is not None for k in ("regex", "json_schema", "grammar", "choices")):
+                # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
+                params.update(output_format_constraint(messages))
     except InvalidRequest as e:
         raise InvalidRequestError(str(e), provider=_PROVIDER) from e
     return messages, params, tools
