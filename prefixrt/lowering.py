@@ -5,7 +5,7 @@ routes) and the DSPy and LangChain adapters all lower requests here:
 
 - `sampling_options`: OpenAI option names (max_tokens, stop, logit_bias, ...) -> a SamplingParams dict;
 - `response_format_constraint`: chat `response_format`, Responses `text.format`, lm15's form ->
-  `{"json_schema": ...}` under the strict-mode rule of prefixrt/schema.py (`strict: false` keeps objects open);
+  `{"json_schema": ...}` under the strict-mode rule of prefixrt/schema.py (whatever `strict` says);
 - `plan_tools`: `tools` + `tool_choice` + `parallel_tool_calls` -> a `ToolPlan`: the constraint (a JSON schema
   for exactly one call, else an llguidance Lark grammar), how calls are written, and `parse` for the reply;
 - `engine_messages` / `tools_prompt`: OpenAI chat messages -> what the chat template renders, with the
@@ -128,7 +128,7 @@ def response_format_constraint(response_format: dict | None, param: str = "respo
 
     Accepts chat's {"type": "json_schema", "json_schema": {"schema", "strict"}}, the Responses API's
     {"type": "json_schema", "schema", "strict"} (also lm15's form), and {"type": "json_object"} (any JSON
-    object). The strict-mode rule applies unless `"strict": false`."""
+    object). The strict-mode rule applies whatever `"strict"` says; explicit `additionalProperties` is kept."""
     if not response_format:
         return {}
     kind = response_format.get("type")
@@ -142,7 +142,10 @@ def response_format_constraint(response_format: dict | None, param: str = "respo
         schema = holder.get("schema")
         if schema is None:
             raise InvalidRequest(f"{param} json_schema needs a schema", param=param)
-        return {"json_schema": strict_schema(schema_of(schema, param), holder.get("strict"))}
+        # Decoding is strict whatever "strict" says (as vLLM and xgrammar do): clients send "strict": false for
+        # schemas they cannot make strict-valid (LangChain's TypedDicts), and an open object lets a small model
+        # invent keys until max_tokens.
+        return {"json_schema": strict_schema(schema_of(schema, param))}
     raise InvalidRequest(f"unsupported {param} type {kind!r}", param=param)
 
 
@@ -266,11 +269,11 @@ def _json_options() -> dict:
 def call_schema(tools: list[Tool]) -> dict:
     """The JSON schema of one call of any of `tools`: {"name": const, "arguments": <its parameters>}.
     Each tool's parameters are embedded under `$defs` (their own `$defs`/`$ref`s keep resolving) with the
-    strict-mode rule applied unless the tool says `strict: false`."""
+    strict-mode rule applied (whatever the tool's `strict` says, as for response formats)."""
     defs: dict = {}
     variants = []
     for t in tools:
-        ref, d = embed(strict_schema(t.parameters, t.strict), f"{t.name}.arguments")
+        ref, d = embed(strict_schema(t.parameters), f"{t.name}.arguments")
         defs.update(d)
         variants.append({"type": "object", "properties": {"name": {"const": t.name}, "arguments": ref},
                          "required": ["name", "arguments"], "additionalProperties": False})
@@ -279,8 +282,11 @@ def call_schema(tools: list[Tool]) -> dict:
 
 
 def plan_tools(tools: list[Tool], tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-               syntax: CallSyntax = BARE) -> ToolPlan | None:
-    """The ToolPlan for a request, or None when no tool can be called (no tools, or tool_choice "none")."""
+               syntax: CallSyntax = BARE, text_schema: Any = None) -> ToolPlan | None:
+    """The ToolPlan for a request, or None when no tool can be called (no tools, or tool_choice "none").
+
+    text_schema: the response format's schema (a dict, or "json_object") when the request asks for structured
+    output beside its tools: under "auto" the non-call branch is then that JSON instead of free text."""
     choice = tool_choice_name(tool_choice)
     if not tools:
         if choice not in (None, "none", "auto"):
@@ -300,7 +306,12 @@ def plan_tools(tools: list[Tool], tool_choice: Any = None, parallel_tool_calls: 
     else:
         call = json.dumps({**one, "x-guidance": _json_options()}, ensure_ascii=False)
         lines = []
-        if choice == "auto":
+        if choice == "auto" and text_schema is not None:
+            # A reply that reads as a call of a declared tool is one (parse); anything else is the answer.
+            schema = {"type": "object"} if text_schema == "json_object" else text_schema
+            answer = json.dumps({**schema, "x-guidance": _json_options()}, ensure_ascii=False)
+            lines += ["start: answer | calls", f"answer: %json {answer}"]
+        elif choice == "auto":
             # Plain text may not start like a call (nor like bare JSON), so anything that does is a call.
             leads = "\\{" + ("" if syntax.lead == "{" else syntax.lead)
             text = "/([^" + leads + r"\s][\s\S]*)?/"

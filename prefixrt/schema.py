@@ -7,10 +7,12 @@ The one home of "a Python type or a dict -> the JSON schema the engine enforces"
 - `strict_schema(schema, strict)`: the rule of OpenAI's strict structured outputs and xgrammar's strict mode —
   an object schema that lists `properties` and says nothing about `additionalProperties` is closed
   (`additionalProperties: false`). JSON Schema leaves such objects open, and a small model under constrained
-  decoding fills an open object with invented keys until `max_new_tokens`. `strict=False` (OpenAI's
-  `"strict": false`) keeps JSON Schema's meaning instead: such objects are marked open explicitly, so that
-  nothing downstream closes them. Objects without `properties` (`{"type": "object"}`, `dict[str, Any]`) are
-  open either way: they name no fields to close over.
+  decoding fills an open object with invented keys until `max_new_tokens`. The server and adapters apply it
+  whatever a request's `"strict"` says, as vLLM and xgrammar do (clients send `"strict": false` for schemas
+  they cannot make strict-valid, such as LangChain's TypedDicts). `strict=False` here keeps JSON Schema's
+  meaning instead (such objects are marked open explicitly, so nothing downstream closes them), for callers
+  that want it. Objects without `properties` (`{"type": "object"}`, `dict[str, Any]`) are open either way:
+  they name no fields to close over.
 - `embed(schema, name)`: a schema that will sit inside a larger one (a tool's parameters under
   `properties.arguments`): its local `$ref`s (`#`, `#/$defs/X`, `#/properties/...`) are rewritten to point
   under `#/$defs/<name>`, where the whole schema is moved, so they resolve wherever it is embedded.

@@ -94,12 +94,15 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
     rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
-    lowering.merge_constraint(params, lowering.response_format_constraint(rf), "response_format")
+    answer = lowering.response_format_constraint(rf)
 
     tools = lowering.tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
     syntax = lowering.template_call_syntax(eng.tokenizer) if tools and req.tool_prompt else None
     choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
-    plan = lowering.plan_tools(tools, choice, req.parallel_tool_calls, syntax or lowering.BARE)
+    plan = lowering.plan_tools(tools, choice, req.parallel_tool_calls, syntax or lowering.BARE,
+                               text_schema=answer.get("json_schema"))
+    if plan is None:  # with tools, "auto" folds the answer's schema into its plan; a forced call has no answer
+        lowering.merge_constraint(params, answer, "response_format")
     if plan is not None:
         lowering.merge_constraint(params, plan.constraint, "tool_choice")
     in_template = syntax is not None and plan is not None

@@ -76,6 +76,7 @@ class ResponsesRequest(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     cache_salt: str | None = None
+    tool_prompt: bool = True  # as on chat: False when the input already describes the tools
 
 
 class ResponseStore:
@@ -172,7 +173,8 @@ def _chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletio
     fields = dict(messages=system + messages, max_tokens=body.max_output_tokens, temperature=body.temperature,
                   top_p=body.top_p, response_format=rf, tools=tools or None, tool_choice=choice,
                   parallel_tool_calls=body.parallel_tool_calls, seed=body.seed, stop=body.stop, top_k=body.top_k,
-                  min_p=body.min_p, repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt)
+                  min_p=body.min_p, repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt,
+                  tool_prompt=body.tool_prompt)
     return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
 
 
@@ -223,13 +225,16 @@ class _Shell:
             "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store,
             "temperature": self.temperature, "text": {"format": fmt},
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
-            "top_p": self.top_p, "truncation": b.truncation or "disabled", "usage": usage, "user": b.user,
-            "metadata": b.metadata or {},
+            "top_p": self.top_p, "truncation": b.truncation or "disabled",
+            "metadata": b.metadata or {}, **({"usage": usage} if usage is not None else {}),
+            **({"user": b.user} if b.user is not None else {}),
         }
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    # cache_write_tokens: the prompt tokens computed now, which the radix cache keeps for later requests.
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": prompt_tokens - cached_tokens},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + completion_tokens}
 

@@ -135,8 +135,11 @@ def test_tool_choice_validation():
 def test_response_formats():
     chat = {"type": "json_schema", "json_schema": {"name": "p", "schema": Person.model_json_schema()}}
     assert lowering.response_format_constraint(chat)["json_schema"]["additionalProperties"] is False
+    # "strict": false (LangChain sends it for dict and TypedDict schemas) still decodes strictly, as vLLM does.
     flat = {"type": "json_schema", "name": "p", "schema": Person.model_json_schema(), "strict": False}
-    assert lowering.response_format_constraint(flat)["json_schema"]["additionalProperties"] is True
+    assert lowering.response_format_constraint(flat)["json_schema"]["additionalProperties"] is False
+    explicit = {"type": "json_schema", "schema": {"type": "object", "properties": {}, "additionalProperties": True}}
+    assert lowering.response_format_constraint(explicit)["json_schema"]["additionalProperties"] is True
     assert lowering.response_format_constraint({"type": "json_object"}) == {"json_schema": "json_object"}
     assert lowering.response_format_constraint({"type": "text"}) == {}
     with pytest.raises(InvalidRequest):
@@ -180,3 +183,15 @@ def test_template_tool_format_detection(tiny_tokenizer):
     prompt = lowering.tools_prompt(lowering.plan_tools(TOOLS, "auto"))
     assert "add(a: integer, b: integer)" in prompt and "plain text" in prompt
     assert json.dumps(TOOLS[0].parameters) not in prompt  # signatures, not raw schemas
+
+
+@needs_constrained_decoding()
+def test_auto_with_a_structured_answer(tiny_tokenizer):
+    """tools + response_format (openai-agents' output_type): a call, or the answer under its schema."""
+    answer = {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"],
+              "additionalProperties": False}
+    plan = lowering.plan_tools(TOOLS, "auto", False, text_schema=answer)
+    backend, g = _matcher(tiny_tokenizer, plan.constraint)
+    assert _accepts(backend, g, '{"total": 5}') and _accepts(backend, g, CALL_ADD)
+    assert not _accepts(backend, g, "five") and not _accepts(backend, g, '{"total": 5, "x": 1}')
+    assert plan.parse('{"total": 5}') is None and plan.parse(CALL_ADD)[0].name == "add"
