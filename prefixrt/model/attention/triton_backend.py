@@ -102,6 +102,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_kv_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, max_seq_len, self.num_sms, self.max_kv_splits
         )
+        if batch.cascade_plan is not None:  # static, padded plan (CUDA graphs): splits fixed by its shape
+            self._use_plan(batch.cascade_plan, num_kv_heads)
+            return
         if not (self.use_cascade and batch.prefix_groups):
             return
         plan = plan_cascade(
@@ -114,6 +117,10 @@ class TritonAttentionBackend(AttentionBackend):
         )
         if plan is None:
             return
+        self._use_plan(plan, num_kv_heads)
+
+    def _use_plan(self, plan: CascadePlan, num_kv_heads: int) -> None:
+        batch = self._batch
         self.cascade_plan = plan
         self._num_prefix_splits = plan_decode_splits(
             plan.num_tiles * num_kv_heads, plan.max_prefix_len, self.num_sms, self.max_kv_splits
@@ -121,6 +128,13 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_suffix_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, plan.max_suffix_len, self.num_sms, self.max_kv_splits
         )
+
+    @staticmethod
+    def _extend_map_args(batch: ForwardBatch) -> dict:
+        plan = batch.extend_plan
+        if plan is None:
+            return {}
+        return {"block_seq": plan.block_seq, "block_mb": plan.block_mb, "block_m": plan.block_m}
 
     def forward(
         self,
@@ -151,6 +165,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._max_extend_len, layer.scaling, layer.sliding_window, layer.logit_softcap,
                 k_extend=k.to(k_buffer.dtype) if contiguous else None,
                 v_extend=v.to(v_buffer.dtype) if contiguous else None,
+                **self._extend_map_args(batch),
             )  # fmt: skip
         elif self.cascade_plan is not None and layer.sliding_window is None:
             mid_o, mid_lse = self.workspace(num_heads, head_dim)
