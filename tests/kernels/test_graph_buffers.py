@@ -14,8 +14,9 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("transformers")
 
-from prefixrt.cache.kv_pool import KVPool  # noqa: E402
 from prefixrt.kernels.extend_attention import block_map  # noqa: E402
+
+from prefixrt.cache.kv_pool import KVPool  # noqa: E402
 from prefixrt.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from prefixrt.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from prefixrt.model.cuda_graphs import (  # noqa: E402

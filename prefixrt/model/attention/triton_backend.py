@@ -5,11 +5,12 @@ number of KV splits for decode, and, when the batch carries prefix_groups worth 
 forward() writes the layer's new K/V into the pool, then dispatches EXTEND -> extend_attention, DECODE ->
 cascade_decode_attention (grouped batch, full-attention layer) or decode_attention.
 
-CUDA graphs (decode) will be captured per batch-size bucket: the split counts then depend only on the
-bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are copied into static
-tensors before replay, and the split workspace below is already static, so replay launches the same grids
-on the same addresses. A cascade plan will need its index arrays padded to a fixed tile count for that;
-until then cascade batches run eagerly.
+CUDA graphs (model/cuda_graphs.py): decode graphs are captured per batch-size bucket; the split counts
+depend only on the bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are
+copied into static tensors before replay, and the split workspace below is already static, so replay
+launches the same grids on the same addresses. EXTEND graphs pass ForwardBatch.extend_plan, a block map in
+static buffers: extend attention then runs on a grid fixed by the map's length. A cascade plan will need
+its index arrays padded to a fixed tile count for that; until then cascade batches run eagerly.
 """
 
 from __future__ import annotations
@@ -102,9 +103,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_kv_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, max_seq_len, self.num_sms, self.max_kv_splits
         )
-        if batch.cascade_plan is not None:  # static, padded plan (CUDA graphs): splits fixed by its shape
-            self._use_plan(batch.cascade_plan, num_kv_heads)
-            return
         if not (self.use_cascade and batch.prefix_groups):
             return
         plan = plan_cascade(
