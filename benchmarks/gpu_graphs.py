@@ -34,7 +34,16 @@ def log(*a):
 
 def row(what: str, figure: str, target: str = "") -> None:
     ROWS.append((what, figure, target))
-    log(f"{what}: {figure} {('(target ' + target + ')') if target else ''}")
+    log(f"[{time.strftime('%H:%M:%S')}] {what}: {figure} {('(target ' + target + ')') if target else ''}")
+    save()
+
+
+def save() -> None:
+    """Write what is known so far (a run cut short still leaves its figures)."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu_graphs.json"), "w") as f:
+            json.dump({**RESULTS, "rows": ROWS}, f, indent=1, default=str)
 
 
 def mem() -> int:
@@ -257,15 +266,12 @@ def main():
     eng = None
     gc.collect()
     RESULTS["release_left_bytes"] = left = [mem() - baseline]
-    if time.perf_counter() - t_start < 240 or smoke:
+    if on_gpu and time.perf_counter() - t_start < 200:  # CPU engines keep their memory until collected
         left += release_check(small, kw, baseline, 2)
     row("memory left after shutdown (bytes, per engine)", str(left), "all 0")
 
     RESULTS["total_s"] = time.perf_counter() - t_start
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "gpu_graphs.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+    save()
     log("")
     log(f"{'what':<62} {'figure':<70} target")
     for what, fig, target in ROWS:
