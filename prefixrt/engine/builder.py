@@ -199,7 +199,15 @@ def release(built: Built) -> None:
         _drop_device_tensors(root, seen)
     if built.device.type == "cuda":
         torch.cuda.synchronize(built.device)
+        clear_blas_workspaces()
         torch.cuda.empty_cache()
+
+
+def clear_blas_workspaces() -> None:
+    """cuBLAS keeps a workspace per stream it ran on (graph capture uses its own stream): drop them."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _drop_device_tensors(obj, seen: set[int], depth: int = 0) -> None:

@@ -15,6 +15,9 @@ def test_three_engines_release_their_memory():
     x = torch.randn(64, 64, device="cuda")
     (x @ x).sum().item()  # cuBLAS workspace and CUDA context exist before the baseline
     del x
+    from prefixrt.engine.builder import clear_blas_workspaces
+
+    clear_blas_workspaces()  # shutdown() drops them too
     start = torch.cuda.memory_allocated()
     for i in range(3):
         with prefixrt.Engine("llama-3.2-1b", load_format="dummy", kv_cache_tokens=16384, seed=i) as eng:
