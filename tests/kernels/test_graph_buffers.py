@@ -60,7 +60,7 @@ def test_block_map_covers_every_query_block_once():
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from prefixrt.model.loader import load_model
-    from tests.model.checkpoints import save_tiny_checkpoint
+    from tests.helpers.checkpoints import save_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("qwen3")
     save_tiny_checkpoint("qwen3", path)
