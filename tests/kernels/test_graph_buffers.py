@@ -59,7 +59,7 @@ def test_block_map_covers_every_query_block_once():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
     from tests.helpers.checkpoints import save_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("qwen3")
