@@ -62,6 +62,16 @@ def extend_block_m(num_tokens: int, num_seqs: int, head_dim: int) -> int:
     return block_m_for(head_dim, num_tokens, want)
 
 
+def extend_splits(num_blocks: int, num_heads: int, num_sms: int, max_splits: int = 8) -> int:
+    """Key splits per query block of a bucket (a power of two <= max_splits): enough programs for about four
+    per SM when the bucket has few query blocks (a short extend over a long cached prefix), else 1."""
+    want = -(-4 * num_sms // max(num_blocks * num_heads, 1))
+    splits = 1
+    while splits * 2 <= min(want, max_splits):
+        splits *= 2
+    return splits
+
+
 @dataclass
 class CaptureReport:
     """What a bank's capture cost (printed at start-up)."""
@@ -224,8 +234,12 @@ class ExtendGraphs(_Bank):
 
     def __init__(self, forward_eager, attn_backend, req_to_token: torch.Tensor, pad_row: int, max_seqs: int,
                  head_dim: int, device: torch.device, max_tokens: int = DEFAULT_MAX_EXTEND_TOKENS,
-                 logits_out: torch.Tensor | None = None, emulate: bool = False):
+                 logits_out: torch.Tensor | None = None, emulate: bool = False, num_heads: int = 1,
+                 num_sms: int = 0):
+        """num_heads, num_sms: size the split-KV of each bucket (num_sms 0: no splits)."""
         super().__init__(forward_eager, attn_backend, req_to_token, pad_row, device, logits_out, emulate)
+        self.num_heads = num_heads
+        self.num_sms = num_sms
         self.keys = extend_buckets(max_tokens, max_seqs)
         self.token_buckets = sorted({t for t, _ in self.keys})
         self.head_dim = head_dim
@@ -255,6 +269,11 @@ class ExtendGraphs(_Bank):
         t, b = key
         return b + -(-t // self.block_m(key))
 
+    def num_splits(self, key: tuple[int, int]) -> int:
+        if self.num_sms <= 0:
+            return 1
+        return extend_splits(self.num_blocks(key), self.num_heads, self.num_sms)
+
     def _static_batch(self, key: tuple[int, int]) -> ForwardBatch:
         t, b = key
         nb = self.num_blocks(key)
@@ -265,18 +284,19 @@ class ExtendGraphs(_Bank):
             extend_start_loc=self.extend_start_loc[:b], req_to_token=self.req_to_token,
             logits_indices=self.logits_indices[:b], seq_lens_cpu=[t] * b, prefix_lens_cpu=[0] * b,
             extend_lens_cpu=[t] + [0] * (b - 1),
-            extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key)),
+            extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key), self.num_splits(key)),
         )
 
     def capture(self, pool=None) -> None:  # noqa: D102
         super().capture(sorted(self.keys, reverse=True), pool)
 
     def _warm_keys(self, keys: list) -> list:
-        # The extend kernel compiles once per block height; the largest key sizes the buffers.
+        # The extend kernel compiles once per (block height, splits); the largest key sizes the buffers.
         seen, out = set(), []
         for key in keys:
-            if not out or self.block_m(key) not in seen:
-                seen.add(self.block_m(key))
+            variant = (self.block_m(key), self.num_splits(key))
+            if not out or variant not in seen:
+                seen.add(variant)
                 out.append(key)
         return out
 

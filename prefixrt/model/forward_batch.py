@@ -29,6 +29,7 @@ class ExtendPlan:
     block_seq: torch.Tensor  # [num_blocks] int32, sequence of each query block; -1 = padding
     block_mb: torch.Tensor  # [num_blocks] int32, index of the block within its sequence's new tokens
     block_m: int  # query-block height the map was built for
+    num_splits: int = 1  # key ranges per query block, merged by log-sum-exp (split-KV)
 
 
 @dataclass

@@ -68,7 +68,9 @@ class ModelRunner:
             if max_extend_tokens > 0:
                 ext = ExtendGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
                                    self.model.head_dim, device, max_tokens=max_extend_tokens,
-                                   logits_out=graphs.logits_out, emulate=emulate)
+                                   logits_out=graphs.logits_out, emulate=emulate,
+                                   num_heads=self.model.attention_layers[0].num_heads,
+                                   num_sms=getattr(self.attn_backend, "num_sms", 0))
                 ext.capture(pool)
                 self.extend_graphs = ext
                 lines.append(_describe("extend", ext.report))

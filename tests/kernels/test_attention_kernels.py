@@ -293,11 +293,12 @@ def test_triton_backend_extend_then_cascade_decode():
     assert batch.mode.value == "decode" and backend.cascade_plan is not None
 
 
-@pytest.mark.parametrize("block_m,window,dtype", [(16, None, torch.float32), (32, 8, torch.float32),
-                                                  (16, None, torch.bfloat16)])
-def test_extend_attention_block_map_equals_reference(block_m, window, dtype):
+@pytest.mark.parametrize("block_m,window,dtype,splits", [(16, None, torch.float32, 1), (32, 8, torch.float32, 1),
+                                                         (16, None, torch.bfloat16, 1), (16, None, torch.float32, 3),
+                                                         (32, 8, torch.float32, 4), (16, None, torch.bfloat16, 2)])
+def test_extend_attention_block_map_equals_reference(block_m, window, dtype, splits):
     """The fixed-grid launch (CUDA graphs): a padded block map gives the reference result, and padding
-    entries (-1) write nothing."""
+    entries (-1) write nothing; with split-KV the merged partials equal it too."""
     from prefixrt.kernels.extend_attention import block_map
 
     rng = random.Random(f"map-{block_m}-{window}")
@@ -309,6 +310,6 @@ def test_extend_attention_block_map_equals_reference(block_m, window, dtype):
     out = torch.full_like(q, 7.0)
     expected = torch.empty_like(q)
     extend_attention(q, out, *args, sliding_window=window, block_seq=torch.tensor(seqs, **i32),
-                     block_mb=torch.tensor(mbs, **i32), block_m=block_m)
+                     block_mb=torch.tensor(mbs, **i32), block_m=block_m, num_splits=splits)
     ref.extend_attention(q, expected, *args, sliding_window=window)
     assert rel_err(out, expected) < TOL[dtype]

@@ -24,6 +24,7 @@ from prefixrt.model.cuda_graphs import (  # noqa: E402
     ExtendGraphs,
     extend_block_m,
     extend_buckets,
+    extend_splits,
     pick,
 )
 from prefixrt.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -40,6 +41,7 @@ def test_pick_and_buckets():
     assert (16, 1) in keys and (16, 4) in keys and (128, 8) in keys and (16, 16) not in keys
     assert extend_buckets(100, 256)[-1] == (100, 100)  # the cap itself is a token bucket
     assert extend_block_m(64, 64, 128) == 16 and extend_block_m(128, 1, 128) <= 64
+    assert extend_splits(4, 32, 132) == 4 and extend_splits(72, 32, 132) == 1 and extend_splits(1, 1, 132) == 8
 
 
 def test_block_map_covers_every_query_block_once():

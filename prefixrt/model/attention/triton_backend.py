@@ -132,7 +132,8 @@ class TritonAttentionBackend(AttentionBackend):
         plan = batch.extend_plan
         if plan is None:
             return {}
-        return {"block_seq": plan.block_seq, "block_mb": plan.block_mb, "block_m": plan.block_m}
+        return {"block_seq": plan.block_seq, "block_mb": plan.block_mb, "block_m": plan.block_m,
+                "num_splits": plan.num_splits}
 
     def forward(
         self,
@@ -157,7 +158,8 @@ class TritonAttentionBackend(AttentionBackend):
         o = torch.empty_like(q)  # o: [T, H, D]
         common = (k_buffer, v_buffer, batch.req_to_token, batch.req_pool_indices)
         if batch.mode is ForwardMode.EXTEND:
-            contiguous = self.contiguous_extend_kv
+            plan = batch.extend_plan
+            contiguous = self.contiguous_extend_kv and (plan is None or plan.num_splits == 1)
             extend_attention(
                 q, o, *common, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
                 self._max_extend_len, layer.scaling, layer.sliding_window, layer.logit_softcap,
