@@ -160,6 +160,7 @@ class _Bank:
             if graph is not None:
                 graph.reset()
         self.graphs.clear()
+        self.cascade, self._cascade_last = {}, {}
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor):
                 setattr(self, name, None)
@@ -187,7 +188,38 @@ class DecodeGraphs(_Bank):
         self.extend_start_loc = torch.arange(n, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def enable_cascade(self, queries_per_tile: int, min_prefix_len: int, min_group_size: int,
+                       max_groups: int = 8) -> None:
+        """Also capture, per bucket of >= 2 rows, a graph running cascade (shared-prefix) decode from a
+        static plan padded to a fixed tile count (call before capture)."""
+        from prefixrt.kernels.cascade_plan import PLAN_FIELDS, CascadePlan, padded_sizes
+
+        self.cascade_args = (queries_per_tile, min_prefix_len, min_group_size)
+        self.cascade: dict[int, tuple] = {}  # bs -> (buffer, sizes, CascadePlan, max_groups)
+        for bs in self.buckets:
+            if bs < 2:
+                continue
+            groups = min(max_groups, bs // 2)
+            sizes = padded_sizes(bs, groups, queries_per_tile)
+            buf = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=self.device)
+            views, off = [], 0
+            for name in PLAN_FIELDS:
+                views.append(buf[off : off + sizes[name]])
+                off += sizes[name]
+            plan = CascadePlan(*views, queries_per_tile=queries_per_tile, num_tiles=sizes["tile_group"],
+                               max_prefix_len=self.max_context, max_suffix_len=self.max_context)
+            self.cascade[bs] = (buf, sizes, plan, groups)
+        self._cascade_last: dict[int, object] = {}  # bs -> prefix_groups object whose plan the buffer holds
+
+    def _static_batch(self, key) -> ForwardBatch:
+        cascade = isinstance(key, tuple)
+        bs = key[1] if cascade else key
+        batch = self._plain_static_batch(bs)
+        if cascade:
+            batch.cascade_plan = self.cascade[bs][2]
+        return batch
+
+    def _plain_static_batch(self, bs: int) -> ForwardBatch:
         # Host lengths at their maximum: the backend plans (split counts) for the worst case of the bucket,
         # so one graph serves every context length.
         return ForwardBatch(
@@ -200,11 +232,13 @@ class DecodeGraphs(_Bank):
         )
 
     def capture(self, pool=None) -> None:  # noqa: D102
-        super().capture(reversed(self.buckets), pool)
+        keys = list(reversed(self.buckets))
+        keys += [("cascade", bs) for bs in reversed(self.buckets) if bs in getattr(self, "cascade", {})]
+        super().capture(keys, pool)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
-        if (batch.mode is not ForwardMode.DECODE or batch.prefix_groups is not None
-                or batch.logits_indices.shape[0] != batch.batch_size):
+        """The plain bucket of this decode batch (prefix_groups or not), or None (eager)."""
+        if batch.mode is not ForwardMode.DECODE or batch.logits_indices.shape[0] != batch.batch_size:
             return None
         bs = pick(self.buckets, batch.batch_size)
         return bs if bs in self.graphs else None
@@ -212,9 +246,35 @@ class DecodeGraphs(_Bank):
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.bucket_for(batch) is not None
 
+    def _cascade_key(self, batch: ForwardBatch, bs: int):
+        """("cascade", bs) with the batch's plan written into that graph's static plan, or None (plain
+        decode: no groups worth sharing, or no cascade graphs). Groups unchanged since the last step of this
+        bucket (the same prefix_groups object) leave the static plan as it is."""
+        groups = batch.prefix_groups
+        key = ("cascade", bs)
+        if groups is None or key not in self.graphs:
+            return None
+        if self._cascade_last.get(bs) is groups:
+            return key
+        from prefixrt.kernels.cascade_plan import pad_lists, plan_lists
+
+        buf, sizes, _, max_groups = self.cascade[bs]
+        qpt, min_prefix, min_size = self.cascade_args
+        lists = plan_lists(groups, batch.seq_lens_cpu, qpt, min_prefix, min_size, max_groups=max_groups)
+        if lists is None:
+            return None
+        host = torch.tensor(pad_lists(lists, sizes), dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        buf.copy_(host, non_blocking=True)
+        self._cascade_last[bs] = groups
+        return key
+
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         n = batch.batch_size
         bs = self.bucket_for(batch)
+        key = self._cascade_key(batch, bs) or bs
+        self.last_key = key
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
@@ -226,7 +286,7 @@ class DecodeGraphs(_Bank):
             self.out_cache_loc[n:bs].zero_()
             self.req_pool_indices[n:bs].fill_(self.pad_row)
             self.seq_lens[n:bs].fill_(1)
-        return self._replay(bs, n)
+        return self._replay(key, n)
 
 
 class ExtendGraphs(_Bank):

@@ -9,8 +9,8 @@ CUDA graphs (model/cuda_graphs.py): decode graphs are captured per batch-size bu
 depend only on the bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are
 copied into static tensors before replay, and the split workspace below is already static, so replay
 launches the same grids on the same addresses. EXTEND graphs pass ForwardBatch.extend_plan, a block map in
-static buffers: extend attention then runs on a grid fixed by the map's length. A cascade plan will need
-its index arrays padded to a fixed tile count for that; until then cascade batches run eagerly.
+static buffers: extend attention then runs on a grid fixed by the map's length. Cascade decode graphs pass
+ForwardBatch.cascade_plan, a plan padded to a fixed tile count (padding tiles exit at once).
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_kv_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, max_seq_len, self.num_sms, self.max_kv_splits
         )
+        if batch.cascade_plan is not None:  # static, padded (CUDA graphs): split counts fixed by its shape
+            self._use_plan(batch.cascade_plan, num_kv_heads)
+            return
         if not (self.use_cascade and batch.prefix_groups):
             return
         plan = plan_cascade(
