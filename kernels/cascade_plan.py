@@ -28,6 +28,9 @@ class CascadePlan:
     num_tiles: int
     max_prefix_len: int  # longest shared prefix (host value, for choosing split counts)
     max_suffix_len: int  # longest per-sequence remainder, ungrouped sequences counted whole
+    # Tiles to plan split counts for, when num_tiles counts padding tiles (a plan padded for CUDA graphs):
+    # the real tiles of a full bucket, so few real tiles still get enough splits. None = num_tiles.
+    split_tiles: int | None = None
 
 
 def plan_cascade(

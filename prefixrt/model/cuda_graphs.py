@@ -207,7 +207,8 @@ class DecodeGraphs(_Bank):
                 views.append(buf[off : off + sizes[name]])
                 off += sizes[name]
             plan = CascadePlan(*views, queries_per_tile=queries_per_tile, num_tiles=sizes["tile_group"],
-                               max_prefix_len=self.max_context, max_suffix_len=self.max_context)
+                               max_prefix_len=self.max_context, max_suffix_len=self.max_context,
+                               split_tiles=-(-bs // queries_per_tile))
             self.cascade[bs] = (buf, sizes, plan, groups)
         self._cascade_last: dict[int, object] = {}  # bs -> prefix_groups object whose plan the buffer holds
 

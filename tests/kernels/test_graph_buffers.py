@@ -192,7 +192,7 @@ def test_cascade_decode_graphs_match_eager_reference(setup):
     prefill(7, 20)
     rows = [8, 7, 9, 10]
     groups = [(30, [0, 2, 3])]
-    for step in range(2):
+    for _step in range(2):
         slots = [free.pop() for _ in rows]
         for r, s in zip(rows, slots):
             table[r, lens[r]] = s

@@ -123,8 +123,9 @@ class TritonAttentionBackend(AttentionBackend):
     def _use_plan(self, plan: CascadePlan, num_kv_heads: int) -> None:
         batch = self._batch
         self.cascade_plan = plan
+        tiles = plan.split_tiles or plan.num_tiles
         self._num_prefix_splits = plan_decode_splits(
-            plan.num_tiles * num_kv_heads, plan.max_prefix_len, self.num_sms, self.max_kv_splits
+            tiles * num_kv_heads, plan.max_prefix_len, self.num_sms, self.max_kv_splits
         )
         self._num_suffix_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, plan.max_suffix_len, self.num_sms, self.max_kv_splits
