@@ -53,8 +53,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def build(config: EngineConfig, progress=None) -> Built:
-    from prefixrt.model.loader import load_model
-    from prefixrt.model.registry import load_tokenizer, resolve_model
+    from prefixrt.hub.loader import load_model
+    from prefixrt.hub.registry import load_tokenizer, resolve_model
 
     say = progress or (lambda msg: log.info(msg))
     device = resolve_device(config.device)

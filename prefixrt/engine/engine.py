@@ -1,4 +1,4 @@
-"""Engine: the in-process front of prefixrt (API.md). Thread-safe and asyncio-friendly.
+"""Engine: the in-process front of prefixrt (docs/api.md). Thread-safe and asyncio-friendly.
 
 Callers' threads tokenize, validate and compile grammars (so a bad request fails in the caller and the loop
 never sees it), then hand requests to the scheduler loop through an inbox. The loop runs EngineCore.step()
@@ -20,17 +20,17 @@ from typing import Any
 
 from prefixrt.config import EngineConfig
 from prefixrt.engine.front import EngineFront
-from prefixrt.engine.request import Req
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
+from prefixrt.request import Req
 
 log = logging.getLogger("prefixrt")
 
 
 class Engine(EngineFront):
-    """See API.md. `Engine(model="gemma-3-270m", ...)`; use as a context manager or call shutdown()."""
+    """See docs/api.md. `Engine(model="gemma-3-270m", ...)`; use as a context manager or call shutdown()."""
 
     def __init__(self, model: str = "gemma-3-270m", **kwargs: Any):
         progress = kwargs.pop("progress", None)

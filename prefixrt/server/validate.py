@@ -1,7 +1,8 @@
 """Checks on a parsed request body before anything of it is tokenized, compiled or sent to the engine process.
 
 - Text: a string with a lone surrogate (JSON allows `"\\ud800"`; it is not Unicode text and cannot be encoded)
-  or a NUL character is a 400 naming the field (`prompt[1]`, `messages[0].content`, `stop[0]`, `regex`, ...).
+  or a NUL character is a 400 naming the field (`prompt[1]`, `messages[0].content`, `stop[0]`, `regex`, ...),
+  by text_checks.check_text (the engine front checks the same again for in-process callers).
 - Nesting: a value nested deeper than MAX_NESTING objects/arrays (a 300-level JSON schema) is a 400 — it would
   otherwise overflow the recursion limit while compiled or pickled to the engine process.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.text_checks import check_text
 
 MAX_NESTING = 100  # objects/arrays; real JSON schemas and tool definitions stay far below
 
@@ -21,7 +23,7 @@ def check_body(body: BaseModel) -> None:
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, str):
-            _check_text(value, path)
+            check_text(value, path or "request")
             continue
         if depth > MAX_NESTING:
             raise InvalidRequest(f"{path or 'the request'} is nested more than {MAX_NESTING} levels deep",
@@ -33,7 +35,7 @@ def check_body(body: BaseModel) -> None:
         elif isinstance(value, dict):
             for k, v in value.items():
                 if isinstance(k, str):
-                    _check_text(k, path)
+                    check_text(k, path or "request")
                 stack.append((v, f"{path}.{k}" if path else str(k), depth + 1))
         elif isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
@@ -45,17 +47,3 @@ def _top(path: str) -> str | None:
     if not path:
         return None
     return path.split(".")[0].split("[")[0]
-
-
-def _check_text(s: str, path: str) -> None:
-    if s.isascii():
-        if "\x00" in s:
-            raise InvalidRequest(f"{path or 'the request'} contains a NUL character (\\u0000)", param=path or None)
-        return
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{path or 'the request'} contains a lone surrogate ({s[e.start]!r} at character "
-                             f"{e.start}); send valid Unicode text", param=path or None) from None
-    if "\x00" in s:
-        raise InvalidRequest(f"{path or 'the request'} contains a NUL character (\\u0000)", param=path or None)
