@@ -184,7 +184,11 @@ def create_app(engine, served_model_name: str | None = None, *, api_key: str | N
         given = [x for x in (body.prompt, body.prompts, body.input_ids) if x is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of prompt, prompts, input_ids", param="prompt")
-        params = SamplingParams.coerce(body.sampling_params)
+        try:
+            params = SamplingParams.coerce(body.sampling_params)
+        except InvalidRequest as e:  # name the field as the body spells it
+            raise InvalidRequest(e.message, param=f"sampling_params.{e.param}" if e.param else "sampling_params"
+                                 ) from None
         rid = params.request_id or f"gen-{uuid.uuid4().hex}"
         if body.prompts is not None:
             if body.stream:
