@@ -107,7 +107,7 @@ class EngineCore:
         self.stats.forward_passes_total += 1
         if sampled:
             try:
-                out = self.sampler.sample(logits, sampled, self._mask_fn(sampled))
+                out = self.sampler.sample(logits, sampled, self._mask_fn(sampled), self.eos_token_ids)
             except Exception as e:
                 log.error("sampling failed: %s", traceback.format_exc())
                 for r in sampled:

@@ -15,7 +15,7 @@ from typing import Any
 
 from prefixrt.errors import InvalidRequest
 from prefixrt.frontend.chat_format import ChatFormat, Message, Piece, PlainFormat, TemplateFormat
-from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_STR, Gen
+from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_FLOAT, REGEX_STR, Gen
 from prefixrt.frontend.select import ChoiceScores, choose, score_choices
 
 
@@ -55,11 +55,7 @@ class SamplingArgs:
     def resolve(cls, g: Gen, defaults: dict) -> SamplingArgs:
         max_tokens = g.max_tokens if g.max_tokens is not None else defaults.get("max_new_tokens", 128)
         stop = g.stop if g.stop is not None else defaults.get("stop")
-        regex = g.regex
-        if g.dtype is str and regex == REGEX_STR:
-            # A quoted string that always closes within the budget: at most max_tokens - 2 characters inside
-            # (every token adds at least one character), so the value is a parseable string.
-            regex = REGEX_STR[:-2] + "{0,%d}" % max(0, max_tokens - 2) + '"'  # noqa: UP031
+        regex = bounded_regex(g.regex, max_tokens)
         extra = {k: defaults[k] for k in GEN_SAMPLING if defaults.get(k) is not None}
         extra.update(g.extra)
         return cls(
@@ -69,6 +65,18 @@ class SamplingArgs:
             stop=[stop] if isinstance(stop, str) else (list(stop) if stop else None),
             regex=regex, json_schema=g.json_schema, choices=g.choices, extra=extra, min_tokens=g.min_tokens,
         )
+
+
+def bounded_regex(regex: str | None, max_tokens: int) -> str | None:
+    """REGEX_STR and REGEX_FLOAT made to always complete within max_tokens (every token adds at least one
+    character): a string of at most max_tokens - 2 characters inside its quotes; a float whose integer and
+    fraction parts leave room for the digit after its point. Other regexes are returned unchanged."""
+    if regex == REGEX_STR:
+        return REGEX_STR[:-2] + "{0,%d}" % max(0, max_tokens - 2) + '"'  # noqa: UP031
+    if regex == REGEX_FLOAT and max_tokens >= 4:
+        k = max(1, (max_tokens - 3) // 2)
+        return r"-?[0-9]{1,%d}(\.[0-9]{1,%d})?[ \n]?" % (k, k)  # noqa: UP031
+    return regex
 
 
 @dataclass

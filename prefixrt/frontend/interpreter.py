@@ -298,7 +298,7 @@ class StreamExecutor:
             self.open_role, self.partial, self.partial_media = None, "", []
 
     def _media(self, m: Media) -> None:
-        self._trace("media", kind=m.kind, path=m.path)
+        self._trace("media", media=m)
         if self.open_role is None:
             raise InvalidRequest(f"{m.kind}() must be inside a role block, e.g. user({m.kind}(path) + question)")
         self.spec = None

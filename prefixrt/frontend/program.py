@@ -190,16 +190,22 @@ class Program:
 
         return trace(self, backend, example_args)
 
-    def compile(self, backend=None):
+    def compile(self, backend=None, **constants: Any):
         """A CompiledProgram (compiler.py): same results as run() under greedy decoding; it caches each
-        constant prefix before its first run and submits a run's independent gens together."""
+        constant prefix before its first run and submits a run's independent gens together. `constants`:
+        arguments fixed for every run (the others are traced as placeholders)."""
         from prefixrt.frontend.compiler import CompiledProgram
 
-        return CompiledProgram(self, backend)
+        return CompiledProgram(self, backend, **constants)
 
     def parameters(self) -> list[str]:
         """The program's argument names (after `s`)."""
         return list(inspect.signature(self.fn).parameters)[1:]
+
+    def parameter_defaults(self) -> dict:
+        """The program's arguments that have a default, with it."""
+        params = list(inspect.signature(self.fn).parameters.values())[1:]
+        return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
     def __call__(self, *args, **kwargs):
         return self.run(*args, **kwargs)

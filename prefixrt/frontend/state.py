@@ -223,6 +223,11 @@ class ProgramState:
         return list(self._ex.requests)
 
     @property
+    def branches(self) -> list[ProgramState]:
+        """The states of the forks made from this state, in fork order."""
+        return [c.state if c.state is not None else ProgramState(c) for c in self._ex.children]
+
+    @property
     def error(self) -> BaseException | None:
         return self._ex.error
 

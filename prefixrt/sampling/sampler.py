@@ -35,14 +35,21 @@ class Sampler:
         return g
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
+               eos_token_ids: tuple[int, ...] | set[int] = ()) -> SampleOutput:
         """logits: [B, V] float32, row i for reqs[i]. bitmask_fn(logits) applies grammar masks in place.
+        eos_token_ids: masked (with the request's stop_token_ids) in rows below their min_new_tokens.
         Returns one token per row."""
         raw = logits
-        logits = logits.clone() if any(r.params.has_penalties for r in reqs) or bitmask_fn else logits
+        held = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+        if any(r.params.has_penalties for r in reqs) or bitmask_fn or held:
+            logits = logits.clone()
         for i, r in enumerate(reqs):
             if r.params.has_penalties:
                 self._apply_penalties(logits[i], r)
+        for i in held:
+            ids = sorted(set(eos_token_ids) | set(reqs[i].params.stop_token_ids or ()))
+            logits[i, ids] = float("-inf")
         if bitmask_fn is not None:
             bitmask_fn(logits)
 
