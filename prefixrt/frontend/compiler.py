@@ -54,6 +54,24 @@ class Placeholder(str):
     __hash__ = str.__hash__
 
 
+def _refuse_method(name: str):
+    def refuse(self, *args, **kwargs):
+        raise TraceError(f"the program computes with {self.what} (str.{name}); programs whose Python code uses "
+                         "generated values or arguments other than by putting them into text run on the "
+                         "interpreter (prog.run), not compiled")
+    return refuse
+
+
+# Anything but concatenation and formatting (`+`, f-strings, join) would compute on the marker, not the value.
+for _name in ("__getitem__", "__iter__", "__len__", "__contains__", "__mod__", "__mul__", "__bool__", "strip",
+              "lstrip", "rstrip", "split", "rsplit", "splitlines", "lower", "upper", "title", "capitalize",
+              "casefold", "swapcase", "replace", "startswith", "endswith", "find", "rfind", "index", "rindex",
+              "count", "encode", "isdigit", "isalpha", "isnumeric", "isdecimal", "isspace", "isalnum", "islower",
+              "isupper", "partition", "rpartition", "zfill", "center", "ljust", "rjust", "translate",
+              "removeprefix", "removesuffix", "expandtabs"):
+    setattr(Placeholder, _name, _refuse_method(_name))
+
+
 @dataclass
 class Node:
     """One primitive on one stream. kind: text | gen | select | role_begin | role_end | var_scope_begin |
@@ -294,11 +312,16 @@ class _Run:
 
     def run(self):
         while True:
-            waiting = []
-            for sid in list(self.execs):
-                node = self.advance(sid)
-                if node is not None:
-                    waiting.append((sid, node))
+            # advance every stream (new branches included) until none moves; then all waiting calls go together
+            while True:
+                before = (dict(self.pos), len(self.execs))
+                waiting = []
+                for sid in list(self.execs):
+                    node = self.advance(sid)
+                    if node is not None:
+                        waiting.append((sid, node))
+                if (dict(self.pos), len(self.execs)) == before:
+                    break
             if not waiting:
                 if all(self.finished(s) for s in self.execs):
                     return

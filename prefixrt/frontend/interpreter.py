@@ -306,9 +306,9 @@ class StreamExecutor:
 
     def _gen(self, g: Gen) -> None:
         if self.tracer is not None:
-            value = self._trace("gen", gen=g)
+            value = self._trace("gen", gen=g)  # a compiler.Placeholder: the body may read it
             self._set(g.name, value)
-            self.append(value)
+            self.append(str.__str__(value))
             return
         args = SamplingArgs.resolve(g, self.defaults)
         t0 = time.monotonic()
@@ -372,7 +372,7 @@ class StreamExecutor:
         if self.tracer is not None:
             value = self._trace("select", select=sel)
             self._set(sel.name, value)
-            self.append(value)
+            self.append(str.__str__(value))
             return
         t0 = time.monotonic()
         res = self.backend.select(self.context(), sel.choices, sel.choices_method)

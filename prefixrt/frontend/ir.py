@@ -138,7 +138,7 @@ def to_expr(value: Any) -> Expr:
     if isinstance(value, Expr):
         return value
     if isinstance(value, str):
-        return Text(value)
+        return Text(str.__str__(value))  # a plain str (a traced placeholder keeps only its marker text)
     raise TypeError(f"cannot append {type(value).__name__} to a program state; use str, gen, select or a role")
 
 
