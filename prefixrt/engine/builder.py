@@ -1,4 +1,4 @@
-"""Builds an EngineCore from an EngineConfig: model, tokenizer, KV pool sizing, cache, scheduler, backend.
+"""Builds an EngineCore from an EngineConfig: model, tokenizer, KV pool sizing, cache, scheduler, attention backend.
 
 Kept apart from the front (engine.py) so that the front is only about threads and requests.
 """
@@ -14,7 +14,7 @@ import torch
 from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
-from prefixrt.cache.naive import NoReuseCache
+from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
@@ -53,8 +53,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def build(config: EngineConfig, progress=None) -> Built:
-    from prefixrt.model.loader import load_model
-    from prefixrt.model.registry import load_tokenizer, resolve_model
+    from prefixrt.hub.loader import load_model
+    from prefixrt.hub.registry import load_tokenizer, resolve_model
 
     say = progress or (lambda msg: log.info(msg))
     device = resolve_device(config.device)
@@ -72,7 +72,7 @@ def build(config: EngineConfig, progress=None) -> Built:
 
 
 def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None) -> Built:
-    """Everything after loading: KV pool sizing, cache, scheduler, backend, core. Tests inject models here."""
+    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here."""
     say = say or (lambda msg: log.info(msg))
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
@@ -100,10 +100,10 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_running_requests=max_running,
         aging_s=config.aging_s,
     ))
-    backend = make_attention_backend(config.attention_backend, pool, device, max_running)
+    attention = make_attention_backend(config.attention_backend, pool, device, max_running)
     from prefixrt.model.runner import ModelRunner
 
-    runner = ModelRunner(model, pool, backend)
+    runner = ModelRunner(model, pool, attention)
     if config.cuda_graph and device.type == "cuda" and config.attention_backend != "torch":
         pad_row = table.alloc_row()  # never freed: stays all zeros, read by padded graph rows
         say(f"capturing decode CUDA graphs (batch sizes up to {max_running})")
@@ -116,14 +116,13 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
                  | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
-    grammar = None
     try:
-        from prefixrt.constrained import logits as grammar  # noqa: F811
+        from prefixrt.constrained import logits as bitmask_ops
     except ImportError:
-        grammar = None
+        bitmask_ops = None
     core = EngineCore(
         runner, scheduler, Sampler(device, config.seed), tokenizer, lock, eos, model.vocab_size,
-        max_context, device, debug=config.debug, grammar=grammar,
+        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
     )
     return Built(core, tokenizer, lock, resolved, model, device, dtype)
 

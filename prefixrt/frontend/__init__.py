@@ -7,12 +7,12 @@ state.py        ProgramState (`s`): appending, role and var-scope blocks, readin
 program.py      @function, run (stream=True), run_batch (batch prefix hint, progress bar, generator)
 compiler.py     trace -> Graph of primitives; CompiledProgram (prefix prefetch, gens submitted together)
 chat_format.py  pieces -> prompt text (the model's chat template, or a plain layout)
-backend.py      Backend interface, token usage; ProviderBackend (Engine, RemoteEngine)
+backend.py      ProgramBackend interface, token usage; ProviderBackend (Engine, RemoteEngine)
 select.py       choice scoring from token logprobs
 openai_backend.py, speculative.py   OpenAIBackend and the speculative buffer
 """
 
-from prefixrt.frontend.backend import Backend, BackendError, ProviderBackend, TokenUsage
+from prefixrt.frontend.backend import Backend, BackendError, ProgramBackend, ProviderBackend, TokenUsage
 from prefixrt.frontend.interpreter import ProgramError, RequestRecord, VariableNotFound
 from prefixrt.frontend.ir import (
     REGEX_BOOL,
@@ -35,7 +35,7 @@ from prefixrt.frontend.state import ForkGroup, ProgramState
 
 __all__ = [
     "function", "system", "user", "assistant", "gen", "gen_int", "gen_string", "select", "image", "video",
-    "REGEX_INT", "REGEX_FLOAT", "REGEX_BOOL", "REGEX_STR", "OpenAIBackend", "ProviderBackend", "Backend",
+    "REGEX_INT", "REGEX_FLOAT", "REGEX_BOOL", "REGEX_STR", "OpenAIBackend", "ProviderBackend", "ProgramBackend", "Backend",
     "BackendError", "TokenUsage", "Program", "ProgramState", "ForkGroup", "ProgramError", "VariableNotFound",
     "RequestRecord", "set_default_backend",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.frontend.backend import Backend, Context, SamplingArgs
+from prefixrt.frontend.backend import Context, ProgramBackend, SamplingArgs
 from prefixrt.frontend.chat_format import PlainFormat
 from prefixrt.frontend.interpreter import JoinOp, ProgramError, StreamExecutor
 from prefixrt.frontend.ir import RoleBegin, RoleEnd, SetVar, VarScopeBegin, VarScopeEnd
@@ -184,7 +184,7 @@ class Tracer:
         return Graph(order, args)
 
 
-class _TraceBackend(Backend):
+class _TraceBackend(ProgramBackend):
     """Never called for gens/selects (the tracer answers them); renders with the real backend's format."""
 
     def __init__(self, chat_format=None):
@@ -253,7 +253,7 @@ def _substitute(text, args: dict, outputs: dict):
 class _Run:
     """One execution of a graph: a StreamExecutor per stream (driven here, without worker threads)."""
 
-    def __init__(self, graph: Graph, backend: Backend, defaults: dict, args: dict):
+    def __init__(self, graph: Graph, backend: ProgramBackend, defaults: dict, args: dict):
         self.graph = graph
         self.backend = backend
         self.defaults = defaults
@@ -369,7 +369,7 @@ class CompiledProgram:
         self._prefetched: set[int] = set()
         self._lock = threading.Lock()
 
-    def constant_prefixes(self, backend: Backend) -> list[Context]:
+    def constant_prefixes(self, backend: ProgramBackend) -> list[Context]:
         """Each stream's context up to its first argument or model call (branches continue their parent's
         when it was constant up to the fork). Empty prefixes are left out."""
         out: list[Context] = []
@@ -404,7 +404,7 @@ class CompiledProgram:
                 unique.append(ctx)
         return unique
 
-    def prefetch(self, backend: Backend) -> int:
+    def prefetch(self, backend: ProgramBackend) -> int:
         """Cache the constant prefixes on backend (once per backend); returns the tokens cached."""
         with self._lock:
             if id(backend) in self._prefetched:

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.frontend.backend import Backend, Context, GenResult, SamplingArgs
+from prefixrt.frontend.backend import Context, GenResult, ProgramBackend, SamplingArgs
 from prefixrt.frontend.chat_format import Message, Piece
 from prefixrt.frontend.ir import (
     Expr,
@@ -85,7 +85,7 @@ class StreamExecutor:
     streaming: gens stream their text into `all_text` as it is generated. tracer: compiler.Tracer when the
     program is traced (no backend call is made then)."""
 
-    def __init__(self, backend: Backend, defaults: dict, parent: StreamExecutor | None = None,
+    def __init__(self, backend: ProgramBackend, defaults: dict, parent: StreamExecutor | None = None,
                  spec_tokens: int = 0, streaming: bool = False, tracer=None):
         self.backend = backend
         self.defaults = defaults

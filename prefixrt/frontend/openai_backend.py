@@ -22,10 +22,10 @@ from typing import Any
 
 from prefixrt.errors import InvalidRequest
 from prefixrt.frontend.backend import (
-    Backend,
     BackendError,
     Context,
     GenResult,
+    ProgramBackend,
     SamplingArgs,
     SelectResult,
     SpecText,
@@ -36,7 +36,7 @@ from prefixrt.frontend.chat_format import Message, PlainFormat, TemplateFormat
 TOP_LOGPROBS = 20
 
 
-class OpenAIBackend(Backend):
+class OpenAIBackend(ProgramBackend):
     """`OpenAIBackend(model, client=openai.OpenAI(...), speculative_tokens=N, chat=True)`.
 
     client: an `openai.OpenAI` (built from base_url/api_key when omitted). chat: use /chat/completions
@@ -155,7 +155,7 @@ class OpenAIBackend(Backend):
             res.cached_tokens = (getattr(details, "cached_tokens", 0) or 0) if details else 0
         return res
 
-    # ------------------------------------------------------------------ Backend
+    # ------------------------------------------------------------------ ProgramBackend
     def _gen_body(self, args: SamplingArgs) -> tuple[dict, dict | None]:
         body = dict(args.extra)
         response_format = None

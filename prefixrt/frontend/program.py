@@ -11,30 +11,30 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.frontend.backend import Backend, Context, ProviderBackend, SamplingArgs
+from prefixrt.frontend.backend import Context, ProgramBackend, ProviderBackend, SamplingArgs
 from prefixrt.frontend.interpreter import ProgramError, StreamExecutor
 from prefixrt.frontend.ir import RUN_SAMPLING
 from prefixrt.frontend.state import ProgramState
 
 log = logging.getLogger("prefixrt.frontend")
 
-_default_backend: Backend | None = None
+_default_backend: ProgramBackend | None = None
 
 
 def set_default_backend(backend) -> None:
-    """The backend used when run()/run_batch() get none (a Backend or any Provider)."""
+    """The backend used when run()/run_batch() get none (a ProgramBackend or any Provider)."""
     global _default_backend
     _default_backend = as_backend(backend) if backend is not None else None
 
 
-def as_backend(backend) -> Backend:
-    """A Backend as is; a Provider (anything with generate and cache_prefix) wrapped in ProviderBackend."""
+def as_backend(backend) -> ProgramBackend:
+    """A ProgramBackend as is; a Provider (anything with generate and cache_prefix) wrapped in ProviderBackend."""
     if backend is None:
         if _default_backend is None:
             raise ValueError("no backend: pass backend=<Engine | RemoteEngine | OpenAIBackend> or call "
                              "prefixrt.set_default_backend")
         return _default_backend
-    if isinstance(backend, Backend):
+    if isinstance(backend, ProgramBackend):
         return backend
     if callable(getattr(backend, "generate", None)) and callable(getattr(backend, "cache_prefix", None)):
         cached = getattr(backend, "_prefixrt_frontend_backend", None)
@@ -45,7 +45,7 @@ def as_backend(backend) -> Backend:
             except AttributeError:
                 pass
         return cached
-    raise TypeError(f"backend must be a Provider or a frontend Backend, not {type(backend).__name__}")
+    raise TypeError(f"backend must be a Provider or a frontend ProgramBackend, not {type(backend).__name__}")
 
 
 def sampling_defaults(where: str, given: dict) -> dict:
@@ -84,7 +84,7 @@ class Program:
         given = sampling_defaults(f"{self.fn.__name__}.run", sampling)
         return {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, **self.defaults, **given}
 
-    def _executor(self, be: Backend, defaults: dict, streaming: bool = False, tracer=None) -> StreamExecutor:
+    def _executor(self, be: ProgramBackend, defaults: dict, streaming: bool = False, tracer=None) -> StreamExecutor:
         spec = self.num_api_spec_tokens or be.speculative_tokens
         return StreamExecutor(be, defaults, spec_tokens=spec, streaming=streaming, tracer=tracer)
 
@@ -107,7 +107,7 @@ class Program:
             state._ex.sync_tree(timeout)
         return state
 
-    def _run(self, be: Backend, defaults: dict, args, kwargs, timeout) -> ProgramState:
+    def _run(self, be: ProgramBackend, defaults: dict, args, kwargs, timeout) -> ProgramState:
         state = ProgramState(self._executor(be, defaults))
         self.fn(state, *args, **kwargs)
         state._ex.sync_tree(timeout)
@@ -224,10 +224,10 @@ class _FirstCall(Exception):
     pass
 
 
-class _TracingBackend(Backend):
+class _TracingBackend(ProgramBackend):
     """Renders like the real backend, records the prompt of the first backend call and stops the program."""
 
-    def __init__(self, real: Backend):
+    def __init__(self, real: ProgramBackend):
         self.real = real
         self.chat_format = real.chat_format
         self.prompt: str | None = None
@@ -252,7 +252,7 @@ class _TracingBackend(Backend):
         return 0  # a fork's hint: its prefix is also the prefix of the branch's first call
 
 
-def first_prompt(program: Program, backend: Backend, defaults: dict, kwargs: dict):
+def first_prompt(program: Program, backend: ProgramBackend, defaults: dict, kwargs: dict):
     """The prompt of the program's first backend call, as the backend would send it (token ids, text or chat
     messages), found by running the program's body against a tracing backend."""
     tracer = _TracingBackend(backend)

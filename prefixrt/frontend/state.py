@@ -219,7 +219,7 @@ class ProgramState:
     # ------------------------------------------------------------------ inspection
     @property
     def requests(self) -> list[RequestRecord]:
-        """Backend calls made by this state's stream so far (forks keep their own)."""
+        """ProgramBackend calls made by this state's stream so far (forks keep their own)."""
         return list(self._ex.requests)
 
     @property

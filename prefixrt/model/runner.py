@@ -1,6 +1,7 @@
 """ModelRunner: one forward step of a model over the paged KV pool.
 
-The single place where a step is executed; CUDA graphs for decode will be captured and replayed here.
+The single place where a step is executed: eagerly, or, for a decode batch that DecodeGraphs can run, by
+replaying the CUDA graph captured for its batch-size bucket (model/cuda_graphs.py).
 """
 
 from __future__ import annotations

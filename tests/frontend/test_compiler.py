@@ -5,11 +5,11 @@ constant prefix before its first run and submits the gens of one run that are re
 from __future__ import annotations
 
 import pytest
-from frontend import sglang_programs as P
 
 from prefixrt.errors import InvalidRequest
 from prefixrt.frontend import ProviderBackend, assistant, function, gen, select, system, user
 from prefixrt.frontend.compiler import TraceError
+from tests.frontend import sglang_programs as P
 
 TIMEOUT = 120
 ESSAY = "A stitch in time saves nine. The quick brown fox jumps over the lazy dog. " * 3

@@ -17,13 +17,13 @@ import threading
 import zlib
 
 import pytest
-from frontend import sglang_programs as P
-from frontend.fake_openai import ScriptedModel, client_for
 
 import prefixrt as pr
 from prefixrt.errors import InvalidRequest
 from prefixrt.frontend import OpenAIBackend, ProviderBackend
-from tests.conftest import assert_idle_and_clean
+from tests.frontend import sglang_programs as P
+from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.fake_openai import ScriptedModel, client_for
 from tests.server.conftest import ServeProcess
 
 TIMEOUT = 300
@@ -35,7 +35,7 @@ def tiny_engine(long_checkpoint, tiny_tokenizer):
     from types import SimpleNamespace
 
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     path, _ = long_checkpoint
     model = load_model(path, dtype="float32", device="cpu")

@@ -5,11 +5,11 @@ number of KV splits for decode, and, when the batch carries prefix_groups worth 
 forward() writes the layer's new K/V into the pool, then dispatches EXTEND -> extend_attention, DECODE ->
 cascade_decode_attention (grouped batch, full-attention layer) or decode_attention.
 
-CUDA graphs (decode) will be captured per batch-size bucket: the split counts then depend only on the
-bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are copied into static
-tensors before replay, and the split workspace below is already static, so replay launches the same grids
-on the same addresses. A cascade plan will need its index arrays padded to a fixed tile count for that;
-until then cascade batches run eagerly.
+Decode CUDA graphs (model/cuda_graphs.py) are captured per batch-size bucket: the split counts depend only
+on the bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are copied into
+static tensors before replay, and the split workspace below is static, so replay launches the same grids on
+the same addresses. Batches with prefix_groups (a cascade plan) always run eagerly: DecodeGraphs.can_run
+refuses them, since a plan's index arrays would need padding to a fixed tile count to be replayable.
 """
 
 from __future__ import annotations
