@@ -455,4 +455,35 @@ class ProviderBackend(ProgramBackend):
                             prompt_tokens or scores.prompt_tokens, cached or scores.cached_tokens)
 
 
+# ---------------------------------------------------------------------- the default backend
+_default_backend: ProgramBackend | None = None
+
+
+def set_default_backend(backend) -> None:
+    """The backend used when run()/run_batch() get none (a ProgramBackend or any Provider)."""
+    global _default_backend
+    _default_backend = as_backend(backend) if backend is not None else None
+
+
+def as_backend(backend) -> ProgramBackend:
+    """A ProgramBackend as is; a Provider (anything with generate and cache_prefix) wrapped in ProviderBackend."""
+    if backend is None:
+        if _default_backend is None:
+            raise ValueError("no backend: pass backend=<Engine | RemoteEngine | OpenAIBackend> or call "
+                             "prefixrt.set_default_backend")
+        return _default_backend
+    if isinstance(backend, ProgramBackend):
+        return backend
+    if callable(getattr(backend, "generate", None)) and callable(getattr(backend, "cache_prefix", None)):
+        cached = getattr(backend, "_prefixrt_frontend_backend", None)
+        if cached is None:  # one ProviderBackend per provider: its token usage adds up across runs
+            cached = ProviderBackend(backend)
+            try:
+                backend._prefixrt_frontend_backend = cached
+            except AttributeError:
+                pass
+        return cached
+    raise TypeError(f"backend must be a Provider or a frontend ProgramBackend, not {type(backend).__name__}")
+
+
 Backend = ProgramBackend  # the earlier name, kept for code written against prefixrt.frontend.Backend

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.frontend.backend import Context, ProgramBackend, SamplingArgs
+from prefixrt.frontend.backend import Context, ProgramBackend, SamplingArgs, as_backend
 from prefixrt.frontend.chat_format import PlainFormat
 from prefixrt.frontend.interpreter import JoinOp, ProgramError, StreamExecutor
 from prefixrt.frontend.ir import RoleBegin, RoleEnd, SetVar, VarScopeBegin, VarScopeEnd
@@ -199,7 +199,6 @@ class _TraceBackend(ProgramBackend):
 
 def trace(program, backend, example_args: dict, timeout: float = 60) -> Graph:
     """The graph of `program` with `example_args` (missing arguments become placeholders). No model call."""
-    from prefixrt.frontend.program import as_backend
     from prefixrt.frontend.state import ProgramState
 
     params = program.parameters()
@@ -416,7 +415,6 @@ class CompiledProgram:
             temperature: float | None = None, top_p: float | None = None, stop=None, **kwargs: Any):
         """Like Program.run (no stream): returns the finished ProgramState; `state.branches` are the forks."""
         from prefixrt.frontend.ir import RUN_SAMPLING
-        from prefixrt.frontend.program import as_backend
         from prefixrt.frontend.state import ProgramState
 
         sampling = {k: kwargs.pop(k) for k in list(kwargs) if k in RUN_SAMPLING}
@@ -442,7 +440,6 @@ class CompiledProgram:
         return state
 
     def run_batch(self, batch_kwargs: list[dict], backend=None, num_threads: int = 16, **sampling: Any) -> list:
-        from prefixrt.frontend.program import as_backend
 
         be = as_backend(backend)
         self.prefetch(be)

@@ -11,41 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.frontend.backend import Context, ProgramBackend, ProviderBackend, SamplingArgs
+from prefixrt.frontend.backend import (
+    Context,
+    ProgramBackend,
+    ProviderBackend,
+    SamplingArgs,
+    as_backend,
+    set_default_backend,  # noqa: F401 - public here too
+)
 from prefixrt.frontend.interpreter import ProgramError, StreamExecutor
 from prefixrt.frontend.ir import RUN_SAMPLING
 from prefixrt.frontend.state import ProgramState
 
 log = logging.getLogger("prefixrt.frontend")
-
-_default_backend: ProgramBackend | None = None
-
-
-def set_default_backend(backend) -> None:
-    """The backend used when run()/run_batch() get none (a ProgramBackend or any Provider)."""
-    global _default_backend
-    _default_backend = as_backend(backend) if backend is not None else None
-
-
-def as_backend(backend) -> ProgramBackend:
-    """A ProgramBackend as is; a Provider (anything with generate and cache_prefix) wrapped in ProviderBackend."""
-    if backend is None:
-        if _default_backend is None:
-            raise ValueError("no backend: pass backend=<Engine | RemoteEngine | OpenAIBackend> or call "
-                             "prefixrt.set_default_backend")
-        return _default_backend
-    if isinstance(backend, ProgramBackend):
-        return backend
-    if callable(getattr(backend, "generate", None)) and callable(getattr(backend, "cache_prefix", None)):
-        cached = getattr(backend, "_prefixrt_frontend_backend", None)
-        if cached is None:  # one ProviderBackend per provider: its token usage adds up across runs
-            cached = ProviderBackend(backend)
-            try:
-                backend._prefixrt_frontend_backend = cached
-            except AttributeError:
-                pass
-        return cached
-    raise TypeError(f"backend must be a Provider or a frontend ProgramBackend, not {type(backend).__name__}")
 
 
 def sampling_defaults(where: str, given: dict) -> dict:
