@@ -272,6 +272,10 @@ class Engine(EngineFront):
         self._inbox.put(None)
         self._thread.join(timeout=30)
         self._stopped = True
+        if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
+            from prefixrt.engine import builder
+
+            builder.release(self._built)
 
     def __enter__(self):
         return self
