@@ -37,7 +37,7 @@ class EngineCore:
         max_context: int,
         device: torch.device,
         debug: bool = False,
-        grammar=None,
+        bitmask_ops=None,
     ):
         self.runner = runner
         self.scheduler = scheduler
@@ -50,7 +50,7 @@ class EngineCore:
         self.max_context = max_context
         self.device = device
         self.debug = debug
-        self.grammar = grammar  # module-like object with allocate_bitmask / apply_token_bitmask, or None
+        self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
@@ -132,14 +132,14 @@ class EngineCore:
         """(request, token, logprobs) for each row of logits. If sampling the batch raises, its rows are
         sampled one by one: the failing request(s) are aborted with the error, their neighbours go on."""
         try:
-            out = self.sampler.sample(logits, reqs, self._mask_fn(reqs))
+            out = self.sampler.sample(logits, reqs, self._mask_fn(reqs), self.eos_token_ids)
             return list(zip(reqs, out.token_ids, out.logprobs))
         except Exception:
             log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
         results = []
         for i, r in enumerate(reqs):
             try:
-                out = self.sampler.sample(logits[i : i + 1], [r], self._mask_fn([r]))
+                out = self.sampler.sample(logits[i : i + 1], [r], self._mask_fn([r]), self.eos_token_ids)
                 results.append((r, out.token_ids[0], out.logprobs[0]))
             except Exception as e:
                 log.error("sampling failed for %s: %s", r.rid, traceback.format_exc())
@@ -188,18 +188,18 @@ class EngineCore:
 
     def _mask_fn(self, reqs: list[Req]):
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows or self.grammar is None:
+        if not rows or self.bitmask_ops is None:
             return None
 
         def apply(logits: torch.Tensor) -> None:
             # Runs while the GPU still computes the forward (nothing has synchronised yet).
-            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
+            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
             if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
                 self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             else:
                 for i in rows:
                     reqs[i].matcher.fill_bitmask(bitmask, i)
-            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+            self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
         return apply
 
