@@ -25,12 +25,12 @@ def gated_act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_mul_kernel(GateUp, Out, stride_gu, stride_o, I, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(GateUp, Out, stride_gu, stride_o, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
+    mask = offs < inter
     g = tl.load(GateUp + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GateUp + row * stride_gu + I + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GateUp + row * stride_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (gated_act(g, ACT) * u).to(Out.dtype.element_ty), mask=mask)
 
 

@@ -101,6 +101,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         aging_s=config.aging_s,
     ))
     backend = make_attention_backend(config.attention_backend, pool, device, max_running)
+    if device.type == "cuda" and type(backend).__name__ == "TritonAttentionBackend":
+        from prefixrt.model.layers import use_fused_kernels
+
+        say("fused Triton layer kernels on; choosing small-batch GEMV layouts by measurement")
+        use_fused_kernels(model)  # before graph capture: the graphs record the fused kernels
     from prefixrt.model.runner import ModelRunner
 
     runner = ModelRunner(model, pool, backend)

@@ -16,6 +16,7 @@ from prefixrt.kernels.activation import act_mul  # noqa: E402
 from prefixrt.kernels.gemv import GemvConfig, gemv  # noqa: E402
 from prefixrt.kernels.norm import add_rms_norm  # noqa: E402
 from prefixrt.kernels.rope import qk_norm_rope_store  # noqa: E402
+
 from prefixrt.model.layers import RopeConfig, RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
