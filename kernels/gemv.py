@@ -160,7 +160,7 @@ def candidate_configs(n: int, k: int, num_sms: int) -> list[GemvConfig]:
     return list(dict.fromkeys(out))
 
 
-def _graph_time_us(fn, copies: int, reps: int = 3) -> float:
+def graph_time_us(fn, copies: int, reps: int = 5) -> float:
     """Median time of one call, measured by replaying a CUDA graph of `copies` calls (launch overhead off,
     as under the decode graphs)."""
     fn(0)
@@ -187,7 +187,7 @@ def measure(n: int, k: int, m: int, dtype: torch.dtype, device, configs: list[Ge
     """Microseconds per call of each config (None = cuBLAS through F.linear) for an [m, k] x [k, n]
     product, with enough weight copies that every call reads its weight from HBM. A config whose result
     differs from cuBLAS's is dropped (not returned)."""
-    copies = max(2, min(16, -(-2 * l2_bytes // (n * k * torch.empty((), dtype=dtype).element_size()))))
+    copies = max(4, min(16, -(-2 * l2_bytes // (n * k * torch.empty((), dtype=dtype).element_size()))))
     weights = [torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for _ in range(copies)]
     x = torch.randn(m, 2 * k if act_input else k, device=device, dtype=dtype)
 
@@ -201,14 +201,14 @@ def measure(n: int, k: int, m: int, dtype: torch.dtype, device, configs: list[Ge
     out: dict[GemvConfig | None, float] = {}
     for cfg in configs:
         if cfg is None:
-            out[None] = _graph_time_us(unfused, copies)
+            out[None] = graph_time_us(unfused, copies)
             continue
         try:
             got = gemv(x, weights[0], None, cfg, act_input).float()
             err = ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item()
             if err > 1e-2:
                 continue
-            out[cfg] = _graph_time_us(lambda i, c=cfg: gemv(x, weights[i], None, c, act_input), copies)
+            out[cfg] = graph_time_us(lambda i, c=cfg: gemv(x, weights[i], None, c, act_input), copies)
         except Exception:  # a layout this GPU cannot run (shared memory, registers): not a candidate
             continue
     return out
@@ -219,5 +219,9 @@ def choose_config(n: int, k: int, m: int, dtype: torch.dtype, device, act_input:
     """(fastest Triton config, or None when cuBLAS is at least as fast; all timings in us)."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     timings = measure(n, k, m, dtype, device, [None, *candidate_configs(n, k, num_sms)], act_input)
-    best = min(timings, key=timings.get)
-    return best, timings
+    triton_timings = {c: t for c, t in timings.items() if c is not None}
+    if not triton_timings or None not in timings:
+        return None, timings
+    best = min(triton_timings, key=triton_timings.get)
+    # cuBLAS unless a layout is clearly faster (2%): the choice should not flip on measurement noise
+    return (best if timings[best] < 0.98 * timings[None] else None), timings

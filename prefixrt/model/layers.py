@@ -323,15 +323,17 @@ class GatedMLP(nn.Module):
 
 # ------------------------------------------------------------------------------------- fused kernels
 
-_GEMV_CHOICES: dict[tuple, GemvConfig | None] = {}  # (n, k, rows, act, dtype, device name) -> measured choice
+_GEMV_CHOICES: dict[tuple, tuple] = {}  # (n, k, rows, act, dtype, device name) -> (choice, timings)
 MEASURED_ROWS = (1, 2, 4, 8, 16)  # row counts measured; others use the next measured one up
 
 
-def _choose_gemv(weight: torch.Tensor, rows: int, act: str | None) -> GemvConfig | None:
-    n, k = weight.shape
-    key = (n, k, rows, act, weight.dtype, torch.cuda.get_device_name(weight.device))
+def gemv_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, device
+                ) -> tuple[GemvConfig | None, dict]:
+    """(fastest GEMV config for an [rows, k] x [k, n] product, None when cuBLAS is fastest; timings in us
+    per candidate), measured once per process and shape on this GPU (kernels.gemv.choose_config)."""
+    key = (n, k, rows, act, dtype, torch.cuda.get_device_name(device))
     if key not in _GEMV_CHOICES:
-        _GEMV_CHOICES[key] = _kernels().choose_gemv_config(n, k, rows, weight.dtype, weight.device, act)[0]
+        _GEMV_CHOICES[key] = _kernels().choose_gemv_config(n, k, rows, dtype, device, act)
     return _GEMV_CHOICES[key]
 
 
@@ -347,7 +349,8 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None) -> di
         raise ValueError(f"gemv must be 'measure', 'always' or 'never', got {gemv!r}")
     if weight.device.type != "cuda":
         return {}
-    measured = {rows: _choose_gemv(weight, rows, act) for rows in MEASURED_ROWS}
+    n, k = weight.shape
+    measured = {rows: gemv_choice(n, k, rows, act, weight.dtype, weight.device)[0] for rows in MEASURED_ROWS}
     plan = {}
     for rows in range(1, MAX_GEMV_ROWS + 1):
         config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
