@@ -327,13 +327,23 @@ _GEMV_CHOICES: dict[tuple, tuple] = {}  # (n, k, rows, act, dtype, device name) 
 MEASURED_ROWS = (1, 2, 4, 8, 16)  # row counts measured; others use the next measured one up
 
 
-def gemv_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, device
+def gemv_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, device, use_table: bool = True
                 ) -> tuple[GemvConfig | None, dict]:
     """(fastest GEMV config for an [rows, k] x [k, n] product, None when cuBLAS is fastest; timings in us
-    per candidate), measured once per process and shape on this GPU (kernels.gemv.choose_config)."""
-    key = (n, k, rows, act, dtype, torch.cuda.get_device_name(device))
-    if key not in _GEMV_CHOICES:
-        _GEMV_CHOICES[key] = _kernels().choose_gemv_config(n, k, rows, dtype, device, act)
+    per candidate, empty when the choice came from the table). Taken from this process's earlier
+    measurements, else (bf16, use_table) from the table measured on this GPU model and checked in
+    (kernels/gemv_table.py), else measured now (kernels.gemv.choose_config) and remembered."""
+    gpu = torch.cuda.get_device_name(device)
+    key = (n, k, rows, act, dtype, gpu)
+    if key in _GEMV_CHOICES:
+        return _GEMV_CHOICES[key]
+    if use_table and dtype == torch.bfloat16:
+        from prefixrt.kernels.gemv_table import MEASURED
+
+        table = MEASURED.get(gpu, {})
+        if (n, k, rows, act) in table:
+            return table[(n, k, rows, act)], {}
+    _GEMV_CHOICES[key] = _kernels().choose_gemv_config(n, k, rows, dtype, device, act)
     return _GEMV_CHOICES[key]
 
 
