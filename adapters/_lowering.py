@@ -104,7 +104,7 @@ class ProviderHandle:
         if self._provider is not None or self.base_url is not None:
             revision = getattr(self.get(), "model_revision", None)
         elif self.model is not None:
-            from prefixrt.model.registry import resolve_model
+            from prefixrt.hub.registry import resolve_model
 
             revision = resolve_model(self.model).revision
         if not revision:

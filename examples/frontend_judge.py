@@ -1,4 +1,4 @@
-"""Essay judge (API.md's frontend example): three forked judgments, then a graded select.
+"""Essay judge (docs/api.md's frontend example): three forked judgments, then a graded select.
 
     python examples/frontend_judge.py                                  # Gemma-3-270M in-process (CPU)
     python examples/frontend_judge.py --remote http://127.0.0.1:30000  # RemoteEngine on `prefixrt serve`

@@ -1,6 +1,6 @@
 """prefixrt: an LLM runtime that treats shared prefixes as first-class.
 
-Public names are listed in __all__ and documented in docs/ and API.md; everything else is internal.
+Public names are listed in __all__ and documented in docs/ and docs/api.md; everything else is internal.
 """
 
 from __future__ import annotations

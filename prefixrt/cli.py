@@ -43,7 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from prefixrt.model.registry import list_models
+    from prefixrt.hub.registry import list_models
 
     rows = list_models()
     if args.json:

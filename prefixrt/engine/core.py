@@ -14,11 +14,11 @@ import traceback
 import torch
 
 from prefixrt.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from prefixrt.engine.request import Req
 from prefixrt.engine.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
+from prefixrt.request import Req
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
@@ -37,7 +37,7 @@ class EngineCore:
         max_context: int,
         device: torch.device,
         debug: bool = False,
-        grammar=None,
+        bitmask_ops=None,
     ):
         self.runner = runner
         self.scheduler = scheduler
@@ -50,7 +50,7 @@ class EngineCore:
         self.max_context = max_context
         self.device = device
         self.debug = debug
-        self.grammar = grammar  # module-like object with allocate_bitmask / apply_token_bitmask, or None
+        self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
@@ -65,11 +65,16 @@ class EngineCore:
         self.requests.setdefault(reqs[0].rid, []).extend(reqs)
         self.stats.requests_total += 1
         for r in reqs:
-            if r.params.seed is not None:
-                r.generator = self.sampler.make_generator(r.params.seed + r.index)
-            if r.params.stop:
-                r.detok = IncrementalDetokenizer(self.tokenizer, r.params.skip_special_tokens, self.tokenizer_lock)
-            self.scheduler.add(r)
+            try:
+                if r.params.seed is not None:
+                    r.generator = self.sampler.make_generator(r.params.generator_seed(r.index))
+                if r.params.stop:
+                    r.detok = IncrementalDetokenizer(self.tokenizer, r.params.skip_special_tokens,
+                                                     self.tokenizer_lock)
+                self.scheduler.add(r)
+            except Exception as e:  # registered but not runnable: finish it now, never leave it hanging
+                log.error("request %s could not be added: %s", r.rid, traceback.format_exc())
+                self._finish(r, "abort", error=f"internal error adding the request: {e}")
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> None:
         for r in list(self.requests.get(rid, [])):
@@ -106,19 +111,12 @@ class EngineCore:
             return True
         self.stats.forward_passes_total += 1
         if sampled:
-            try:
-                out = self.sampler.sample(logits, sampled, self._mask_fn(sampled))
-            except Exception as e:
-                log.error("sampling failed: %s", traceback.format_exc())
-                for r in sampled:
-                    self._finish(r, "abort", error=f"internal error in sampling: {e}")
-                sampled, out = [], None
-            for i, r in enumerate(sampled):
+            for r, tok, lp in self._sample(logits, sampled):
                 try:
-                    self._on_token(r, out.token_ids[i], out.logprobs[i])
+                    self._on_token(r, tok, lp)
                 except Exception as e:
                     log.error("post-processing failed: %s", traceback.format_exc())
-                    self._finish(r, "abort", error=f"internal error: {e}")
+                    self._finish(r, "abort", error=f"internal error in post-processing: {e}")
         for r, n, s in zip(batch.reqs, batch.num_tokens, batch.sample):
             if r.finish_reason is not None:
                 continue
@@ -129,6 +127,24 @@ class EngineCore:
         if self.debug and not self.scheduler.has_work:
             self.kv.check_integrity()
         return True
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple[Req, int, object]]:
+        """(request, token, logprobs) for each row of logits. If sampling the batch raises, its rows are
+        sampled one by one: the failing request(s) are aborted with the error, their neighbours go on."""
+        try:
+            out = self.sampler.sample(logits, reqs, self._mask_fn(reqs))
+            return list(zip(reqs, out.token_ids, out.logprobs))
+        except Exception:
+            log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
+        results = []
+        for i, r in enumerate(reqs):
+            try:
+                out = self.sampler.sample(logits[i : i + 1], [r], self._mask_fn([r]))
+                results.append((r, out.token_ids[0], out.logprobs[0]))
+            except Exception as e:
+                log.error("sampling failed for %s: %s", r.rid, traceback.format_exc())
+                self._finish(r, "abort", error=f"internal error in sampling: {e}")
+        return results
 
     def _forward(self, batch: ScheduledBatch):
         ends, acc = [], 0
@@ -145,8 +161,8 @@ class EngineCore:
             if s and r.params.max_new_tokens > 0:
                 ends.append(acc - 1)
                 sampled.append(r)
-            if r.num_cached_tokens is not None and not getattr(r, "_counted", False):
-                r._counted = True
+            if r.num_cached_tokens is not None and not r.prompt_counted:
+                r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
         self.kv.table.flush()
@@ -172,18 +188,18 @@ class EngineCore:
 
     def _mask_fn(self, reqs: list[Req]):
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows or self.grammar is None:
+        if not rows or self.bitmask_ops is None:
             return None
 
         def apply(logits: torch.Tensor) -> None:
             # Runs while the GPU still computes the forward (nothing has synchronised yet).
-            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
+            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
             if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
                 self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             else:
                 for i in rows:
                     reqs[i].matcher.fill_bitmask(bitmask, i)
-            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+            self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
         return apply
 
@@ -230,10 +246,10 @@ class EngineCore:
             if hit is not None:
                 r.text = r.text[: hit[0]]
                 reason, matched = "stop", hit[1]
-            emitted = getattr(r, "_emitted", 0)
+            emitted = r.num_emitted_chars
             upto = len(r.text) if reason else len(r.text) - stop_holdback(r.text, p.stop)
             text = r.text[emitted:upto]
-            r._emitted = max(emitted, upto)
+            r.num_emitted_chars = max(emitted, upto)
         if reason is None and len(r.output_ids) >= p.max_new_tokens:
             reason = "length"
         if reason is None and r.seq_len >= self.max_context:
@@ -274,7 +290,7 @@ class EngineCore:
             self.stats.aborted_requests_total += 1
         text = None
         if r.detok is not None:
-            text = r.text[getattr(r, "_emitted", 0):]
+            text = r.text[r.num_emitted_chars:]
         self._outbox.append((r.sink, StepOutput(
             index=r.index, token_ids=[], text=text, finished=True, finish_reason=reason,
             prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0, error=error,

@@ -391,7 +391,7 @@ class _EngineServer:
 def _metrics_for(engine):
     """The engine's Prometheus metrics, installed at start so the latency histograms see every request."""
     try:
-        from prefixrt.server.metrics import Metrics
+        from prefixrt.engine.metrics import Metrics
     except ImportError:
         return None
     return Metrics.for_engine(engine)

@@ -21,7 +21,7 @@ ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine construction flags (API.md's Engine arguments), shared by `serve` and `generate`."""
+    """Engine construction flags (docs/api.md's Engine arguments), shared by `serve` and `generate`."""
     p.add_argument("--model", default="gemma-3-270m", help="registry name or local HF folder")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     p.add_argument("--device", default="auto")

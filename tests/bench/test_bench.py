@@ -65,7 +65,7 @@ def test_prefill_flops_counts_linears_and_causal_keys():
 def test_bench_cli_long_context_reports_floor(tiny_checkpoints, tiny_tokenizer, tmp_path, capsys):
     from prefixrt.bench.cli import main
     from prefixrt.bench.compute_floor import ModelShape, prefill_flops
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     path, _ = tiny_checkpoints("llama")
     tiny_tokenizer.save_pretrained(str(path))

@@ -11,11 +11,11 @@ import torch
 
 pytest.importorskip("triton")
 
+from prefixrt.hub.loader import load_model  # noqa: E402
 from prefixrt.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from prefixrt.model.layers import GatedMLP, Linear, use_fused_kernels  # noqa: E402
-from prefixrt.model.loader import load_model  # noqa: E402
-from tests.model.checkpoints import save_tiny_checkpoint  # noqa: E402
-from tests.model.harness import PagedHarness  # noqa: E402
+from tests.helpers.checkpoints import save_tiny_checkpoint  # noqa: E402
+from tests.helpers.harness import PagedHarness  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL_FP32 = 1e-5  # whole-model logits and pool contents, fused vs unfused

@@ -1,5 +1,9 @@
 """Req: one sequence being generated, as the scheduler loop sees it (one per sample when n > 1).
 
+A shared record on the bottom floor (beside params.py and outputs.py): the engine creates and advances it,
+cache/kv_manager.py owns its KV fields, sampling/sampler.py reads its params and sampling state. It imports
+nothing but SamplingParams, so all of them depend downward on it.
+
 Token layout: all_ids = prompt_ids + output_ids. The pool holds K/V for all_ids[:kv_len]; the next forward
 feeds all_ids[kv_len:] (the whole prompt at first, in chunks; then one sampled token, or a sampled token
 followed by grammar-forced ones).
@@ -26,7 +30,7 @@ class Req:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    sink: Any  # OutputSink: where outputs go (see engine/outputs.py)
+    sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
     namespace: Any = None  # cache_salt: requests in different namespaces never share KV
     arrival: float = field(default_factory=time.monotonic)
@@ -41,6 +45,7 @@ class Req:
     cache_handle: Any = None
     # Reporting
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission (None: not admitted yet)
+    prompt_counted: bool = False  # its prompt/cached tokens are in EngineStats (counted once, at first forward)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
@@ -50,11 +55,10 @@ class Req:
     # Sampling state
     generator: Any = None  # torch.Generator when params.seed is set
     matcher: Any = None  # grammar matcher when a constraint is set
-    logprobs: list[dict] | None = None
     # Text state (only for requests whose text the loop must watch: stop strings)
     text: str = ""
-    detok: Any = None
-    aborted: bool = False
+    detok: Any = None  # IncrementalDetokenizer (engine/detokenizer.py)
+    num_emitted_chars: int = 0  # chars of text already pushed to the sink (text past it is held back)
     # Prompt logprobs (select scoring): report log p(all_ids[k]) for k >= input_logprobs_from
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
