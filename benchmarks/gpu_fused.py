@@ -316,7 +316,7 @@ def engine_sections(smoke):
             ug.seq_lens[:1].fill_(4096)
             ug.req_pool_indices[:1].fill_(g.pad_row)
             res["replay_ms_unfused"] = replay_ms(ug.graphs[1][0])
-            del ug
+            ug.close()
             use_fused_kernels(model, enabled=True)  # cached choices: no re-measurement
         log(f"  b1 step: {res['kernels_fused']} kernels fused ({res['replay_ms_fused']:.2f} ms replay) vs "
             f"{res['kernels_unfused']} unfused ({res['replay_ms_unfused']:.2f} ms)")
