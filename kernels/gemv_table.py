@@ -1,6 +1,6 @@
 """GEMV layout choices measured on an H200 (benchmarks/gpu_fused.py, Llama-3-8B shapes, bf16), checked in so
-an engine on that GPU starts without measuring. None = cuBLAS was at least as fast (within 2%). Shapes or
-GPUs not listed are measured at start-up (layers.gemv_choice).
+an engine starts without measuring. None = cuBLAS was at least as fast (within 2%). Shapes or GPUs not
+listed run cuBLAS; `layers.use_fused_kernels(model, gemv="measure")` measures them instead.
 """
 
 from __future__ import annotations

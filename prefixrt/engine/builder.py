@@ -119,7 +119,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         t = time.perf_counter()
         use_fused_kernels(model)  # before warm-up and capture: the graphs record the fused kernels
         startup["fused_kernels_s"] = time.perf_counter() - t
-        say(f"fused Triton layer kernels on; small-batch GEMV layouts chosen in {startup['fused_kernels_s']:.1f}s")
+        say(f"fused Triton layer kernels on (small-batch GEMV layouts from the measured table) in {startup['fused_kernels_s']:.1f}s")
     from prefixrt.model.runner import ModelRunner
 
     runner = ModelRunner(model, pool, attention)

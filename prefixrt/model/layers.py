@@ -327,40 +327,59 @@ _GEMV_CHOICES: dict[tuple, tuple] = {}  # (n, k, rows, act, dtype, device name) 
 MEASURED_ROWS = (1, 2, 4, 8, 16)  # row counts measured; others use the next measured one up
 
 
+def _table_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, gpu: str):
+    """-> (found, config or None) from the checked-in table (kernels/gemv_table.py; bf16 only)."""
+    if dtype != torch.bfloat16:
+        return False, None
+    from prefixrt.kernels.gemv_table import MEASURED
+
+    table = MEASURED.get(gpu, {})
+    key = (n, k, rows, act)
+    return key in table, table.get(key)
+
+
 def gemv_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, device, use_table: bool = True
                 ) -> tuple[GemvConfig | None, dict]:
     """(fastest GEMV config for an [rows, k] x [k, n] product, None when cuBLAS is fastest; timings in us
     per candidate, empty when the choice came from the table). Taken from this process's earlier
-    measurements, else (bf16, use_table) from the table measured on this GPU model and checked in
+    measurements, else (use_table) from the table measured on this GPU model and checked in
     (kernels/gemv_table.py), else measured now (kernels.gemv.choose_config) and remembered."""
     gpu = torch.cuda.get_device_name(device)
     key = (n, k, rows, act, dtype, gpu)
     if key in _GEMV_CHOICES:
         return _GEMV_CHOICES[key]
-    if use_table and dtype == torch.bfloat16:
-        from prefixrt.kernels.gemv_table import MEASURED
-
-        table = MEASURED.get(gpu, {})
-        if (n, k, rows, act) in table:
-            return table[(n, k, rows, act)], {}
+    if use_table:
+        found, config = _table_choice(n, k, rows, act, dtype, gpu)
+        if found:
+            return config, {}
     _GEMV_CHOICES[key] = _kernels().choose_gemv_config(n, k, rows, dtype, device, act)
     return _GEMV_CHOICES[key]
 
 
 def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None) -> dict[int, GemvConfig]:
-    """rows (1..MAX_GEMV_ROWS) -> GEMV config, for one weight. gemv: "measure" (CUDA: the fastest of the Triton
-    layouts and cuBLAS per measured row count; rows where cuBLAS wins are left out), "always" (the default
-    layout for every row count: tests, the interpreter) or "never" (empty: cuBLAS)."""
+    """rows (1..MAX_GEMV_ROWS) -> GEMV config, for one weight; row counts left out run cuBLAS. gemv:
+    "table" (CUDA: the choices measured on this GPU model and checked in; shapes not in it run cuBLAS, so
+    start-up measures nothing), "measure" (CUDA: like "table", but shapes missing from it are measured
+    now: the fastest of the Triton layouts and cuBLAS per measured row count), "always" (the default layout
+    for every row count: tests, the interpreter) or "never" (cuBLAS)."""
     if gemv == "never":
         return {}
     if gemv == "always":
         return {rows: _kernels().GemvConfig() for rows in range(1, MAX_GEMV_ROWS + 1)}
-    if gemv != "measure":
-        raise ValueError(f"gemv must be 'measure', 'always' or 'never', got {gemv!r}")
+    if gemv not in ("table", "measure"):
+        raise ValueError(f"gemv must be 'table', 'measure', 'always' or 'never', got {gemv!r}")
     if weight.device.type != "cuda":
         return {}
     n, k = weight.shape
-    measured = {rows: gemv_choice(n, k, rows, act, weight.dtype, weight.device)[0] for rows in MEASURED_ROWS}
+    gpu = torch.cuda.get_device_name(weight.device)
+    measured = {}
+    for rows in MEASURED_ROWS:
+        if gemv == "measure":
+            measured[rows] = gemv_choice(n, k, rows, act, weight.dtype, weight.device)[0]
+        else:
+            key = (n, k, rows, act, weight.dtype, gpu)
+            cached = _GEMV_CHOICES.get(key)  # measured earlier in this process (a benchmark)
+            measured[rows] = cached[0] if cached else _table_choice(n, k, rows, act, weight.dtype, gpu)[1]
     plan = {}
     for rows in range(1, MAX_GEMV_ROWS + 1):
         config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
@@ -369,7 +388,7 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None) -> di
     return plan
 
 
-def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "measure") -> None:
+def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table") -> None:
     """Switch every norm, MLP, attention block and linear of `model` to the Triton kernels (enabled) or
     back to the torch reference path. gemv: see gemv_plan_for. Mutates the modules' `fused` flags and GEMV
     plans only; weights are untouched. Call before capturing CUDA graphs: the plans are part of them."""
