@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from prefixrt.engine.detokenizer import IncrementalDetokenizer
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
+from prefixrt.hub.chat_templates import render_chat_template
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import SamplingParams
 from prefixrt.text_checks import check_json_value, check_text
@@ -33,6 +34,12 @@ class EngineFront:
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    @property
+    def tokenizer_lock(self):
+        """The lock every use of `tokenizer` holds (HF fast tokenizers are not thread-safe): share it when
+        calling the tokenizer from outside the engine."""
+        return self._tok_lock
 
     # ------------------------------------------------------------------ subclass hooks
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields
@@ -58,7 +65,7 @@ class EngineFront:
             with self._tok_lock:
                 return tok.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._render_chat(list(prompt))
+            return self.chat_prompt_ids(list(prompt))
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
@@ -68,7 +75,11 @@ class EngineFront:
         raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
                              param="prompt")
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
+        """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
+        continue_final_message, the final assistant message left open). The one place the engine renders
+        chat; raises InvalidRequest for malformed messages, a model without a template or a template that
+        refuses them."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
@@ -77,9 +88,11 @@ class EngineFront:
         if not getattr(tok, "chat_template", None):
             raise InvalidRequest(f"model {self.model_name!r} has no chat template; send a text prompt",
                                  param="messages")
+        if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+            raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
         try:
             with self._tok_lock:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = render_chat_template(tok, messages, continue_final_message=continue_final_message)
                 return tok.encode(text, add_special_tokens=False)
         except InvalidRequest:
             raise
@@ -88,7 +101,7 @@ class EngineFront:
 
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt text the chat template makes of messages (with the generation prompt)."""
-        ids = self._render_chat(messages)
+        ids = self.chat_prompt_ids(messages)
         with self._tok_lock:
             return self._tokenizer.decode(ids)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
@@ -11,7 +10,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from prefixrt.errors import InvalidRequest
 from prefixrt.server import convert, structured
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
@@ -41,7 +39,7 @@ async def list_models(request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng = _engine(request)
     messages, params, mode = convert.chat_params(body, eng.max_context)
-    prompt = _continuation_prompt(eng, messages) if body.continue_final_message else messages
+    prompt = eng.chat_prompt_ids(messages, continue_final_message=True) if body.continue_final_message else messages
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     params = dataclasses.replace(params, request_id=rid)
     model, created = _model_name(request), int(time.time())
@@ -52,21 +50,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _chat_events(chunks, rid, model, created, mode, include_usage)
     return EventStream(gen, on_close=lambda: eng.abort(rid))
-
-
-def _continuation_prompt(eng, messages: list[dict]) -> list[int]:
-    """Token ids of the conversation up to the final assistant message's text, left open for the model to
-    continue: the chat template's rendering of the earlier messages with the generation prompt, then that text
-    (`continue_final_message`, as vLLM and SGLang accept it)."""
-    if not messages or messages[-1]["role"] != "assistant":
-        raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
-    tok = eng.tokenizer
-    try:
-        with getattr(eng, "_tok_lock", contextlib.nullcontext()):
-            head = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-            return tok.encode(head + messages[-1]["content"], add_special_tokens=False)
-    except Exception as e:
-        raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
 
 
 async def _chat_events(chunks, rid: str, model: str, created: int, mode: structured.ToolMode,
