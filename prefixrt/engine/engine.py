@@ -243,6 +243,14 @@ class Engine(EngineFront):
         if not self._stopped:
             self._inbox.put(("abort", request_id))
 
+    def health(self) -> str | None:
+        """None while the scheduler loop runs; else why not (cheap: does not wait for the loop)."""
+        if self._stopped:
+            return "engine is shut down"
+        if not self._thread.is_alive():
+            return "the scheduler loop thread has stopped"
+        return None
+
     def stats(self) -> EngineStats:
         if self._stopped or not self._thread.is_alive():
             return self.core.snapshot_stats()
@@ -266,6 +274,7 @@ class Engine(EngineFront):
     def shutdown(self) -> None:
         if self._stopped:
             return
+        self._stop_workers()
         self._inbox.put(None)
         self._thread.join(timeout=30)
         self._stopped = True
