@@ -37,7 +37,7 @@ class EngineCore:
         max_context: int,
         device: torch.device,
         debug: bool = False,
-        grammar=None,
+        bitmask_ops=None,
     ):
         self.runner = runner
         self.scheduler = scheduler
@@ -50,7 +50,7 @@ class EngineCore:
         self.max_context = max_context
         self.device = device
         self.debug = debug
-        self.grammar = grammar  # module-like object with allocate_bitmask / apply_token_bitmask, or None
+        self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
@@ -200,18 +200,18 @@ class EngineCore:
 
     def _mask_fn(self, reqs: list[Req]):
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows or self.grammar is None:
+        if not rows or self.bitmask_ops is None:
             return None
 
         def apply(logits: torch.Tensor) -> None:
             # Runs while the GPU still computes the forward (nothing has synchronised yet).
-            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
+            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
             if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
                 self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             else:
                 for i in rows:
                     reqs[i].matcher.fill_bitmask(bitmask, i)
-            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+            self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
         return apply
 

@@ -53,8 +53,8 @@ class Engine(EngineFront):
         self.vocab_size = built.model.vocab_size
         self.max_context = self.core.max_context
         self.kv_total_tokens = self.core.kv.total_tokens
-        self._grammar = None
-        self._grammar_lock = threading.Lock()
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
@@ -122,7 +122,7 @@ class Engine(EngineFront):
         for rid in list(self.core.requests):
             self.core.abort(rid)
 
-    def _call(self, fn, timeout: float | None = 60.0):
+    def _run_on_loop(self, fn, timeout: float | None = 60.0):
         """Run fn on the loop thread (between steps) and return its result."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
@@ -133,19 +133,19 @@ class Engine(EngineFront):
     # ------------------------------------------------------------------ submission
     def grammar_compiler(self):
         """The engine's GrammarCompiler (built on first use: the backend's vocab tables take ~1 s)."""
-        with self._grammar_lock:
-            if self._grammar is None:
+        with self._compiler_lock:
+            if self._compiler is None:
                 import os
 
                 from prefixrt.constrained import GrammarCompiler, make_backend
 
                 opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))} \
                     if self.config.grammar_backend == "llguidance" else {}
-                backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
+                grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
                                        sorted(self.core.eos_token_ids), **opts)
-                self._grammar = GrammarCompiler(backend, timeout_s=self.config.grammar_timeout_s)
-                self.core.grammar_backend = backend
-            return self._grammar
+                self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
+                self.core.grammar_backend = grammar_backend
+            return self._compiler
 
     def _compile(self, p: SamplingParams):
         kind = p.constraint_kind
@@ -193,7 +193,7 @@ class Engine(EngineFront):
         ids = self._tokenize(prompt)
         base = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
         self._validate_ids(ids, base)
-        hit = self._call(lambda: self.core.kv.cache.match_prefix(ids, cache_salt, max_len=len(ids) - 1).length)
+        hit = self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, cache_salt, max_len=len(ids) - 1).length)
         if self.config.radix_cache:
             self.cache_prefix(ids, cache_salt)
         subs = [self._submit(ids + cont, base, input_logprobs_from=len(ids)) for cont in continuations]
@@ -240,7 +240,7 @@ class Engine(EngineFront):
         params = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
         rid, stream, ids, p = self._submit(prompt, params)
         self._wait(rid, stream, ids, p)
-        return self._call(lambda: self.core.kv.cache.match_prefix(ids, cache_salt).length)
+        return self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, cache_salt).length)
 
     def abort(self, request_id: str) -> None:
         if not self._stopped:
@@ -249,19 +249,19 @@ class Engine(EngineFront):
     def stats(self) -> EngineStats:
         if self._stopped or not self._thread.is_alive():
             return self.core.snapshot_stats()
-        return self._call(self.core.snapshot_stats)
+        return self._run_on_loop(self.core.snapshot_stats)
 
     def flush_cache(self) -> None:
-        self._call(self.core.kv.flush)
+        self._run_on_loop(self.core.kv.flush)
 
     def check_integrity(self) -> None:
         """Debug: verify KV accounting now (on the loop thread)."""
-        self._call(self.core.kv.check_integrity)
+        self._run_on_loop(self.core.kv.check_integrity)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until no request is waiting or running."""
         deadline = time.monotonic() + timeout
-        while self._call(lambda: self.core.scheduler.has_work):
+        while self._run_on_loop(lambda: self.core.scheduler.has_work):
             if time.monotonic() > deadline:
                 raise TimeoutError("engine did not become idle")
             time.sleep(0.01)
@@ -272,6 +272,10 @@ class Engine(EngineFront):
         self._inbox.put(None)
         self._thread.join(timeout=30)
         self._stopped = True
+        if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
+            from prefixrt.engine import builder
+
+            builder.release(self._built)
 
     def __enter__(self):
         return self

@@ -1,6 +1,6 @@
 """Backends: where a program's gen/select/fork-hint calls go.
 
-`Backend` is the small interface the interpreter needs. `ProviderBackend` runs programs on any
+`ProgramBackend` is the small interface the interpreter needs. `ProviderBackend` runs programs on any
 `prefixrt.Provider` (Engine, RemoteEngine) with prefix hints; `OpenAIBackend` (openai_backend.py) runs them on a
 black-box OpenAI-compatible endpoint with API speculative execution.
 """
@@ -75,8 +75,9 @@ class BackendError(RuntimeError):
     """The backend failed or refused a call (the message says which call and why)."""
 
 
-class Backend(ABC):
-    """What the interpreter calls. Implementations must be thread-safe: every state's stream calls them."""
+class ProgramBackend(ABC):
+    """Where a program runs: what the interpreter calls for gen/select/fork hints (not an attention or
+    grammar backend; those are AttentionBackend and GrammarBackend). Implementations must be thread-safe: every state's stream calls them."""
 
     chat_format: ChatFormat = PlainFormat()
     speculative_tokens: int = 0
@@ -119,7 +120,7 @@ def _in_process(provider) -> bool:
     return isinstance(provider, Engine)
 
 
-class ProviderBackend(Backend):
+class ProviderBackend(ProgramBackend):
     """Runs programs on a prefixrt Provider (Engine in-process, RemoteEngine over HTTP).
 
     Prompts are sent as token ids when a tokenizer is known (the provider's own, or `tokenizer=`), so prefix
@@ -200,7 +201,8 @@ class ProviderBackend(Backend):
         kw.update(over)
         return SamplingParams(**kw)
 
-    def _call(self, prompt, params):
+    def _generate_or_raise(self, prompt, params):
+        """provider.generate, with failures and aborted completions raised as BackendError."""
         try:
             out = self.provider.generate(prompt, params)
         except Exception as e:
@@ -210,9 +212,9 @@ class ProviderBackend(Backend):
                 raise BackendError(f"request {c.request_id} was aborted: {c.error or 'no reason given'}")
         return out
 
-    # ------------------------------------------------------------------ Backend
+    # ------------------------------------------------------------------ ProgramBackend
     def generate(self, ctx: Context, args: SamplingArgs) -> GenResult:
-        c = self._call(self.prompt(ctx), self._params(args))
+        c = self._generate_or_raise(self.prompt(ctx), self._params(args))
         return GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason)
 
     def cache_prefix(self, ctx: Context) -> int:
@@ -319,3 +321,6 @@ class ProviderBackend(Backend):
             method += "~"  # some token was outside the reported top logprobs: its logprob is a bound
         return SelectResult(choices[best], dict(zip(choices, scores.scores)), method,
                             prompt_tokens or scores.prompt_tokens, cached or scores.cached_tokens)
+
+
+Backend = ProgramBackend  # the earlier name, kept for code written against prefixrt.frontend.Backend

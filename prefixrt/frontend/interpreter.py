@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from prefixrt.frontend.backend import Backend, Context, SamplingArgs
+from prefixrt.frontend.backend import Context, ProgramBackend, SamplingArgs
 from prefixrt.frontend.chat_format import Message, Piece
 from prefixrt.frontend.ir import Expr, Gen, Role, Select, Text, flatten, to_expr
 
@@ -54,7 +54,7 @@ class RequestRecord:
 class StreamExecutor:
     """Owns one state's pieces/variables and the worker that executes its queued expressions."""
 
-    def __init__(self, backend: Backend, defaults: dict, parent: StreamExecutor | None = None):
+    def __init__(self, backend: ProgramBackend, defaults: dict, parent: StreamExecutor | None = None):
         self.backend = backend
         self.defaults = defaults
         self.pieces: list[Piece] = []
@@ -383,7 +383,7 @@ class ProgramState:
 
     @property
     def requests(self) -> list[RequestRecord]:
-        """Backend calls made by this state's stream so far (forks keep their own)."""
+        """ProgramBackend calls made by this state's stream so far (forks keep their own)."""
         return list(self._ex.requests)
 
     @property
@@ -391,7 +391,7 @@ class ProgramState:
         return self._ex.error
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> ProgramBackend:
         return self._ex.backend
 
     def __repr__(self) -> str:

@@ -16,7 +16,14 @@ import difflib
 import threading
 from typing import Any
 
-from prefixrt.frontend.backend import Backend, BackendError, Context, GenResult, SamplingArgs, SelectResult
+from prefixrt.frontend.backend import (
+    BackendError,
+    Context,
+    GenResult,
+    ProgramBackend,
+    SamplingArgs,
+    SelectResult,
+)
 from prefixrt.frontend.chat_format import PlainFormat, TemplateFormat
 from prefixrt.frontend.ir import Expr, Gen
 from prefixrt.frontend.speculative import match_template, speculation_window
@@ -24,7 +31,7 @@ from prefixrt.frontend.speculative import match_template, speculation_window
 TOP_LOGPROBS = 20
 
 
-class OpenAIBackend(Backend):
+class OpenAIBackend(ProgramBackend):
     """`OpenAIBackend(model, client=openai.OpenAI(...), speculative_tokens=N, chat=True)`.
 
     client: an `openai.OpenAI` (built from base_url/api_key when omitted). chat: use /chat/completions
@@ -123,7 +130,7 @@ class OpenAIBackend(Backend):
             res.cached_tokens = (getattr(details, "cached_tokens", 0) or 0) if details else 0
         return res
 
-    # ------------------------------------------------------------------ Backend
+    # ------------------------------------------------------------------ ProgramBackend
     def generate(self, ctx: Context, args: SamplingArgs) -> GenResult:
         body = dict(args.extra)
         response_format = None

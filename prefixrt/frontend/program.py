@@ -8,32 +8,32 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prefixrt.frontend.backend import Backend, Context, ProviderBackend, SamplingArgs
+from prefixrt.frontend.backend import Context, ProgramBackend, ProviderBackend, SamplingArgs
 from prefixrt.frontend.interpreter import ProgramError, ProgramState, StreamExecutor
 
 log = logging.getLogger("prefixrt.frontend")
 
-_default_backend: Backend | None = None
+_default_backend: ProgramBackend | None = None
 
 
 def set_default_backend(backend) -> None:
-    """The backend used when run()/run_batch() get none (a Backend or any Provider)."""
+    """The backend used when run()/run_batch() get none (a ProgramBackend or any Provider)."""
     global _default_backend
     _default_backend = as_backend(backend) if backend is not None else None
 
 
-def as_backend(backend) -> Backend:
-    """A Backend as is; a Provider (anything with generate and cache_prefix) wrapped in ProviderBackend."""
+def as_backend(backend) -> ProgramBackend:
+    """A ProgramBackend as is; a Provider (anything with generate and cache_prefix) wrapped in ProviderBackend."""
     if backend is None:
         if _default_backend is None:
             raise ValueError("no backend: pass backend=<Engine | RemoteEngine | OpenAIBackend> or call "
                              "prefixrt.frontend.set_default_backend")
         return _default_backend
-    if isinstance(backend, Backend):
+    if isinstance(backend, ProgramBackend):
         return backend
     if callable(getattr(backend, "generate", None)) and callable(getattr(backend, "cache_prefix", None)):
         return ProviderBackend(backend)
-    raise TypeError(f"backend must be a Provider or a frontend Backend, not {type(backend).__name__}")
+    raise TypeError(f"backend must be a Provider or a frontend ProgramBackend, not {type(backend).__name__}")
 
 
 class Program:
@@ -57,7 +57,7 @@ class Program:
         defaults = self._defaults(dict(temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p))
         return self._run(be, defaults, args, kwargs, timeout)
 
-    def _run(self, be: Backend, defaults: dict, args, kwargs, timeout) -> ProgramState:
+    def _run(self, be: ProgramBackend, defaults: dict, args, kwargs, timeout) -> ProgramState:
         state = ProgramState(StreamExecutor(be, defaults))
         self.fn(state, *args, **kwargs)
         state._ex.sync_tree(timeout)
@@ -115,10 +115,10 @@ class _FirstCall(Exception):
     pass
 
 
-class _TracingBackend(Backend):
+class _TracingBackend(ProgramBackend):
     """Renders like the real backend, records the prompt of the first backend call and stops the program."""
 
-    def __init__(self, real: Backend):
+    def __init__(self, real: ProgramBackend):
         self.real = real
         self.chat_format = real.chat_format
         self.prompt: str | None = None
@@ -140,7 +140,7 @@ class _TracingBackend(Backend):
         return 0  # a fork's hint: its prefix is also the prefix of the branch's first call
 
 
-def first_prompt(program: Program, backend: Backend, defaults: dict, kwargs: dict):
+def first_prompt(program: Program, backend: ProgramBackend, defaults: dict, kwargs: dict):
     """The prompt of the program's first backend call, as the backend would send it (token ids, text or chat
     messages), found by running the program's body against a tracing backend."""
     tracer = _TracingBackend(backend)
