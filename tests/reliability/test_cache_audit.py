@@ -53,7 +53,7 @@ def _corrupt(eng, prompt: list[int], position: int, layer: int, which: str = "k"
             buf[slots[position]] += 0.5 * buf[slots].abs().max()
         else:
             buf[slots[position]] = value
-    eng._call(go)
+    eng._run_on_loop(go)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -167,5 +167,5 @@ def test_audit_tolerance_is_tight_for_fp32(make_engine):
             kv.table.free_row(row)
             kv._free_pages(pages)
 
-    err = eng._call(worst)
+    err = eng._run_on_loop(worst)
     assert err < eng.core.auditor.tolerance / 20, err
