@@ -26,6 +26,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64, what torch.Generato
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -105,6 +106,9 @@ class SamplingParams:
 
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
              f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}", "max_new_tokens")
+        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be an integer in [0, max_new_tokens], got {self.min_new_tokens!r}",
+             "min_new_tokens")
         need(in_range(self.temperature, 0, MAX_TEMPERATURE),
              f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}", "temperature")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
@@ -141,6 +145,8 @@ class SamplingParams:
         given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
         need(len(given) <= 1, f"at most one of regex, json_schema, grammar, choices may be set; got {', '.join(given)}",
              given[-1] if given else "regex")
+        need(not (self.min_new_tokens and given), "min_new_tokens cannot be combined with a constraint (the "
+             "constraint decides where the output ends)", "min_new_tokens")
         if self.regex is not None:
             need(isinstance(self.regex, str) and self.regex != "", "regex must be a non-empty string", "regex")
             check_text(self.regex, "regex")

@@ -142,14 +142,14 @@ class EngineCore:
         """(request, token, logprobs) for each row of logits. If sampling the batch raises, its rows are
         sampled one by one: the failing request(s) are aborted with the error, their neighbours go on."""
         try:
-            out = self.sampler.sample(logits, reqs, self._mask_fn(reqs))
+            out = self.sampler.sample(logits, reqs, self._mask_fn(reqs), self.eos_token_ids)
             return list(zip(reqs, out.token_ids, out.logprobs))
         except Exception:
             log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
         results = []
         for i, r in enumerate(reqs):
             try:
-                out = self.sampler.sample(logits[i : i + 1], [r], self._mask_fn([r]))
+                out = self.sampler.sample(logits[i : i + 1], [r], self._mask_fn([r]), self.eos_token_ids)
                 results.append((r, out.token_ids[0], out.logprobs[0]))
             except Exception as e:
                 log.error("sampling failed for %s: %s", r.rid, traceback.format_exc())
