@@ -149,9 +149,7 @@ class Engine(EngineFront):
 
     def _compile(self, p: SamplingParams):
         kind = p.constraint_kind
-        spec = getattr(p, kind)
-        if kind == "json_schema" and spec == "json_object":
-            kind, spec = "json_object", None
+        spec = None if kind == "json_object" else getattr(p, kind)
         return self.grammar_compiler().compile(kind, spec)
 
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, sink=None, **req_fields):
