@@ -60,6 +60,7 @@ CONSTRAINTS = {
                      {"type": "object", "properties": {"\x00": {"type": "string"}}}]),
     "grammar": (['start: "ab"'], ["start: (", "\ud800", "   "]),
     "choices": ([["yes", "no"]], [[], [""], ["a\ud800"], "yes"]),
+    "json_object": ([True], ["yes", 1]),
 }
 
 
