@@ -113,6 +113,13 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         aging_s=config.aging_s,
     ))
     attention = make_attention_backend(config.attention_backend, pool, device, max_running)
+    if device.type == "cuda" and type(attention).__name__ == "TritonAttentionBackend":
+        from prefixrt.model.layers import use_fused_kernels
+
+        t = time.perf_counter()
+        use_fused_kernels(model)  # before warm-up and capture: the graphs record the fused kernels
+        startup["fused_kernels_s"] = time.perf_counter() - t
+        say(f"fused Triton layer kernels on (small-batch GEMV layouts from the measured table) in {startup['fused_kernels_s']:.1f}s")
     from prefixrt.model.runner import ModelRunner
 
     runner = ModelRunner(model, pool, attention)
@@ -151,6 +158,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         runner, scheduler, Sampler(device, config.seed), tokenizer, lock, eos, model.vocab_size,
         max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
     )
+    if config.cache_audit_rate > 0 and cache.retains:
+        from prefixrt.engine.cache_audit import CacheAuditor
+
+        core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
+                                    chunk_tokens=config.chunked_prefill_tokens)
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
 
 

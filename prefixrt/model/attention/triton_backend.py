@@ -147,9 +147,10 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError("TritonAttentionBackend.forward called without prepare() for this batch")
         num_tokens, num_heads, head_dim = q.shape[0], layer.num_heads, layer.head_dim
         q = q.view(num_tokens, num_heads, head_dim)  # q: [T, H, D]
-        k = k.view(num_tokens, layer.num_kv_heads, head_dim)  # k: [T, KVH, D]
-        v = v.view(num_tokens, layer.num_kv_heads, head_dim)
-        self.pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+        if k is not None:  # None: already stored by the caller (fused RoPE + K/V store)
+            k = k.view(num_tokens, layer.num_kv_heads, head_dim)  # k: [T, KVH, D]
+            v = v.view(num_tokens, layer.num_kv_heads, head_dim)
+            self.pool.write(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer = self.pool.k_buffers[layer.layer_id]  # [num_slots, KVH, D]
         v_buffer = self.pool.v_buffers[layer.layer_id]
         if q.dtype != k_buffer.dtype:
@@ -157,7 +158,7 @@ class TritonAttentionBackend(AttentionBackend):
         o = torch.empty_like(q)  # o: [T, H, D]
         common = (k_buffer, v_buffer, batch.req_to_token, batch.req_pool_indices)
         if batch.mode is ForwardMode.EXTEND:
-            contiguous = self.contiguous_extend_kv
+            contiguous = self.contiguous_extend_kv and k is not None
             extend_attention(
                 q, o, *common, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
                 self._max_extend_len, layer.scaling, layer.sliding_window, layer.logit_softcap,
