@@ -158,6 +158,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         runner, scheduler, Sampler(device, config.seed), tokenizer, lock, eos, model.vocab_size,
         max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
     )
+    if config.cache_audit_rate > 0 and cache.retains:
+        from prefixrt.engine.cache_audit import CacheAuditor
+
+        core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
+                                    chunk_tokens=config.chunked_prefill_tokens)
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
 
 
