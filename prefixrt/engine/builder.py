@@ -170,6 +170,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         from prefixrt.engine.prefix_groups import PrefixGrouper
 
         core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
+    if config.cache_audit_rate > 0 and cache.retains:
+        from prefixrt.engine.cache_audit import CacheAuditor
+
+        core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
+                                    chunk_tokens=config.chunked_prefill_tokens)
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
 
 
