@@ -51,6 +51,7 @@ class EngineCore:
         self.device = device
         self.debug = debug
         self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
+        self.prefix_grouper = None  # engine/prefix_groups.PrefixGrouper: shared-prefix groups for decode batches
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
@@ -186,7 +187,8 @@ class EngineCore:
             req_to_token=self.kv.table.table,
             logits_indices=(ends + extra) or [acc - 1],
             device=self.device,
-            prefix_groups=None,
+            prefix_groups=(self.prefix_grouper.groups(batch.reqs)
+                           if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
         )
         logits = self.runner.forward(fb)
         if scored:
