@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.json_schema import strict_schema  # noqa: F401
 from prefixrt.lowering import (  # noqa: F401  (re-exported for the adapters)
     Tool,
     ToolCall,
@@ -26,7 +27,6 @@ from prefixrt.lowering import (  # noqa: F401  (re-exported for the adapters)
     tools_prompt,
     with_system_note,
 )
-from prefixrt.schema import strict_schema  # noqa: F401
 
 # ---------------------------------------------------------------------------------------------- providers
 

@@ -62,6 +62,7 @@ from prefixrt.adapters._lowering import (
 from prefixrt.adapters.dspy_formats import output_format_constraint
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.params import CONSTRAINT_FIELDS
 
 _PROVIDER = "prefixrt"
 _LM_CLASS_PATH = "prefixrt.adapters.dspy.LM"
@@ -151,7 +152,7 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
             messages = with_system_note(messages, tools_prompt(tools))
         else:
             params.update(response_format_constraint(cfg.response_format))
-            if not any(params.get(k) is not None for k in ("regex", "json_schema", "grammar", "choices")):
+            if not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
                 # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
                 params.update(output_format_constraint(messages))
     except InvalidRequest as e:

@@ -5,7 +5,7 @@ routes) and the DSPy and LangChain adapters all lower requests here:
 
 - `sampling_options`: OpenAI option names (max_tokens, stop, logit_bias, ...) -> a SamplingParams dict;
 - `response_format_constraint`: chat `response_format`, Responses `text.format`, lm15's form ->
-  `{"json_schema": ...}` under the strict-mode rule of prefixrt/schema.py (whatever `strict` says);
+  `{"json_schema": ...}` under the strict-mode rule of prefixrt/json_schema.py (whatever `strict` says);
 - `plan_tools`: `tools` + `tool_choice` + `parallel_tool_calls` -> a `ToolPlan`: the constraint (a JSON schema
   for exactly one call, else an llguidance Lark grammar), how calls are written, and `parse` for the reply;
 - `engine_messages` / `tools_prompt`: OpenAI chat messages -> what the chat template renders, with the
@@ -36,7 +36,8 @@ from typing import Any
 
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
 from prefixrt.errors import InvalidRequest
-from prefixrt.schema import embed, schema_of, strict_schema, with_defs
+from prefixrt.json_schema import embed, strict_schema, to_json_schema, with_defs
+from prefixrt.params import CONSTRAINT_FIELDS
 
 # ---------------------------------------------------------------------------------------------- options
 
@@ -65,6 +66,7 @@ OPTION_NAMES = {
     "grammar": "grammar",
     "choices": "choices",
     "json_schema": "json_schema",
+    "json_object": "json_object",
     "cache_salt": "cache_salt",
     "priority": "priority",
 }
@@ -114,7 +116,7 @@ def merge_constraint(params: dict, constraint: dict, param: str) -> None:
     """Add `constraint` ({kind: spec}) to params in place; two constraints on one request are refused."""
     if not constraint:
         return
-    if any(params.get(k) is not None for k in ("regex", "json_schema", "grammar", "choices")):
+    if any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
         raise InvalidRequest(f"{param} cannot be combined with another constraint (regex, json_schema, grammar, "
                              "choices, response_format, tool_choice)", param=param)
     params.update(constraint)
@@ -135,7 +137,7 @@ def response_format_constraint(response_format: dict | None, param: str = "respo
     if kind == "text":
         return {}
     if kind == "json_object":
-        return {"json_schema": "json_object"}
+        return {"json_object": True}
     if kind == "json_schema":
         inner = response_format.get("json_schema")
         holder = inner if isinstance(inner, dict) else response_format
@@ -145,7 +147,7 @@ def response_format_constraint(response_format: dict | None, param: str = "respo
         # Decoding is strict whatever "strict" says (as vLLM and xgrammar do): clients send "strict": false for
         # schemas they cannot make strict-valid (LangChain's TypedDicts), and an open object lets a small model
         # invent keys until max_tokens.
-        return {"json_schema": strict_schema(schema_of(schema, param))}
+        return {"json_schema": strict_schema(to_json_schema(schema))}
     raise InvalidRequest(f"unsupported {param} type {kind!r}", param=param)
 
 
@@ -174,14 +176,39 @@ def tools_from_openai(tools: list[dict] | None, param: str = "tools") -> list[To
         if not isinstance(name, str) or not name:
             raise InvalidRequest("every tool needs a name", param=param)
         params = fn.get("parameters")
+        where = f"{param}[{len(out)}].function.parameters" if "function" in t else f"{param}[{len(out)}].parameters"
+        check_tool_parameters(name, params, where)
         if params is None:
             params = {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object", param=param)
         out.append(Tool(name, fn.get("description") or "", params, fn.get("strict")))
     if len({t.name for t in out}) != len(out):
         raise InvalidRequest("tool names must be unique", param=param)
     return out
+
+
+def check_tool_parameters(name: str, parameters: Any, param: str) -> None:
+    """A tool's parameters must be a valid JSON schema of an object, whatever tool_choice is (as OpenAI checks
+    it): InvalidRequest otherwise. The schema is checked against its JSON Schema meta-schema (with the
+    `jsonschema` package; without it only the shape is checked)."""
+    if parameters is None:
+        return
+    if not isinstance(parameters, dict):
+        raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object", param=param)
+    kind = parameters.get("type")
+    if kind is not None and kind != "object":
+        raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema of type 'object', got "
+                             f"type {kind!r}", param=param)
+    try:
+        from jsonschema import Draft202012Validator, validators
+        from jsonschema.exceptions import SchemaError
+    except ImportError:
+        return
+    try:
+        validators.validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise InvalidRequest(f"tool {name!r}: invalid parameters schema{f' at {where}' if where else ''}: "
+                             f"{e.message}", param=param) from None
 
 
 @dataclass(frozen=True)

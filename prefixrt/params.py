@@ -11,7 +11,7 @@ from typing import Any
 from prefixrt.errors import InvalidRequest
 from prefixrt.text_checks import MAX_JSON_DEPTH, check_json_value, check_text
 
-CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices")
+CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices", "json_object")
 
 # Sampler ranges (validate() documents them). Temperatures below MIN_TEMPERATURE decode greedily (as vLLM);
 # above MAX_TEMPERATURE the distribution is uniform for any practical purpose.
@@ -26,6 +26,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64, what torch.Generato
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -41,9 +42,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     regex: str | None = None
-    json_schema: Any = None  # dict, JSON text, or a pydantic model class
+    json_schema: Any = None  # dict, JSON text, or a pydantic model class (prefixrt/json_schema.py)
     grammar: str | None = None
     choices: list[str] | None = None
+    json_object: bool = False  # any JSON object (OpenAI response_format json_object)
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
@@ -106,6 +108,9 @@ class SamplingParams:
 
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
              f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}", "max_new_tokens")
+        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be an integer in [0, max_new_tokens], got {self.min_new_tokens!r}",
+             "min_new_tokens")
         need(in_range(self.temperature, 0, MAX_TEMPERATURE),
              f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}", "temperature")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
@@ -149,9 +154,15 @@ class SamplingParams:
         need(is_int(self.priority), "priority must be an integer", "priority")
         need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt must be a string", "cache_salt")
         need(self.request_id is None or isinstance(self.request_id, str), "request_id must be a string", "request_id")
-        given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
-        need(len(given) <= 1, f"at most one of regex, json_schema, grammar, choices may be set; got {', '.join(given)}",
+        need(isinstance(self.json_object, bool), "json_object must be a boolean", "json_object")
+        if isinstance(self.json_schema, str) and self.json_schema == "json_object":  # the earlier spelling
+            self.json_schema, self.json_object = None, True
+        given = [f for f in CONSTRAINT_FIELDS if _constraint_given(self, f)]
+        need(len(given) <= 1,
+             f"at most one of regex, json_schema, grammar, choices, json_object may be set; got {', '.join(given)}",
              given[-1] if given else "regex")
+        need(not (self.min_new_tokens and given), "min_new_tokens cannot be combined with a constraint (the "
+             "constraint decides where the output ends)", "min_new_tokens")
         if self.regex is not None:
             need(isinstance(self.regex, str) and self.regex != "", "regex must be a non-empty string", "regex")
             check_text(self.regex, "regex")
@@ -187,8 +198,9 @@ class SamplingParams:
 
     @property
     def constraint_kind(self) -> str | None:
+        """The one constraint set ("regex" | "json_schema" | "grammar" | "choices" | "json_object"), or None."""
         for f in CONSTRAINT_FIELDS:
-            if getattr(self, f) is not None:
+            if _constraint_given(self, f):
                 return f
         return None
 
@@ -197,10 +209,15 @@ class SamplingParams:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
 
+def _constraint_given(p: SamplingParams, name: str) -> bool:
+    value = getattr(p, name)
+    return value is True if name == "json_object" else value is not None
+
+
 def _check_json_schema(spec: Any) -> None:
     """Depth, size and text checks of a json_schema given as a dict or JSON text (pydantic classes make their
     own bounded schemas; other types are refused later by the constraint compiler)."""
-    if isinstance(spec, type) or spec == "json_object":
+    if isinstance(spec, type):
         return
     if isinstance(spec, bytes):
         try:

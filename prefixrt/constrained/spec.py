@@ -12,7 +12,7 @@ from urllib.parse import unquote
 
 from prefixrt.constrained.base import CONSTRAINT_KINDS
 from prefixrt.errors import InvalidRequest
-from prefixrt.schema import schema_of, strict_schema
+from prefixrt.json_schema import strict_schema, to_json_schema
 
 # The OpenAI `json_object` response format: any JSON object.
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
@@ -34,10 +34,10 @@ def check_kind(kind: str) -> None:
 
 
 def load_json_schema(spec: Any) -> dict | bool:
-    """The JSON schema the engine enforces for `spec` (a dict, JSON text, a pydantic model class or another
-    type pydantic describes), with the strict-mode rule applied: objects listing `properties` and silent on
-    `additionalProperties` are closed (prefixrt/schema.py)."""
-    return strict_schema(schema_of(spec))
+    """The JSON schema the engine enforces for `spec` (what `to_json_schema` accepts), with the strict-mode
+    rule applied: objects listing `properties` and silent on `additionalProperties` are closed
+    (prefixrt/json_schema.py). The compiler's cache key and both backends use it."""
+    return strict_schema(to_json_schema(spec))
 
 
 def check_choices(spec: Any) -> list[str]:

@@ -37,11 +37,14 @@ class Sampler:
         return g
 
     @torch.inference_mode()
-    def adjust_logits(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None) -> torch.Tensor:
-        """Penalties, logit_bias, then grammar masks, row by row: the logits greedy rows argmax and sampled rows
-        scale. Returns a new tensor when anything applies, else logits itself (never modified)."""
+    def adjust_logits(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
+                      eos_token_ids: tuple[int, ...] | set[int] = ()) -> torch.Tensor:
+        """Penalties, logit_bias, min_new_tokens holds, then grammar masks, row by row: the logits greedy rows
+        argmax and sampled rows scale. A row below its min_new_tokens gets eos_token_ids and its stop_token_ids
+        masked. Returns a new tensor when anything applies, else logits itself (never modified)."""
+        held = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
         biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
-        if not (any(r.params.has_penalties for r in reqs) or bitmask_fn or biased):
+        if not (any(r.params.has_penalties for r in reqs) or bitmask_fn or held or biased):
             return logits
         logits = logits.clone()
         for i, r in enumerate(reqs):
@@ -49,16 +52,21 @@ class Sampler:
                 self._apply_penalties(logits[i], r)
         for i in biased:
             self._apply_logit_bias(logits[i], reqs[i].params.logit_bias)
+        for i in held:
+            V = logits.shape[1]  # stop ids past the vocabulary can never be sampled: nothing to hold
+            ids = sorted(t for t in set(eos_token_ids) | set(reqs[i].params.stop_token_ids or ()) if t < V)
+            logits[i, ids] = float("-inf")
         if bitmask_fn is not None:
             bitmask_fn(logits)
         return logits
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None) -> SampleOutput:
-        """logits: [B, V] float32, row i for reqs[i]. bitmask_fn(logits) applies grammar masks in place.
-        Returns one token per row."""
+    def sample(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
+               eos_token_ids: tuple[int, ...] | set[int] = ()) -> SampleOutput:
+        """logits: [B, V] float32, row i for reqs[i]. bitmask_fn(logits) applies grammar masks in place;
+        eos_token_ids are held back in rows below their min_new_tokens. Returns one token per row."""
         raw = logits
-        logits = self.adjust_logits(logits, reqs, bitmask_fn)
+        logits = self.adjust_logits(logits, reqs, bitmask_fn, eos_token_ids)
 
         greedy = [r.params.greedy for r in reqs]
         tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)

@@ -3,13 +3,14 @@
 Shared by the HTTP server and the in-process OpenAI shim (which runs the same app without sockets). The
 request vocabulary itself (options, response_format, tools, messages) is lowered by prefixrt/lowering.py,
 the one translation layer the adapters use too; this module applies it to the server's request models and
-builds the response dicts. finish_reason is always one of OpenAI's values: an engine abort (an internal
-error) is raised as an error, never reported as a finish reason.
+builds the response dicts. The routes turn an engine abort into an error (server/errors.py) before these run,
+so finish_reason is always one of OpenAI's values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +27,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 _OPTIONS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
             "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "regex",
             "grammar", "choices", "json_schema", "cache_salt", "priority")
-
-
-class RequestFailed(RuntimeError):
-    """The engine aborted a request (an internal error): reported as a server error, not a finish_reason."""
 
 
 def constrained_decoding_available() -> bool:
@@ -55,31 +52,15 @@ def _finish_params(params: dict[str, Any]) -> SamplingParams:
 
 @dataclass
 class ChatLowered:
-    prompt: list[dict] | list[int]  # chat messages, or token ids when rendered here (tools, continuation)
+    messages: list[dict]  # what the chat template renders
     params: SamplingParams
     tools: lowering.ToolPlan | None
-
-
-def render_chat_ids(eng, messages: list[dict], tools: list[dict] | None = None,
-                    continue_final: bool = False) -> list[int]:
-    """Token ids of `messages` through the engine's chat template, with `tools=` when given; with
-    `continue_final` the final assistant message is left open for the model to continue (vLLM and SGLang's
-    `continue_final_message`)."""
-    tok = eng.tokenizer
-    kwargs = {"tools": tools} if tools else {}
-    try:
-        with getattr(eng, "_tok_lock", contextlib.nullcontext()):
-            if continue_final:
-                head = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True, **kwargs)
-                return tok.encode(head + messages[-1]["content"], add_special_tokens=False)
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-            return tok.encode(text, add_special_tokens=False)
-    except Exception as e:
-        raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
+    template_tools: list[dict] | None  # tools for apply_chat_template(tools=...), when it renders them
 
 
 def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
-    """The prompt, SamplingParams and tool plan for a chat request (InvalidRequest when bad)."""
+    """The messages, SamplingParams and tool plan for a chat request (InvalidRequest when bad); the route
+    renders the messages with `eng.encode_chat` (tools given to the template when it renders them)."""
     if req.functions is not None or req.function_call is not None:
         raise InvalidRequest("functions / function_call are deprecated; pass tools / tool_choice",
                              param="functions" if req.functions is not None else "function_call")
@@ -100,7 +81,7 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
     syntax = lowering.template_call_syntax(eng.tokenizer) if tools and req.tool_prompt else None
     choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
     plan = lowering.plan_tools(tools, choice, req.parallel_tool_calls, syntax or lowering.BARE,
-                               text_schema=answer.get("json_schema"))
+                               text_schema=answer.get("json_schema") or ("json_object" if answer else None))
     if plan is None:  # with tools, "auto" folds the answer's schema into its plan; a forced call has no answer
         lowering.merge_constraint(params, answer, "response_format")
     if plan is not None:
@@ -110,13 +91,29 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
                                         template_tools=in_template, syntax=syntax or lowering.BARE)
     if plan is not None and not in_template and req.tool_prompt:
         messages = lowering.with_system_note(messages, lowering.tools_prompt(plan))
-    if req.continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
-        raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
-    prompt: list[dict] | list[int] = messages
-    if in_template or req.continue_final_message:
-        prompt = render_chat_ids(eng, messages, lowering.template_tools(plan.tools) if in_template else None,
-                                 req.continue_final_message)
-    return ChatLowered(prompt, _finish_params(params), plan)
+    return ChatLowered(messages, _finish_params(params), plan,
+                       lowering.template_tools(plan.tools) if in_template else None)
+
+
+def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """The chat request's explicit output limit (max_completion_tokens, else max_tokens), or None."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def fit_max_tokens(params: SamplingParams, requested: int | None, prompt_tokens: int, max_context: int,
+                   limit_param: str = "max_tokens") -> SamplingParams:
+    """The params with max_new_tokens fitted to the context, as vLLM does: an explicit limit that does not fit
+    after the prompt is a 400; a default one is cut to what fits."""
+    room = max_context - prompt_tokens
+    if requested is not None:
+        if requested > room:
+            raise InvalidRequest(f"{limit_param} is {requested}, but the model's context is {max_context} tokens "
+                                 f"and the prompt has {prompt_tokens}: at most {room} new tokens fit",
+                                 param=limit_param)
+        return params
+    if params.max_new_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_new_tokens=room)
 
 
 def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
@@ -143,7 +140,7 @@ def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
 
 
 def constraint_of(params: dict) -> str | None:
-    return next((k for k in CONSTRAINT_FIELDS if params.get(k) is not None), None)
+    return next((k for k in CONSTRAINT_FIELDS if params.get(k) not in (None, False)), None)
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -158,13 +155,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def samples(c: Completion) -> list[Completion]:
     return c.outputs if c.outputs else [c]
-
-
-def check_finished(reason: str | None, error: str | None = None) -> str | None:
-    """An engine finish_reason as OpenAI's ("stop" | "length"); an abort raises RequestFailed."""
-    if reason == "abort":
-        raise RequestFailed(f"the request was aborted: {error or 'engine error'}")
-    return reason
 
 
 def chat_logprobs(entries: list[dict] | None) -> dict | None:
@@ -211,10 +201,9 @@ def chat_message(text: str, plan: lowering.ToolPlan | None) -> tuple[dict, str |
 def chat_response(c: Completion, rid: str, model: str, created: int, plan: lowering.ToolPlan | None) -> dict:
     choices = []
     for i, s in enumerate(samples(c)):
-        finish = check_finished(s.finish_reason, c.error)
         message, reason = chat_message(s.text, plan)
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(s.logprobs),
-                        "finish_reason": reason or finish})
+                        "finish_reason": reason or s.finish_reason})
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
         "usage": usage(c.prompt_tokens, sum(s.completion_tokens for s in samples(c)), c.cached_tokens),
@@ -227,7 +216,6 @@ def completion_response(cs: list[Completion], rid: str, model: str, created: int
     choices = []
     for k, c in enumerate(cs):
         for s in samples(c):
-            check_finished(s.finish_reason, c.error)
             head, head_lps = echo[k] if echo else ("", None)
             lps = None
             if s.logprobs is not None:
@@ -295,11 +283,6 @@ def completion_chunk(rid: str, model: str, created: int, index: int, text: str, 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, u: dict) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": u}
-
-
-def error_event(message: str) -> dict:
-    """An SSE error payload (the openai client raises APIError on it)."""
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
 def completion_from_dict(d: dict) -> Completion:

@@ -1,6 +1,11 @@
-"""OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE).
+"""OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE);
+/v1/responses lives in responses.py (included here).
 
-/v1/responses lives in responses.py (included here)."""
+Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineFront.aencode),
+checks max_tokens against the context, then submits the token ids (off the event loop too: a constrained
+request waits for its grammar to compile). A request the engine ends with finish_reason "abort" is never
+returned as a success: it becomes an error object, or an error event and `[DONE]` in a stream (errors.py).
+"""
 
 from __future__ import annotations
 
@@ -16,9 +21,11 @@ from starlette.exceptions import HTTPException
 
 from prefixrt.lowering import ToolPlan
 from prefixrt.server import convert
+from prefixrt.server.errors import RequestFailed
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
+from prefixrt.server.validate import check_body
 
 router = APIRouter()
 router.include_router(responses_router)
@@ -26,6 +33,36 @@ router.include_router(responses_router)
 
 def _engine(request: Request):
     return request.app.state.engine
+
+
+def _lifecycle(request: Request):
+    return request.app.state.lifecycle
+
+
+def _raise_if_aborted(lc, cs) -> None:
+    for c in cs:
+        for s in convert.samples(c):
+            if s.finish_reason == "abort":
+                raise RequestFailed.for_abort(lc, s.error)
+
+
+def _stream_close(eng, lc, rids: list[str]):
+    def close():
+        for r in rids:
+            eng.abort(r)
+        lc.release(rids)
+
+    return close
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE body that ends with an error event and [DONE] if producing it fails, rather than being cut."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as e:
+        yield RequestFailed(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").event()
+        yield SSE_DONE
 
 
 def _model_name(request: Request) -> str:
@@ -54,24 +91,34 @@ async def get_model(model_id: str, request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    eng = _engine(request)
-    lowered = await run_in_threadpool(convert.chat_params, body, eng)
+    eng, lc = _engine(request), _lifecycle(request)
+    check_body(body)
+    lowered = convert.chat_params(body, eng)
+    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
+                                  body.continue_final_message)
+    params, mode = lowered.params, lowered.tools
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    params = dataclasses.replace(lowered.params, request_id=rid)
+    limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = convert.fit_max_tokens(params, convert.requested_max_tokens(body), len(ids), eng.max_context,
+                                    limit_param)
+    params = dataclasses.replace(params, request_id=rid)
     model, created = _model_name(request), int(time.time())
     if not body.stream:
-        c = await until_disconnect(request, eng.agenerate(lowered.prompt, params))
-        return JSON(convert.chat_response(c, rid, model, created, lowered.tools))
-    chunks = eng.astream(lowered.prompt, params)  # submits now: a bad request raises here, before any byte is sent
+        with lc.serving(eng, [rid]):
+            c = await until_disconnect(request, eng.agenerate(ids, params))
+        _raise_if_aborted(lc, [c])
+        return JSON(convert.chat_response(c, rid, model, created, mode))
+    chunks = await eng.astream_open(ids, params)  # a bad request raises here, before any byte is sent
+    lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _chat_events(chunks, rid, model, created, lowered.tools, include_usage)
-    return EventStream(gen, on_close=lambda: eng.abort(rid))
+    gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc))
+    return EventStream(gen, on_close=_stream_close(eng, lc, [rid]))
 
 
 async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, lc) -> AsyncIterator[str]:
     """Text streams as it comes. With tools, a sample's text is held while it may still be a call (it starts
-    like one); a call is sent whole, as one delta per call, once the sample ends."""
+    like one); calls are sent whole, one delta per call, once the sample ends."""
     usage = convert.StreamUsage()
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
@@ -81,41 +128,40 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
     def chunk(i, delta, reason=None, lps=None):
         return sse(convert.chat_chunk(rid, model, created, i, delta, reason, convert.chat_logprobs(lps)))
 
-    try:
-        async for ch in chunks:
-            usage.add(0, ch)
-            i = ch.index
-            finish = convert.check_finished(ch.finish_reason)
-            if i not in started:
-                started.add(i)
-                yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
-            if plan is not None and i not in plain:
-                held[i] = held.get(i, "") + ch.text
-                if ch.logprobs:
-                    held_lps.setdefault(i, []).extend(ch.logprobs)
-                if not plan.may_be_call(held[i]):  # clearly prose: stream it
-                    plain.add(i)
-                    yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
-                    if finish is not None:
-                        yield chunk(i, {}, finish)
-                elif finish is not None:
-                    text, lps = held.pop(i, ""), held_lps.pop(i, None)
-                    calls = plan.parse(text)
-                    if calls:
-                        for k, c in enumerate(calls):
-                            yield chunk(i, {"tool_calls": [{"index": k, **c.to_openai()}]}, lps=lps if k == 0 else None)
-                        yield chunk(i, {}, "tool_calls")
-                    else:
-                        yield chunk(i, {"content": text}, lps=lps)
-                        yield chunk(i, {}, finish)
-                continue
-            if ch.text or ch.logprobs:
-                yield chunk(i, {"content": ch.text}, lps=ch.logprobs)
-            if finish is not None:
-                yield chunk(i, {}, finish)
-    except convert.RequestFailed as e:
-        yield sse(convert.error_event(str(e)))
-        return
+    async for ch in chunks:
+        if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
+            yield RequestFailed.for_abort(lc, ch.error).event()
+            yield SSE_DONE
+            return
+        usage.add(0, ch)
+        i = ch.index
+        if i not in started:
+            started.add(i)
+            yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+        if plan is not None and i not in plain:
+            held[i] = held.get(i, "") + ch.text
+            if ch.logprobs:
+                held_lps.setdefault(i, []).extend(ch.logprobs)
+            if not plan.may_be_call(held[i]):  # clearly prose: stream it
+                plain.add(i)
+                yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
+                if ch.finish_reason is not None:
+                    yield chunk(i, {}, ch.finish_reason)
+            elif ch.finish_reason is not None:
+                text, lps = held.pop(i, ""), held_lps.pop(i, None)
+                calls = plan.parse(text)
+                if calls:
+                    for k, c in enumerate(calls):
+                        yield chunk(i, {"tool_calls": [{"index": k, **c.to_openai()}]}, lps=lps if k == 0 else None)
+                    yield chunk(i, {}, "tool_calls")
+                else:
+                    yield chunk(i, {"content": text}, lps=lps)
+                    yield chunk(i, {}, ch.finish_reason)
+            continue
+        if ch.text or ch.logprobs:
+            yield chunk(i, {"content": ch.text}, lps=ch.logprobs)
+        if ch.finish_reason is not None:
+            yield chunk(i, {}, ch.finish_reason)
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "chat.completion.chunk", usage.to_dict()))
     yield SSE_DONE
@@ -123,63 +169,64 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    eng = _engine(request)
+    eng, lc = _engine(request), _lifecycle(request)
+    check_body(body)
     prompts, params = convert.completion_params(body)
+    encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
-    per_prompt = [dataclasses.replace(params, request_id=r) for r in rids]
+    requested = body.max_tokens
+    per_prompt = [dataclasses.replace(convert.fit_max_tokens(params, requested, len(ids), eng.max_context),
+                                      request_id=r) for ids, r in zip(encoded, rids)]
     model, created = _model_name(request), int(time.time())
     if not body.stream:
         async def run():
-            return await asyncio.gather(*(eng.agenerate(p, sp) for p, sp in zip(prompts, per_prompt)))
+            return await asyncio.gather(*(eng.agenerate(ids, sp) for ids, sp in zip(encoded, per_prompt)))
 
-        cs = await until_disconnect(request, run())
+        with lc.serving(eng, rids):
+            cs = await until_disconnect(request, run())
+        _raise_if_aborted(lc, cs)
         echo = None
         if body.echo:
             if body.logprobs is not None:
-                echo = [await run_in_threadpool(convert.prompt_entries, eng, p) for p in prompts]
+                echo = [await run_in_threadpool(convert.prompt_entries, eng, ids) for ids in encoded]
+                echo = [(convert.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, echo)]
             else:
                 echo = [(convert.prompt_text(eng, p), None) for p in prompts]
         return JSON(convert.completion_response(list(cs), rid, model, created, echo))
-    streams = []
-    try:
-        for p, sp in zip(prompts, per_prompt):
-            streams.append(eng.astream(p, sp))
-    except Exception:
+    opened = await asyncio.gather(*(eng.astream_open(ids, sp) for ids, sp in zip(encoded, per_prompt)),
+                                  return_exceptions=True)
+    failed = [x for x in opened if isinstance(x, BaseException)]
+    if failed:
         for r in rids:
             eng.abort(r)
-        raise
+        raise failed[0]
+    lc.register(eng, rids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     heads = [convert.prompt_text(eng, p) for p in prompts] if body.echo else None
-    gen = _completion_events(streams, params.n, rid, model, created, include_usage, heads)
-
-    def close():
-        for r in rids:
-            eng.abort(r)
-
-    return EventStream(gen, on_close=close)
+    gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
+    return EventStream(gen, on_close=_stream_close(eng, lc, rids))
 
 
 async def _completion_events(streams, n: int, rid: str, model: str, created: int,
-                             include_usage: bool, heads: list[str] | None = None) -> AsyncIterator[str]:
+                             include_usage: bool, lc, heads: list[str] | None = None) -> AsyncIterator[str]:
     """heads: with echo, each prompt's text, sent first on each of its samples."""
     usage = convert.StreamUsage()
     offsets: dict[int, int] = {}
-    try:
-        async for k, ch in _merge(streams):
-            usage.add(k, ch)
-            index = k * n + ch.index
-            finish = convert.check_finished(ch.finish_reason)
-            text = ch.text
-            if heads is not None and index not in offsets:
-                text = heads[k] + text
-            lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0) + len(text) - len(ch.text))
-            offsets[index] = offsets.get(index, 0) + len(text)
-            if text or ch.logprobs or finish is not None:
-                yield sse(convert.completion_chunk(rid, model, created, index, text, finish, lps))
-    except convert.RequestFailed as e:
-        yield sse(convert.error_event(str(e)))
-        return
+    async for k, ch in _merge(streams):
+        if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
+            yield RequestFailed.for_abort(lc, ch.error).event()
+            yield SSE_DONE
+            return
+        usage.add(k, ch)
+        index = k * n + ch.index
+        text = ch.text
+        if heads is not None and index not in offsets:
+            text = heads[k] + text
+        lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0) + len(text) - len(ch.text))
+        offsets[index] = offsets.get(index, 0) + len(text)
+        if text or ch.logprobs or ch.finish_reason is not None:
+            yield sse(convert.completion_chunk(rid, model, created, index, text, ch.finish_reason, lps))
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))
     yield SSE_DONE

@@ -31,8 +31,10 @@ from starlette.exceptions import HTTPException
 from prefixrt.errors import InvalidRequest
 from prefixrt.lowering import ToolCall, ToolPlan, content_text, new_call_id
 from prefixrt.server import convert
+from prefixrt.server.errors import RequestFailed
 from prefixrt.server.protocol import ChatCompletionRequest, _Body
 from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
+from prefixrt.server.validate import check_body
 
 router = APIRouter()
 
@@ -255,12 +257,17 @@ async def create_response(body: ResponsesRequest, request: Request):
         history = prev[0]
     conversation = history + input_messages(body.input)
     chat = _chat_request(body, conversation)
-    lowered = await run_in_threadpool(convert.chat_params, chat, eng)
+    check_body(chat)
+    lowered = convert.chat_params(chat, eng)
     if lowered.params.n != 1:
         raise InvalidRequest("n must be 1 on /v1/responses", param="n")
+    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools)
     rid = f"resp_{uuid.uuid4().hex}"
-    params = dataclasses.replace(lowered.params, request_id=rid)
+    params = convert.fit_max_tokens(lowered.params, body.max_output_tokens, len(ids), eng.max_context,
+                                    "max_output_tokens")
+    params = dataclasses.replace(params, request_id=rid)
     shell = _Shell(body, request.app.state.model_name, rid, int(time.time()), params)
+    lc = request.app.state.lifecycle
 
     def finish(text: str, reason: str, usage: dict) -> dict:
         items = output_items(text, lowered.tools, reason)
@@ -271,11 +278,19 @@ async def create_response(body: ResponsesRequest, request: Request):
         return response
 
     if not body.stream:
-        c = await until_disconnect(request, eng.agenerate(lowered.prompt, params))
-        reason = convert.check_finished(c.finish_reason, c.error)
-        return JSON(finish(c.text, reason, _usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
-    chunks = eng.astream(lowered.prompt, params)  # submits now: a bad request raises before any byte is sent
-    return EventStream(_events(chunks, shell, lowered.tools, finish), on_close=lambda: eng.abort(rid))
+        with lc.serving(eng, [rid]):
+            c = await until_disconnect(request, eng.agenerate(ids, params))
+        if c.finish_reason == "abort":
+            raise RequestFailed.for_abort(lc, c.error)
+        return JSON(finish(c.text, c.finish_reason, _usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
+    chunks = await eng.astream_open(ids, params)  # a bad request raises before any byte is sent
+    lc.register(eng, [rid])
+
+    def close():
+        eng.abort(rid)
+        lc.release([rid])
+
+    return EventStream(_events(chunks, shell, lowered.tools, finish, lc), on_close=close)
 
 
 def _event(seq: list[int], kind: str, **fields) -> str:
@@ -283,7 +298,7 @@ def _event(seq: list[int], kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': seq[0] - 1, **fields})}\n\n"
 
 
-async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish) -> AsyncIterator[str]:
+async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc) -> AsyncIterator[str]:
     """response.created, in_progress, then text deltas as they come (held while the reply may still be a
     tool call, as on chat), the items' done events, and response.completed (or .incomplete / .failed)."""
     seq = [0]
@@ -300,7 +315,8 @@ async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish) -> Async
     try:
         async for ch in chunks:
             last = ch
-            convert.check_finished(ch.finish_reason)
+            if ch.finish_reason == "abort":
+                raise RequestFailed.for_abort(lc, ch.error)
             text += ch.text
             if plan is not None and msg is None:
                 held += ch.text
@@ -318,9 +334,9 @@ async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish) -> Async
             if delta:
                 yield _event(seq, "response.output_text.delta", item_id=msg["id"], output_index=0,
                              content_index=0, delta=delta, logprobs=[])
-    except convert.RequestFailed as e:
+    except RequestFailed as e:
         failed = shell.response("failed", [], None)
-        failed["error"] = {"code": "server_error", "message": str(e)}
+        failed["error"] = {"code": "server_error", "message": e.message}
         yield _event(seq, "response.failed", response=failed)
         return
     if last is None:

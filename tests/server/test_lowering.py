@@ -12,7 +12,7 @@ from typing_extensions import TypedDict
 
 from prefixrt import lowering
 from prefixrt.errors import InvalidRequest
-from prefixrt.schema import embed, schema_of, strict_schema, with_defs
+from prefixrt.json_schema import embed, strict_schema, to_json_schema, with_defs
 from tests.server.conftest import needs_constrained_decoding
 
 
@@ -33,20 +33,20 @@ class Movie(TypedDict):
 
 
 def test_strict_rule_closes_listed_objects_only():
-    s = strict_schema(schema_of(Person))
+    s = strict_schema(to_json_schema(Person))
     assert s["additionalProperties"] is False and s["$defs"]["Address"]["additionalProperties"] is False
     assert strict_schema({"type": "object"}) == {"type": "object"}  # no properties: open (dict[str, Any])
     assert strict_schema({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"]
-    loose = strict_schema(schema_of(Person), strict=False)  # "strict": false keeps JSON Schema's meaning
+    loose = strict_schema(to_json_schema(Person), strict=False)  # "strict": false keeps JSON Schema's meaning
     assert loose["additionalProperties"] is True
     assert strict_schema(loose)["additionalProperties"] is True  # and nothing downstream closes it again
-    assert schema_of(Movie)["required"] == ["title", "year"]
+    assert to_json_schema(Movie)["required"] == ["title", "year"]
     with pytest.raises(InvalidRequest):
-        schema_of(object())
+        to_json_schema(object())
 
 
 def test_embedded_schema_refs_resolve():
-    inner = schema_of(Person)
+    inner = to_json_schema(Person)
     ref, defs = embed(inner, "save.arguments")
     outer = with_defs({"type": "object", "properties": {"arguments": ref}, "required": ["arguments"]}, defs)
     doc = {"arguments": {"name": "A", "home": {"city": "P", "zip": "1"}, "past": [{"city": "Q", "zip": "2"}]}}
@@ -140,7 +140,7 @@ def test_response_formats():
     assert lowering.response_format_constraint(flat)["json_schema"]["additionalProperties"] is False
     explicit = {"type": "json_schema", "schema": {"type": "object", "properties": {}, "additionalProperties": True}}
     assert lowering.response_format_constraint(explicit)["json_schema"]["additionalProperties"] is True
-    assert lowering.response_format_constraint({"type": "json_object"}) == {"json_schema": "json_object"}
+    assert lowering.response_format_constraint({"type": "json_object"}) == {"json_object": True}
     assert lowering.response_format_constraint({"type": "text"}) == {}
     with pytest.raises(InvalidRequest):
         lowering.response_format_constraint({"type": "json_schema", "json_schema": {"name": "x"}})

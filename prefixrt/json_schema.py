@@ -1,24 +1,22 @@
-"""JSON schemas for constrained decoding: where they come from, the strict-mode rule, and embedding.
+"""JSON-schema values as users give them -> the schema itself: the one place a pydantic class becomes a schema.
 
-The one home of "a Python type or a dict -> the JSON schema the engine enforces":
+`SamplingParams.json_schema` (and the frontend's `gen(json_schema=...)`) accept a dict (or a bool schema),
+JSON text, or a pydantic BaseModel subclass. Whatever must hand a plain schema on calls `to_json_schema`:
+the constraint compiler (its cache key and both backends), the engine-process pipe (classes are not sent
+across it), RemoteEngine's JSON body and the frontend's OpenAI backend (response_format); also TypedDicts and other
+types pydantic's TypeAdapter describes (`list[Model]`).
 
-- `schema_of(spec)`: a pydantic model class, any type pydantic can describe (TypedDict, dataclass, `list[X]`),
-  a dict, or JSON text -> a JSON schema (dict or bool).
-- `strict_schema(schema, strict)`: the rule of OpenAI's strict structured outputs and xgrammar's strict mode —
-  an object schema that lists `properties` and says nothing about `additionalProperties` is closed
-  (`additionalProperties: false`). JSON Schema leaves such objects open, and a small model under constrained
-  decoding fills an open object with invented keys until `max_new_tokens`. The server and adapters apply it
-  whatever a request's `"strict"` says, as vLLM and xgrammar do (clients send `"strict": false` for schemas
-  they cannot make strict-valid, such as LangChain's TypedDicts). `strict=False` here keeps JSON Schema's
-  meaning instead (such objects are marked open explicitly, so nothing downstream closes them), for callers
-  that want it. Objects without `properties` (`{"type": "object"}`, `dict[str, Any]`) are open either way:
-  they name no fields to close over.
+The strict-mode rule and embedding live here too:
+- `strict_schema(schema)`: the rule of OpenAI's strict structured outputs and xgrammar's strict mode: an object
+  schema that lists `properties` and says nothing about `additionalProperties` is closed. JSON Schema leaves
+  such objects open, and a small model under constrained decoding fills an open object with invented keys
+  until `max_new_tokens`. The engine applies it to every json_schema constraint (constrained/spec.py
+  `load_json_schema`); the server and adapters whatever a request's `"strict"` says, as vLLM and xgrammar do.
+  `strict=False` keeps JSON Schema's meaning (objects marked open explicitly) for callers that want it.
+  Objects without `properties` (`{"type": "object"}`, `dict[str, Any]`) are open either way.
 - `embed(schema, name)`: a schema that will sit inside a larger one (a tool's parameters under
-  `properties.arguments`): its local `$ref`s (`#`, `#/$defs/X`, `#/properties/...`) are rewritten to point
-  under `#/$defs/<name>`, where the whole schema is moved, so they resolve wherever it is embedded.
-
-Pure functions over plain data; nothing here imports the engine. SamplingParams.json_schema (the Engine),
-the server's response_format and tools, and the DSPy / LangChain adapters all go through these.
+  `properties.arguments`) is moved whole to `#/$defs/<name>` with its local `$ref`s (`#`, `#/$defs/X`,
+  `#/properties/...`) rewritten to point there, so they resolve wherever it is embedded.
 """
 
 from __future__ import annotations
@@ -27,6 +25,51 @@ import json
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
+
+
+def to_json_schema(spec: Any) -> dict | bool:
+    """The schema `spec` stands for: a dict or bool as is, JSON text parsed, a pydantic model class's
+    `model_json_schema()`. Raises InvalidRequest (param "json_schema") for anything else, for text that is
+    not JSON, and for a class pydantic cannot describe. Never mutates `spec`."""
+    if isinstance(spec, type) and not _is_typed_dict(spec):
+        schema_fn = getattr(spec, "model_json_schema", None)
+        if schema_fn is None:
+            raise InvalidRequest(
+                f"json_schema class {spec.__name__} is not a pydantic BaseModel subclass", param="json_schema"
+            )
+        try:
+            return schema_fn()
+        except Exception as e:  # pydantic raises several types for unschematizable fields
+            raise InvalidRequest(f"cannot build a JSON schema from {spec.__name__}: {e}", param="json_schema") from e
+    if isinstance(spec, (str, bytes)):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise InvalidRequest(f"json_schema is not valid JSON: {e}", param="json_schema") from e
+    if isinstance(spec, (bool, dict)):
+        return spec
+    if getattr(spec, "__origin__", None) is not None or _is_typed_dict(spec):  # TypedDict, list[Model], ...
+        try:
+            from pydantic import TypeAdapter
+
+            return TypeAdapter(spec).json_schema()
+        except ImportError:
+            pass
+        except Exception as e:
+            raise InvalidRequest(f"cannot build a JSON schema from {spec!r}: {e}", param="json_schema") from e
+    raise InvalidRequest(
+        f"json_schema must be a JSON object (dict), JSON text, a pydantic model class or a TypedDict, "
+        f"not {type(spec).__name__}",
+        param="json_schema",
+    )
+
+
+def _is_typed_dict(spec: Any) -> bool:
+    return isinstance(spec, type) and issubclass(spec, dict) and hasattr(spec, "__annotations__") \
+        and hasattr(spec, "__total__")
+
+
+# ---------------------------------------------------------------------------------------------- strict rule, embedding
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
