@@ -14,7 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import SERVED_NAME, ServeProcess, assert_clean, needs_constrained_decoding
+from tests.server.conftest import SERVED_NAME, needs_constrained_decoding
 
 pytestmark = needs_constrained_decoding()
 
@@ -37,21 +37,8 @@ MOVIE_SCHEMA = {"title": "Movie", "type": "object", "required": ["title", "year"
 
 
 @pytest.fixture(scope="module")
-def server(model_dirs, tmp_path_factory):
-    """`prefixrt serve` on the tiny llama with a 2048-token context (its checkpoint says 128, too few for the
-    tools' description the fallback prompt adds; RoPE has no learned positions, so only the limit changes)."""
-    import shutil
-
-    folder = tmp_path_factory.mktemp("long") / "tiny-llama"
-    shutil.copytree(model_dirs("llama"), folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["max_position_embeddings"] = 2048
-    (folder / "config.json").write_text(json.dumps(config))
-    args = ["--model", str(folder), "--served-model-name", SERVED_NAME, "--device", "cpu",
-            "--kv-cache-tokens", "16384", "--log-level", "warning"]
-    with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as live:
-        yield live
-        assert_clean(live.wait_idle())
+def server(long_server):
+    return long_server
 
 
 @pytest.fixture(scope="module")

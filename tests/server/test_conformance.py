@@ -58,6 +58,12 @@ def conforms_event(event: dict) -> None:
 
 
 @pytest.fixture(scope="module")
+def server(long_server):
+    """The tiny llama with room for tools' descriptions (tests/server/conftest.py `long_server`)."""
+    return long_server
+
+
+@pytest.fixture(scope="module")
 def oai(server):
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
     yield c
