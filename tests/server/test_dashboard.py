@@ -7,7 +7,9 @@ dashboard.png there (docs/dashboard.png was made that way).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -74,6 +76,16 @@ def test_dashboard_data_and_admin_gate(tiny_checkpoints, tiny_tokenizer):
         page = open_app.get("/dashboard")
         assert page.status_code == 200 and "text/html" in page.headers["content-type"]
         assert "<script src" not in page.text and "<link" not in page.text  # self-contained
+
+        # Every series the Grafana dashboard queries is one /metrics exports.
+        from prometheus_client.parser import text_string_to_metric_families
+
+        exported = {x.name for fam in text_string_to_metric_families(open_app.get("/metrics").text)
+                    for x in fam.samples}
+        grafana = (Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json").read_text()
+        queried = {m for p in json.loads(grafana)["panels"] for t in p["targets"]
+                   for m in re.findall(r"prefixrt_\w+", t["expr"])}
+        assert len(queried) >= 15 and queried <= exported, queried - exported
 
         keyed = TestClient(create_app(eng, admin_api_key="admin-key"))
         for path in ("/dashboard", "/dashboard/data"):
