@@ -44,6 +44,7 @@ def measure(engine, label, fn):
     s1 = engine.stats()
     prompt = s1.prompt_tokens_total - s0.prompt_tokens_total
     cached = s1.cached_tokens_total - s0.cached_tokens_total
+    print(f"{label}: {seconds:.2f} s", flush=True)
     return label, seconds, prompt, prompt - cached, results(states)
 
 
