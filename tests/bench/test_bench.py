@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from prefixrt.bench import workloads as W
 
 
@@ -96,6 +98,7 @@ def test_split_cold_hot():
 
 def test_bench_cli_plot_writes_a_png(tiny_checkpoints, tiny_tokenizer, tmp_path, capsys):
     """--plot draws a real PNG beside the table and the JSON (both baselines: cold and hot requests)."""
+    pytest.importorskip("matplotlib", reason="matplotlib is in the bench extra: pip install -e '.[bench]'")
     import matplotlib.image
 
     from prefixrt.bench.cli import main

@@ -99,6 +99,7 @@ def test_dashboard_data_and_admin_gate(tiny_checkpoints, tiny_tokenizer):
                     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
 def test_dashboard_in_headless_chromium(server, tmp_path):
     """The page renders in a real browser and its numbers are /stats'."""
+    pytest.importorskip("selenium", reason="selenium is in the dev extra: pip install -e '.[dev]'")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
