@@ -291,6 +291,10 @@ class ProcessEngine(EngineFront):
         """Engine.score_continuations, in the engine process."""
         return self._call("score_continuations", prompt, continuations, cache_salt)
 
+    def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
+        """Engine.largest_prefixes, computed in the engine process."""
+        return self._call("largest_prefixes", max_nodes, timeout=60)
+
     def flush_cache(self) -> None:
         self._call("flush_cache", timeout=60)
 
@@ -383,6 +387,7 @@ class _EngineServer:
             "generate": engine.generate, "check_integrity": engine.check_integrity,
             "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
             "score_continuations": engine.score_continuations,
+            "largest_prefixes": engine.largest_prefixes,
         }
 
     def send(self, msg: tuple) -> None:

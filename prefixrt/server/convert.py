@@ -38,6 +38,8 @@ def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int) -
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     params = lowering.sampling_options({k: getattr(req, k) for k in _OPTIONS}, what="request")
     params["max_new_tokens"] = default_max if max_new_tokens is None else max_new_tokens
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
     return params
 
 
