@@ -51,6 +51,7 @@ class EngineCore:
         self.device = device
         self.debug = debug
         self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
+        self.prefix_grouper = None  # engine/prefix_groups.PrefixGrouper: shared-prefix groups for decode batches
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
@@ -59,6 +60,7 @@ class EngineCore:
         self.deliver = RequestStream.push_many
         self._outbox: list = []  # (stream, StepOutput) produced this step, delivered together
         self._in_step = False
+        self.auditor = None  # CacheAuditor when cache_audit_rate > 0 (set by the builder)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -89,6 +91,15 @@ class EngineCore:
         finally:
             self._in_step = False
             self.flush_outputs()
+            if self.auditor is not None:
+                self._run_audits()
+
+    def _run_audits(self) -> None:
+        """Cache audits run after a step's outputs are out (cache_audit.py says when); never fatal."""
+        try:
+            self.auditor.run(idle=not self.scheduler.has_work)
+        except Exception:
+            log.error("cache audit failed: %s", traceback.format_exc())
 
     def flush_outputs(self) -> None:
         if self._outbox:
@@ -165,6 +176,8 @@ class EngineCore:
                 r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
+                if self.auditor is not None:
+                    self.auditor.on_hit(r)
         self.kv.table.flush()
         fb = ForwardBatch.build(
             req_pool_indices=[r.row for r in batch.reqs],
@@ -174,7 +187,8 @@ class EngineCore:
             req_to_token=self.kv.table.table,
             logits_indices=(ends + extra) or [acc - 1],
             device=self.device,
-            prefix_groups=None,
+            prefix_groups=(self.prefix_grouper.groups(batch.reqs)
+                           if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
         )
         logits = self.runner.forward(fb)
         if scored:
@@ -320,4 +334,7 @@ class EngineCore:
         s.kv_free = self.kv.free_tokens
         s.kv_evictable = self.kv.evictable_tokens
         s.kv_locked = s.kv_total - s.kv_free - s.kv_evictable
+        if self.auditor is not None:
+            s.cache_audits_total = self.auditor.audits_total
+            s.cache_audit_mismatches_total = self.auditor.mismatches_total
         return EngineStats(**s.to_dict())

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from prefixrt.engine.detokenizer import IncrementalDetokenizer
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
+from prefixrt.hub.chat_templates import render_chat_template
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import SamplingParams
 from prefixrt.text_checks import check_json_value, check_text
@@ -46,6 +47,12 @@ class EngineFront:
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    @property
+    def tokenizer_lock(self):
+        """The lock every use of `tokenizer` holds (HF fast tokenizers are not thread-safe): share it when
+        calling the tokenizer from outside the engine."""
+        return self._tok_lock
 
     # ------------------------------------------------------------------ subclass hooks
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields
@@ -119,7 +126,7 @@ class EngineFront:
             check_text(prompt, "prompt")
             return self._encode_text(prompt, True)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._render_chat(list(prompt))
+            return self.chat_prompt_ids(list(prompt))
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
@@ -129,7 +136,11 @@ class EngineFront:
         raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
                              param="prompt")
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
+        """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
+        continue_final_message, the final assistant message left open). The one place the engine renders
+        chat; raises InvalidRequest for malformed messages, a model without a template or a template that
+        refuses them."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
@@ -139,9 +150,11 @@ class EngineFront:
         if not getattr(tok, "chat_template", None):
             raise InvalidRequest(f"model {self.model_name!r} has no chat template; send a text prompt",
                                  param="messages")
+        if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+            raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
         try:
             with lock:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = render_chat_template(tok, messages, continue_final_message=continue_final_message)
                 return tok.encode(text, add_special_tokens=False)
         except InvalidRequest:
             raise
@@ -149,25 +162,16 @@ class EngineFront:
             raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
 
     def encode_continuation(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation whose final assistant message is left open for the model to continue:
-        the chat template's rendering of the earlier messages with the generation prompt, then that message's
-        text (`continue_final_message`, as vLLM and SGLang accept it). Raises InvalidRequest."""
-        if not messages or messages[-1].get("role") != "assistant":
-            raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
-        tok, lock = (self._encoder, self._encode_lock) if self._encoder is not None else (self._tokenizer,
-                                                                                           self._tok_lock)
-        try:
-            with lock:
-                head = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-                ids = tok.encode(head + messages[-1]["content"], add_special_tokens=False)
-        except Exception as e:
-            raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
+        """Token ids of a conversation whose final assistant message is left open for the model to continue
+        (`continue_final_message`, as vLLM and SGLang accept it), validated against the model's limits.
+        Raises InvalidRequest."""
+        ids = self.chat_prompt_ids(messages, continue_final_message=True)
         self._validate_ids(ids, SamplingParams())
         return ids
 
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt text the chat template makes of messages (with the generation prompt)."""
-        ids = self._render_chat(messages)
+        ids = self.chat_prompt_ids(messages)
         with self._tok_lock:
             return self._tokenizer.decode(ids)
 

@@ -237,7 +237,9 @@ class ProviderBackend(ProgramBackend):
         self.normalization = normalization
         own = getattr(provider, "tokenizer", None)
         self.tokenizer = own if own is not None else tokenizer
-        self._tok_lock = threading.Lock()
+        # One lock per tokenizer: an engine's own tokenizer is used under the engine's lock.
+        self._tok_lock = getattr(provider, "tokenizer_lock", None) if own is not None else None
+        self._tok_lock = self._tok_lock or threading.Lock()
         self._engine_choices_ok: bool | None = None  # learnt on first select in "auto"
         self._in_process = _in_process(provider)
         self.token_usage = TokenUsage()

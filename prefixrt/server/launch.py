@@ -46,6 +46,51 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--debug", action="store_true", help="check KV accounting whenever the scheduler is idle (slow)")
 
 
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Mistakes that can be named before anything loads; raises ValueError with a one-line message."""
+    device = str(getattr(args, "device", "auto"))
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"--device {device}: {why}; use --device cpu (or auto)")
+    elif device not in ("auto", "cpu"):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    model = getattr(args, "model", None)
+    if model and not os.path.isdir(os.path.expanduser(model)):
+        from prefixrt.hub.catalogue import ENTRIES
+
+        entry = ENTRIES.get(model.strip().lower())
+        if entry is None:
+            from prefixrt.hub.registry import resolve_model
+
+            resolve_model(model)  # raises the registry's one-line InvalidRequest (names the built-in models)
+        elif entry.kind == "dummy" and getattr(args, "load_format", "auto") != "dummy":
+            raise ValueError(f"{entry.name!r} is a shape without weights: use --load-format dummy")
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Fail in a second, not after loading the model: the port must be in range and free on the host."""
+    import socket
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be between 0 (any free port) and 65535, got {args.port}")
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+                          f"{' (the port is in use; pick another with --port)' if e.errno == 98 else ''}") from None
+    import importlib.util
+
+    for module in ("uvicorn", "fastapi"):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw = {name: getattr(args, name) for name in ENGINE_FLAGS}
     kw["radix_cache"] = not args.no_radix_cache
@@ -113,7 +158,7 @@ def serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     try:
         eng = build_engine(args, own_process=not args.engine_in_process)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except RuntimeError as e:  # the engine failed to start (e.g. its process died); other mistakes reach cli.main
         print(f"prefixrt serve: {e}", file=sys.stderr)
         return 2
     lifecycle = Lifecycle(drain_timeout=args.drain_timeout)
