@@ -287,6 +287,10 @@ class ProcessEngine(EngineFront):
     def stats(self) -> EngineStats:
         return self._call("stats", timeout=60)
 
+    def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
+        """Engine.largest_prefixes, computed in the engine process."""
+        return self._call("largest_prefixes", max_nodes, timeout=60)
+
     def flush_cache(self) -> None:
         self._call("flush_cache", timeout=60)
 
@@ -378,6 +382,7 @@ class _EngineServer:
             "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
             "generate": engine.generate, "check_integrity": engine.check_integrity,
             "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
+            "largest_prefixes": engine.largest_prefixes,
         }
 
     def send(self, msg: tuple) -> None:
