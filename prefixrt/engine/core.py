@@ -141,12 +141,16 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple[Req, int, object]]:
         """(request, token, logprobs) for each row of logits. If sampling the batch raises, its rows are
-        sampled one by one: the failing request(s) are aborted with the error, their neighbours go on."""
+        sampled one by one: the failing request(s) are aborted with the error, their neighbours go on (seeded
+        ones from their generator's state before the failed attempt, so they draw what they would have)."""
+        seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
             out = self.sampler.sample(logits, reqs, self._mask_fn(reqs), self.eos_token_ids)
             return list(zip(reqs, out.token_ids, out.logprobs))
         except Exception:
             log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
+        for g, state in seeded:
+            g.set_state(state)
         results = []
         for i, r in enumerate(reqs):
             try:

@@ -286,6 +286,12 @@ class Engine(EngineFront):
             return self.core.snapshot_stats()
         return self._run_on_loop(self.core.snapshot_stats)
 
+    def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
+        """The largest cached prefixes of the radix tree as a pruned tree (RadixCache.largest_prefixes); [] for
+        a cache that keeps nothing."""
+        fn = getattr(self.core.kv.cache, "largest_prefixes", None)
+        return self._run_on_loop(lambda: fn(max_nodes)) if fn is not None else []
+
     def flush_cache(self) -> None:
         self._run_on_loop(self.core.kv.flush)
 

@@ -288,6 +288,10 @@ class ProcessEngine(EngineFront):
     def stats(self) -> EngineStats:
         return self._call_in_engine("stats", timeout=60)
 
+    def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
+        """Engine.largest_prefixes, computed in the engine process."""
+        return self._call_in_engine("largest_prefixes", max_nodes, timeout=60)
+
     def flush_cache(self) -> None:
         self._call_in_engine("flush_cache", timeout=60)
 

@@ -25,6 +25,8 @@ _PASSTHROUGH = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
 def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int) -> dict[str, Any]:
     params = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
     params["max_new_tokens"] = default_max if max_new_tokens is None else max_new_tokens
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
     return params
 
 

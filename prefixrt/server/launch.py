@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
-                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug")
+                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
+                "cache_audit_rate")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -44,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug", action="store_true", help="check KV accounting whenever the scheduler is idle (slow)")
+    p.add_argument("--cache-audit-rate", type=float, default=0.0,
+                   help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
+                        "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
 
 
 def check_engine_args(args: argparse.Namespace) -> None:

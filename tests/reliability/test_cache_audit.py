@@ -73,6 +73,12 @@ def test_injected_corruption_is_caught_and_logged_with_the_node(page_size, audit
         eng.wait_idle()
     s = eng.stats()
     assert s.cache_audits_total == 2 and s.cache_audit_mismatches_total == 1
+    if page_size == 1:  # what /metrics exports
+        pytest.importorskip("prometheus_client")
+        from prefixrt.engine.metrics import Metrics
+
+        text = Metrics.for_engine(eng).render().decode()
+        assert "prefixrt_cache_audit_mismatch_total 1.0" in text and "prefixrt_cache_audits_total 2.0" in text
     msgs = [r.getMessage() for r in caplog.records if "cache audit mismatch" in r.getMessage()]
     assert len(msgs) == 1 and "radix node #" in msgs[0] and "token 21 " in msgs[0] and "layer 1" in msgs[0]
 
