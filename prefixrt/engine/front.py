@@ -161,7 +161,8 @@ class EngineFront:
         raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
                              param="prompt")
 
-    def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False,
+                        tools: list[dict] | None = None) -> list[int]:
         """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
         continue_final_message, the final assistant message left open). The one place the engine renders
         chat; raises InvalidRequest for malformed messages, a model without a template or a template that
@@ -179,7 +180,8 @@ class EngineFront:
             raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
         try:
             with lock:
-                text = render_chat_template(tok, messages, continue_final_message=continue_final_message)
+                text = render_chat_template(tok, messages, continue_final_message=continue_final_message,
+                                            tools=tools)
             return self._encode_text(text, False)
         except InvalidRequest:
             raise
@@ -191,6 +193,14 @@ class EngineFront:
         (`continue_final_message`, as vLLM and SGLang accept it), validated against the model's limits.
         Raises InvalidRequest."""
         ids = self.chat_prompt_ids(messages, continue_final_message=True)
+        self._validate_ids(ids, SamplingParams())
+        return ids
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of chat messages (tools passed to the template when given; the final assistant message
+        left open with continue_final_message), validated against the model's limits. Raises InvalidRequest."""
+        ids = self.chat_prompt_ids(messages, continue_final_message=continue_final_message, tools=tools)
         self._validate_ids(ids, SamplingParams())
         return ids
 
@@ -207,6 +217,10 @@ class EngineFront:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  param="prompt")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                 param="logit_bias")
         self._check_length(len(ids))
 
     def _check_length(self, num_tokens: int, at_least: bool = False) -> None:

@@ -287,6 +287,10 @@ class ProcessEngine(EngineFront):
     def stats(self) -> EngineStats:
         return self._call("stats", timeout=60)
 
+    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None):
+        """Engine.score_continuations, in the engine process."""
+        return self._call("score_continuations", prompt, continuations, cache_salt)
+
     def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
         """Engine.largest_prefixes, computed in the engine process."""
         return self._call("largest_prefixes", max_nodes, timeout=60)
@@ -382,6 +386,7 @@ class _EngineServer:
             "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
             "generate": engine.generate, "check_integrity": engine.check_integrity,
             "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
+            "score_continuations": engine.score_continuations,
             "largest_prefixes": engine.largest_prefixes,
         }
 
