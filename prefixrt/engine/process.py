@@ -288,6 +288,10 @@ class ProcessEngine(EngineFront):
     def stats(self) -> EngineStats:
         return self._call_in_engine("stats", timeout=60)
 
+    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None):
+        """Engine.score_continuations, in the engine process."""
+        return self._call_in_engine("score_continuations", prompt, continuations, cache_salt)
+
     def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
         """Engine.largest_prefixes, computed in the engine process."""
         return self._call_in_engine("largest_prefixes", max_nodes, timeout=60)

@@ -80,6 +80,7 @@ class EngineProcessServer:
             "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
             "generate": engine.generate, "check_integrity": engine.check_integrity,
             "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
+            "score_continuations": engine.score_continuations,
             "largest_prefixes": engine.largest_prefixes,
         }
 
