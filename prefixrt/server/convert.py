@@ -236,7 +236,7 @@ def prompt_entries(eng, prompt) -> tuple[str, list[dict]]:
     """A completions prompt's text and per-token logprob entries (the first token's logprob is None, as in
     OpenAI's echo), scored by the engine in one extend of the prompt's first token."""
     tok = eng.tokenizer
-    with getattr(eng, "_tok_lock", contextlib.nullcontext()):
+    with getattr(eng, "tokenizer_lock", None) or contextlib.nullcontext():
         ids = list(prompt) if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=True)
         pieces = [tok.decode([t]) for t in ids]
     text = prompt if isinstance(prompt, str) else "".join(pieces)
@@ -251,7 +251,7 @@ def prompt_entries(eng, prompt) -> tuple[str, list[dict]]:
 def prompt_text(eng, prompt) -> str:
     if isinstance(prompt, str):
         return prompt
-    with getattr(eng, "_tok_lock", contextlib.nullcontext()):
+    with getattr(eng, "tokenizer_lock", None) or contextlib.nullcontext():
         return eng.tokenizer.decode(list(prompt))
 
 
