@@ -122,8 +122,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     except ImportError:
         grammar = None
     core = EngineCore(
-        runner, scheduler, Sampler(device, config.seed), tokenizer, lock, eos, model.vocab_size,
-        max_context, device, debug=config.debug, grammar=grammar,
+        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size,
+        max_context, device, debug=config.debug, grammar=grammar, overlap=config.overlap_schedule,
     )
     return Built(core, tokenizer, lock, resolved, model, device, dtype)
 

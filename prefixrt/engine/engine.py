@@ -19,7 +19,9 @@ import uuid
 from typing import Any
 
 from prefixrt.config import EngineConfig
+from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
+from prefixrt.engine.postprocess import jump_forward
 from prefixrt.engine.request import Req
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
@@ -55,6 +57,11 @@ class Engine(EngineFront):
         self.kv_total_tokens = self.core.kv.total_tokens
         self._grammar = None
         self._grammar_lock = threading.Lock()
+        core = self.core
+        # Text, stop strings and logprob strings leave the loop: the worker delivers through core.deliver (which
+        # the engine process replaces) and tells the loop when a stop string ended a request.
+        core.detokenizer = DetokenizerWorker(self._tokenizer, self._tok_lock, lambda items: core.deliver(items),
+                                             core.stop_hit).start()
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
@@ -88,7 +95,7 @@ class Engine(EngineFront):
         core = self.core
         while True:
             try:
-                block = not core.scheduler.has_work
+                block = not core.has_work
                 while True:
                     try:
                         msg = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
@@ -99,7 +106,7 @@ class Engine(EngineFront):
                         self._drain_on_exit()
                         return
                     self._handle(msg)
-                if core.scheduler.has_work:
+                if core.has_work:
                     core.step()
             except Exception:  # never let the loop die silently
                 log.exception("scheduler loop error")
@@ -121,6 +128,7 @@ class Engine(EngineFront):
     def _drain_on_exit(self) -> None:
         for rid in list(self.core.requests):
             self.core.abort(rid)
+        self.core.drain()
 
     def _call(self, fn, timeout: float | None = 60.0):
         """Run fn on the loop thread (between steps) and return its result."""
@@ -172,14 +180,8 @@ class Engine(EngineFront):
             r = Req(rid=rid, prompt_ids=ids, params=p, sink=stream, index=i, namespace=p.cache_salt, **req_fields)
             if compiled is not None:
                 r.matcher = self.grammar_compiler().backend.matcher(compiled)
-                if p.jump_forward:  # step-0 forced tokens join the prefill
-                    forced = r.matcher.forced_tokens()[: max(0, p.max_new_tokens - 1)]
-                    forced = forced[: max(0, self.max_context - 1 - len(ids))]
-                    if forced:
-                        r.matcher.accept_tokens(forced)
-                        r.append_output(forced)
-                        r.num_forced_tokens += len(forced)
-                        r.pending_emit = list(forced)
+                # Step-0 forced tokens join the prefill (reserve 1: the prefill still samples a token).
+                r.pending_emit = jump_forward(r, self.max_context, reserve=1)
             reqs.append(r)
         self._inbox.put(("add", reqs))
         return rid, stream, ids, p
@@ -261,7 +263,7 @@ class Engine(EngineFront):
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until no request is waiting or running."""
         deadline = time.monotonic() + timeout
-        while self._call(lambda: self.core.scheduler.has_work):
+        while self._call(lambda: self.core.has_work):
             if time.monotonic() > deadline:
                 raise TimeoutError("engine did not become idle")
             time.sleep(0.01)
@@ -271,6 +273,7 @@ class Engine(EngineFront):
             return
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self.core.detokenizer.close()
         self._stopped = True
 
     def __enter__(self):

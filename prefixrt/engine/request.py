@@ -1,8 +1,11 @@
 """Req: one sequence being generated, as the scheduler loop sees it (one per sample when n > 1).
 
-Token layout: all_ids = prompt_ids + output_ids. The pool holds K/V for all_ids[:kv_len]; the next forward
-feeds all_ids[kv_len:] (the whole prompt at first, in chunks; then one sampled token, or a sampled token
-followed by grammar-forced ones).
+Token layout: all_ids = prompt_ids + output_ids, every token the host knows. With overlap scheduling the
+sequence may be one token longer than that: a token sampled on the device whose value the host has not read
+yet (num_unresolved, at most 1 when the scheduler runs). seq_len counts it; the next forward feeds it from the
+device (`future`). The pool holds K/V for positions [0, kv_len); the next forward feeds positions
+[kv_len, seq_len) (the whole prompt at first, in chunks; then one sampled token, or a sampled token followed
+by grammar-forced ones).
 """
 
 from __future__ import annotations
@@ -51,14 +54,18 @@ class Req:
     generator: Any = None  # torch.Generator when params.seed is set
     matcher: Any = None  # grammar matcher when a constraint is set
     logprobs: list[dict] | None = None
-    # Text state (only for requests whose text the loop must watch: stop strings)
-    text: str = ""
+    # Text state, owned by the detokenizer worker (the loop creates it and passes it along, never reads it)
     detok: Any = None
     aborted: bool = False
     # Prompt logprobs (select scoring): report log p(all_ids[k]) for k >= input_logprobs_from
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
     retractions: int = 0
+    # Overlap scheduling (engine/core.py): samples launched on the device and not yet read by the host
+    num_unresolved: int = 0
+    future: Any = None  # (step, row): where the last unresolved token lives on the device
+    chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache
+    epoch: int = 0  # bumped when the host rewrites what follows (jump-forward): samples in flight go stale
 
     def __post_init__(self):
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)
@@ -69,7 +76,8 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.all_ids)
+        """Tokens of the sequence, including a sampled token the host has not read yet."""
+        return len(self.all_ids) + self.num_unresolved
 
     @property
     def num_pending(self) -> int:
@@ -82,4 +90,10 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
+        """Output tokens still allowed, counting only tokens the host knows."""
         return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finishes_on_resolve(self) -> bool:
+        """Its unresolved token is its last (max_new_tokens): scheduling it again would only be discarded."""
+        return self.num_unresolved > 0 and len(self.output_ids) + self.num_unresolved >= self.params.max_new_tokens
