@@ -171,7 +171,20 @@ class DetokenizerWorker:
     # ------------------------------------------------------------------ the unit
     def process(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> list[tuple[Any, StepOutput]]:
         """Text, stop strings and logprob token strings for a batch of outputs (in order). Mutates the states;
-        returns the outputs to deliver (those after a request's final one are dropped)."""
+        returns the outputs to deliver (those after a request's final one are dropped). Several steps of one
+        request in the batch are taken in rounds, one output per request per round, in order."""
+        rounds: list[list] = []
+        seen: dict[int, int] = {}
+        for item in items:
+            k = seen.get(id(item[0]), 0) if item[0] is not None else 0
+            if item[0] is not None:
+                seen[id(item[0])] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(item)
+        return [pair for rnd in rounds for pair in self._process_round(rnd)]
+
+    def _process_round(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> list[tuple[Any, StepOutput]]:
         live = []
         for st, sink, out in items:
             if st is not None and st.done:
