@@ -123,6 +123,10 @@ class DetokenizerWorker:
     deliver(pairs) receives [(sink, StepOutput)] on the worker thread; on_stop(req) is told which requests a stop
     string finished. process(items) is the synchronous unit, also used by tests."""
 
+    # submit() waits while more than this many steps are queued: streams lag the loop by a bounded number of
+    # steps even when the loop thread holds the GIL most of the time.
+    MAX_LAG_STEPS = 2
+
     def __init__(self, tokenizer, lock: threading.Lock | None, deliver: Callable, on_stop: Callable):
         self.tokenizer = tokenizer
         self.lock = lock or threading.Lock()
@@ -130,6 +134,8 @@ class DetokenizerWorker:
         self.on_stop = on_stop
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._queued = 0  # submissions not yet delivered
+        self._cv = threading.Condition()
 
     def start(self) -> DetokenizerWorker:
         self._thread = threading.Thread(target=self._run, name="prefixrt-detokenizer", daemon=True)
@@ -137,6 +143,10 @@ class DetokenizerWorker:
         return self
 
     def submit(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> None:
+        with self._cv:
+            if self._thread is not None:
+                self._cv.wait_for(lambda: self._queued <= self.MAX_LAG_STEPS, timeout=1.0)
+            self._queued += 1
         self._q.put(items)
 
     def close(self, timeout: float = 30.0) -> None:
@@ -151,6 +161,7 @@ class DetokenizerWorker:
             items = self._q.get()
             stop = items is None
             batch = [] if stop else list(items)
+            taken = 0 if stop else 1
             while not stop:  # take everything queued: one batched decode for all of it
                 try:
                     more = self._q.get_nowait()
@@ -160,11 +171,15 @@ class DetokenizerWorker:
                     stop = True
                 else:
                     batch.extend(more)
+                    taken += 1
             if batch:
                 try:
                     self.deliver(self.process(batch))
                 except Exception:  # never let the worker die: the callers would wait forever
                     log.exception("detokenizer worker error")
+            with self._cv:
+                self._queued -= taken
+                self._cv.notify_all()
             if stop:
                 return
 
