@@ -104,7 +104,7 @@ class ProviderHandle:
         if self._provider is not None or self.base_url is not None:
             revision = getattr(self.get(), "model_revision", None)
         elif self.model is not None:
-            from prefixrt.model.registry import resolve_model
+            from prefixrt.hub.registry import resolve_model
 
             revision = resolve_model(self.model).revision
         if not revision:
@@ -165,7 +165,7 @@ def sampling_params(options: dict[str, Any], *, what: str) -> dict[str, Any]:
 def response_format_constraint(response_format: dict | None) -> dict[str, Any]:
     """An OpenAI/lm15 response_format -> {"json_schema": ...} for constrained decoding ({} for none).
 
-    Accepts {"type": "json_object"} (any JSON object: the engine's "json_object" constraint),
+    Accepts {"type": "json_object"} (any JSON object: SamplingParams.json_object),
     {"type": "json_schema", "schema": ...} (lm15) and {"type": "json_schema", "json_schema": {"schema": ...}}
     (OpenAI). The schema is sent as given.
     """
@@ -175,7 +175,7 @@ def response_format_constraint(response_format: dict | None) -> dict[str, Any]:
     if kind == "text":
         return {}
     if kind == "json_object":
-        return {"json_schema": "json_object"}
+        return {"json_object": True}
     if kind == "json_schema":
         schema = response_format.get("schema")
         if schema is None and isinstance(response_format.get("json_schema"), dict):

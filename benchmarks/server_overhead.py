@@ -29,13 +29,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_model_dir(root: Path) -> Path:
-    sys.path.insert(0, str(REPO / "tests"))
     sys.path.insert(0, str(REPO))
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tests.conftest import CORPUS
-    from tests.model.checkpoints import save_tiny_checkpoint
+    from tests.helpers.checkpoints import save_tiny_checkpoint
+    from tests.helpers.engines import CORPUS
 
     path = root / "tiny-llama"
     save_tiny_checkpoint("llama", path)

@@ -46,7 +46,7 @@ class RAG(dspy.Module):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--base-url", default=None)
     args = ap.parse_args()
     lm = prefixrt.LM(base_url=args.base_url) if args.base_url else prefixrt.LM(args.model, max_tokens=160)

@@ -1,8 +1,8 @@
-"""Essay judge (API.md's frontend example): three forked judgments, then a graded select.
+"""Essay judge (docs/api.md's frontend example): three forked judgments, then a graded select.
 
     python examples/frontend_judge.py                                  # Gemma-3-270M in-process (CPU)
     python examples/frontend_judge.py --remote http://127.0.0.1:30000  # RemoteEngine on `prefixrt serve`
-    python examples/frontend_judge.py --base-url http://127.0.0.1:30000/v1 --model gemma-3-270m   # any OpenAI API
+    python examples/frontend_judge.py --base-url http://127.0.0.1:30000/v1 --model smollm2-135m-instruct   # any OpenAI API
 
 In-process and on RemoteEngine the program sends the same prompts, so greedy results are identical.
 """
@@ -35,7 +35,7 @@ def judge(s, essay):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--remote", help="a prefixrt serve server (RemoteEngine) instead of in-process")
     ap.add_argument("--base-url", help="an OpenAI-compatible endpoint (OpenAIBackend) instead of in-process")
     args = ap.parse_args()

@@ -30,7 +30,7 @@ def add(a: int, b: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--base-url", default=None)
     args = ap.parse_args()
 

@@ -1,7 +1,7 @@
 """Three-field extraction on an OpenAI-compatible endpoint, with and without API speculative execution.
 
     python examples/openai_extraction.py                                   # Gemma-3-270M in-process (CPU)
-    python examples/openai_extraction.py --base-url http://127.0.0.1:30000/v1 --model gemma-3-270m
+    python examples/openai_extraction.py --base-url http://127.0.0.1:30000/v1 --model smollm2-135m-instruct
 
 In-process, the `openai` client is prefixrt.openai's (same app as `prefixrt serve`, without sockets).
 Counts are the endpoint's own usage reports (against `prefixrt serve`, its /stats agree).
@@ -41,7 +41,7 @@ def extract_chat(s, doc):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--base-url")
     ap.add_argument("--chat", action="store_true", help="use /chat/completions (default: /completions); the "
                     "non-speculative run needs an endpoint that continues a partial assistant message")

@@ -1,6 +1,6 @@
 """Tree of thought: 3 levels x 3 branches of forked ideas; every fork commits its shared prefix first.
 
-    python examples/tree_of_thought.py [--model gemma-3-270m] [--levels 3] [--branches 3] [--no-hint]
+    python examples/tree_of_thought.py [--model smollm2-135m-instruct] [--levels 3] [--branches 3] [--no-hint]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prefixrt.frontend import ProviderBackend
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--levels", type=int, default=3)
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)

@@ -52,10 +52,18 @@ def _extend_kernel(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BlockSeq, BlockMb, HAS_BLOCK_MAP: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    mb = tl.program_id(2)
+    if HAS_BLOCK_MAP:  # grid [num_blocks, H]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
+        h = tl.program_id(1)
+        b = tl.load(BlockSeq + tl.program_id(0))
+        if b < 0:
+            return
+        mb = tl.load(BlockMb + tl.program_id(0))
+    else:  # grid [B, H, cdiv(max_extend_len, BLOCK_M)]
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        mb = tl.program_id(2)
     extend_len = tl.load(ExtendLens + b)
     if mb * BLOCK_M >= extend_len:
         return
@@ -145,13 +153,36 @@ def _extend_kernel(
     )
 
 
-def _config(head_dim: int, max_extend_len: int) -> dict:
+def _config(head_dim: int, max_extend_len: int, block_m: int | None = None) -> dict:
     if interpreting():
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1}
-    block_m = 128 if max_extend_len > 64 else 64
+        return {"BLOCK_M": block_m or 16, "BLOCK_N": 16, "num_warps": 1}
+    if block_m is None:
+        block_m = 128 if max_extend_len > 64 else 64
     if head_dim > 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        block_m = min(block_m, 64)
+        return {"BLOCK_M": block_m, "BLOCK_N": 32, "num_warps": 8 if block_m == 64 else 4, "num_stages": 2}
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 8 if block_m == 128 else 4, "num_stages": 2}
+
+
+def block_m_for(head_dim: int, max_extend_len: int, block_m: int | None = None) -> int:
+    """The query-block height extend_attention uses for these arguments (for building a block map)."""
+    return _config(head_dim, max_extend_len, block_m)["BLOCK_M"]
+
+
+def block_map(extend_lens: list[int], block_m: int, num_blocks: int) -> tuple[list[int], list[int]]:
+    """Host-side block map for extend_attention: (sequence, query block) of every non-empty query block,
+    padded with (-1, 0) to num_blocks entries. sum(ceil(e / block_m)) <= num_tokens / block_m + B, so
+    num_blocks = B_max + cdiv(T_max, block_m) fits every batch of at most B_max sequences and T_max tokens.
+    Raises ValueError when the batch needs more than num_blocks."""
+    seqs, mbs = [], []
+    for i, e in enumerate(extend_lens):
+        n = -(-e // block_m)
+        seqs.extend([i] * n)
+        mbs.extend(range(n))
+    if len(seqs) > num_blocks:
+        raise ValueError(f"batch needs {len(seqs)} query blocks, the map holds {num_blocks}")
+    pad = num_blocks - len(seqs)
+    return seqs + [-1] * pad, mbs + [0] * pad
 
 
 def extend_attention(
@@ -170,11 +201,18 @@ def extend_attention(
     logit_softcap: float | None = None,
     k_extend: torch.Tensor | None = None,
     v_extend: torch.Tensor | None = None,
+    block_seq: torch.Tensor | None = None,
+    block_mb: torch.Tensor | None = None,
+    block_m: int | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
     K/V contiguously and are read instead of the pool for those positions; the result is the same.
-    max_extend_len (a host int) sizes the grid; shorter sequences' extra programs exit at once."""
+    max_extend_len (a host int) sizes the grid; shorter sequences' extra programs exit at once.
+    block_seq/block_mb ([num_blocks] int32, see block_map) replace that grid by [num_blocks, H], one program
+    per listed query block (entries with block_seq < 0 exit at once): with static map buffers the grid is
+    fixed, so a CUDA graph captured once serves any batch the map fits. block_m overrides the block height
+    (pass the one the map was built with)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
@@ -184,8 +222,14 @@ def extend_attention(
         raise ValueError(f"k_extend/v_extend must both be [T, KVH, D]; got {k_extend.shape}")
     k_ext = k_extend if contiguous else k_buffer
     v_ext = v_extend if contiguous else v_buffer
-    cfg = _config(head_dim, max_extend_len)
-    grid = (batch_size, num_heads, triton.cdiv(max_extend_len, cfg["BLOCK_M"]))
+    cfg = _config(head_dim, max_extend_len, block_m)
+    has_map = block_seq is not None
+    if has_map:
+        if block_mb is None or block_m is None or cfg["BLOCK_M"] != block_m:
+            raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
+        grid = (block_seq.shape[0], num_heads)
+    else:
+        grid = (batch_size, num_heads, triton.cdiv(max_extend_len, cfg["BLOCK_M"]))
     _extend_kernel[grid](
         q, o, k_buffer, v_buffer, k_ext, v_ext, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, sm_scale, logit_softcap or 0.0, sliding_window or 0,
@@ -195,4 +239,6 @@ def extend_attention(
         HEADS_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
         CONTIGUOUS_NEW_KV=contiguous, POOL_NEEDS_CAUSAL=not contiguous, **dot_args(q.dtype), **cfg,
+        BlockSeq=block_seq if has_map else extend_lens, BlockMb=block_mb if has_map else extend_lens,
+        HAS_BLOCK_MAP=has_map,
     )  # fmt: skip

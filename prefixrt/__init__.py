@@ -1,6 +1,6 @@
 """prefixrt: an LLM runtime that treats shared prefixes as first-class.
 
-Public names are listed in __all__ and documented in docs/ and API.md; everything else is internal.
+Public names are listed in __all__ and documented in docs/ and docs/api.md; everything else is internal.
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ _LAZY = {
     "gen": ("prefixrt.frontend", "gen"),
     "select": ("prefixrt.frontend", "select"),
     "OpenAIBackend": ("prefixrt.frontend", "OpenAIBackend"),
+    "gen_int": ("prefixrt.frontend", "gen_int"),
+    "gen_string": ("prefixrt.frontend", "gen_string"),
+    "image": ("prefixrt.frontend", "image"),
+    "video": ("prefixrt.frontend", "video"),
+    "set_default_backend": ("prefixrt.frontend", "set_default_backend"),
+    "REGEX_INT": ("prefixrt.frontend", "REGEX_INT"),
+    "REGEX_FLOAT": ("prefixrt.frontend", "REGEX_FLOAT"),
+    "REGEX_BOOL": ("prefixrt.frontend", "REGEX_BOOL"),
+    "REGEX_STR": ("prefixrt.frontend", "REGEX_STR"),
+    "RuntimeEndpoint": ("prefixrt.remote", "RemoteEngine"),  # the name SGLang programs use for a server
 }
 
 __all__ = ["InvalidRequest", "Chunk", "Completion", "EngineStats", "SamplingParams", *_LAZY]

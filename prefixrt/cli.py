@@ -9,8 +9,10 @@ import sys
 
 def _generate(args: argparse.Namespace) -> int:
     from prefixrt.errors import InvalidRequest
-    from prefixrt.server.launch import build_engine
+    from prefixrt.server.launch import BASE_MODEL, CHAT_MODEL, build_engine
 
+    if args.model is None:
+        args.model = CHAT_MODEL if args.chat else BASE_MODEL
     eng = build_engine(args)
     try:
         params = {"max_new_tokens": args.max_tokens, "temperature": args.temperature}
@@ -43,7 +45,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from prefixrt.model.registry import list_models
+    from prefixrt.hub.registry import list_models
 
     rows = list_models()
     if args.json:
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     g = sub.add_parser("generate", help="one-shot generation; prints the text and cache stats")
     g.add_argument("prompt")
-    add_engine_args(g)
+    add_engine_args(g, default_model=None)  # None: the chat model with --chat, else the base model
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixrt.engine.policy import POLICIES
+POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/policy.py implements each
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Drop-in OpenAI clients backed by an in-process Engine: no server, no sockets.
 
     from prefixrt.openai import OpenAI
-    client = OpenAI(model="gemma-3-270m")          # or OpenAI(engine=eng)
-    client.chat.completions.create(model="gemma-3-270m", messages=[...])
+    client = OpenAI(model="smollm2-135m-instruct")          # or OpenAI(engine=eng)
+    client.chat.completions.create(model="smollm2-135m-instruct", messages=[...])
 
 The returned objects are real `openai.OpenAI` / `openai.AsyncOpenAI` clients; their httpx client's transport
 runs the server's own ASGI app in-process (prefixrt.server.app.create_app), so requests, responses, errors and
@@ -30,7 +30,7 @@ def _engine_and_owner(engine, model: str | None, engine_kwargs: dict):
         return engine, None
     from prefixrt.engine.engine import Engine
 
-    eng = Engine(model or "gemma-3-270m", **engine_kwargs)
+    eng = Engine(model or "smollm2-135m-instruct", **engine_kwargs)
     return eng, eng.shutdown
 
 

@@ -51,6 +51,7 @@ class Chunk:
     cached_tokens: int = 0
     completion_tokens: int = 0
     matched_stop: str | int | None = None
+    error: str | None = None  # on the last chunk of a request aborted by an internal error
 
 
 @dataclass

@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.text_checks import MAX_JSON_DEPTH, check_json_value, check_text
 
-CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices")
+CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices", "json_object")
+
+# Sampler ranges (validate() documents them). Temperatures below MIN_TEMPERATURE decode greedily (as vLLM);
+# above MAX_TEMPERATURE the distribution is uniform for any practical purpose.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+# Dividing or multiplying float32 logits by the penalty must stay finite.
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 100.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64, what torch.Generator.manual_seed accepts
 
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -29,9 +41,10 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     regex: str | None = None
-    json_schema: Any = None  # dict, JSON text, or a pydantic model class
+    json_schema: Any = None  # dict, JSON text, or a pydantic model class (prefixrt/json_schema.py)
     grammar: str | None = None
     choices: list[str] | None = None
+    json_object: bool = False  # any JSON object (OpenAI response_format json_object)
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
@@ -64,6 +77,16 @@ class SamplingParams:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        """Check every field against the range the sampler executes; normalise stop/stop_token_ids/choices.
+
+        Ranges (an out-of-range value raises InvalidRequest naming the field; NaN and infinities never pass):
+        temperature in [0, MAX_TEMPERATURE] (below MIN_TEMPERATURE it means greedy), top_p in (0, 1],
+        top_k -1 (off) or >= 1 (the sampler clamps it to the vocabulary), min_p in [0, 1], frequency and
+        presence penalties in [-2, 2], repetition_penalty in [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY],
+        seed a signed or unsigned 64-bit integer (the generator of sample i uses (seed + i) mod 2**64),
+        n in [1, 256], logprobs None or in [0, 20], max_new_tokens >= 0. Text fields must be valid Unicode
+        without NUL; a JSON schema is bounded in depth and size (text_checks).
+        """
         def need(cond: bool, msg: str, param: str):
             if not cond:
                 raise InvalidRequest(msg, param=param)
@@ -72,27 +95,42 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         def is_num(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            if not isinstance(x, (int, float)) or isinstance(x, bool):
+                return False
+            try:
+                return math.isfinite(x)
+            except OverflowError:  # an int too large for a float
+                return False
+
+        def in_range(x, lo, hi):
+            return is_num(x) and lo <= x <= hi
 
         need(is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
              f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}", "max_new_tokens")
-        need(is_num(self.temperature) and self.temperature >= 0,
-             f"temperature must be a number >= 0, got {self.temperature!r}", "temperature")
+        need(is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be an integer in [0, max_new_tokens], got {self.min_new_tokens!r}",
+             "min_new_tokens")
+        need(in_range(self.temperature, 0, MAX_TEMPERATURE),
+             f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}", "temperature")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         need(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
              f"top_k must be -1 (off) or >= 1, got {self.top_k!r}", "top_k")
-        need(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        need(in_range(self.min_p, 0, 1), f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            need(is_num(v) and -2 <= v <= 2, f"{name} must be in [-2, 2], got {v!r}", name)
-        need(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}", "repetition_penalty")
-        need(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}", "seed")
+            need(in_range(v, -2, 2), f"{name} must be in [-2, 2], got {v!r}", name)
+        need(in_range(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+             f"got {self.repetition_penalty!r}", "repetition_penalty")
+        need(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+             f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}", "seed")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
             need(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
                  "stop must be a string or a list of strings", "stop")
+            for s in self.stop:
+                check_text(s, "stop")
             self.stop = [s for s in self.stop if s]  # empty stop strings would match everywhere: drop them
         if self.stop_token_ids is not None:
             need(isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
@@ -105,36 +143,83 @@ class SamplingParams:
         need(is_int(self.priority), "priority must be an integer", "priority")
         need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt must be a string", "cache_salt")
         need(self.request_id is None or isinstance(self.request_id, str), "request_id must be a string", "request_id")
-        given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
-        need(len(given) <= 1, f"at most one of regex, json_schema, grammar, choices may be set; got {', '.join(given)}",
+        need(isinstance(self.json_object, bool), "json_object must be a boolean", "json_object")
+        if isinstance(self.json_schema, str) and self.json_schema == "json_object":  # the earlier spelling
+            self.json_schema, self.json_object = None, True
+        given = [f for f in CONSTRAINT_FIELDS if _constraint_given(self, f)]
+        need(len(given) <= 1,
+             f"at most one of regex, json_schema, grammar, choices, json_object may be set; got {', '.join(given)}",
              given[-1] if given else "regex")
+        need(not (self.min_new_tokens and given), "min_new_tokens cannot be combined with a constraint (the "
+             "constraint decides where the output ends)", "min_new_tokens")
         if self.regex is not None:
             need(isinstance(self.regex, str) and self.regex != "", "regex must be a non-empty string", "regex")
+            check_text(self.regex, "regex")
         if self.grammar is not None:
             need(isinstance(self.grammar, str) and self.grammar.strip() != "", "grammar must be a non-empty string",
                  "grammar")
+            check_text(self.grammar, "grammar")
         if self.choices is not None:
             need(isinstance(self.choices, (list, tuple)) and len(self.choices) > 0
                  and all(isinstance(c, str) and c for c in self.choices),
                  "choices must be a non-empty list of non-empty strings", "choices")
+            for c in self.choices:
+                check_text(c, "choices")
             self.choices = list(self.choices)
+        if self.json_schema is not None:
+            _check_json_schema(self.json_schema)
 
         need(self.choices_method in ("token_length_normalized", "sum", "unconditional_normalized"),
              f"choices_method must be token_length_normalized, sum or unconditional_normalized, "
              f"got {self.choices_method!r}", "choices_method")
 
+    def generator_seed(self, index: int) -> int:
+        """The torch.Generator seed of sample `index`: (seed + index) mod 2**64, always accepted by
+        torch.Generator.manual_seed."""
+        return (self.seed + index) % 2**64
+
     # ------------------------------------------------------------------ derived
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax decoding: temperature below MIN_TEMPERATURE (dividing logits by it would overflow float32
+        into NaN probabilities) or top_k == 1."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     @property
     def constraint_kind(self) -> str | None:
+        """The one constraint set ("regex" | "json_schema" | "grammar" | "choices" | "json_object"), or None."""
         for f in CONSTRAINT_FIELDS:
-            if getattr(self, f) is not None:
+            if _constraint_given(self, f):
                 return f
         return None
 
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+def _constraint_given(p: SamplingParams, name: str) -> bool:
+    value = getattr(p, name)
+    return value is True if name == "json_object" else value is not None
+
+
+def _check_json_schema(spec: Any) -> None:
+    """Depth, size and text checks of a json_schema given as a dict or JSON text (pydantic classes make their
+    own bounded schemas; other types are refused later by the constraint compiler)."""
+    if isinstance(spec, type):
+        return
+    if isinstance(spec, bytes):
+        try:
+            spec = spec.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRequest("json_schema is not valid UTF-8", param="json_schema") from None
+    if isinstance(spec, str):
+        check_text(spec, "json_schema")
+        try:
+            spec = json.loads(spec)
+        except RecursionError:
+            raise InvalidRequest(f"json_schema is nested too deeply (more than {MAX_JSON_DEPTH} levels)",
+                                 param="json_schema") from None
+        except ValueError as e:
+            raise InvalidRequest(f"json_schema is not valid JSON: {e}", param="json_schema") from None
+    check_json_value(spec, "json_schema")

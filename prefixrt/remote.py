@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from prefixrt.errors import EngineDeadError, InvalidRequest
+from prefixrt.json_schema import to_json_schema
 from prefixrt.outputs import Chunk, Completion, EngineStats
 from prefixrt.params import SamplingParams
 
@@ -33,9 +34,8 @@ def _params_dict(params: SamplingParams | dict | None) -> dict[str, Any]:
         v = getattr(p, f.name)
         if v != getattr(default, f.name):
             out[f.name] = v
-    schema = out.get("json_schema")
-    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
-        out["json_schema"] = schema.model_json_schema()
+    if isinstance(out.get("json_schema"), type):  # a pydantic model class: JSON carries its schema
+        out["json_schema"] = to_json_schema(out["json_schema"])
     return out
 
 

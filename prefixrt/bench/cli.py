@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import torch
 
-        import prefixrt
+        from prefixrt.engine.engine import Engine
 
         engine_kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                              attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"unknown baseline {b!r}")
             if b == "hf":
                 continue
-            eng = prefixrt.Engine(args.model, radix_cache=(b == "radix"), **engine_kwargs)
+            eng = Engine(args.model, radix_cache=(b == "radix"), **engine_kwargs)
             if w is None:
                 w = make_workload(args, eng.vocab_size)
             meta.update(device=str(eng.device), model=eng.model_name, dtype=str(eng._built.dtype),
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if "hf" in baselines:
             if path is None:
                 from prefixrt.engine.builder import resolve_device, resolve_dtype
-                from prefixrt.model.registry import resolve_model
+                from prefixrt.hub.registry import resolve_model
 
                 path = resolve_model(args.model).path
                 device = resolve_device(args.device)

@@ -80,9 +80,9 @@ def main(argv=None) -> None:
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    import prefixrt
+    from prefixrt.engine.engine import Engine
 
-    with prefixrt.Engine(args.model, load_format=args.load_format) as eng:
+    with Engine(args.model, load_format=args.load_format) as eng:
         run_once(eng, True, 1, 2, 2)  # warm-up (first forward passes are slower)
         rows = [run_once(eng, hint, args.levels, args.branches, args.max_tokens, dedup, args.context_repeat)
                 for dedup in (True, False) for hint in (True, False)]

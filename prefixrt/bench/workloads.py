@@ -1,4 +1,4 @@
-"""Token-level benchmark workloads (DESIGN.md): prompts are token ids, outputs have fixed lengths
+"""Token-level benchmark workloads (docs/design.md): prompts are token ids, outputs have fixed lengths
 (ignore_eos), so they run with dummy weights and any tokenizer.
 
 A workload is a list of sessions; a session is a list of turns run one after another (a turn's prompt may

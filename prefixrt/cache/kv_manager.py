@@ -22,7 +22,7 @@ from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.req_table import ReqToTokenTable
-from prefixrt.engine.request import Req
+from prefixrt.request import Req
 
 
 class KVManager:

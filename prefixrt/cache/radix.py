@@ -1,6 +1,6 @@
 """RadixCache: a radix tree over token ids whose nodes own the KV slots of their tokens.
 
-Invariants (DESIGN.md): matches compare tokens, never hashes; a lookup never changes the tree's shape (only
+Invariants (docs/design.md): matches compare tokens, never hashes; a lookup never changes the tree's shape (only
 lock and insert split nodes); every node on a matched path has its recency refreshed; only unlocked leaves
 are evicted, least recently used first, from an incremental heap (lazy deletion, compacted when stale
 entries outnumber live ones); each namespace (cache_salt) has its own root.

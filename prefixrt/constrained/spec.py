@@ -12,6 +12,7 @@ from urllib.parse import unquote
 
 from prefixrt.constrained.base import CONSTRAINT_KINDS
 from prefixrt.errors import InvalidRequest
+from prefixrt.json_schema import to_json_schema
 
 # The OpenAI `json_object` response format: any JSON object.
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
@@ -30,33 +31,6 @@ def _param_for(kind: str) -> str:
 def check_kind(kind: str) -> None:
     if kind not in CONSTRAINT_KINDS:
         raise InvalidRequest(f"unknown constraint kind {kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}")
-
-
-def load_json_schema(spec: Any) -> dict | bool:
-    """A JSON schema as a Python object, from a dict, JSON text, or a pydantic BaseModel subclass."""
-    if isinstance(spec, type):
-        schema_fn = getattr(spec, "model_json_schema", None)
-        if schema_fn is None:
-            raise InvalidRequest(
-                f"json_schema class {spec.__name__} is not a pydantic BaseModel subclass", param="json_schema"
-            )
-        try:
-            return schema_fn()
-        except Exception as e:  # pydantic raises several types for unschematizable fields
-            raise InvalidRequest(f"cannot build a JSON schema from {spec.__name__}: {e}", param="json_schema") from e
-    if isinstance(spec, (str, bytes)):
-        try:
-            spec = json.loads(spec)
-        except ValueError as e:
-            raise InvalidRequest(f"json_schema is not valid JSON: {e}", param="json_schema") from e
-    if isinstance(spec, bool):
-        return spec
-    if not isinstance(spec, dict):
-        raise InvalidRequest(
-            f"json_schema must be a JSON object (dict), JSON text or a pydantic model class, not {type(spec).__name__}",
-            param="json_schema",
-        )
-    return spec
 
 
 def check_choices(spec: Any) -> list[str]:
@@ -83,7 +57,7 @@ def canonical_spec(kind: str, spec: Any) -> str:
     if kind == "json_object":
         return ""
     if kind == "json_schema":
-        return json.dumps(load_json_schema(spec), ensure_ascii=False, separators=(",", ":"))
+        return json.dumps(to_json_schema(spec), ensure_ascii=False, separators=(",", ":"))
     if kind == "choices":
         return json.dumps(check_choices(spec), ensure_ascii=False)
     return check_text(kind, spec)

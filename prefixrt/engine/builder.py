@@ -1,4 +1,4 @@
-"""Builds an EngineCore from an EngineConfig: model, tokenizer, KV pool sizing, cache, scheduler, backend.
+"""Builds an EngineCore from an EngineConfig: model, tokenizer, KV pool sizing, cache, scheduler, attention backend.
 
 Kept apart from the front (engine.py) so that the front is only about threads and requests.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
-from prefixrt.cache.naive import NoReuseCache
+from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
@@ -25,6 +26,7 @@ from prefixrt.sampling.sampler import Sampler
 log = logging.getLogger("prefixrt")
 
 CPU_DEFAULT_KV_TOKENS = 16384
+EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
 ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept out of the KV pool for activations and graphs
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,12 +34,14 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class Built:
     core: EngineCore
+    startup: dict  # start-up report: seconds per phase, CUDA graph capture lines (printed at start-up)
     tokenizer: object
     tokenizer_lock: threading.Lock
     resolved: object  # registry.ResolvedModel
     model: object
     device: torch.device
     dtype: torch.dtype
+    owns_model: bool = False  # the builder loaded the weights (release() frees them); False when injected
 
 
 def resolve_device(device: str) -> torch.device:
@@ -53,10 +57,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def build(config: EngineConfig, progress=None) -> Built:
-    from prefixrt.model.loader import load_model
-    from prefixrt.model.registry import load_tokenizer, resolve_model
+    from prefixrt.hub.loader import load_model
+    from prefixrt.hub.registry import load_tokenizer, resolve_model
 
     say = progress or (lambda msg: log.info(msg))
+    t0 = time.perf_counter()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
@@ -68,12 +73,19 @@ def build(config: EngineConfig, progress=None) -> Built:
     tokenizer = load_tokenizer(resolved)
     say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {device}")
     model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device)
-    return assemble(config, model, tokenizer, resolved, device, dtype, say)
+    load_s = time.perf_counter() - t0
+    built = assemble(config, model, tokenizer, resolved, device, dtype, say)
+    built.owns_model = True
+    built.startup["load_s"] = load_s
+    built.startup["total_s"] = time.perf_counter() - t0
+    say(f"start-up: {built.startup['total_s']:.1f}s (weights {load_s:.1f}s)")
+    return built
 
 
 def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None) -> Built:
-    """Everything after loading: KV pool sizing, cache, scheduler, backend, core. Tests inject models here."""
+    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here."""
     say = say or (lambda msg: log.info(msg))
+    startup: dict = {"graphs": []}
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     if config.kv_cache_tokens is not None:
@@ -100,32 +112,137 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_running_requests=max_running,
         aging_s=config.aging_s,
     ))
-    backend = make_attention_backend(config.attention_backend, pool, device, max_running)
+    attention = make_attention_backend(config.attention_backend, pool, device, max_running)
     from prefixrt.model.runner import ModelRunner
 
-    runner = ModelRunner(model, pool, backend)
-    if config.cuda_graph and device.type == "cuda" and config.attention_backend != "torch":
-        pad_row = table.alloc_row()  # never freed: stays all zeros, read by padded graph rows
-        say(f"capturing decode CUDA graphs (batch sizes up to {max_running})")
-        try:
-            runner.capture_decode_graphs(table.table, pad_row, max_running, max_context)
-        except Exception as e:  # keep serving, eagerly, and say so loudly
-            runner.graphs = None
-            log.warning("CUDA graph capture failed, decoding eagerly: %s", e, exc_info=True)
-            print(f"WARNING: CUDA graph capture failed, decoding eagerly: {e}", flush=True)
+    runner = ModelRunner(model, pool, attention)
+    triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
+    pad_row = table.alloc_row() if triton_on_gpu else None  # never freed: stays all zeros (padding reads it)
+    if triton_on_gpu:
+        t = time.perf_counter()
+        startup["warm_up_s"] = runner.warm_up(warm_up_batches(table.table, pad_row, max_context, max_running,
+                                                              config.chunked_prefill_tokens, device))
+        say(f"kernels warmed up for long-prefix EXTEND shapes in {time.perf_counter() - t:.1f}s")
+    if config.cuda_graph and triton_on_gpu:
+        say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
+            f"{EXTEND_GRAPH_TOKENS} tokens)")
+        t = time.perf_counter()
+        for extend_tokens in (EXTEND_GRAPH_TOKENS, 0):  # on failure, decode graphs alone, then eager
+            try:
+                startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
+                                                          max_extend_tokens=extend_tokens)
+                break
+            except Exception as e:  # keep serving, eagerly, and say so loudly
+                runner.release_graphs()
+                what = "EXTEND graphs" if extend_tokens else "decode graphs"
+                log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
+                print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}", flush=True)
+        startup["capture_s"] = time.perf_counter() - t
+        for line in startup["graphs"]:
+            say(line)
     eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
                  | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
-    grammar = None
     try:
-        from prefixrt.constrained import logits as grammar  # noqa: F811
+        from prefixrt.constrained import logits as bitmask_ops
     except ImportError:
-        grammar = None
+        bitmask_ops = None
     core = EngineCore(
         runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size,
-        max_context, device, debug=config.debug, grammar=grammar, overlap=config.overlap_schedule,
+        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops, overlap=config.overlap_schedule,
     )
-    return Built(core, tokenizer, lock, resolved, model, device, dtype)
+    return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
+
+
+def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, max_running: int,
+                    chunk_tokens: int, device: torch.device) -> list:
+    """Eager EXTEND batches with the shapes a served workload hits outside the graphs (a long prefill
+    chunk; many sequences with short extends over long cached prefixes), so their kernel variants compile
+    and their activation memory is reserved at start-up, not inside a user's request. They read and write
+    only the padding slot 0 through the all-zero pad_row."""
+    from prefixrt.model.forward_batch import ForwardBatch
+
+    out = []
+    chunk = max(1, min(chunk_tokens, max_context - 1))
+    shapes = [(1, 0, chunk)]  # (sequences, cached prefix, new tokens each): a whole prefill chunk
+    n_seqs = min(max_running, max(1, (EXTEND_GRAPH_TOKENS + 64) // 60))
+    prefix = min(3500, max_context - 61)
+    if prefix > 0:
+        shapes.append((1, prefix, min(100, max_context - prefix - 1)))  # hot prefix, tall query blocks
+        shapes.append((n_seqs, prefix, min(60, max_context - prefix - 1)))  # many short extends
+    for n, p, e in shapes:
+        if e < 1:
+            continue
+        tokens = [[0] * e for _ in range(n)]
+        ends = [(i + 1) * e - 1 for i in range(n)]
+        out.append(ForwardBatch.build(
+            req_pool_indices=[pad_row] * n, prefix_lens=[p] * n, extend_tokens=tokens,
+            out_cache_loc=[0] * (n * e), req_to_token=req_to_token, logits_indices=ends, device=device,
+        ))
+    return out
+
+
+def release(built: Built) -> None:
+    """Free every device allocation the engine made (graphs and their pool, KV pool, request table,
+    workspaces, and the weights when the builder loaded them). The engine is unusable afterwards; call only
+    once its loop has stopped. CPU engines are left alone (their memory goes with the objects)."""
+    core = built.core
+    if core is None or built.device.type == "cpu":
+        return
+    runner = core.runner
+    runner.release_graphs()
+    seen: set[int] = set()
+    if not built.owns_model:
+        seen.add(id(built.model))  # injected (a test's): not ours to free
+    for root in (core, built.model, runner, runner.attn_backend, core.kv, core.scheduler, core.sampler):
+        _drop_device_tensors(root, seen)
+    if built.device.type == "cuda":
+        torch.cuda.synchronize(built.device)
+        clear_blas_workspaces()
+        torch.cuda.empty_cache()
+
+
+def clear_blas_workspaces() -> None:
+    """cuBLAS keeps a workspace per stream it ran on (graph capture uses its own stream): drop them."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
+def _drop_device_tensors(obj, seen: set[int], depth: int = 0) -> None:
+    """Replace every non-CPU tensor reachable through prefixrt objects' attributes, lists and dicts (and
+    torch modules' parameters and buffers) by an empty CPU tensor."""
+    if id(obj) in seen or depth > 12:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.nn.Module):
+        obj.to("meta")
+    items = None
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, list):
+        items = list(enumerate(obj))
+    elif hasattr(obj, "__dict__") and (type(obj).__module__.startswith("prefixrt")
+                                       or isinstance(obj, torch.nn.Module)):
+        items = list(vars(obj).items())
+    if items is None:
+        return
+    for key, value in items:
+        new = None
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            new = torch.empty(0, dtype=value.dtype)
+        elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in value):
+            new = tuple(torch.empty(0, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for v in value)
+        if new is not None:
+            if isinstance(obj, (dict, list)):
+                obj[key] = new
+            else:
+                try:
+                    object.__setattr__(obj, key, new)
+                except Exception:  # a slot or property: nothing to drop there
+                    pass
+        elif isinstance(value, (dict, list)) or hasattr(value, "__dict__"):
+            _drop_device_tensors(value, seen, depth + 1)
 
 
 def make_attention_backend(name: str, pool: KVPool, device: torch.device, max_batch: int):

@@ -39,12 +39,12 @@ import torch
 
 from prefixrt.engine import postprocess
 from prefixrt.engine.detokenizer import DetokState
-from prefixrt.engine.request import Req
 from prefixrt.engine.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.stream import RequestStream
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
-from prefixrt.sampling.sampler import DeviceSample, Sampler
+from prefixrt.request import Req
+from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
 
 log = logging.getLogger("prefixrt")
 
@@ -77,6 +77,17 @@ class StepFence:
 
 
 @dataclass
+class _HostSample:
+    """A step's samples already on the host (the row-by-row fallback): DeviceSample's interface."""
+
+    token_ids: torch.Tensor  # [B] int64 on the device, for the next step's unresolved inputs
+    out: SampleOutput
+
+    def read(self) -> SampleOutput:
+        return self.out
+
+
+@dataclass
 class Step:
     """One launched forward and what the host needs to finish it."""
 
@@ -86,7 +97,7 @@ class Step:
     epochs: list[int]  # their Req.epoch at launch: a later change marks the row stale
     fence: StepFence
     logits: torch.Tensor | None = None  # [len(sampled), V] until sample()
-    result: DeviceSample | None = None
+    result: DeviceSample | _HostSample | None = None
     live: list[bool] = field(default_factory=list)  # rows sampled for real (not stale, not finished)
 
 
@@ -101,7 +112,7 @@ class EngineCore:
         max_context: int,
         device: torch.device,
         debug: bool = False,
-        grammar=None,
+        bitmask_ops=None,
         overlap: bool = True,
     ):
         self.runner = runner
@@ -114,7 +125,7 @@ class EngineCore:
         self.device = device
         self.debug = debug
         self.overlap = overlap
-        self.grammar = grammar  # module-like object with allocate_bitmask / apply_token_bitmask, or None
+        self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
@@ -134,11 +145,15 @@ class EngineCore:
         self.stats.requests_total += 1
         for r in reqs:
             p = r.params
-            if p.seed is not None:
-                r.generator = self.sampler.make_generator(p.seed + r.index)
-            if self.detokenizer is not None and (p.detokenize or p.stop or p.logprobs is not None):
-                r.detok = DetokState(r, p.stop, p.skip_special_tokens, p.detokenize)
-            self.scheduler.add(r)
+            try:
+                if p.seed is not None:
+                    r.generator = self.sampler.make_generator(p.generator_seed(r.index))
+                if self.detokenizer is not None and (p.detokenize or p.stop or p.logprobs is not None):
+                    r.detok = DetokState(r, p.stop, p.skip_special_tokens, p.detokenize)
+                self.scheduler.add(r)
+            except Exception as e:  # registered but not runnable: finish it now, never leave it hanging
+                log.error("request %s could not be added: %s", r.rid, traceback.format_exc())
+                self._finish(r, "abort", error=f"internal error adding the request: {e}")
 
     def abort(self, rid: str, reason: str = "abort", error: str | None = None) -> None:
         for r in list(self.requests.get(rid, [])):
@@ -249,8 +264,8 @@ class EngineCore:
             if s and r.params.max_new_tokens > 0:
                 ends.append(acc - 1)
                 sampled.append(r)
-            if r.num_cached_tokens is not None and not getattr(r, "_counted", False):
-                r._counted = True
+            if r.num_cached_tokens is not None and not r.prompt_counted:
+                r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
         step = Step(batch, [r.row for r in batch.reqs], sampled, [r.epoch for r in sampled], StepFence(self.device))
@@ -303,31 +318,44 @@ class EngineCore:
         start the host copies, record the step's fence."""
         if step.sampled:
             step.live = [r.finish_reason is None and r.epoch == e for r, e in zip(step.sampled, step.epochs)]
-            try:
-                step.result = self.sampler.sample_on_device(step.logits, step.sampled,
-                                                            self._mask_fn(step.sampled, step.live), step.live)
-            except Exception as e:
-                log.error("sampling failed: %s", traceback.format_exc())
-                for r, ok in zip(step.sampled, step.live):
-                    if ok:
-                        self._finish(r, "abort", error=f"internal error in sampling: {e}")
-                step.result = None
+            step.result = self._sample(step.logits, step.sampled, step.live)
         step.logits = None
         step.fence.record()
 
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], live: list[bool]) -> DeviceSample | _HostSample:
+        """Sample the batch on the device. If that raises, its rows are sampled one by one (synchronously): the
+        failing request(s) are aborted with the error, their neighbours go on. Rows of an aborted request and
+        stale rows are marked not live."""
+        try:
+            return self.sampler.sample_on_device(logits, reqs, self._mask_fn(reqs, live), self.eos_token_ids, live)
+        except Exception:
+            log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
+        toks, lps = [0] * len(reqs), [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if not live[i]:
+                continue
+            try:
+                one = self.sampler.sample(logits[i: i + 1], [r], self._mask_fn([r], [True]), self.eos_token_ids)
+                toks[i], lps[i] = one.token_ids[0], one.logprobs[0]
+            except Exception as e:
+                log.error("sampling failed for %s: %s", r.rid, traceback.format_exc())
+                self._finish(r, "abort", error=f"internal error in sampling: {e}")
+                live[i] = False
+        return _HostSample(torch.tensor(toks, dtype=torch.int64, device=logits.device), SampleOutput(toks, lps))
+
     def _mask_fn(self, reqs: list[Req], live: list[bool]):
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and live[i]]
-        if not rows or self.grammar is None:
+        if not rows or self.bitmask_ops is None:
             return None
 
         def apply(logits: torch.Tensor) -> None:
-            bitmask = self.grammar.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
+            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
             if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
                 self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             else:
                 for i in rows:
                     reqs[i].matcher.fill_bitmask(bitmask, i)
-            self.grammar.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+            self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
         return apply
 
@@ -347,7 +375,7 @@ class EngineCore:
                 self._post_process(r, out.token_ids[i], out.logprobs[i], now)
             except Exception as e:
                 log.error("post-processing failed: %s", traceback.format_exc())
-                self._finish(r, "abort", error=f"internal error: {e}")
+                self._finish(r, "abort", error=f"internal error in post-processing: {e}")
         b = step.batch
         for r, row, p, n, s in zip(b.reqs, step.rows, b.prefix_lens, b.num_tokens, b.sample):
             if r.chunk_step is step:

@@ -1,4 +1,4 @@
-"""Engine: the in-process front of prefixrt (API.md). Thread-safe and asyncio-friendly.
+"""Engine: the in-process front of prefixrt (docs/api.md). Thread-safe and asyncio-friendly.
 
 Callers' threads tokenize, validate and compile grammars (so a bad request fails in the caller and the loop
 never sees it), then hand requests to the scheduler loop through an inbox. The loop runs EngineCore.step()
@@ -22,17 +22,17 @@ from prefixrt.config import EngineConfig
 from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
 from prefixrt.engine.postprocess import jump_forward
-from prefixrt.engine.request import Req
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
+from prefixrt.request import Req
 
 log = logging.getLogger("prefixrt")
 
 
 class Engine(EngineFront):
-    """See API.md. `Engine(model="gemma-3-270m", ...)`; use as a context manager or call shutdown()."""
+    """See docs/api.md. `Engine(model="gemma-3-270m", ...)`; use as a context manager or call shutdown()."""
 
     def __init__(self, model: str = "gemma-3-270m", **kwargs: Any):
         progress = kwargs.pop("progress", None)
@@ -55,8 +55,8 @@ class Engine(EngineFront):
         self.vocab_size = built.model.vocab_size
         self.max_context = self.core.max_context
         self.kv_total_tokens = self.core.kv.total_tokens
-        self._grammar = None
-        self._grammar_lock = threading.Lock()
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
         core = self.core
         # Text, stop strings and logprob strings leave the loop: the worker delivers through core.deliver (which
         # the engine process replaces) and tells the loop when a stop string ended a request.
@@ -130,7 +130,7 @@ class Engine(EngineFront):
             self.core.abort(rid)
         self.core.drain()
 
-    def _call(self, fn, timeout: float | None = 60.0):
+    def _run_on_loop(self, fn, timeout: float | None = 60.0):
         """Run fn on the loop thread (between steps) and return its result."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
@@ -141,25 +141,23 @@ class Engine(EngineFront):
     # ------------------------------------------------------------------ submission
     def grammar_compiler(self):
         """The engine's GrammarCompiler (built on first use: the backend's vocab tables take ~1 s)."""
-        with self._grammar_lock:
-            if self._grammar is None:
+        with self._compiler_lock:
+            if self._compiler is None:
                 import os
 
                 from prefixrt.constrained import GrammarCompiler, make_backend
 
                 opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))} \
                     if self.config.grammar_backend == "llguidance" else {}
-                backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
+                grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
                                        sorted(self.core.eos_token_ids), **opts)
-                self._grammar = GrammarCompiler(backend, timeout_s=self.config.grammar_timeout_s)
-                self.core.grammar_backend = backend
-            return self._grammar
+                self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
+                self.core.grammar_backend = grammar_backend
+            return self._compiler
 
     def _compile(self, p: SamplingParams):
         kind = p.constraint_kind
-        spec = getattr(p, kind)
-        if kind == "json_schema" and spec == "json_object":
-            kind, spec = "json_object", None
+        spec = None if kind == "json_object" else getattr(p, kind)
         return self.grammar_compiler().compile(kind, spec)
 
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, sink=None, **req_fields):
@@ -195,7 +193,7 @@ class Engine(EngineFront):
         ids = self._tokenize(prompt)
         base = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
         self._validate_ids(ids, base)
-        hit = self._call(lambda: self.core.kv.cache.match_prefix(ids, cache_salt, max_len=len(ids) - 1).length)
+        hit = self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, cache_salt, max_len=len(ids) - 1).length)
         if self.config.radix_cache:
             self.cache_prefix(ids, cache_salt)
         subs = [self._submit(ids + cont, base, input_logprobs_from=len(ids)) for cont in continuations]
@@ -242,7 +240,7 @@ class Engine(EngineFront):
         params = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
         rid, stream, ids, p = self._submit(prompt, params)
         self._wait(rid, stream, ids, p)
-        return self._call(lambda: self.core.kv.cache.match_prefix(ids, cache_salt).length)
+        return self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, cache_salt).length)
 
     def abort(self, request_id: str) -> None:
         if not self._stopped:
@@ -251,19 +249,19 @@ class Engine(EngineFront):
     def stats(self) -> EngineStats:
         if self._stopped or not self._thread.is_alive():
             return self.core.snapshot_stats()
-        return self._call(self.core.snapshot_stats)
+        return self._run_on_loop(self.core.snapshot_stats)
 
     def flush_cache(self) -> None:
-        self._call(self.core.kv.flush)
+        self._run_on_loop(self.core.kv.flush)
 
     def check_integrity(self) -> None:
         """Debug: verify KV accounting now (on the loop thread)."""
-        self._call(self.core.kv.check_integrity)
+        self._run_on_loop(self.core.kv.check_integrity)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until no request is waiting or running."""
         deadline = time.monotonic() + timeout
-        while self._call(lambda: self.core.has_work):
+        while self._run_on_loop(lambda: self.core.has_work):
             if time.monotonic() > deadline:
                 raise TimeoutError("engine did not become idle")
             time.sleep(0.01)
@@ -275,6 +273,10 @@ class Engine(EngineFront):
         self._thread.join(timeout=30)
         self.core.detokenizer.close()
         self._stopped = True
+        if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
+            from prefixrt.engine import builder
+
+            builder.release(self._built)
 
     def __enter__(self):
         return self

@@ -17,6 +17,7 @@ from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import SamplingParams
+from prefixrt.text_checks import check_json_value, check_text
 
 
 class EngineFront:
@@ -53,6 +54,7 @@ class EngineFront:
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequest("prompt is empty", param="prompt")
+            check_text(prompt, "prompt")
             with self._tok_lock:
                 return tok.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -70,6 +72,7 @@ class EngineFront:
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
+        check_json_value(messages, "messages")  # every string valid Unicode without NUL; bounded nesting
         tok = self._tokenizer
         if not getattr(tok, "chat_template", None):
             raise InvalidRequest(f"model {self.model_name!r} has no chat template; send a text prompt",
@@ -251,7 +254,7 @@ class _ChunkState:
         return Chunk(
             request_id=rid, text=text, token_ids=list(ev.token_ids), finish_reason=ev.finish_reason, index=i,
             logprobs=ev.logprobs, prompt_tokens=len(self.ids), cached_tokens=ev.cached_tokens,
-            completion_tokens=self.counts[i], matched_stop=ev.matched_stop,
+            completion_tokens=self.counts[i], matched_stop=ev.matched_stop, error=ev.error,
         )
 
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefixrt.cache.base import MatchResult
-from prefixrt.engine.request import Req
-
-POLICIES = ("lpm", "dfs", "fcfs")
+from prefixrt.config import POLICIES
+from prefixrt.request import Req
 
 
 def order_waiting(

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixrt.engine.request import Req
 from prefixrt.engine.stream import StepOutput
+from prefixrt.request import Req
 
 
 @dataclass

@@ -44,6 +44,7 @@ from typing import Any
 from prefixrt.engine.front import EngineFront
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import EngineDeadError, InvalidRequest
+from prefixrt.json_schema import to_json_schema
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
 
@@ -192,9 +193,8 @@ class ProcessEngine(EngineFront):
         p = SamplingParams.coerce(params)
         ids = self._tokenize(prompt)
         self._validate_ids(ids, p)
-        schema = p.json_schema
-        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic class: send its schema
-            p = dataclasses.replace(p, json_schema=schema.model_json_schema())
+        if isinstance(p.json_schema, type):  # a pydantic class: send its schema, not the class
+            p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
         if rid in self._streams:
             raise InvalidRequest(f"request_id {rid!r} is already in flight", param="request_id")
@@ -391,7 +391,7 @@ class _EngineServer:
 def _metrics_for(engine):
     """The engine's Prometheus metrics, installed at start so the latency histograms see every request."""
     try:
-        from prefixrt.server.metrics import Metrics
+        from prefixrt.engine.metrics import Metrics
     except ImportError:
         return None
     return Metrics.for_engine(engine)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.engine.policy import order_waiting
-from prefixrt.engine.request import Req, ReqState
+from prefixrt.request import Req, ReqState
 
 # Hold back a waiting request when it shares at least this many uncached tokens with a request that is
 # prefilling them now: cheaper to wait a step than to compute them twice.

@@ -1,6 +1,6 @@
 """Backends: where a program's gen/select/fork-hint calls go.
 
-`Backend` is the small interface the interpreter needs. `ProviderBackend` runs programs on any
+`ProgramBackend` is the small interface the interpreter needs. `ProviderBackend` runs programs on any
 `prefixrt.Provider` (Engine, RemoteEngine) with prefix hints; `OpenAIBackend` (openai_backend.py) runs them on a
 black-box OpenAI-compatible endpoint with API speculative execution.
 """
@@ -13,8 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixrt.errors import InvalidRequest
 from prefixrt.frontend.chat_format import ChatFormat, Message, Piece, PlainFormat, TemplateFormat
-from prefixrt.frontend.ir import Expr, Gen
+from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_FLOAT, REGEX_STR, Gen
 from prefixrt.frontend.select import ChoiceScores, choose, score_choices
 
 
@@ -25,6 +26,7 @@ class Context:
     pieces: list[Piece]
     open_role: str | None = None
     partial: str = ""  # content of the open role block so far
+    partial_media: list = field(default_factory=list)  # (offset in partial, ir.Media) of the open block
 
     def messages(self) -> list[dict]:
         """Completed chat messages (the open block is not included)."""
@@ -33,9 +35,9 @@ class Context:
 
 @dataclass
 class SamplingArgs:
-    """A gen's sampling parameters after the run's defaults were applied."""
+    """A gen's sampling parameters after the run's defaults were applied. `extra`: GEN_SAMPLING fields."""
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float
     top_p: float = 1.0
     stop: list[str] | None = None
@@ -43,15 +45,38 @@ class SamplingArgs:
     json_schema: Any = None
     choices: list[str] | None = None
     extra: dict = field(default_factory=dict)
+    min_tokens: int | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.regex is not None or self.json_schema is not None or self.choices is not None
 
     @classmethod
     def resolve(cls, g: Gen, defaults: dict) -> SamplingArgs:
+        max_tokens = g.max_tokens if g.max_tokens is not None else defaults.get("max_new_tokens", 128)
+        stop = g.stop if g.stop is not None else defaults.get("stop")
+        regex = bounded_regex(g.regex, max_tokens)
+        extra = {k: defaults[k] for k in GEN_SAMPLING if defaults.get(k) is not None}
+        extra.update(g.extra)
         return cls(
-            max_tokens=g.max_tokens if g.max_tokens is not None else defaults.get("max_new_tokens", 128),
+            max_tokens=max_tokens,
             temperature=g.temperature if g.temperature is not None else defaults.get("temperature", 1.0),
             top_p=g.top_p if g.top_p is not None else defaults.get("top_p", 1.0),
-            stop=g.stop, regex=g.regex, json_schema=g.json_schema, choices=g.choices, extra=dict(g.extra),
+            stop=[stop] if isinstance(stop, str) else (list(stop) if stop else None),
+            regex=regex, json_schema=g.json_schema, choices=g.choices, extra=extra, min_tokens=g.min_tokens,
         )
+
+
+def bounded_regex(regex: str | None, max_tokens: int) -> str | None:
+    """REGEX_STR and REGEX_FLOAT made to always complete within max_tokens (every token adds at least one
+    character): a string of at most max_tokens - 2 characters inside its quotes; a float whose integer and
+    fraction parts leave room for the digit after its point. Other regexes are returned unchanged."""
+    if regex == REGEX_STR:
+        return REGEX_STR[:-2] + "{0,%d}" % max(0, max_tokens - 2) + '"'  # noqa: UP031
+    if regex == REGEX_FLOAT and max_tokens >= 4:
+        k = max(1, (max_tokens - 3) // 2)
+        return r"-?[0-9]{1,%d}(\.[0-9]{1,%d})?[ \n]?" % (k, k)  # noqa: UP031
+    return regex
 
 
 @dataclass
@@ -60,6 +85,7 @@ class GenResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -71,15 +97,57 @@ class SelectResult:
     cached_tokens: int = 0
 
 
+@dataclass
+class SpecText:
+    """The answer of a speculative call: `text` continues the context (None: the reply does not, e.g. a chat
+    reply that does not begin with the assistant block's literal text), `ended` it stopped by itself.
+    whole_block: the call answers the whole role block (a chat reply), so a second guess in the same block
+    would get the same reply."""
+
+    text: str | None
+    ended: bool
+    result: GenResult
+    whole_block: bool = False
+
+
+class TokenUsage:
+    """Tokens and calls a backend has spent (cumulative, thread-safe); `reset()` starts over."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.num_calls = 0
+            self.prompt_tokens = 0
+            self.completion_tokens = 0
+            self.cached_tokens = 0
+
+    def add(self, prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0, calls: int = 1):
+        with self._lock:
+            self.num_calls += calls
+            self.prompt_tokens += prompt_tokens or 0
+            self.completion_tokens += completion_tokens or 0
+            self.cached_tokens += cached_tokens or 0
+
+    def __repr__(self) -> str:
+        return (f"TokenUsage(calls={self.num_calls}, prompt={self.prompt_tokens}, "
+                f"completion={self.completion_tokens}, cached={self.cached_tokens})")
+
+
 class BackendError(RuntimeError):
     """The backend failed or refused a call (the message says which call and why)."""
 
 
-class Backend(ABC):
-    """What the interpreter calls. Implementations must be thread-safe: every state's stream calls them."""
+class ProgramBackend(ABC):
+    """Where a program runs: what the interpreter calls for gen/select/fork hints (not an attention or
+    grammar backend; those are AttentionBackend and GrammarBackend). Implementations must be thread-safe:
+    every state's stream calls them. `token_usage` counts every call the backend makes to its model."""
 
     chat_format: ChatFormat = PlainFormat()
     speculative_tokens: int = 0
+    token_usage: TokenUsage
 
     def render(self, ctx: Context) -> str:
         return self.chat_format.render(ctx.pieces, ctx.open_role, ctx.partial)
@@ -89,8 +157,28 @@ class Backend(ABC):
         """Generate a continuation of ctx. Raises BackendError on failure."""
 
     @abstractmethod
-    def select(self, ctx: Context, choices: list[str]) -> SelectResult:
-        """Pick the best continuation of ctx among choices."""
+    def select(self, ctx: Context, choices: list[str], method: str | None = None) -> SelectResult:
+        """Pick the best continuation of ctx among choices. method: a choices_method, None for the backend's."""
+
+    def generate_stream(self, ctx: Context, args: SamplingArgs, on_text: Callable[[str], None]) -> GenResult:
+        """generate(), calling on_text(delta) with each new piece of text as it is produced; the deltas add up
+        to the result's text. Default: one delta, the whole text."""
+        res = self.generate(ctx, args)
+        on_text(res.text)
+        return res
+
+    def generate_many(self, calls: list[tuple[Context, SamplingArgs]]) -> list[GenResult]:
+        """Independent gens submitted together (compiled programs). Default: concurrent generate() calls."""
+        if len(calls) == 1:
+            return [self.generate(*calls[0])]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            return list(pool.map(lambda c: self.generate(*c), calls))
+
+    def check_media(self, kind: str) -> None:
+        """Raise InvalidRequest unless the model takes `kind` ("image" | "video") inputs."""
+        raise InvalidRequest(f"{type(self).__name__} does not take {kind} inputs")
 
     def cache_prefix(self, ctx: Context) -> int:
         """Prefix hint: make ctx's prompt cached before several requests extend it. Returns cached tokens."""
@@ -102,10 +190,9 @@ class Backend(ABC):
         n = self.cache_prefix(ctx)
         return lambda: n
 
-    def speculate(self, ctx: Context, items: list[Expr], defaults: dict) -> list[GenResult] | None:
-        """API speculative execution: values for the leading gens of `items` (the Text/Gen run that follows
-        ctx, starting with a Gen) from one call. None: declined, no call made. A list (maybe shorter than the
-        number of gens, maybe empty): the interpreter runs the unmatched remainder as separate calls."""
+    def speculate(self, ctx: Context, max_tokens: int, args: SamplingArgs) -> SpecText | None:
+        """API speculative execution: one call for up to max_tokens tokens continuing ctx, without stop strings,
+        sampled as `args`. None: declined, no call made (the default: only API backends speculate)."""
         return None
 
 
@@ -119,7 +206,7 @@ def _in_process(provider) -> bool:
     return isinstance(provider, Engine)
 
 
-class ProviderBackend(Backend):
+class ProviderBackend(ProgramBackend):
     """Runs programs on a prefixrt Provider (Engine in-process, RemoteEngine over HTTP).
 
     Prompts are sent as token ids when a tokenizer is known (the provider's own, or `tokenizer=`), so prefix
@@ -152,6 +239,7 @@ class ProviderBackend(Backend):
         self._tok_lock = threading.Lock()
         self._engine_choices_ok: bool | None = None  # learnt on first select in "auto"
         self._in_process = _in_process(provider)
+        self.token_usage = TokenUsage()
         if self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
             self.chat_format = TemplateFormat(self.tokenizer, self._tok_lock)
         else:
@@ -196,11 +284,14 @@ class ProviderBackend(Backend):
                   regex=args.regex, json_schema=args.json_schema, choices=args.choices)
         if args.choices is not None:
             kw["choices_method"] = self.normalization
+        if args.min_tokens:
+            kw["min_new_tokens"] = args.min_tokens
         kw.update(args.extra)
         kw.update(over)
         return SamplingParams(**kw)
 
-    def _call(self, prompt, params):
+    def _generate_or_raise(self, prompt, params):
+        """provider.generate, with failures and aborted completions raised as BackendError."""
         try:
             out = self.provider.generate(prompt, params)
         except Exception as e:
@@ -208,12 +299,53 @@ class ProviderBackend(Backend):
         for c in out if isinstance(out, list) else [out]:
             if c.finish_reason == "abort":
                 raise BackendError(f"request {c.request_id} was aborted: {c.error or 'no reason given'}")
+            self.token_usage.add(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         return out
 
-    # ------------------------------------------------------------------ Backend
+    # ------------------------------------------------------------------ ProgramBackend
     def generate(self, ctx: Context, args: SamplingArgs) -> GenResult:
-        c = self._call(self.prompt(ctx), self._params(args))
-        return GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason)
+        c = self._generate_or_raise(self.prompt(ctx), self._params(args))
+        return GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason, c.completion_tokens)
+
+    def generate_stream(self, ctx: Context, args: SamplingArgs, on_text: Callable[[str], None]) -> GenResult:
+        prompt, params = self.prompt(ctx), self._params(args)
+        text, last = [], None
+        try:
+            for chunk in self.provider.stream(prompt, params):
+                last = chunk
+                if chunk.finish_reason == "abort":
+                    raise BackendError(f"request {chunk.request_id} was aborted")
+                if chunk.text:
+                    text.append(chunk.text)
+                    on_text(chunk.text)
+        except BackendError:
+            raise
+        except Exception as e:
+            raise BackendError(f"{type(e).__name__}: {e}") from e
+        if last is None:
+            raise BackendError("the stream ended without output")
+        self.token_usage.add(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        return GenResult("".join(text), last.prompt_tokens, last.cached_tokens, last.finish_reason,
+                         last.completion_tokens)
+
+    def generate_many(self, calls: list[tuple[Context, SamplingArgs]]) -> list[GenResult]:
+        """One provider call per group of gens with the same sampling parameters (the engine schedules the
+        group's prompts together)."""
+        groups: dict[str, list[int]] = {}
+        params = [self._params(args) for _, args in calls]
+        for i, p in enumerate(params):
+            groups.setdefault(repr(p), []).append(i)
+        out: list[GenResult | None] = [None] * len(calls)
+        for idx in groups.values():
+            prompts = [self.prompt(calls[i][0]) for i in idx]
+            res = self._generate_or_raise(prompts if len(prompts) > 1 else prompts[0], params[idx[0]])
+            for i, c in zip(idx, res if isinstance(res, list) else [res]):
+                out[i] = GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason, c.completion_tokens)
+        return out
+
+    def check_media(self, kind: str) -> None:
+        raise InvalidRequest(f"model {self.model_name!r} is a text-only model: {kind}() inputs need a multimodal "
+                             f"model (one with an image processor)", param=kind)
 
     def cache_prefix(self, ctx: Context) -> int:
         if not self.prefix_hints:
@@ -257,36 +389,37 @@ class ProviderBackend(Backend):
         except Exception as e:
             raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
 
-    def select(self, ctx: Context, choices: list[str]) -> SelectResult:
+    def select(self, ctx: Context, choices: list[str], method: str | None = None) -> SelectResult:
         prompt = self.prompt(ctx)
+        normalization = method or self.normalization
         if self.select_method in ("auto", "engine") and self._engine_choices_ok is not False:
-            res = self._select_by_engine(prompt, choices)
+            res = self._select_by_engine(prompt, choices, normalization)
             if res is not None:
                 return res
             if self.select_method == "engine":
                 raise BackendError("the provider does not report choice scores for `choices` requests")
-        if self.normalization == "unconditional_normalized":
+        if normalization == "unconditional_normalized":
             raise BackendError("unconditional_normalized needs the provider's choice scoring")
         if self.tokenizer is None:
             raise BackendError("select needs either the engine's choice scores or a tokenizer to score choices")
         text = self.render(ctx)
         choice_ids = [self._choice_ids(text, prompt, c) for c in choices]
         try:
-            scores = score_choices(self.provider, prompt, choice_ids, self.normalization,
+            scores = score_choices(self.provider, prompt, choice_ids, normalization,
                                    prefix_hint=self.prefix_hints)
         except Exception as e:
             raise BackendError(f"select failed: {type(e).__name__}: {e}") from e
         return self._result(choices, scores, "logprobs")
 
     # ------------------------------------------------------------------ select scoring sources
-    def _select_by_engine(self, prompt, choices: list[str]) -> SelectResult | None:
+    def _select_by_engine(self, prompt, choices: list[str], normalization: str) -> SelectResult | None:
         """The provider's `choices` request: every choice scored from its token logprobs after the prompt
         (prefilled once), the best returned with each choice's score. None if the provider cannot."""
         from prefixrt.errors import InvalidRequest
 
         try:
             c = self.provider.generate(prompt, self._params(
-                SamplingArgs(max_tokens=1, temperature=0.0, choices=choices)))
+                SamplingArgs(max_tokens=1, temperature=0.0, choices=choices), choices_method=normalization))
         except (ImportError, NotImplementedError, InvalidRequest) as e:
             if self.select_method == "engine":
                 raise BackendError(f"select failed: {type(e).__name__}: {e}") from e
@@ -300,6 +433,7 @@ class ProviderBackend(Backend):
             self._engine_choices_ok = False
             return None
         self._engine_choices_ok = True
+        self.token_usage.add(c.prompt_tokens, c.completion_tokens, c.cached_tokens)
         scores = ChoiceScores([c.choice_scores[ch] for ch in choices], approximate=False,
                               token_logprobs=c.choice_logprobs)
         return self._result(choices, scores, "engine", c.prompt_tokens, c.cached_tokens)
@@ -319,3 +453,37 @@ class ProviderBackend(Backend):
             method += "~"  # some token was outside the reported top logprobs: its logprob is a bound
         return SelectResult(choices[best], dict(zip(choices, scores.scores)), method,
                             prompt_tokens or scores.prompt_tokens, cached or scores.cached_tokens)
+
+
+# ---------------------------------------------------------------------- the default backend
+_default_backend: ProgramBackend | None = None
+
+
+def set_default_backend(backend) -> None:
+    """The backend used when run()/run_batch() get none (a ProgramBackend or any Provider)."""
+    global _default_backend
+    _default_backend = as_backend(backend) if backend is not None else None
+
+
+def as_backend(backend) -> ProgramBackend:
+    """A ProgramBackend as is; a Provider (anything with generate and cache_prefix) wrapped in ProviderBackend."""
+    if backend is None:
+        if _default_backend is None:
+            raise ValueError("no backend: pass backend=<Engine | RemoteEngine | OpenAIBackend> or call "
+                             "prefixrt.set_default_backend")
+        return _default_backend
+    if isinstance(backend, ProgramBackend):
+        return backend
+    if callable(getattr(backend, "generate", None)) and callable(getattr(backend, "cache_prefix", None)):
+        cached = getattr(backend, "_prefixrt_frontend_backend", None)
+        if cached is None:  # one ProviderBackend per provider: its token usage adds up across runs
+            cached = ProviderBackend(backend)
+            try:
+                backend._prefixrt_frontend_backend = cached
+            except AttributeError:
+                pass
+        return cached
+    raise TypeError(f"backend must be a Provider or a frontend ProgramBackend, not {type(backend).__name__}")
+
+
+Backend = ProgramBackend  # the earlier name, kept for code written against prefixrt.frontend.Backend

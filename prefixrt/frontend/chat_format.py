@@ -21,6 +21,7 @@ _SENTINEL = "\x00prefixrt-content\x00"
 class Message:
     role: str
     content: str
+    media: tuple = ()  # (offset in content, ir.Media) of the message's image/video inputs
 
     def to_dict(self) -> dict:
         return {"role": self.role, "content": self.content}

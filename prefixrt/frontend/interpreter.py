@@ -5,20 +5,42 @@ queue in order, calling the backend. Reading a variable blocks until the stream 
 finished without it (VariableNotFound) or has failed (ProgramError) — never longer. `fork(k)` enqueues a
 fork point on the parent; the k children start immediately on their own streams, wait for that point,
 and then run concurrently, so their requests reach the engine together.
+
+Invariants: a stream's items execute in submission order; `all_text` is everything appended to the stream
+(text, generated values, role contents) in that order, so a var_scope's value and `text_iter()` are slices
+of it; a speculative buffer (API speculation across statements) is only consumed by items that follow each
+other on the stream without anything else in between, and a gen takes a value from it only where its own
+stop string occurs in it (or the continuation ended), so its value equals non-speculative greedy execution.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from prefixrt.frontend.backend import Backend, Context, SamplingArgs
+from prefixrt.errors import InvalidRequest
+from prefixrt.frontend.backend import Context, GenResult, ProgramBackend, SamplingArgs
 from prefixrt.frontend.chat_format import Message, Piece
-from prefixrt.frontend.ir import Expr, Gen, Role, Select, Text, flatten, to_expr
+from prefixrt.frontend.ir import (
+    Expr,
+    Gen,
+    Media,
+    Role,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SetVar,
+    Text,
+    VarScopeBegin,
+    VarScopeEnd,
+    flatten,
+)
+from prefixrt.frontend.speculative import SpecBuffer
 
 log = logging.getLogger("prefixrt.frontend")
 
@@ -26,7 +48,7 @@ log = logging.getLogger("prefixrt.frontend")
 class ProgramError(RuntimeError):
     """A program failed. `state` is the ProgramState at the failure (text, variables, requests so far)."""
 
-    def __init__(self, message: str, state: ProgramState | None = None):
+    def __init__(self, message: str, state=None):
         super().__init__(message)
         self.message = message
         self.state = state
@@ -41,32 +63,58 @@ class VariableNotFound(ProgramError, KeyError):
 
 @dataclass
 class RequestRecord:
-    """One backend call made by a state's stream (for cache accounting and API-call counting)."""
+    """One backend call made by a state's stream (for cache accounting and API-call counting).
 
-    kind: str  # "gen" | "select" | "speculate" | "cache_prefix"
+    kind: "gen" | "select" | "speculate" (a speculative call; its first gen's value) | "gen-speculated" (a
+    value taken from an earlier speculative call: no call made) | "cache_prefix"."""
+
+    kind: str
     name: str | None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     seconds: float = 0.0
     method: str | None = None  # select: how the choice was scored ("engine", "logprobs", "constrained", ...)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
 
 
 class StreamExecutor:
-    """Owns one state's pieces/variables and the worker that executes its queued expressions."""
+    """Owns one state's pieces/variables and the worker that executes its queued expressions.
 
-    def __init__(self, backend: Backend, defaults: dict, parent: StreamExecutor | None = None):
+    defaults: the run's sampling defaults (ir.RUN_SAMPLING keys). spec_tokens: API speculation budget (0 off).
+    streaming: gens stream their text into `all_text` as it is generated. tracer: compiler.Tracer when the
+    program is traced (no backend call is made then)."""
+
+    def __init__(self, backend: ProgramBackend, defaults: dict, parent: StreamExecutor | None = None,
+                 spec_tokens: int = 0, streaming: bool = False, tracer=None):
         self.backend = backend
         self.defaults = defaults
+        self.spec_tokens = spec_tokens
+        self.streaming = streaming
+        self.tracer = tracer
+        self._ids = parent._ids if parent is not None else itertools.count()
+        self.stream_id = next(self._ids)
         self.pieces: list[Piece] = []
         self.open_role: str | None = None
         self.partial = ""
+        self.partial_media: list[tuple[int, Media]] = []  # (offset in partial, media) of the open block
+        self.all_text = ""
+        self.fork_pos = 0  # len(all_text) when this branch started (concate_and_append joins what follows)
+        self.fork_pieces = 0  # len(pieces) then
+        self.fork_last_len = 0  # len(pieces[-1]) then, when it was text
+        self.fork_open_role: str | None = None
+        self.var_scopes: dict[str, int] = {}  # open var scopes: name -> len(all_text) at the scope's start
         self.variables: dict[str, object] = {}
+        self.streaming_vars: dict[str, str] = {}  # gens being streamed: name -> text so far
         self.select_scores: dict[str, dict[str, float]] = {}
         self.requests: list[RequestRecord] = []
         self.children: list[StreamExecutor] = []
         self.hints: list[threading.Thread] = []  # in-flight prefix hints (joined by sync_tree)
         self.error: BaseException | None = None
-        self.state: ProgramState | None = None  # the user-facing wrapper (for error messages)
+        self.state = None  # the user-facing ProgramState (for error messages)
+        self.spec: SpecBuffer | None = None
+        self.spec_refused = False  # this role block had its one speculative call (chat endpoints)
+        self._pending_sets: collections.Counter = collections.Counter()  # queued SetVar ops per name
         self._queue: collections.deque = collections.deque()
         self._pending = 0
         self._cond = threading.Condition()
@@ -75,6 +123,8 @@ class StreamExecutor:
     # ------------------------------------------------------------------ queue and worker
     def submit(self, op) -> None:
         with self._cond:
+            for name in getattr(op, "sets", ()):
+                self._pending_sets[name] += 1
             self._queue.append(op)
             self._pending += 1
             if not self._worker_running:
@@ -104,6 +154,8 @@ class StreamExecutor:
                     fail(e)
             finally:
                 with self._cond:
+                    for name in getattr(op, "sets", ()):
+                        self._pending_sets[name] -= 1
                     self._pending -= 1
                     self._cond.notify_all()
 
@@ -118,7 +170,11 @@ class StreamExecutor:
         return True
 
     def get(self, name: str, timeout: float | None = None):
-        ok = self._wait(lambda: name in self.variables or self._pending == 0 or self.error is not None, timeout)
+        def ready():
+            return (name in self.variables and not self._pending_sets[name]) or self._pending == 0 \
+                or self.error is not None
+
+        ok = self._wait(ready, timeout)
         if name in self.variables:
             return self.variables[name]
         if not ok:
@@ -154,129 +210,233 @@ class StreamExecutor:
 
     # ------------------------------------------------------------------ state helpers (worker thread)
     def context(self) -> Context:
-        return Context(list(self.pieces), self.open_role, self.partial)
+        return Context(list(self.pieces), self.open_role, self.partial, list(self.partial_media))
 
     def append(self, text: str) -> None:
         if not text:
             return
-        if self.open_role is not None:
-            self.partial += text
-        elif self.pieces and isinstance(self.pieces[-1], str):
-            self.pieces[-1] += text
-        else:
-            self.pieces.append(text)
+        with self._cond:
+            if self.open_role is not None:
+                self.partial += text
+            elif self.pieces and isinstance(self.pieces[-1], str):
+                self.pieces[-1] += text
+            else:
+                self.pieces.append(text)
+            self.all_text += text
+            self._cond.notify_all()
 
     def record(self, kind: str, name: str | None, res, t0: float) -> None:
         self.requests.append(RequestRecord(kind, name, getattr(res, "prompt_tokens", 0),
                                            getattr(res, "cached_tokens", 0), time.monotonic() - t0,
-                                           getattr(res, "method", None)))
-
-    # ------------------------------------------------------------------ execution (worker thread)
-    def execute(self, items: list[Expr]) -> None:
-        i = 0
-        while i < len(items):
-            item = items[i]
-            if isinstance(item, Text):
-                self.append(item.text)
-            elif isinstance(item, Role):
-                self._role(item)
-            elif isinstance(item, Gen):
-                done = self._speculate(items, i) if self.backend.speculative_tokens > 0 else 0
-                if done:
-                    i += done
-                    continue
-                self._gen(item)
-            elif isinstance(item, Select):
-                self._select(item)
-            else:
-                raise TypeError(f"cannot execute {type(item).__name__}")
-            i += 1
-
-    def _role(self, block: Role) -> None:
-        if self.open_role is not None:
-            raise RuntimeError("role blocks cannot nest")
-        self.open_role, self.partial = block.role, ""
-        self.execute(flatten(block.content))
-        self.pieces.append(Message(block.role, self.partial))
-        self.open_role, self.partial = None, ""
+                                           getattr(res, "method", None), getattr(res, "completion_tokens", 0),
+                                           getattr(res, "finish_reason", None)))
 
     def _set(self, name: str | None, value) -> None:
         if name is not None:
             with self._cond:
                 self.variables[name] = value
+                self.streaming_vars.pop(name, None)
                 self._cond.notify_all()
 
+    def _trace(self, kind: str, **fields):
+        return self.tracer.record(self, kind, **fields) if self.tracer is not None else None
+
+    # ------------------------------------------------------------------ execution (worker thread)
+    def execute(self, items: list[Expr]) -> None:
+        for item in items:
+            if isinstance(item, Text):
+                self._text(item.text)
+            elif isinstance(item, Gen):
+                self._gen(item)
+            elif isinstance(item, Select):
+                self.spec = None
+                self._select(item)
+            elif isinstance(item, Role):
+                self._begin_role(item.role)
+                self.execute(flatten(item.content))
+                self._end_role(item.role)
+            elif isinstance(item, RoleBegin):
+                self._begin_role(item.role)
+            elif isinstance(item, RoleEnd):
+                self._end_role(item.role)
+            elif isinstance(item, VarScopeBegin):
+                self._trace("var_scope_begin", name=item.name)
+                self.var_scopes[item.name] = len(self.all_text)
+            elif isinstance(item, VarScopeEnd):
+                self._trace("var_scope_end", name=item.name)
+                start = self.var_scopes.pop(item.name)
+                self._set(item.name, self.all_text[start:])
+            elif isinstance(item, SetVar):
+                self._trace("set_var", name=item.name, value=item.value)
+                self._set(item.name, item.value)
+            elif isinstance(item, Media):
+                self._media(item)
+            else:
+                raise TypeError(f"cannot execute {type(item).__name__}")
+
+    def _text(self, text: str) -> None:
+        self._trace("text", text=text)
+        if self.spec is not None and not self.spec.consume_text(text):
+            self.spec = None  # the literal is not what the model wrote next: the guess ends here
+        self.append(text)
+
+    def _begin_role(self, role: str) -> None:
+        if self.open_role is not None:
+            raise InvalidRequest(f"role blocks cannot nest: a {role} block was opened inside a {self.open_role} "
+                                 "block")
+        self._trace("role_begin", role=role)
+        self.spec, self.spec_refused = None, False
+        self.open_role, self.partial, self.partial_media = role, "", []
+
+    def _end_role(self, role: str) -> None:
+        if self.open_role != role:
+            raise InvalidRequest(f"{role} block closed while {self.open_role or 'no'} block is open")
+        self._trace("role_end", role=role)
+        self.spec = None
+        with self._cond:
+            self.pieces.append(Message(role, self.partial, tuple(self.partial_media)))
+            self.open_role, self.partial, self.partial_media = None, "", []
+
+    def _media(self, m: Media) -> None:
+        self._trace("media", media=m)
+        if self.open_role is None:
+            raise InvalidRequest(f"{m.kind}() must be inside a role block, e.g. user({m.kind}(path) + question)")
+        self.spec = None
+        self.partial_media.append((len(self.partial), m))
+
     def _gen(self, g: Gen) -> None:
+        if self.tracer is not None:
+            value = self._trace("gen", gen=g)  # a compiler.Placeholder: the body may read it
+            self._set(g.name, value)
+            self.append(str.__str__(value))
+            return
+        args = SamplingArgs.resolve(g, self.defaults)
         t0 = time.monotonic()
-        res = self.backend.generate(self.context(), SamplingArgs.resolve(g, self.defaults))
+        if self.spec_tokens and not args.constrained and not args.min_tokens and not self.streaming:
+            res = self._gen_speculative(g, args, t0)
+            if res is not None:
+                self._set(g.name, res.text)
+                self.append(res.text)
+                return
+        self.spec = None
+        if self.streaming:
+            res = self._gen_streamed(g, args)
+        else:
+            res = self.backend.generate(self.context(), args)
+            self.append(res.text)
         self.record("gen", g.name, res, t0)
         self._set(g.name, res.text)
-        self.append(res.text)
+
+    def _gen_streamed(self, g: Gen, args: SamplingArgs) -> GenResult:
+        if g.name is not None:
+            with self._cond:
+                self.streaming_vars[g.name] = ""
+
+        def on_text(delta: str) -> None:
+            if g.name is not None:
+                with self._cond:
+                    self.streaming_vars[g.name] += delta
+            self.append(delta)
+
+        return self.backend.generate_stream(self.context(), args, on_text)
+
+    def _gen_speculative(self, g: Gen, args: SamplingArgs, t0: float) -> GenResult | None:
+        """The gen's value from the speculative buffer, or from a new speculative call; None: not resolvable
+        that way (the caller makes an ordinary call)."""
+        count = getattr(self.backend, "count_tokens", None)
+        if self.spec is not None:
+            value = self.spec.take(args, count)
+            if value is not None:
+                res = GenResult(value, finish_reason="stop")
+                self.record("gen-speculated", g.name, res, t0)
+                return res
+            self.spec = None
+        if self.spec_refused:
+            return None
+        spec = self.backend.speculate(self.context(), self.spec_tokens, args)
+        if spec is None:
+            return None  # declined: no call was made
+        self.record("speculate", g.name, spec.result, t0)
+        # A reply that restarts the role block (chat) is the same reply next time: one guess per block.
+        self.spec_refused = spec.whole_block
+        if spec.text is None:
+            return None
+        self.spec = SpecBuffer(spec.text, spec.ended, args)
+        value = self.spec.take(args, count)
+        if value is None:
+            self.spec = None
+            return None
+        return GenResult(value, spec.result.prompt_tokens, spec.result.cached_tokens, "stop")
 
     def _select(self, sel: Select) -> None:
+        if self.tracer is not None:
+            value = self._trace("select", select=sel)
+            self._set(sel.name, value)
+            self.append(str.__str__(value))
+            return
         t0 = time.monotonic()
-        res = self.backend.select(self.context(), sel.choices)
+        res = self.backend.select(self.context(), sel.choices, sel.choices_method)
         self.record("select", sel.name, res, t0)
         if sel.name is not None:
             self.select_scores[sel.name] = res.scores
         self._set(sel.name, res.choice)
         self.append(res.choice)
 
-    def _speculate(self, items: list[Expr], i: int) -> int:
-        """Run the gens from items[i] on through the backend's speculative execution.
-        Returns how many items were consumed (0: nothing resolved, run items[i] normally)."""
-        j = i
-        while j < len(items) and isinstance(items[j], (Text, Gen)):
-            j += 1
-        window = items[i:j]
-        t0 = time.monotonic()
-        results = self.backend.speculate(self.context(), window, self.defaults)
-        if results is None:  # the backend declined: no call was made
-            return 0
-        consumed, k = 0, 0
-        for item in window:
-            if isinstance(item, Gen):
-                if k == len(results):
-                    break
-                res = results[k]
-                self.record("speculate" if k == 0 else "gen-speculated", item.name, res, t0)
-                self._set(item.name, res.text)
-                self.append(res.text)
-                k += 1
-            else:
-                self.append(item.text)
-            consumed += 1
-        # The unmatched remainder runs as separate calls (no second guess): results never rest on a guess.
-        for item in window[consumed:]:
-            if isinstance(item, Gen):
-                self._gen(item)
-            else:
-                self.append(item.text)
-        return len(window)
+    # ------------------------------------------------------------------ forks (worker thread)
+    def snapshot(self) -> tuple:
+        return (list(self.pieces), dict(self.variables), self.open_role, self.partial, list(self.partial_media),
+                self.all_text)
+
+    def init_from(self, snap: tuple) -> None:
+        pieces, variables, self.open_role, self.partial, self.partial_media, self.all_text = snap
+        self.pieces = list(pieces)  # each branch owns its copy
+        self.partial_media = list(self.partial_media)
+        self.fork_pos, self.fork_pieces, self.fork_open_role = len(self.all_text), len(self.pieces), self.open_role
+        self.fork_last_len = len(self.pieces[-1]) if self.pieces and isinstance(self.pieces[-1], str) else 0
+        with self._cond:
+            self.variables.update(variables)
+
+    def branch_output(self) -> list[Piece]:
+        """What this branch appended since the fork, in order: the text added to the piece that was last at the
+        fork, then later pieces (raw text and whole messages). A branch forked inside a role block gives its
+        appended text."""
+        if self.fork_open_role is not None:
+            return [self.all_text[self.fork_pos:]]
+        out: list[Piece] = []
+        if self.fork_pieces and isinstance(self.pieces[self.fork_pieces - 1], str):
+            out.append(self.pieces[self.fork_pieces - 1][self.fork_last_len:])
+        out.extend(self.pieces[self.fork_pieces:])
+        if self.open_role is not None:
+            out.append(self.partial)
+        return [p for p in out if p != ""]
 
 
 # ---------------------------------------------------------------------- queued operations
-class _ExprOp:
+class ExprOp:
     def __init__(self, items: list[Expr]):
         self.items = items
+        self.sets = [x.name for x in items if isinstance(x, SetVar)]
 
     def run(self, ex: StreamExecutor) -> None:
         ex.execute(self.items)
 
 
-class _ForkOp:
+class ForkOp:
     """On the parent: send the shared prefix to the backend's cache (prefix hint), then hand a snapshot to the
     children. The hint is submitted before the branches start, so it reaches the engine first and the
     branches' first requests reuse the prefix; it is not awaited on an in-process engine (no extra round
     trip per fork: the engine prefills the shared part once, with the hint as the leader)."""
 
-    def __init__(self, k: int, hint: bool):
+    def __init__(self, k: int, hint: bool, children: list[StreamExecutor]):
         self.k = k
         self.hint = hint
+        self.children = children
         self.snapshot: Future = Future()
 
     def run(self, ex: StreamExecutor) -> None:
-        if self.hint and self.k > 1 and (ex.pieces or ex.open_role):
+        ex.spec = None
+        ex._trace("fork", k=self.k, children=[c.stream_id for c in self.children])
+        if ex.tracer is None and self.hint and self.k > 1 and (ex.pieces or ex.open_role):
             t0 = time.monotonic()
             try:
                 wait = ex.backend.submit_prefix_hint(ex.context())
@@ -287,7 +447,7 @@ class _ForkOp:
                                      daemon=True)
                 ex.hints.append(t)
                 t.start()
-        self.snapshot.set_result((list(ex.pieces), dict(ex.variables)))
+        self.snapshot.set_result(ex.snapshot())
 
     @staticmethod
     def _finish_hint(ex: StreamExecutor, wait, t0: float) -> None:
@@ -303,110 +463,39 @@ class _ForkOp:
             self.snapshot.set_exception(error)
 
 
-class _InitFromForkOp:
-    def __init__(self, fork: _ForkOp):
+class InitFromForkOp:
+    def __init__(self, fork: ForkOp):
         self.fork = fork
 
     def run(self, ex: StreamExecutor) -> None:
         try:
-            pieces, variables = self.fork.snapshot.result()
+            snap = self.fork.snapshot.result()
         except BaseException as e:
             raise ProgramError(f"the parent failed before the fork point: {type(e).__name__}: {e}", ex.state) from e
-        ex.pieces = list(pieces)  # each branch owns its copy
-        with ex._cond:
-            ex.variables.update(variables)
+        ex.init_from(snap)
 
 
-# ---------------------------------------------------------------------- the user-facing state
-class ProgramState:
-    """`s` in a program: `s += expr`, `s["name"]`, `s.fork(k)`, `s.text()`, `s.messages()`."""
+class JoinOp:
+    """On the parent, after the branches finished: `concate_and_append` appends what every branch appended
+    since the fork, in branch order; `gather` appends nothing (the branches' variables are read from them)."""
 
-    def __init__(self, executor: StreamExecutor):
-        self._ex = executor
-        executor.state = self
+    def __init__(self, branches: list[StreamExecutor], mode: str):
+        self.branches = branches
+        self.mode = mode
 
-    def __iadd__(self, other) -> ProgramState:
-        self._ex.submit(_ExprOp(flatten(to_expr(other))))
-        return self
-
-    def __getitem__(self, name: str):
-        return self._ex.get(name)
-
-    def get(self, name: str, timeout: float | None = None):
-        """The variable's value, waiting for the stream to produce it (up to timeout seconds)."""
-        return self._ex.get(name, timeout)
-
-    def __contains__(self, name: str) -> bool:
-        self._ex._wait(lambda: name in self._ex.variables or self._ex._pending == 0, None)
-        return name in self._ex.variables
-
-    def fork(self, k: int, prefix_hint: bool = True) -> ForkGroup:
-        """k states sharing everything appended so far. The shared prefix is committed to the backend's cache
-        first (a prefix hint), so the branches never prefill it k times. Forks run concurrently."""
-        if not isinstance(k, int) or k < 1:
-            raise ValueError("fork needs k >= 1")
-        op = _ForkOp(k, prefix_hint)
-        self._ex.submit(op)
-        children = []
-        for _ in range(k):
-            child = StreamExecutor(self._ex.backend, self._ex.defaults, parent=self._ex)
-            self._ex.children.append(child)
-            st = ProgramState(child)
-            child.submit(_InitFromForkOp(op))
-            children.append(st)
-        return ForkGroup(children)
-
-    def sync(self, timeout: float | None = None) -> ProgramState:
-        """Wait until everything appended so far has executed; raise ProgramError if the stream failed."""
-        self._ex.sync(timeout)
-        return self
-
-    def text(self, timeout: float | None = None) -> str:
-        """The whole prompt text so far, rendered with the backend's chat format."""
-        self._ex._wait(lambda: self._ex._pending == 0, timeout)
-        ex = self._ex
-        return ex.backend.chat_format.render(list(ex.pieces), ex.open_role, ex.partial)
-
-    def messages(self, timeout: float | None = None) -> list[dict]:
-        """The completed chat messages ({"role", "content"}); raw text outside role blocks is not included."""
-        self._ex._wait(lambda: self._ex._pending == 0, timeout)
-        return [p.to_dict() for p in self._ex.pieces if isinstance(p, Message)]
-
-    def variables(self, timeout: float | None = None) -> dict:
-        self._ex._wait(lambda: self._ex._pending == 0, timeout)
-        return dict(self._ex.variables)
-
-    def select_scores(self, name: str) -> dict[str, float]:
-        """The per-choice scores of select `name`."""
-        self.get(name)
-        return dict(self._ex.select_scores[name])
-
-    @property
-    def requests(self) -> list[RequestRecord]:
-        """Backend calls made by this state's stream so far (forks keep their own)."""
-        return list(self._ex.requests)
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._ex.error
-
-    @property
-    def backend(self) -> Backend:
-        return self._ex.backend
-
-    def __repr__(self) -> str:
-        ex = self._ex
-        status = "failed" if ex.error else ("running" if ex._pending else "done")
-        return f"ProgramState({status}, variables={sorted(ex.variables)})"
-
-
-class ForkGroup(list):
-    """The states returned by fork(k). `join()` waits for all of them and returns their variables."""
-
-    def join(self, timeout: float | None = None) -> list[dict]:
-        for st in self:
-            st._ex.sync_tree(timeout)
-        return [dict(st._ex.variables) for st in self]
-
-    def __getitem__(self, i):
-        return list.__getitem__(self, i)
+    def run(self, ex: StreamExecutor) -> None:
+        ex.spec = None
+        ex._trace("join", mode=self.mode, branches=[b.stream_id for b in self.branches])
+        if self.mode != "concate_and_append":
+            return
+        for b in self.branches:
+            for piece in b.branch_output():
+                if isinstance(piece, str):
+                    ex.append(piece)
+                elif ex.open_role is not None:
+                    raise InvalidRequest("join(mode='concate_and_append') cannot add a branch's messages inside an "
+                                         f"open {ex.open_role} block")
+                else:
+                    with ex._cond:
+                        ex.pieces.append(piece)
+                        ex.all_text += piece.content

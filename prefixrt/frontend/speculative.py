@@ -1,10 +1,13 @@
-"""API speculative execution: split one long continuation into the values of several gens.
+"""API speculative execution: one long continuation answers several gens, across statements.
 
-A run of template items `Gen, Text, Gen, Text, ...` is answered by one call that ignores the intermediate
-stops. A gen's value is accepted only where non-speculative execution would provably give the same text
-(greedy decoding, same prefix): its own stop string occurs (value = text before it), or the continuation
-ended by itself. The literal text after a gen must then appear verbatim at that point for the next gen's
-value to be accepted. The first mismatch ends the match; the caller runs the rest as separate calls.
+With `@function(num_api_spec_tokens=N)` (or `OpenAIBackend(speculative_tokens=N)`), the first unconstrained
+gen asks the endpoint for N tokens without its stop strings. The continuation is kept on the state as a
+SpecBuffer; the items that follow (in the same or later `s += ...` statements) consume it: literal text must
+appear verbatim at the buffer's head, and a gen's value is accepted only where non-speculative execution
+would provably give the same text (greedy decoding, same prefix): its own stop string occurs (the value is
+the text before it), or the continuation ended by itself there. Anything else (a mismatch, a select, a role
+boundary, other sampling settings) drops the buffer; the next gen then makes an ordinary call, or a new
+speculative one.
 """
 
 from __future__ import annotations
@@ -14,54 +17,70 @@ from collections.abc import Callable
 from prefixrt.frontend.ir import Expr, Gen, Text
 
 
+class SpecBuffer:
+    """The unconsumed rest of a speculative continuation. `ended`: the continuation stopped by itself (EOS),
+    not by the token budget. `args`: the SamplingArgs it was sampled with (only gens with the same
+    temperature/top_p/extra sampling fields may take from it)."""
+
+    def __init__(self, text: str, ended: bool, args=None):
+        self.text = text
+        self.ended = ended
+        self.settings = _settings(args)
+        self.finished = False  # a gen took the end of an ended continuation: nothing follows it
+
+    def consume_text(self, text: str) -> bool:
+        """Consume literal `text` from the head; False if the continuation does not go on with it."""
+        if self.finished or not self.text.startswith(text):
+            return False
+        self.text = self.text[len(text):]
+        return True
+
+    def take(self, args, count_tokens: Callable[[str], int] | None = None) -> str | None:
+        """The value of a gen with `args` (stop, max_tokens) at the head, consumed up to (not including) its
+        stop string; None if it cannot be known from the continuation. count_tokens: when given, a value longer
+        than the gen's max_tokens is refused (that gen would have been cut earlier)."""
+        if self.finished or (args is not None and _settings(args) != self.settings):
+            return None
+        hits = [self.text.find(s) for s in (args.stop or []) if s and s in self.text]
+        if hits:
+            end = min(hits)
+        elif self.ended:
+            end = len(self.text)
+        else:
+            return None  # the budget ran out inside this gen: its true end is unknown
+        value = self.text[:end]
+        if count_tokens is not None and args.max_tokens is not None and count_tokens(value) > args.max_tokens:
+            return None
+        self.text = self.text[end:]
+        if not hits:
+            self.finished = True
+        return value
+
+
+def _settings(args) -> tuple:
+    if args is None:
+        return ()
+    return (args.temperature, args.top_p, tuple(sorted(args.extra.items(), key=lambda kv: kv[0])))
+
+
 def match_template(text: str, items: list[Expr], ended: bool,
                    count_tokens: Callable[[str], int] | None = None) -> list[str]:
-    """Values for the leading gens of `items` found in `text` (the speculative continuation).
+    """Values of the leading gens of `items` (Text/Gen) found in `text` by a SpecBuffer: what one speculative
+    call resolves of a template. `count_tokens` as in SpecBuffer.take."""
+    from prefixrt.frontend.backend import SamplingArgs
 
-    ended: the continuation stopped by itself (EOS), not by the token budget.
-    count_tokens: when given, a value longer than its gen's max_tokens is rejected (that gen would have
-    been cut earlier); without it, max_tokens of individual gens is not checked.
-    """
+    buf = SpecBuffer(text, ended, SamplingArgs(max_tokens=None, temperature=0.0))
     values: list[str] = []
-    pos = 0
     for item in items:
         if isinstance(item, Text):
-            if not text.startswith(item.text, pos):
+            if not buf.consume_text(item.text):
                 break
-            pos += len(item.text)
             continue
         if not isinstance(item, Gen):
             break
-        rest = text[pos:]
-        hits = [(rest.find(s), s) for s in (item.stop or []) if s and rest.find(s) >= 0]
-        if hits:
-            end = min(hits)[0]
-        elif ended:
-            end = len(rest)
-        else:
-            break  # the budget ran out inside this gen: its true end is unknown
-        value = rest[:end]
-        if count_tokens is not None and item.max_tokens is not None and count_tokens(value) > item.max_tokens:
+        args = SamplingArgs(max_tokens=item.max_tokens, temperature=0.0, stop=item.stop)
+        value = buf.take(args, count_tokens)
+        if value is None:
             break
         values.append(value)
-        pos += end
-        if not hits:
-            break  # the continuation ended here: nothing after it can be matched
     return values
-
-
-def speculation_window(items: list[Expr]) -> list[Expr]:
-    """The prefix of items that one speculative call may cover: plain gens (no constraint) sharing the
-    first gen's sampling settings, and the literal text between them."""
-    first = next((x for x in items if isinstance(x, Gen)), None)
-    out: list[Expr] = []
-    for x in items:
-        if isinstance(x, Gen) and (x.constrained or x.temperature != first.temperature or x.top_p != first.top_p
-                                   or x.extra != first.extra):
-            break
-        if not isinstance(x, (Gen, Text)):
-            break
-        out.append(x)
-    while out and isinstance(out[-1], Text):
-        out.pop()
-    return out

@@ -1,25 +1,167 @@
-"""Decode CUDA graphs: one captured forward per batch-size bucket, replayed with the batch copied into
-static buffers (gpt-fast / SGLang style). Removes the per-kernel launch cost that dominates small-batch
-decode. Padded rows read and write only the padding slot 0 through a reserved all-zero table row.
+"""CUDA graphs for small batches: one captured forward per bucket, replayed with the batch copied into
+static buffers (gpt-fast / SGLang style). Removes the per-kernel launch cost that dominates small steps.
+
+Two banks share one memory pool and one static logits buffer (they never run at the same time):
+- DecodeGraphs: DECODE batches, one graph per batch-size bucket. Padded rows write and read only the
+  padding slot 0 through a reserved all-zero request-table row.
+- ExtendGraphs: EXTEND batches (jump-forward steps, decode + forced tokens, hot-prefix prefills, small
+  mixed batches), one graph per (token bucket, sequence bucket). The whole forward is captured; the extend
+  attention kernel runs on a fixed grid through a block map (ForwardBatch.extend_plan) in static buffers:
+  one program per listed (sequence, query block), padding entries exit at once. Padded tokens write their
+  K/V to slot 0 and no query block reads them; padded sequences are in no block.
+
+Invariant of both: a replay reads only the static buffers, so the caller's batch may be dropped after
+replay() returns; the returned logits are a view of the shared output buffer, valid until the next replay.
+
+`emulate=True` (CPU tests) runs forward_eager on the static padded batch instead of a captured graph, so
+bucket choice, padding and buffer filling are tested without a GPU.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
-from prefixrt.model.forward_batch import ForwardBatch, ForwardMode
+from prefixrt.model.forward_batch import ExtendPlan, ForwardBatch, ForwardMode
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 512)
+# Token buckets of EXTEND graphs: fine where the forward is compute bound (padding costs compute there).
+EXTEND_TOKEN_BUCKETS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+# Sequence buckets of EXTEND graphs: they size the block map and the logits rows (lm_head runs on them).
+EXTEND_SEQ_BUCKETS = (1, 4, 16, 64, 128, 256)
+# Above this many tokens a forward's GPU time hides its launches: EXTEND runs eagerly there.
+DEFAULT_MAX_EXTEND_TOKENS = 1024
 
 
-class DecodeGraphs:
-    def __init__(self, forward_eager, attn_backend, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int,
-                 max_context: int, device: torch.device):
-        """forward_eager(batch) -> logits runs prepare + model forward (what gets captured)."""
+def pick(buckets, n: int) -> int | None:
+    """The smallest bucket >= n, or None."""
+    return next((b for b in buckets if b >= n), None)
+
+
+def extend_buckets(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
+    """(token bucket, sequence bucket) pairs to capture: every token bucket up to max_tokens, each with the
+    sequence buckets up to min(its tokens, max_seqs) (every sequence brings at least one token)."""
+    out = []
+    tokens = [t for t in EXTEND_TOKEN_BUCKETS if t < max_tokens] + [max_tokens]
+    for t in tokens:
+        cap = min(t, max_seqs)
+        seqs = sorted({min(s, cap) for s in EXTEND_SEQ_BUCKETS})
+        out.extend((t, s) for s in seqs)
+    return out
+
+
+def extend_block_m(num_tokens: int, num_seqs: int, head_dim: int) -> int:
+    """Query-block height of a bucket: short per-sequence extends (jump-forward, decode + forced tokens)
+    take small blocks so little of each block is padding; longer ones taller blocks."""
+    from prefixrt.kernels.extend_attention import block_m_for
+
+    per_seq = num_tokens / max(num_seqs, 1)
+    want = 16 if per_seq <= 16 else 32 if per_seq <= 128 else 64
+    return block_m_for(head_dim, num_tokens, want)
+
+
+@dataclass
+class CaptureReport:
+    """What a bank's capture cost (printed at start-up)."""
+
+    graphs: int
+    seconds: float
+    bytes_allocated: int  # torch.cuda.memory_allocated growth
+    bytes_reserved: int  # device memory the capture took from the driver (mem_get_info)
+
+
+class _Bank:
+    """Common machinery: static logits output, capture into a shared pool, replay, release."""
+
+    def __init__(self, forward_eager, attn_backend, req_to_token: torch.Tensor, pad_row: int,
+                 device: torch.device, logits_out: torch.Tensor | None, emulate: bool):
         self.forward_eager = forward_eager
         self.attn = attn_backend
         self.req_to_token = req_to_token
         self.pad_row = pad_row
+        self.device = torch.device(device)
+        self.logits_out = logits_out  # [max rows, vocab] float32, shared by banks; sized on first capture
+        self.emulate = emulate
+        self.graphs: dict = {}  # key -> (torch.cuda.CUDAGraph or None when emulating, static batch)
+        self.report: CaptureReport | None = None
+
+    def _static_batch(self, key) -> ForwardBatch:
+        raise NotImplementedError
+
+    def _warm_keys(self, keys: list) -> list:
+        """Keys run eagerly before capture (each distinct kernel configuration once)."""
+        return keys
+
+    def _run_into_out(self, batch: ForwardBatch) -> None:
+        logits = self.forward_eager(batch)
+        rows = logits.shape[0]
+        if self.logits_out is None or self.logits_out.shape[0] < rows:  # only before the first capture
+            self.logits_out = torch.empty(rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
+        self.logits_out[:rows].copy_(logits)
+
+    def capture(self, keys, pool=None) -> None:
+        """Capture one graph per key, largest first (later ones reuse its pool memory)."""
+        keys = list(keys)
+        t0 = time.perf_counter()
+        on_cuda = self.device.type == "cuda" and not self.emulate
+        if on_cuda:
+            torch.cuda.synchronize(self.device)
+            alloc0 = torch.cuda.memory_allocated(self.device)
+            free0 = torch.cuda.mem_get_info(self.device)[0]
+            if pool is None:
+                pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: compiles Triton variants, sizes workspaces and logits_out
+                for key in self._warm_keys(keys):
+                    self._run_into_out(self._static_batch(key))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            for key in keys:
+                batch = self._static_batch(key)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run_into_out(batch)
+                self.graphs[key] = (graph, batch)
+            torch.cuda.synchronize(self.device)
+            alloc = torch.cuda.memory_allocated(self.device) - alloc0
+            reserved = free0 - torch.cuda.mem_get_info(self.device)[0]
+        else:
+            for key in keys:
+                batch = self._static_batch(key)
+                self._run_into_out(batch)  # sizes logits_out like the CUDA warm-up does
+                self.graphs[key] = (None, batch)
+            alloc = reserved = 0
+        self.report = CaptureReport(len(keys), time.perf_counter() - t0, alloc, reserved)
+
+    def _replay(self, key, rows: int) -> torch.Tensor:
+        graph, batch = self.graphs[key]
+        if graph is None:  # emulation (CPU tests): the same static batch, run eagerly
+            self._run_into_out(batch)
+        else:
+            graph.replay()
+        return self.logits_out[:rows]
+
+    def close(self) -> None:
+        """Drop every graph and static buffer (their pool memory returns to the allocator)."""
+        for graph, _ in self.graphs.values():
+            if graph is not None:
+                graph.reset()
+        self.graphs.clear()
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, None)
+        self.forward_eager = self.attn = None
+
+
+class DecodeGraphs(_Bank):
+    def __init__(self, forward_eager, attn_backend, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int,
+                 max_context: int, device: torch.device, logits_out: torch.Tensor | None = None,
+                 emulate: bool = False):
+        """forward_eager(batch) -> logits runs prepare + model forward (what gets captured)."""
+        super().__init__(forward_eager, attn_backend, req_to_token, pad_row, device, logits_out, emulate)
         self.max_context = max_context
         self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_batch_size]
         if not self.buckets or self.buckets[-1] < max_batch_size:
@@ -34,7 +176,6 @@ class DecodeGraphs:
         self.extend_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.extend_start_loc = torch.arange(n, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         # Host lengths at their maximum: the backend plans (split counts) for the worst case of the bucket,
@@ -48,29 +189,22 @@ class DecodeGraphs:
             prefix_lens_cpu=[self.max_context - 1] * bs, extend_lens_cpu=[1] * bs,
         )
 
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for bs in reversed(self.buckets):
-                self.forward_eager(self._static_batch(bs))  # warm-up: compiles Triton kernels, sizes workspaces
-        torch.cuda.current_stream().wait_stream(side)
-        for bs in reversed(self.buckets):
-            batch = self._static_batch(bs)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.forward_eager(batch)
-            self.graphs[bs] = (graph, out)
-        torch.cuda.synchronize()
+    def capture(self, pool=None) -> None:  # noqa: D102
+        super().capture(reversed(self.buckets), pool)
+
+    def bucket_for(self, batch: ForwardBatch) -> int | None:
+        if (batch.mode is not ForwardMode.DECODE or batch.prefix_groups is not None
+                or batch.logits_indices.shape[0] != batch.batch_size):
+            return None
+        bs = pick(self.buckets, batch.batch_size)
+        return bs if bs in self.graphs else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.mode is ForwardMode.DECODE and batch.batch_size <= self.buckets[-1]
-                and batch.prefix_groups is None and batch.logits_indices.shape[0] == batch.batch_size)
+        return self.bucket_for(batch) is not None
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         n = batch.batch_size
-        bs = next(b for b in self.buckets if b >= n)
+        bs = self.bucket_for(batch)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
@@ -82,6 +216,112 @@ class DecodeGraphs:
             self.out_cache_loc[n:bs].zero_()
             self.req_pool_indices[n:bs].fill_(self.pad_row)
             self.seq_lens[n:bs].fill_(1)
-        graph, out = self.graphs[bs]
-        graph.replay()
-        return out[:n]
+        return self._replay(bs, n)
+
+
+class ExtendGraphs(_Bank):
+    """EXTEND graphs keyed by (token bucket, sequence bucket); see the module docstring."""
+
+    def __init__(self, forward_eager, attn_backend, req_to_token: torch.Tensor, pad_row: int, max_seqs: int,
+                 head_dim: int, device: torch.device, max_tokens: int = DEFAULT_MAX_EXTEND_TOKENS,
+                 logits_out: torch.Tensor | None = None, emulate: bool = False):
+        super().__init__(forward_eager, attn_backend, req_to_token, pad_row, device, logits_out, emulate)
+        self.keys = extend_buckets(max_tokens, max_seqs)
+        self.token_buckets = sorted({t for t, _ in self.keys})
+        self.head_dim = head_dim
+        self.max_tokens = max_tokens
+        self.max_seqs = max(s for _, s in self.keys)
+        t, b = self.max_tokens, self.max_seqs
+        # Block maps: the largest a key needs (B + T / block height).
+        self.max_blocks = max(self.num_blocks(key) for key in self.keys)
+        i64 = {"dtype": torch.int64, "device": device}
+        i32 = {"dtype": torch.int32, "device": device}
+        self.input_ids = torch.zeros(t, **i64)
+        self.positions = torch.zeros(t, **i64)
+        self.out_cache_loc = torch.zeros(t, **i64)
+        self.req_pool_indices = torch.full((b,), pad_row, **i64)
+        self.seq_lens = torch.zeros(b, **i32)
+        self.prefix_lens = torch.zeros(b, **i32)
+        self.extend_lens = torch.zeros(b, **i32)
+        self.extend_start_loc = torch.zeros(b, **i32)
+        self.logits_indices = torch.zeros(b, **i64)
+        self.block_seq = torch.full((self.max_blocks,), -1, **i32)
+        self.block_mb = torch.zeros(self.max_blocks, **i32)
+
+    def block_m(self, key: tuple[int, int]) -> int:
+        return extend_block_m(key[0], key[1], self.head_dim)
+
+    def num_blocks(self, key: tuple[int, int]) -> int:
+        t, b = key
+        return b + -(-t // self.block_m(key))
+
+    def _static_batch(self, key: tuple[int, int]) -> ForwardBatch:
+        t, b = key
+        nb = self.num_blocks(key)
+        return ForwardBatch(
+            mode=ForwardMode.EXTEND, input_ids=self.input_ids[:t], positions=self.positions[:t],
+            out_cache_loc=self.out_cache_loc[:t], req_pool_indices=self.req_pool_indices[:b],
+            seq_lens=self.seq_lens[:b], prefix_lens=self.prefix_lens[:b], extend_lens=self.extend_lens[:b],
+            extend_start_loc=self.extend_start_loc[:b], req_to_token=self.req_to_token,
+            logits_indices=self.logits_indices[:b], seq_lens_cpu=[t] * b, prefix_lens_cpu=[0] * b,
+            extend_lens_cpu=[t] + [0] * (b - 1),
+            extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key)),
+        )
+
+    def capture(self, pool=None) -> None:  # noqa: D102
+        super().capture(sorted(self.keys, reverse=True), pool)
+
+    def _warm_keys(self, keys: list) -> list:
+        # The extend kernel compiles once per block height; the largest key sizes the buffers.
+        seen, out = set(), []
+        for key in keys:
+            if not out or self.block_m(key) not in seen:
+                seen.add(self.block_m(key))
+                out.append(key)
+        return out
+
+    def bucket_for(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The key whose graph runs this batch, or None (eager): EXTEND only, at most max_tokens tokens,
+        no more logits rows than sequences, no prefix groups."""
+        if batch.mode is not ForwardMode.EXTEND or batch.prefix_groups is not None:
+            return None
+        n_tok, n_seq, n_logits = batch.num_tokens, batch.batch_size, int(batch.logits_indices.shape[0])
+        t = pick(self.token_buckets, n_tok)
+        if t is None or n_logits > n_seq:
+            return None
+        seqs = sorted(s for tt, s in self.keys if tt == t)
+        b = pick(seqs, n_seq)
+        if b is None or (t, b) not in self.graphs:
+            return None
+        return t, b
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.bucket_for(batch) is not None
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        from prefixrt.kernels.extend_attention import block_map
+
+        key = self.bucket_for(batch)
+        t, b = key
+        n_tok, n_seq, n_logits = batch.num_tokens, batch.batch_size, int(batch.logits_indices.shape[0])
+        seqs, mbs = block_map(batch.extend_lens_cpu, self.block_m(key), self.num_blocks(key))
+        nb = len(seqs)
+        host = torch.tensor([seqs, mbs], dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.block_seq[:nb].copy_(host[0], non_blocking=True)
+        self.block_mb[:nb].copy_(host[1], non_blocking=True)
+        self.input_ids[:n_tok].copy_(batch.input_ids)
+        self.positions[:n_tok].copy_(batch.positions)
+        self.out_cache_loc[:n_tok].copy_(batch.out_cache_loc)
+        if t > n_tok:  # padded tokens: K/V into slot 0 (stale ids/positions are valid values, never read)
+            self.out_cache_loc[n_tok:t].zero_()
+        self.req_pool_indices[:n_seq].copy_(batch.req_pool_indices)
+        self.seq_lens[:n_seq].copy_(batch.seq_lens)
+        self.prefix_lens[:n_seq].copy_(batch.prefix_lens)
+        self.extend_lens[:n_seq].copy_(batch.extend_lens)
+        self.extend_start_loc[:n_seq].copy_(batch.extend_start_loc)
+        self.logits_indices[:n_logits].copy_(batch.logits_indices)
+        if b > n_logits:  # rows past the wanted logits read token 0 (in range for every bucket)
+            self.logits_indices[n_logits:b].zero_()
+        return self._replay(key, n_logits)

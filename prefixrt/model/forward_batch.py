@@ -22,6 +22,15 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"  # exactly one new token per sequence
 
 
+@dataclass(frozen=True)
+class ExtendPlan:
+    """A fixed-size block map for extend attention (see kernels.extend_attention.block_map)."""
+
+    block_seq: torch.Tensor  # [num_blocks] int32, sequence of each query block; -1 = padding
+    block_mb: torch.Tensor  # [num_blocks] int32, index of the block within its sequence's new tokens
+    block_m: int  # query-block height the map was built for
+
+
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
@@ -42,6 +51,9 @@ class ForwardBatch:
     # Optional shared-prefix groups for cascade decode: list of (prefix_len, [sequence indices]) whose first
     # prefix_len slots are identical. Backends that do not use it ignore it.
     prefix_groups: list[tuple[int, list[int]]] | None = None
+    # Optional fixed launch plan for EXTEND attention (CUDA graphs): which (sequence, query block) each
+    # program of a fixed-size grid handles. None = the backend sizes the grid from extend_lens_cpu.
+    extend_plan: ExtendPlan | None = None
 
     @property
     def batch_size(self) -> int:

@@ -1,6 +1,7 @@
 """ModelRunner: one forward step of a model over the paged KV pool.
 
-The single place where a step is executed; CUDA graphs for decode will be captured and replayed here.
+The single place where a step is executed: a captured CUDA graph replays it when one fits the batch
+(decode: DecodeGraphs; small EXTEND batches: ExtendGraphs), else it runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,28 +26,79 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.attn_backend = attn_backend
-        self.graphs = None  # DecodeGraphs once capture_decode_graphs() ran
+        self.graphs = None  # DecodeGraphs once capture_graphs() ran
+        self.extend_graphs = None  # ExtendGraphs once capture_graphs(max_extend_tokens > 0) ran
+        self.replays = {"decode": 0, "extend": 0, "eager": 0}  # forwards by how they ran
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step: writes the new tokens' K/V into the pool, returns float32 logits
-        [len(batch.logits_indices), vocab_size]."""
+        [len(batch.logits_indices), vocab_size]. A graph's logits are valid until the next forward."""
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_run(batch):
+                self.replays["decode"] += 1
                 return self.graphs.replay(batch)
+            if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+                self.replays["extend"] += 1
+                return self.extend_graphs.replay(batch)
+            self.replays["eager"] += 1
             return self._forward_eager(batch)
 
     def _forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.prepare(batch)
         return self.model(batch, self.attn_backend)
 
+    def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
+                       max_extend_tokens: int = 0, emulate: bool = False) -> list[str]:
+        """Capture one CUDA graph per decode batch-size bucket and, with max_extend_tokens > 0, per EXTEND
+        (token, sequence) bucket up to that many tokens. pad_row: a request-table row that stays all zeros,
+        read by padded decode rows. emulate: no CUDA graphs, the static batches run eagerly (CPU tests).
+        Returns one line per bank: graphs, capture seconds and memory."""
+        from prefixrt.model.cuda_graphs import DecodeGraphs, ExtendGraphs
+
+        self.release_graphs()
+        device = self.pool.device
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" and not emulate else None
+        lines = []
+        with torch.inference_mode():
+            graphs = DecodeGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
+                                  max_context, device, emulate=emulate)
+            graphs.capture(pool)
+            self.graphs = graphs
+            lines.append(_describe("decode", graphs.report))
+            if max_extend_tokens > 0:
+                ext = ExtendGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
+                                   self.model.head_dim, device, max_tokens=max_extend_tokens,
+                                   logits_out=graphs.logits_out, emulate=emulate)
+                ext.capture(pool)
+                self.extend_graphs = ext
+                lines.append(_describe("extend", ext.report))
+        return lines
+
     def capture_decode_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int,
                               max_context: int) -> None:
-        """Capture one CUDA graph per decode batch-size bucket (CUDA only). pad_row: a request-table row
-        that stays all zeros, read by padded batch rows."""
-        from prefixrt.model.cuda_graphs import DecodeGraphs
+        """Decode graphs only (see capture_graphs)."""
+        self.capture_graphs(req_to_token, pad_row, max_batch_size, max_context)
 
-        graphs = DecodeGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
-                              max_context, self.pool.device)
+    def release_graphs(self) -> None:
+        for bank in (self.graphs, self.extend_graphs):
+            if bank is not None:
+                bank.close()
+        self.graphs = self.extend_graphs = None
+
+    def warm_up(self, batches) -> float:
+        """Run the given batches eagerly once (compiles the kernel variants a workload will hit, outside
+        any request). Returns the seconds it took."""
+        import time
+
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            graphs.capture()
-        self.graphs = graphs
+            for batch in batches:
+                self._forward_eager(batch)
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
+        return time.perf_counter() - t0
+
+
+def _describe(name: str, report) -> str:
+    return (f"{name} CUDA graphs: {report.graphs} captured in {report.seconds:.2f}s, "
+            f"{report.bytes_allocated / 2**20:.0f} MiB allocated, {report.bytes_reserved / 2**20:.0f} MiB taken")

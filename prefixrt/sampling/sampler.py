@@ -1,8 +1,10 @@
 """Sampler: logits of the sampled rows -> next tokens, with every SamplingParams knob, batched.
 
 Order per row: penalties (repetition on prompt+output, frequency/presence on output) -> grammar mask ->
-greedy argmax, or temperature -> top-k / top-p / min-p -> draw. Rows with a seed draw from their own
-torch.Generator (reproducible whatever the batch); others share the engine's generator.
+greedy argmax, or temperature -> top-k / top-p / min-p -> draw. `adjust_logits` (penalties, masks) and
+`sampling_probs` (the filtered distribution) are row-wise: a row's distribution never depends on its batch
+neighbours. Rows with a seed draw from their own torch.Generator (reproducible whatever the batch); others
+share the engine's generator.
 Logprobs are reported from the raw model distribution (before penalties, masks and temperature), as
 OpenAI and vLLM do, so they are comparable across requests and usable for select scoring.
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixrt.engine.request import Req
+from prefixrt.request import Req
 
 
 @dataclass
@@ -28,7 +30,7 @@ class DeviceSample:
     """One step's samples, still on the device; the host copies start at once (into pinned memory on CUDA) and
     read() returns them once the device is done. Nothing here synchronises until read()."""
 
-    token_ids: torch.Tensor  # [B] int64 on the device: the next step's input ids are gathered from it
+    token_ids: torch.Tensor  # [B] int64 on the device
     want: list[int]  # rows that asked for logprobs
     ks: list[int]  # their top-k
     _host: list[torch.Tensor]  # [tokens, (token logprobs, top values, top ids)] being copied to the host
@@ -71,25 +73,44 @@ class Sampler:
         g.manual_seed(seed)
         return g
 
-    def sample(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None) -> SampleOutput:
-        """logits: [B, V] float32, row i for reqs[i]. bitmask_fn(logits) applies grammar masks in place.
-        Returns one token per row (synchronises)."""
-        return self.sample_on_device(logits, reqs, bitmask_fn).read()
+    @torch.inference_mode()
+    def adjust_logits(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
+                      eos_token_ids: tuple[int, ...] | set[int] = ()) -> torch.Tensor:
+        """Penalties, min_new_tokens holds, then grammar masks, row by row: the logits greedy rows argmax and
+        sampled rows scale. A row below its min_new_tokens gets eos_token_ids and its stop_token_ids masked.
+        Returns a new tensor when anything applies, else logits itself (never modified)."""
+        held = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+        if not (any(r.params.has_penalties for r in reqs) or bitmask_fn or held):
+            return logits
+        logits = logits.clone()
+        for i, r in enumerate(reqs):
+            if r.params.has_penalties:
+                self._apply_penalties(logits[i], r)
+        for i in held:
+            ids = sorted(set(eos_token_ids) | set(reqs[i].params.stop_token_ids or ()))
+            logits[i, ids] = float("-inf")
+        if bitmask_fn is not None:
+            bitmask_fn(logits)
+        return logits
+
+    def sample(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
+               eos_token_ids: tuple[int, ...] | set[int] = ()) -> SampleOutput:
+        """logits: [B, V] float32, row i for reqs[i]. bitmask_fn(logits) applies grammar masks in place;
+        eos_token_ids are held back in rows below their min_new_tokens. Returns one token per row (waits for
+        the device)."""
+        return self.sample_on_device(logits, reqs, bitmask_fn, eos_token_ids).read()
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
-                         live: list[bool] | None = None) -> DeviceSample:
-        """As sample(), without waiting for the device. Rows with live[i] False (stale or finished: their token
-        is discarded) are taken greedily, without penalties, logprobs or random draws, so a request's own
-        generator advances exactly once per token it keeps."""
+                         eos_token_ids: tuple[int, ...] | set[int] = (), live: list[bool] | None = None
+                         ) -> DeviceSample:
+        """As sample(), without waiting for the device: tokens stay on it (the next step's input ids are
+        gathered from them) and their host copies start. Rows with live[i] False (stale or finished: their
+        token is discarded) are taken greedily, without logprobs or random draws, so a request's own generator
+        advances exactly once per token it keeps."""
         live = live if live is not None else [True] * len(reqs)
         raw = logits
-        pen = [i for i, r in enumerate(reqs) if live[i] and r.params.has_penalties]
-        logits = logits.clone() if pen or bitmask_fn else logits
-        for i in pen:
-            self._apply_penalties(logits[i], reqs[i])
-        if bitmask_fn is not None:
-            bitmask_fn(logits)
+        logits = self.adjust_logits(logits, reqs, bitmask_fn, eos_token_ids)
 
         greedy = [r.params.greedy or not ok for r, ok in zip(reqs, live)]
         if all(greedy):
@@ -131,29 +152,11 @@ class Sampler:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        dev = logits.device
-        temps = torch.tensor([r.params.temperature for r in reqs], device=dev, dtype=logits.dtype)
-        logits = logits / temps.unsqueeze(1)
-        need_filter = any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in reqs)
-        if need_filter:
-            vals, idx = logits.sort(dim=-1, descending=True)
-            probs = torch.softmax(vals, dim=-1)
-            V = vals.shape[1]
-            ks = torch.tensor([r.params.top_k if r.params.top_k > 0 else V for r in reqs], device=dev)
-            ps = torch.tensor([r.params.top_p for r in reqs], device=dev, dtype=probs.dtype)
-            mps = torch.tensor([r.params.min_p for r in reqs], device=dev, dtype=probs.dtype)
-            rank = torch.arange(V, device=dev).unsqueeze(0)
-            cum = probs.cumsum(dim=-1)
-            drop = (rank >= ks.unsqueeze(1)) | ((cum - probs) > ps.unsqueeze(1))
-            drop |= probs < (mps.unsqueeze(1) * probs[:, :1])
-            drop[:, 0] = False  # the most likely token always survives
-            vals = vals.masked_fill(drop, float("-inf"))
-            probs = torch.softmax(vals, dim=-1)
-            choice = self._draw(probs, reqs)
-            return idx.gather(1, choice.unsqueeze(1)).squeeze(1)
-        return self._draw(torch.softmax(logits, dim=-1), reqs)
+        return self._draw(sampling_probs(logits, [r.params for r in reqs]), reqs)
 
     def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """One token per row of probs [B, V]. Rows with their own generator draw from it alone, so their
+        tokens depend only on their own distribution and seed, whatever the batch."""
         out = torch.empty(len(reqs), dtype=torch.int64, device=probs.device)
         shared = [i for i, r in enumerate(reqs) if r.generator is None]
         if shared:
@@ -163,3 +166,38 @@ class Sampler:
             if r.generator is not None:
                 out[i] = torch.multinomial(probs[i], 1, generator=r.generator).squeeze(0)
         return out
+
+
+def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """The distribution each sampled row draws from: probs [B, V] (vocabulary order) of
+    softmax(logits / temperature) after top-k, top-p and min-p filtering. Pure and batched, no host sync.
+
+    Row i depends only on logits[i] and params[i] (the property tests check this bit for bit): every op is
+    row-wise, and a row whose filters are off goes through the same ops as when its neighbours' are on, with
+    nothing dropped. top_k is clamped to the vocabulary; the most likely token always survives.
+    logits: [B, V] float (penalties and grammar masks already applied); params: B SamplingParams (not greedy).
+    """
+    dev = logits.device
+    B, V = logits.shape
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    scaled = logits / temps.unsqueeze(1)  # [B, V]
+    probs = torch.softmax(scaled, dim=-1)
+    topk = [p.top_k if 0 < p.top_k < V else V for p in params]
+    use_sort = any(k < V for k in topk) or any(p.top_p < 1 for p in params)
+    use_min_p = any(p.min_p > 0 for p in params)
+    if not (use_sort or use_min_p):
+        return probs
+    drop = torch.zeros(B, V, dtype=torch.bool, device=dev)
+    if use_sort:
+        sorted_probs, idx = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
+        ks = torch.tensor(topk, device=dev)
+        ps = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)
+        rank = torch.arange(V, device=dev).unsqueeze(0)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the higher-ranked tokens
+        drop_sorted = (rank >= ks.unsqueeze(1)) | ((mass_before > ps.unsqueeze(1)) & (ps < 1).unsqueeze(1))
+        drop_sorted[:, 0] = False  # the most likely token always survives
+        drop.scatter_(1, idx, drop_sorted)
+    if use_min_p:
+        mps = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
+        drop |= probs < mps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, V] < [B, 1]
+    return torch.softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)

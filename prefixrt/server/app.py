@@ -19,9 +19,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
+from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.params import SamplingParams
-from prefixrt.server.metrics import CONTENT_TYPE, Metrics
 from prefixrt.server.openai_api import router as openai_router
 from prefixrt.server.protocol import AbortRequest, CachePrefixRequest, GenerateRequest
 from prefixrt.server.sse import JSON, SSE_DONE, ClientDisconnected, EventStream, sse, until_disconnect

@@ -78,7 +78,7 @@ def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
 
 
 def constraint_of(params: dict) -> str | None:
-    return next((k for k in CONSTRAINT_FIELDS if params.get(k) is not None), None)
+    return next((k for k in CONSTRAINT_FIELDS if params.get(k) not in (None, False)), None)
 
 
 # ---------------------------------------------------------------------------------------------- responses

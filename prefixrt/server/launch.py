@@ -20,9 +20,14 @@ ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine construction flags (API.md's Engine arguments), shared by `serve` and `generate`."""
-    p.add_argument("--model", default="gemma-3-270m", help="registry name or local HF folder")
+CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
+BASE_MODEL = "gemma-3-270m"  # the embedded base model: the default for plain-text completion
+
+
+def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT_MODEL) -> None:
+    """Engine construction flags (docs/api.md's Engine arguments), shared by `serve` and `generate`."""
+    p.add_argument("--model", default=default_model,
+                   help=f"registry name or local HF folder (default: {default_model or 'see the command'})")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")

@@ -1,7 +1,7 @@
 """OpenAI structured outputs on top of constrained decoding: response_format and tools/tool_choice.
 
-- response_format json_schema -> SamplingParams.json_schema = its schema; json_object -> the engine's
-  "json_object" constraint (any JSON object: {"type": "object"}).
+- response_format json_schema -> SamplingParams.json_schema = its schema; json_object ->
+  SamplingParams.json_object (the "json_object" constraint: any JSON object, {"type": "object"}).
 - tools are described to the model in a system message (the chat template is not asked to render them:
   templates differ too much in how, and many have no tool support at all). The extra body field
   `tool_prompt: false` leaves the messages alone (the caller has described the tools itself).
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.params import CONSTRAINT_FIELDS
 from prefixrt.server.protocol import ChatCompletionRequest, ChatMessage
 
 TOOL_PROMPT = (
@@ -79,13 +80,12 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
     rf = req.response_format
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
-            schema: Any = "json_object"  # the engine's spelling of {"type": "object"}
+            _set_constraint(params, "json_object", True, "response_format")
         else:
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise InvalidRequest("response_format json_schema needs json_schema.schema",
                                      param="response_format")
-            schema = rf.json_schema.schema_
-        _set_constraint(params, "json_schema", schema, "response_format")
+            _set_constraint(params, "json_schema", rf.json_schema.schema_, "response_format")
 
     mode = ToolMode()
     choice = req.tool_choice
@@ -155,7 +155,7 @@ def _call_schema(name: str, parameters: dict | None) -> dict:
 
 
 def _set_constraint(params: dict, kind: str, value: Any, param: str) -> None:
-    if any(params.get(k) is not None for k in ("regex", "json_schema", "grammar", "choices")):
+    if any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
         raise InvalidRequest(f"{param} cannot be combined with another constraint (regex, json_schema, "
                              "grammar, choices, response_format, forced tool_choice)", param=param)
     params[kind] = value

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import assert_idle_and_clean
+from tests.helpers.engines import assert_idle_and_clean
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_NAME = "tiny-llama"
@@ -148,7 +148,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tests.model.checkpoints import tiny_config
+    from tests.helpers.checkpoints import tiny_config
 
     config = tiny_config("llama")
     config.max_position_embeddings = 8192
@@ -163,7 +163,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer) -> Path:
 def tiny_engine(tiny_checkpoint, tiny_tokenizer):
     """The tiny model in-process (CPU, fp32, debug checks on), named tiny-llama at revision "test"."""
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     model = load_model(tiny_checkpoint, dtype="float32", device="cpu")
     resolved = SimpleNamespace(name=TINY_NAME, revision="test", extra_eos_token_ids=(), path=str(tiny_checkpoint))
@@ -204,7 +204,7 @@ def tiny_target(request) -> Target:
 
 
 def _skip_without_gemma() -> None:
-    from prefixrt.model.registry import list_models
+    from prefixrt.hub.registry import list_models
 
     row = next((r for r in list_models() if r["name"] == GEMMA), None)
     if row is None or not row["available"]:

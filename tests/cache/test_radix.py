@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixrt.cache.allocator import OutOfPages, PageAllocator, pages_to_slots
-from prefixrt.cache.naive import NoReuseCache
+from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
 
 

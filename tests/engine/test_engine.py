@@ -132,7 +132,7 @@ def test_stop_strings_across_token_boundaries(make_engine, tiny_tokenizer, overl
     text = free.text
     assert len(text) > 6
     stop = text[3:6]  # chosen to straddle token boundaries of the free-running output
-    c = eng.generate(prompt, {"max_new_tokens": 24, "stop": [stop, "\x00never"], **GREEDY})
+    c = eng.generate(prompt, {"max_new_tokens": 24, "stop": [stop, "\u2603never"], **GREEDY})
     assert c.finish_reason == "stop" and c.matched_stop == stop
     assert c.text == text[: text.index(stop)]
     chunks = list(eng.stream(prompt, {"max_new_tokens": 24, "stop": stop, **GREEDY}))

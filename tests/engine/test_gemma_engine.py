@@ -13,10 +13,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_gemma_greedy_equals_transformers():
-    from model.test_gemma_real import MAX_NEW_TOKENS, PROMPTS, greedy_reference
-
     import prefixrt
-    from prefixrt.model.registry import resolve_model
+    from prefixrt.hub.registry import resolve_model
+    from tests.helpers.gemma_oracle import MAX_NEW_TOKENS, PROMPTS, greedy_reference
 
     want = greedy_reference(resolve_model("gemma-3-270m").path, PROMPTS)
     with prefixrt.Engine("gemma-3-270m", device="cpu", dtype="float32", debug=True) as eng:

@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from model.checkpoints import ARCH_NAMES
+
+from tests.helpers.checkpoints import ARCH_NAMES
 
 NEW_TOKENS = 8
 

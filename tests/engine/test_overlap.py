@@ -15,8 +15,8 @@ from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
-from prefixrt.engine.request import Req
 from prefixrt.params import SamplingParams
+from prefixrt.request import Req
 from prefixrt.sampling.sampler import Sampler
 from tests.engine.test_engine import _tree_workload
 

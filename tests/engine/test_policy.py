@@ -6,8 +6,8 @@ from __future__ import annotations
 from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.radix import RadixCache
 from prefixrt.engine.policy import order_waiting
-from prefixrt.engine.request import Req
 from prefixrt.params import SamplingParams
+from prefixrt.request import Req
 
 
 def _req(rid, ids, arrival, priority=0):

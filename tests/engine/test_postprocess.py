@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from prefixrt.engine import postprocess
-from prefixrt.engine.request import Req
 from prefixrt.params import SamplingParams
+from prefixrt.request import Req
 
 EOS = {2}
 

@@ -7,14 +7,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import assert_idle_and_clean
+from tests.helpers.engines import assert_idle_and_clean
 
 
 @pytest.fixture(scope="session")
 def long_checkpoint(tmp_path_factory):
     import torch
-    from model.checkpoints import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from tests.helpers.checkpoints import tiny_config
 
     cfg = tiny_config("llama")
     cfg.max_position_embeddings = 1024
@@ -29,7 +30,7 @@ def long_checkpoint(tmp_path_factory):
 def make_frontend_engine(long_checkpoint, tiny_tokenizer):
     """make_frontend_engine(**engine_kwargs) -> Engine on the 1k-context tiny llama (CPU, fp32)."""
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     engines = []
 

@@ -1,5 +1,5 @@
 """The real Gemma-3-270M, once per module: an in-process Engine and a `prefixrt serve` subprocess of the same
-model (the black box). The API.md judge example gives the same greedy results on Engine and RemoteEngine;
+model (the black box). The docs/api.md judge example gives the same greedy results on Engine and RemoteEngine;
 the forks' first requests reuse the committed prefix; a 3-field extraction on the server's OpenAI API makes
 one call instead of three with speculation (counted by the server's /stats), and when the guess fails the
 fallback gives the fields of non-speculative execution."""

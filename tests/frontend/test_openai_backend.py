@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from frontend.fake_openai import FailingModel, ScriptedModel, client_for
 
 from prefixrt.frontend import OpenAIBackend, ProgramError, assistant, function, gen, select, user
 from prefixrt.frontend.ir import Gen, Text
 from prefixrt.frontend.speculative import match_template
+from tests.helpers.fake_openai import FailingModel, ScriptedModel, client_for
 
 TIMEOUT = 30
 RECORD = [("Name", "Alice Smith"), ("Job", "engineer"), ("City", "Paris")]

@@ -18,7 +18,7 @@ from prefixrt.frontend import (
     system,
     user,
 )
-from prefixrt.frontend.backend import Backend, BackendError
+from prefixrt.frontend.backend import BackendError, ProgramBackend
 
 TIMEOUT = 60
 ESSAY = "A stitch in time saves nine. The quick brown fox jumps over the lazy dog. " * 3
@@ -128,7 +128,7 @@ def test_forks_run_concurrently(engine):
     inner = ProviderBackend(engine)
     active, peak, lock = [0], [0], threading.Lock()
 
-    class Counting(Backend):
+    class Counting(ProgramBackend):
         chat_format = inner.chat_format
 
         def generate(self, ctx, args):
@@ -159,7 +159,7 @@ def test_append_does_not_block(engine):
     """`s += gen(...)` returns at once; the variable read is what waits."""
     inner = ProviderBackend(engine)
 
-    class Slow(Backend):
+    class Slow(ProgramBackend):
         chat_format = inner.chat_format
 
         def generate(self, ctx, args):
@@ -194,7 +194,7 @@ def test_unknown_variable_raises_with_state(engine):
     assert "nope" in str(ei.value)
 
 
-class FailingBackend(Backend):
+class FailingBackend(ProgramBackend):
     def __init__(self, inner, fail_after=0):
         self.inner, self.calls, self.fail_after = inner, 0, fail_after
         self.chat_format = inner.chat_format

@@ -25,8 +25,8 @@ from prefixrt.frontend import (
     user,
 )
 from prefixrt.remote import RemoteEngine
-from tests.conftest import assert_idle_and_clean
-from tests.live_server import LiveServer
+from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.live_server import LiveServer
 
 TIMEOUT = 60
 ESSAY = "A stitch in time saves nine. The quick brown fox jumps over the lazy dog. " * 2
@@ -50,7 +50,7 @@ def engine(long_checkpoint, tiny_tokenizer):
     from types import SimpleNamespace
 
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     path, _ = long_checkpoint
     model = load_model(path, dtype="float32", device="cpu")

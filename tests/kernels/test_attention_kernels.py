@@ -291,3 +291,24 @@ def test_triton_backend_extend_then_cascade_decode():
     step([2, 3], [3, 7], share_from=1, shared_len=20)  # extend on the cached prefix
     batch = step([1, 2, 3, 4], [1, 1, 1, 1], prefix_groups=[(20, [0, 1, 2])])  # decode, cascade
     assert batch.mode.value == "decode" and backend.cascade_plan is not None
+
+
+@pytest.mark.parametrize("block_m,window,dtype", [(16, None, torch.float32), (32, 8, torch.float32),
+                                                  (16, None, torch.bfloat16)])
+def test_extend_attention_block_map_equals_reference(block_m, window, dtype):
+    """The fixed-grid launch (CUDA graphs): a padded block map gives the reference result, and padding
+    entries (-1) write nothing."""
+    from prefixrt.kernels.extend_attention import block_map
+
+    rng = random.Random(f"map-{block_m}-{window}")
+    q, args, _, _ = make_extend_case(rng, 2, 64, dtype, num_seqs=4)
+    extend_lens = args[5].tolist()
+    nb = len(extend_lens) + -(-sum(extend_lens) // block_m) + 3  # room to spare: padding entries
+    seqs, mbs = block_map(extend_lens, block_m, nb)
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    out = torch.full_like(q, 7.0)
+    expected = torch.empty_like(q)
+    extend_attention(q, out, *args, sliding_window=window, block_seq=torch.tensor(seqs, **i32),
+                     block_mb=torch.tensor(mbs, **i32), block_m=block_m)
+    ref.extend_attention(q, expected, *args, sliding_window=window)
+    assert rel_err(out, expected) < TOL[dtype]

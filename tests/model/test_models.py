@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from prefixrt.model.loader import load_model
-from tests.model.checkpoints import ARCH_NAMES, save_tiny_checkpoint
-from tests.model.harness import PagedHarness
+from prefixrt.hub.loader import load_model
+from tests.helpers.checkpoints import ARCH_NAMES, save_tiny_checkpoint
+from tests.helpers.harness import PagedHarness
 
 VOCAB = 320
 RTOL = 1e-4

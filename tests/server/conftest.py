@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.conftest import assert_idle_and_clean
+from tests.helpers.engines import assert_idle_and_clean
 
 REPO = Path(__file__).resolve().parents[2]
 SERVED_NAME = "tiny-llama"  # --served-model-name: the name the in-process engine reports too
@@ -30,7 +30,7 @@ SERVED_NAME = "tiny-llama"  # --served-model-name: the name the in-process engin
 
 def build_engine(tiny_checkpoints, tiny_tokenizer, arch: str = "llama", **kwargs):
     from prefixrt.engine.engine import Engine
-    from prefixrt.model.loader import load_model
+    from prefixrt.hub.loader import load_model
 
     path, _ = tiny_checkpoints(arch)
     model = load_model(path, dtype="float32", device="cpu")

@@ -11,7 +11,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.conftest import assert_idle_and_clean
+from tests.helpers.engines import assert_idle_and_clean
 
 CALLS: list[tuple[str, str, int]] = []
 

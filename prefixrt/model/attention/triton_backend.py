@@ -5,11 +5,12 @@ number of KV splits for decode, and, when the batch carries prefix_groups worth 
 forward() writes the layer's new K/V into the pool, then dispatches EXTEND -> extend_attention, DECODE ->
 cascade_decode_attention (grouped batch, full-attention layer) or decode_attention.
 
-CUDA graphs (decode) will be captured per batch-size bucket: the split counts then depend only on the
-bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are copied into static
-tensors before replay, and the split workspace below is already static, so replay launches the same grids
-on the same addresses. A cascade plan will need its index arrays padded to a fixed tile count for that;
-until then cascade batches run eagerly.
+CUDA graphs (model/cuda_graphs.py): decode graphs are captured per batch-size bucket; the split counts
+depend only on the bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are
+copied into static tensors before replay, and the split workspace below is already static, so replay
+launches the same grids on the same addresses. EXTEND graphs pass ForwardBatch.extend_plan, a block map in
+static buffers: extend attention then runs on a grid fixed by the map's length. A cascade plan will need
+its index arrays padded to a fixed tile count for that; until then cascade batches run eagerly.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ class TritonAttentionBackend(AttentionBackend):
         )
         if plan is None:
             return
+        self._use_plan(plan, num_kv_heads)
+
+    def _use_plan(self, plan: CascadePlan, num_kv_heads: int) -> None:
+        batch = self._batch
         self.cascade_plan = plan
         self._num_prefix_splits = plan_decode_splits(
             plan.num_tiles * num_kv_heads, plan.max_prefix_len, self.num_sms, self.max_kv_splits
@@ -121,6 +126,13 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_suffix_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, plan.max_suffix_len, self.num_sms, self.max_kv_splits
         )
+
+    @staticmethod
+    def _extend_map_args(batch: ForwardBatch) -> dict:
+        plan = batch.extend_plan
+        if plan is None:
+            return {}
+        return {"block_seq": plan.block_seq, "block_mb": plan.block_mb, "block_m": plan.block_m}
 
     def forward(
         self,
@@ -151,6 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._max_extend_len, layer.scaling, layer.sliding_window, layer.logit_softcap,
                 k_extend=k.to(k_buffer.dtype) if contiguous else None,
                 v_extend=v.to(v_buffer.dtype) if contiguous else None,
+                **self._extend_map_args(batch),
             )  # fmt: skip
         elif self.cascade_plan is not None and layer.sliding_window is None:
             mid_o, mid_lse = self.workspace(num_heads, head_dim)

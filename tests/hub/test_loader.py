@@ -8,18 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefixrt.model.gemma3 import Gemma3Config
-from prefixrt.model.layers import RopeConfig
-from prefixrt.model.llama import LlamaConfig
-from prefixrt.model.loader import (
+from prefixrt.hub.loader import (
     checkpoint_files,
     checkpoint_name,
     load_model,
     load_model_from_config,
     supported_architectures,
 )
-from tests.model.checkpoints import save_tiny_checkpoint, tiny_config
-from tests.model.harness import PagedHarness
+from prefixrt.model.gemma3 import Gemma3Config
+from prefixrt.model.layers import RopeConfig
+from prefixrt.model.llama import LlamaConfig
+from tests.helpers.checkpoints import save_tiny_checkpoint, tiny_config
+from tests.helpers.harness import PagedHarness
 
 
 def prefill_logits(model, tokens: list[int]) -> torch.Tensor:

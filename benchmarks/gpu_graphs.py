@@ -1,0 +1,323 @@
+"""One H200 run for CUDA graphs beyond decode, warm start and engine release (Llama-3-8B shape, dummy
+bf16). Correctness first (EXTEND graph replay vs eager inside the engine; shutdown memory), then timings:
+first vs warm RAG batch, hot/cold-prefix TTFT, JSON jump-forward on/off at batch 64, constrained vs
+unconstrained decode step, start-up and capture cost. Prints a table last; writes $OUT/gpu_graphs.json.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_graphs.py            # on the GPU host (<= 5 minutes)
+    PYTHONPATH=$PWD python benchmarks/gpu_graphs.py --smoke    # tiny shapes on the CPU, to test the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+import prefixrt
+from prefixrt.bench import runner as R
+from prefixrt.bench import workloads as W
+from prefixrt.engine import builder
+
+RESULTS: dict = {}
+ROWS: list[tuple[str, str, str]] = []  # (what, figure, target) for the closing table
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def row(what: str, figure: str, target: str = "") -> None:
+    ROWS.append((what, figure, target))
+    log(f"[{time.strftime('%H:%M:%S')}] {what}: {figure} {('(target ' + target + ')') if target else ''}")
+    save()
+
+
+def save() -> None:
+    """Write what is known so far (a run cut short still leaves its figures)."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "gpu_graphs.json"), "w") as f:
+            json.dump({**RESULTS, "rows": ROWS}, f, indent=1, default=str)
+
+
+def mem() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def set_graphs(eng, on: bool, saved: dict) -> None:
+    """Switch the runner's graph banks off (saved) or back on, on the loop thread between steps."""
+    runner = eng.core.runner
+
+    def flip():
+        if on:
+            runner.graphs, runner.extend_graphs = saved.pop("banks", (runner.graphs, runner.extend_graphs))
+        else:
+            saved["banks"] = (runner.graphs, runner.extend_graphs)
+            runner.graphs = runner.extend_graphs = None
+
+    eng._run_on_loop(flip)
+
+
+def ttft_once(eng, prompt) -> float:
+    t0 = time.perf_counter()
+    for _ in eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
+        break
+    return time.perf_counter() - t0
+
+
+def check_extend_graphs(eng, vocab: int, smoke: bool) -> dict:
+    """Same engine, graphs on vs off: prompts over a cached prefix with ragged new parts, so the first
+    forward of each is an EXTEND batch; first-token logprobs and 4 greedy tokens compared."""
+    rng = random.Random(1)
+    shared = [rng.randrange(16, vocab) for _ in range(1000 if not smoke else 40)]
+    prompts = [shared + [rng.randrange(16, vocab) for _ in range(rng.randint(1, 60 if not smoke else 6))]
+               for _ in range(16 if not smoke else 3)]
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 5}
+    outs, saved = {}, {}
+    for on in (True, False):
+        set_graphs(eng, on, saved)
+        eng.flush_cache()
+        eng.cache_prefix(shared)
+        before = dict(eng.core.runner.replays)
+        outs[on] = eng.generate(prompts, params)
+        after = eng.core.runner.replays
+        outs[f"replays_{on}"] = {k: after[k] - before[k] for k in after}
+    set_graphs(eng, True, saved)
+    errs, same = [], 0
+    for a, b in zip(outs[True], outs[False]):
+        la, lb = a.logprobs[0], b.logprobs[0]
+        va = {t["token_id"]: t["logprob"] for t in la["top_logprobs"]}
+        vb = {t["token_id"]: t["logprob"] for t in lb["top_logprobs"]}
+        errs.extend(abs(va[t] - vb[t]) for t in set(va) & set(vb))
+        same += a.token_ids == b.token_ids
+    return {"prompts": len(prompts), "first_token_logprob_max_abs_diff": max(errs) if errs else 0.0,
+            "greedy_equal": same, "replays_graphs_on": outs["replays_True"],
+            "replays_graphs_off": outs["replays_False"]}
+
+
+LONG_KEYS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 12},
+        "customer_email_address": {"type": "string", "maxLength": 16},
+        "shipping_address_line_one": {"type": "string", "maxLength": 16},
+        "preferred_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
+        "order_total_in_cents": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "gift_wrapping_requested": {"type": "boolean"},
+    },
+    "required": ["customer_full_name", "customer_email_address", "shipping_address_line_one",
+                 "preferred_delivery_window", "order_total_in_cents", "gift_wrapping_requested"],
+    "additionalProperties": False,
+}
+
+
+def json_bench(eng, vocab: int, batch: int) -> dict:
+    """Constrained JSON with long fixed keys: jump-forward on vs off (throughput, forward passes, how the
+    forwards ran), and the constrained step against unconstrained decoding of the same length."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(16, vocab) for _ in range(64)] for _ in range(batch)]
+    base = {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA}
+    eng.generate(prompts[:2], base)  # grammar compiled, warm
+    out = {}
+    for jf in (True, False, True):  # on twice: the second is the figure (first warms its shapes)
+        eng.flush_cache()
+        s0 = eng.stats().forward_passes_total
+        r0 = dict(eng.core.runner.replays)
+        t0 = time.perf_counter()
+        res = eng.generate(prompts, {**base, "jump_forward": jf})
+        dt = time.perf_counter() - t0
+        passes = eng.stats().forward_passes_total - s0
+        toks = sum(c.completion_tokens for c in res)
+        valid = 0
+        for c in res:
+            try:
+                valid += c.finish_reason == "stop" and isinstance(json.loads(c.text), dict)
+            except ValueError:
+                pass
+        out["jf_on" if jf else "jf_off"] = {
+            "seconds": dt, "forward_passes": passes, "output_tokens": toks, "tok_s": toks / dt, "valid": valid,
+            "step_ms": dt / passes * 1000,
+            "replays": {k: eng.core.runner.replays[k] - r0[k] for k in r0}}
+    n = max(1, out["jf_off"]["output_tokens"] // batch)
+    eng.flush_cache()
+    s0 = eng.stats().forward_passes_total
+    t0 = time.perf_counter()
+    eng.generate(prompts, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    dt = time.perf_counter() - t0
+    passes = eng.stats().forward_passes_total - s0
+    out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
+    out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
+    out["constrained_step_over_unconstrained"] = out["jf_off"]["step_ms"] / out["unconstrained"]["step_ms"]
+    return out
+
+
+def replay_times(eng) -> dict:
+    """Replay time of a few captured graphs alone (no scheduler, no copies). Their K/V writes are pointed
+    at the padding slot first, so replaying stale buffers touches no live slot."""
+    runner, out = eng.core.runner, {}
+
+    def bench(name, graph):
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0) / 20 * 1000
+
+    def run():
+        with torch.inference_mode():  # the static buffers are inference tensors
+            run_all()
+
+    def run_all():
+        if runner.graphs is not None:
+            runner.graphs.out_cache_loc.zero_()
+            for bs in (1, 64):
+                if bs in runner.graphs.graphs:
+                    bench(f"decode_b{bs}", runner.graphs.graphs[bs][0])
+        if runner.extend_graphs is not None:
+            runner.extend_graphs.out_cache_loc.zero_()
+            for key in ((96, 1), (128, 64), (256, 64), (512, 64)):
+                if key in runner.extend_graphs.graphs:
+                    bench(f"extend_t{key[0]}_b{key[1]}", runner.extend_graphs.graphs[key][0])
+
+    eng._run_on_loop(run)
+    return out
+
+
+def release_check(model: str, kw: dict, baseline: int, n: int) -> list[int]:
+    """Build and shut down n engines; bytes still allocated after each, relative to baseline."""
+    left = []
+    for i in range(n):
+        with prefixrt.Engine(model, load_format="dummy", seed=i, **kw) as eng:
+            eng.generate([[5, 6, 7, 8] * 10], {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+        gc.collect()
+        left.append(mem() - baseline)
+    return left
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--skip-json", action="store_true")
+    args = ap.parse_args()
+    smoke = args.smoke
+    on_gpu = torch.cuda.is_available() and not smoke
+    big = "llama-3-8b" if not smoke else "qwen3-0.6b"
+    small = "llama-3.2-1b" if not smoke else "qwen3-0.6b"
+    kw = {} if not smoke else dict(device="cpu", attention_backend="torch", kv_cache_tokens=4000)
+    t_start = time.perf_counter()
+    if on_gpu:
+        x = torch.randn(64, 64, device="cuda")
+        (x @ x).sum().item()  # CUDA context and cuBLAS workspace exist before the memory baseline
+        del x
+        builder.clear_blas_workspaces()  # shutdown() drops them too
+    baseline = mem()
+
+    # ---------------------------------------------------------------- start-up, then the first RAG batch
+    t = time.perf_counter()
+    eng = prefixrt.Engine(big, load_format="dummy", **kw)
+    RESULTS["engine_up_s"] = time.perf_counter() - t
+    RESULTS["startup"] = eng._built.startup
+    RESULTS["mem_after_startup_GiB"] = mem() / 2**30
+    st = eng._built.startup
+    row("start-up (8B dummy)", f"{RESULTS['engine_up_s']:.1f}s (weights {st.get('load_s', 0):.1f}s, warm-up "
+        f"{st.get('warm_up_s', 0):.1f}s, capture {st.get('capture_s', 0):.1f}s)")
+    for line in st.get("graphs", []):
+        log("  " + line)
+    vocab = eng.vocab_size
+    rag = W.rag(vocab) if not smoke else W.rag(vocab, requests=4, shared_len=64, unique_len=8, output_len=4)
+    first = R.run_workload(eng, rag, "RAG first after start-up", show_progress=False)
+    eng.flush_cache()
+    warm = R.run_workload(eng, rag, "RAG warm", show_progress=False)
+    log(R.format_table([first, warm]))
+    RESULTS["rag_first"], RESULTS["rag_warm"] = first.to_dict(), warm.to_dict()
+    ratio = first.output_throughput / warm.output_throughput
+    row("RAG first batch / warm (out tok/s)", f"{first.output_throughput:.0f} / {warm.output_throughput:.0f} = "
+        f"{ratio:.2f}; TTFT p50 {first.ttft_ms.get('p50', 0):.0f} vs {warm.ttft_ms.get('p50', 0):.0f} ms",
+        ">= 0.90")
+
+    # ---------------------------------------------------------------- correctness: graphs on vs off
+    RESULTS["check_extend_graphs"] = chk = check_extend_graphs(eng, vocab, smoke)
+    row("EXTEND graphs vs eager (first-token logprob max |diff|, greedy equal)",
+        f"{chk['first_token_logprob_max_abs_diff']:.3g}, {chk['greedy_equal']}/{chk['prompts']} "
+        f"(extend replays {chk['replays_graphs_on'].get('extend', 0)})", "bf16 ~1e-1, >= 95%")
+
+    # ---------------------------------------------------------------- hot / cold prefix TTFT
+    rng = random.Random(5)
+    shared = [rng.randrange(16, vocab) for _ in range(3500 if not smoke else 64)]
+    new = 80 if not smoke else 8
+    eng.flush_cache()
+    eng.cache_prefix(shared)
+    for _ in range(3):
+        ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)])
+    hot = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    saved = {}
+    set_graphs(eng, False, saved)
+    hot_eager = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(7)]
+    set_graphs(eng, True, saved)
+    cold = []
+    for _ in range(3):
+        eng.flush_cache()
+        cold.append(ttft_once(eng, [rng.randrange(16, vocab) for _ in range(len(shared) + new)]))
+    RESULTS["ttft_hot_ms"] = {"p50": statistics.median(hot) * 1000, "p99": pct(hot, 0.99) * 1000,
+                              "all": [x * 1000 for x in hot]}
+    RESULTS["ttft_hot_eager_ms_p50"] = statistics.median(hot_eager) * 1000
+    RESULTS["ttft_cold_ms_p50"] = statistics.median(cold) * 1000
+    row("hot-prefix TTFT p50 / p99 (3500 cached + 80 new, 20 req)",
+        f"{RESULTS['ttft_hot_ms']['p50']:.2f} / {RESULTS['ttft_hot_ms']['p99']:.2f} ms "
+        f"(eager p50 {RESULTS['ttft_hot_eager_ms_p50']:.2f})", "<= 10 / <= 15 ms")
+    row("cold TTFT p50 (3580 new)", f"{RESULTS['ttft_cold_ms_p50']:.1f} ms")
+
+    # ---------------------------------------------------------------- JSON jump-forward
+    if not args.skip_json:
+        try:
+            RESULTS["json"] = js = json_bench(eng, vocab, 64 if not smoke else 4)
+            row("JSON jump-forward on / off (batch 64, out tok/s)",
+                f"{js['jf_on']['tok_s']:.0f} / {js['jf_off']['tok_s']:.0f} = {js['jf_speedup']:.2f}x "
+                f"(passes {js['jf_on']['forward_passes']} vs {js['jf_off']['forward_passes']}; valid "
+                f"{js['jf_on']['valid']}/{js['jf_off']['valid']}; on-run replays {js['jf_on']['replays']})",
+                ">= 1.6x")
+            row("constrained / unconstrained decode step",
+                f"{js['jf_off']['step_ms']:.2f} / {js['unconstrained']['step_ms']:.2f} ms = "
+                f"{js['constrained_step_over_unconstrained']:.2f}", "<= 1.10")
+        except ImportError as e:
+            row("JSON jump-forward", f"skipped: {e}")
+    RESULTS["replays_total"] = dict(eng.core.runner.replays)
+    if on_gpu:
+        RESULTS["replay_ms"] = replay_times(eng)
+        row("graph replay alone (ms)", json.dumps({k: round(v, 2) for k, v in RESULTS["replay_ms"].items()}))
+
+    # ---------------------------------------------------------------- release: this engine + two more
+    eng.shutdown()
+    eng = None
+    gc.collect()
+    RESULTS["release_left_bytes"] = left = [mem() - baseline]
+    if on_gpu and time.perf_counter() - t_start < 200:  # CPU engines keep their memory until collected
+        left += release_check(small, kw, baseline, 2)
+    row("memory left after shutdown (bytes, per engine)", str(left), "all 0")
+
+    RESULTS["total_s"] = time.perf_counter() - t_start
+    save()
+    log("")
+    log(f"{'what':<62} {'figure':<70} target")
+    for what, fig, target in ROWS:
+        log(f"{what:<62} {fig:<70} {target}")
+    log(f"total {RESULTS['total_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

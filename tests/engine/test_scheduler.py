@@ -1,0 +1,166 @@
+"""Scheduler on hand-built requests over a real (tiny, CPU) KVManager: chunking, decode, admission limits,
+prefill-once, retraction, out-of-memory finishing. No model: a test plays the loop's part after each
+schedule() (append a sampled token where the batch samples, publish prefill chunks as EngineCore does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixrt.cache.allocator import PageAllocator
+from prefixrt.cache.kv_manager import KVManager
+from prefixrt.cache.kv_pool import KVPool
+from prefixrt.cache.radix import RadixCache
+from prefixrt.cache.req_table import ReqToTokenTable
+from prefixrt.engine.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
+from prefixrt.params import SamplingParams
+from prefixrt.request import Req, ReqState
+
+SAMPLED = 3  # the token the fake loop "samples"
+
+
+def make_scheduler(num_slots: int = 256, page_size: int = 1, rows: int = 8, **config) -> Scheduler:
+    pool = KVPool(num_slots, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    allocator = PageAllocator(num_slots, page_size)
+    kv = KVManager(pool, allocator, ReqToTokenTable(rows, 512, "cpu"), RadixCache(allocator), debug=True)
+    config.setdefault("aging_s", 1e9)
+    return Scheduler(kv, SchedulerConfig(**config))
+
+
+def req(ids, rid: str, arrival: float = 0.0, **params) -> Req:
+    return Req(rid=rid, prompt_ids=list(ids), params=SamplingParams(**params), sink=None, arrival=arrival)
+
+
+def step(s: Scheduler):
+    """schedule(), then what EngineCore does with the batch's requests (minus the forward)."""
+    b = s.schedule()
+    for r, n, sample in zip(b.reqs, b.num_tokens, b.sample):
+        if sample:
+            r.append_output([SAMPLED])
+        if n > 1:
+            s.kv.cache_unfinished(r)
+    s.kv.check_integrity()
+    return b
+
+
+def rows(b) -> list[tuple[str, int, int, bool]]:
+    return [(r.rid, p, n, smp) for r, p, n, smp in zip(b.reqs, b.prefix_lens, b.num_tokens, b.sample)]
+
+
+def finish(s: Scheduler, r: Req) -> None:
+    s.remove(r)
+    s.kv.check_integrity()
+
+
+def test_long_prompt_is_chunked_to_the_budget_then_decodes_one_token_per_step():
+    s = make_scheduler(chunked_prefill_tokens=8)
+    a = req(range(10, 30), "a")  # 20 prompt tokens
+    s.add(a)
+    assert rows(step(s)) == [("a", 0, 8, False)]
+    assert a.state is ReqState.RUNNING
+    assert rows(step(s)) == [("a", 8, 8, False)]
+    assert rows(step(s)) == [("a", 16, 4, True)]  # reaches the end of all_ids: a token is sampled
+    assert rows(step(s)) == [("a", 20, 1, True)]  # decode
+    assert a.output_ids == [SAMPLED, SAMPLED]
+    finish(s, a)
+    assert not s.has_work and a.state is ReqState.FINISHED
+
+
+def test_budget_is_shared_running_first_and_decode_is_not_charged():
+    s = make_scheduler(chunked_prefill_tokens=10)
+    a = req(range(100, 104), "a")
+    s.add(a)
+    step(s)  # a prefilled (4 tokens), now decoding
+    b, c = req(range(200, 216), "b", arrival=1.0), req(range(300, 316), "c", arrival=2.0)
+    s.add(b)
+    s.add(c)
+    assert rows(step(s)) == [("a", 4, 1, True), ("b", 0, 10, False)]  # decode costs no prefill budget
+    assert rows(step(s)) == [("a", 5, 1, True), ("b", 10, 6, True), ("c", 0, 4, False)]
+    for r in (a, b, c):
+        finish(s, r)
+
+
+def test_max_running_requests_caps_admission():
+    s = make_scheduler(max_running_requests=2)
+    reqs = [req(range(10 * i, 10 * i + 5), f"r{i}", arrival=float(i)) for i in range(1, 4)]
+    for r in reqs:
+        s.add(r)
+    b = step(s)
+    assert [r.rid for r in b.reqs] == ["r1", "r2"] and [r.rid for r in s.waiting] == ["r3"]
+    finish(s, reqs[0])
+    assert [r.rid for r in step(s).reqs] == ["r2", "r3"]
+    for r in reqs[1:]:
+        finish(s, r)
+
+
+def test_shared_uncached_prefix_is_prefilled_once():
+    """Two arrivals share a 40-token prefix nobody has computed: the second waits one step, then reuses the
+    first's published chunk instead of computing it again."""
+    shared = list(range(1000, 1040))
+    assert len(shared) >= PREFIX_DEDUP_MIN_TOKENS
+    s = make_scheduler()
+    a, b = req(shared + [1, 2], "a", arrival=1.0), req(shared + [5, 6], "b", arrival=2.0)
+    s.add(a)
+    s.add(b)
+    assert [r.rid for r in step(s).reqs] == ["a"]  # b held back; a's prefill is published after the step
+    b2 = step(s)
+    assert rows(b2) == [("a", 42, 1, True), ("b", 40, 2, True)]
+    assert b.num_cached_tokens == 40
+    finish(s, a)
+    finish(s, b)
+
+
+def test_without_dedup_both_prefill_the_shared_prefix():
+    shared = list(range(1000, 1040))
+    s = make_scheduler(dedup_shared_prefill=False)
+    a, b = req(shared + [1, 2], "a", arrival=1.0), req(shared + [5, 6], "b", arrival=2.0)
+    s.add(a)
+    s.add(b)
+    assert rows(step(s)) == [("a", 0, 42, True), ("b", 0, 42, True)]
+    finish(s, a)
+    finish(s, b)
+
+
+def test_out_of_memory_retracts_lowest_priority_latest_arrival_and_it_resumes_from_the_cache():
+    s = make_scheduler(num_slots=25, chunked_prefill_tokens=64)  # 24 usable slots
+    a = req(range(100, 110), "a", arrival=1.0, priority=1)
+    b = req(range(200, 210), "b", arrival=2.0)
+    c = req(range(300, 302), "c", arrival=3.0, priority=1)
+    for r in (a, b, c):
+        s.add(r)
+    b1 = step(s)
+    assert [r.rid for r in b1.reqs] == ["a", "c", "b"]  # priority first; 22 of 24 slots used
+    step(s)  # 3 decode tokens: 25 > 24, so one request must go
+    victims = [r.rid for r in s.waiting]
+    assert victims == ["b"]  # lowest priority first, then the latest arrival
+    assert b.retractions == 1 and b.state is ReqState.WAITING and b.row is None
+    assert s.retracted_total == 1
+    assert b.output_ids == [SAMPLED]  # keeps its output
+    finish(s, a)
+    finish(s, c)
+    resumed = step(s)
+    assert rows(resumed) == [("b", 10, 1, True)]  # all 11 tokens' K/V were published: only the last recomputes
+    finish(s, b)
+
+
+def test_a_request_alone_that_cannot_get_memory_is_finished_early():
+    s = make_scheduler(num_slots=9, chunked_prefill_tokens=64)  # 8 usable slots
+    a = req(range(100, 108), "a", ignore_eos=True)
+    s.add(a)
+    assert rows(step(s)) == [("a", 0, 8, True)]  # fills the pool exactly
+    b = step(s)
+    assert b.reqs == [] and b.finished_early == [a] and s.running == []
+    finish(s, a)
+    assert s.kv.free_tokens + s.kv.evictable_tokens == s.kv.total_tokens
+
+
+def test_admission_stops_when_memory_runs_out_and_keeps_order():
+    s = make_scheduler(num_slots=17, chunked_prefill_tokens=64)  # 16 usable slots
+    a, b = req(range(100, 110), "a", arrival=1.0), req(range(200, 210), "b", arrival=2.0)
+    s.add(a)
+    s.add(b)
+    assert [r.rid for r in step(s).reqs] == ["a"]  # b would need 10 more slots plus a's decode reserve
+    assert s.waiting == [b] and b.row is None and s.kv.cache.locked_tokens == a.cached_len == 10  # only a holds locks
+    finish(s, a)
+    assert [r.rid for r in step(s).reqs] == ["b"]
+    finish(s, b)

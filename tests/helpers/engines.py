@@ -1,0 +1,39 @@
+"""Helpers for engine tests: the tiny byte-level tokenizer and the idle-and-clean check run at every teardown."""
+
+from __future__ import annotations
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
+    "prefix caching reuses the key value cache of shared prompts; radix trees index token sequences. "
+    "Question: what is the capital of France? Answer: Paris. {\"name\": \"value\", \"items\": [1, 2, 3]} "
+) * 4
+
+
+def make_tiny_tokenizer():
+    """A byte-level BPE with 320 ids (matching the tiny checkpoints' vocab): <pad>=0, <bos>=1, <eos>=2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    assert len(fast) <= 320
+    return fast
+
+
+def assert_idle_and_clean(engine) -> None:
+    engine.wait_idle()
+    s = engine.stats()
+    assert s.requests_running == 0 and s.requests_waiting == 0
+    assert s.kv_free + s.kv_evictable == s.kv_total, s
+    assert s.kv_locked == 0, s
+    engine.check_integrity()

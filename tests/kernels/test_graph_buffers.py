@@ -1,0 +1,163 @@
+"""CUDA-graph logic that runs on the CPU: bucket choice, block maps, padding and static-buffer filling.
+
+The graph banks run in emulation (the static padded batch through the Triton backend under
+TRITON_INTERPRET=1, see conftest.py) and must give the logits of the eager forward through the torch
+reference backend on the same batch. On a GPU the same test captures real graphs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("transformers")
+
+from prefixrt.kernels.extend_attention import block_map  # noqa: E402
+
+from prefixrt.cache.kv_pool import KVPool  # noqa: E402
+from prefixrt.model.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from prefixrt.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from prefixrt.model.cuda_graphs import (  # noqa: E402
+    EXTEND_TOKEN_BUCKETS,
+    ExtendGraphs,
+    extend_block_m,
+    extend_buckets,
+    pick,
+)
+from prefixrt.model.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from prefixrt.model.runner import ModelRunner  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_pick_and_buckets():
+    assert pick((1, 4, 16), 0) == 1 and pick((1, 4, 16), 5) == 16 and pick((1, 4, 16), 17) is None
+    keys = extend_buckets(128, 8)
+    assert {t for t, _ in keys} == {t for t in EXTEND_TOKEN_BUCKETS if t <= 128}
+    assert all(s <= min(t, 8) for t, s in keys)
+    assert (16, 1) in keys and (16, 4) in keys and (128, 8) in keys and (16, 16) not in keys
+    assert extend_buckets(100, 256)[-1] == (100, 100)  # the cap itself is a token bucket
+    assert extend_block_m(64, 64, 128) == 16 and extend_block_m(128, 1, 128) <= 64
+
+
+def test_block_map_covers_every_query_block_once():
+    rng = random.Random(0)
+    for _ in range(50):
+        lens = [rng.randint(0, 40) for _ in range(rng.randint(1, 9))]
+        m = rng.choice([16, 32, 64])
+        nb = len(lens) + -(-sum(lens) // m)
+        seqs, mbs = block_map(lens, m, nb)
+        assert len(seqs) == len(mbs) == nb
+        real = [(s, b) for s, b in zip(seqs, mbs) if s >= 0]
+        assert real == [(i, j) for i, e in enumerate(lens) for j in range(-(-e // m))]
+        assert all(s == -1 for s in seqs[len(real):])
+    with pytest.raises(ValueError):
+        block_map([40, 40], 16, 3)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from prefixrt.hub.loader import load_model
+    from tests.helpers.checkpoints import save_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen3")
+    save_tiny_checkpoint("qwen3", path)
+    model = load_model(str(path), dtype=torch.float32, device=DEVICE)
+    num_slots, rows, ctx = 2048, 12, 160
+    pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, torch.float32, DEVICE)
+    table = torch.zeros(rows, ctx, dtype=torch.int32, device=DEVICE)
+    pad_row = rows - 1  # stays all zeros
+    backend = TritonAttentionBackend(pool, max_batch_size=8)
+    graph_runner = ModelRunner(model, pool, backend)
+    graph_runner.capture_graphs(table, pad_row, 8, ctx, max_extend_tokens=96, emulate=DEVICE == "cpu")
+    ref_runner = ModelRunner(model, pool, TorchAttentionBackend(pool))
+    return model, pool, table, graph_runner, ref_runner
+
+
+def _batch(table, rows, prefix_lens, tokens, slots, logits_rows=None) -> ForwardBatch:
+    ends, acc = [], 0
+    for t in tokens:
+        acc += len(t)
+        ends.append(acc - 1)
+    return ForwardBatch.build(
+        req_pool_indices=rows, prefix_lens=prefix_lens, extend_tokens=tokens, out_cache_loc=slots,
+        req_to_token=table, logits_indices=ends if logits_rows is None else logits_rows, device=DEVICE,
+    )
+
+
+def test_extend_graphs_match_eager_reference(setup):
+    """Prefill some rows, then EXTEND batches of ragged sizes (jump-forward-like 1..6 tokens, a prefill of
+    40 over a cached prefix, a mixed one) through the graph banks; logits equal the torch reference."""
+    model, pool, table, graph_runner, ref_runner = setup
+    rng = random.Random(3)
+    free = list(range(1, pool.num_slots))
+    rng.shuffle(free)
+    lens = {}
+    vocab = model.vocab_size
+
+    def fill(row, n):
+        slots = [free.pop() for _ in range(n)]
+        table[row, lens[row] : lens[row] + n] = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+        return slots
+
+    # Cached prefixes, written by the reference (eager) path.
+    for row in range(6):
+        lens[row] = 0
+        n = rng.randint(5, 60)
+        slots = fill(row, n)
+        ref_runner.forward(_batch(table, [row], [0], [[rng.randrange(vocab) for _ in range(n)]], slots))
+        lens[row] = n
+
+    steps = [
+        [(0, 1), (1, 3), (2, 6), (3, 1), (4, 2)],  # decode + forced tokens
+        [(5, 40)],  # hot-prefix prefill
+        [(0, 2), (5, 30), (1, 1)],  # chunked prefill mixed with decode
+        [(2, 1), (3, 5)],
+    ]
+    used = 0
+    for step in steps:
+        rows = [r for r, _ in step]
+        tokens = [[rng.randrange(vocab) for _ in range(n)] for _, n in step]
+        prefix = [lens[r] for r in rows]
+        slots = [s for r, n in step for s in fill(r, n)]
+        fb = _batch(table, rows, prefix, tokens, slots)
+        assert fb.mode is ForwardMode.EXTEND
+        assert graph_runner.extend_graphs.can_run(fb)
+        before = graph_runner.replays["extend"]
+        got = graph_runner.forward(fb).clone()
+        assert graph_runner.replays["extend"] == before + 1
+        # The reference recomputes the same K/V into the same slots (fp32: equal up to rounding).
+        want = ref_runner.forward(_batch(table, rows, prefix, tokens, slots))
+        assert got.shape == want.shape
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+        for r, n in step:
+            lens[r] += n
+        used += 1
+    assert used == len(steps)
+    assert pool.k_buffers[0][0].abs().sum() >= 0  # padded tokens wrote slot 0 only (no crash, no other slot)
+
+
+def test_extend_graphs_fall_back(setup):
+    model, pool, table, graph_runner, _ = setup
+    fb = _batch(table, [0], [0], [list(range(97))], list(range(1, 98)))  # over max_extend_tokens
+    assert not graph_runner.extend_graphs.can_run(fb)
+    fb = _batch(table, [0], [0], [list(range(8))], list(range(1, 9)), logits_rows=[3, 5, 7])  # logprob rows
+    assert not graph_runner.extend_graphs.can_run(fb)
+    fb = _batch(table, [0, 1], [0, 0], [[1], [2]], [1, 2])
+    assert fb.mode is ForwardMode.DECODE and graph_runner.graphs.can_run(fb)
+    assert isinstance(graph_runner.extend_graphs, ExtendGraphs)
+
+
+def test_padded_tokens_write_only_the_pad_slot(setup):
+    """A batch of 3 tokens padded to the 16-token bucket: no slot except the batch's and slot 0 changes."""
+    model, pool, table, graph_runner, _ = setup
+    before = [k.clone() for k in pool.k_buffers]
+    row = 7
+    slots = [pool.num_slots - 3, pool.num_slots - 2, pool.num_slots - 1]
+    table[row, :3] = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    graph_runner.forward(_batch(table, [row], [0], [[5, 6, 7]], slots))
+    for b, k in zip(before, pool.k_buffers):
+        changed = (b != k).flatten(1).any(1).nonzero().flatten().tolist()
+        assert set(changed) <= set(slots) | {0}

@@ -1,0 +1,194 @@
+"""The import graph obeys docs/architecture.md's layer table: no upward or sideways import, no cycle.
+
+The layer table is read from docs/architecture.md itself (the rows between the `layers:begin` and
+`layers:end` markers), and module names from pyproject's package-dir mapping (adapters/ -> prefixrt.adapters,
+kernels/ -> prefixrt.kernels), so the doc, the packaging and this check cannot drift apart. Every import
+counts, including imports inside functions (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def package_dirs() -> dict[str, Path]:
+    """Top-level import name -> source folder, from [tool.setuptools] package-dir."""
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {name: REPO / folder for name, folder in cfg.items()}
+
+
+def module_files() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg, folder in package_dirs().items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            if pkg == "prefixrt" and rel.parts[0] in {d.name for n, d in package_dirs().items() if n != "prefixrt"}:
+                continue
+            parts = [p for p in rel.parts if p != "__init__"]
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """prefixrt modules that `name` imports. `from pkg import sub` counts as an import of pkg.sub only
+    (pkg's __init__ runs for any submodule import, so it is not an edge of its own)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "prefixrt")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "prefixrt":
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known}
+            out.update(subs)
+            if len(subs) < len(node.names):
+                out.add(target)
+    out.discard(name)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    files = module_files()
+    known = set(files)
+    g = {}
+    for name, path in files.items():
+        deps = imports_of(name, path, known)
+        unknown = deps - known
+        assert not unknown, f"{name} imports modules that do not exist: {sorted(unknown)}"
+        g[name] = deps
+    return g
+
+
+def layer_table() -> list[tuple[int, str, list[str]]]:
+    """(level, unit, module prefixes) rows of docs/architecture.md's layer table."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = re.search(r"<!-- layers:begin -->(.*?)<!-- layers:end -->", text, re.S)
+    assert block, "docs/architecture.md has no layer table between <!-- layers:begin/end --> markers"
+    rows = []
+    for line in block.group(1).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].isdigit():
+            continue
+        prefixes = re.findall(r"`(prefixrt(?:\.[\w.]+)?)`", cells[2])
+        assert prefixes, f"layer row without modules: {line}"
+        rows.append((int(cells[0]), cells[1], prefixes))
+    return rows
+
+
+def unit_of(module: str, rows) -> tuple[int, str]:
+    best = None
+    for level, unit, prefixes in rows:
+        for p in prefixes:  # the bare `prefixrt` row is the package's __init__ only, not a catch-all
+            if (module == p or (p != "prefixrt" and module.startswith(p + "."))) and (best is None or len(p) > best[0]):
+                best = (len(p), level, unit)
+    assert best is not None, f"{module} is in no layer of docs/architecture.md's table: add it there"
+    return best[1], best[2]
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def violations(g: dict[str, set[str]], rows) -> list[str]:
+    """Every import whose target is in another unit of the same or a higher level."""
+    bad = []
+    for mod, deps in sorted(g.items()):
+        level, unit = unit_of(mod, rows)
+        for dep in sorted(deps):
+            dep_level, dep_unit = unit_of(dep, rows)
+            if dep_unit != unit and dep_level >= level:
+                way = "sideways" if dep_level == level else "upward"
+                bad.append(f"{mod} ({unit}, {level}) -> {dep} ({dep_unit}, {dep_level}): {way}")
+    return bad
+
+
+def test_every_module_has_a_layer_and_imports_only_downward():
+    bad = violations(graph(), layer_table())
+    assert not bad, "imports against docs/architecture.md's layers:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_checker_reports_upward_sideways_and_cycles():
+    """The checks above can fail: fabricated upward and sideways edges and a cycle are all reported."""
+    rows = layer_table()
+    g = graph()
+    assert "prefixrt.request" in g["prefixrt.cache.kv_manager"]  # the graph sees real imports
+    assert "prefixrt.kernels.decode_attention" in g["prefixrt.model.attention.triton_backend"]
+    g["prefixrt.cache.kv_manager"] = g["prefixrt.cache.kv_manager"] | {"prefixrt.engine.request_stub"}
+    g["prefixrt.engine.request_stub"] = set()
+    rows = rows + [(4, "engine", ["prefixrt.engine"])]
+    g["prefixrt.sampling.sampler"] = g["prefixrt.sampling.sampler"] | {"prefixrt.constrained.logits"}
+    bad = violations(g, rows)
+    assert any(b.startswith("prefixrt.cache.kv_manager (cache, 1) -> prefixrt.engine.request_stub") and
+               b.endswith("upward") for b in bad), bad
+    assert any(b.startswith("prefixrt.sampling.sampler") and b.endswith("sideways") for b in bad), bad
+    g["prefixrt.request"] = g["prefixrt.request"] | {"prefixrt.cache.kv_manager"}
+    assert ["prefixrt.cache.kv_manager", "prefixrt.request"] in cycles(g)
+
+
+def test_package_dir_mapping_is_what_the_layers_name():
+    """kernels/ and adapters/ are imported as prefixrt.kernels / prefixrt.adapters (pyproject's package-dir)."""
+    files = module_files()
+    assert files["prefixrt.kernels.decode_attention"] == REPO / "kernels" / "decode_attention.py"
+    assert files["prefixrt.adapters.dspy"] == REPO / "adapters" / "dspy.py"
+    assert unit_of("prefixrt.kernels.decode_attention", layer_table())[1] == "kernels"
+
+
+def test_module_map_names_every_module():
+    """A newcomer finds any module from docs/architecture.md in one hop: every module file is a row of its map."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table_paths = set(re.findall(r"^\| ((?:prefixrt|kernels|adapters)/[\w/]+\.py) \|", text, re.M))
+    files = {str(p.relative_to(REPO)) for p in module_files().values()}
+    empty_inits = {f for f in files if f.endswith("__init__.py") and not (REPO / f).read_text().strip()}
+    assert sorted(files - empty_inits - table_paths) == [], "modules missing from docs/architecture.md's map"
+    assert sorted(table_paths - files) == [], "docs/architecture.md's map names files that do not exist"
