@@ -137,7 +137,9 @@ class KVManager:
         if not self.cache.retains:
             return
         ps = self.page_size
-        n = (req.kv_len if upto is None else min(upto, req.kv_len)) // ps * ps
+        # Only tokens the host knows are published (a request that failed before its last token was read
+        # has K/V past all_ids: the tree must never hold K/V under a token it cannot name).
+        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // ps * ps
         if n <= req.cached_len:
             return
         tokens = req.all_ids[:n]
