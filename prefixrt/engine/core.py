@@ -184,6 +184,11 @@ class EngineCore:
             self._in_step = False
             self.flush_outputs()
 
+    def set_overlap(self, overlap: bool) -> None:
+        """Switch loops (on the loop thread): the step in flight is finished first."""
+        self.drain()
+        self.overlap = overlap
+
     def _step_sync(self) -> bool:
         batch = self.schedule()
         if batch is None:
