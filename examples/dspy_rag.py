@@ -1,6 +1,6 @@
 """DSPy RAG on prefixrt: ChainOfThought with demos over a small local corpus and a keyword-overlap retriever.
 
-Run: python examples/dspy_rag.py            (Gemma-3-270M in-process; a few minutes on CPU)
+Run: python examples/dspy_rag.py            (SmolLM2-135M-Instruct in-process; a few minutes on CPU)
      python examples/dspy_rag.py --base-url http://127.0.0.1:30000   (a running `prefixrt serve`)
 
 Shows: the questions are answered concurrently with module.batch; DSPy's instructions and the demos form a

@@ -2,7 +2,8 @@
 
 The program: a constant instruction (system message), the essay (argument), two judge forks of 8 tokens and a
 select. Both modes run on the same engine with its cache flushed before each mode; "one by one" runs the 64
-programs sequentially, "batch" through run_batch with 8 threads. Greedy results must be identical.
+programs sequentially (--sequential), "batch" through run_batch with 8 threads. Greedy results must be
+identical.
 
     PYTHONPATH=. python examples/frontend_compile_ablation.py                 # Gemma-3-270M, CPU
     PYTHONPATH=. python examples/frontend_compile_ablation.py --model PATH   # any local checkpoint
@@ -44,6 +45,7 @@ def measure(engine, label, fn):
     s1 = engine.stats()
     prompt = s1.prompt_tokens_total - s0.prompt_tokens_total
     cached = s1.cached_tokens_total - s0.cached_tokens_total
+    print(f"{label}: {seconds:.2f} s", flush=True)
     return label, seconds, prompt, prompt - cached, results(states)
 
 
@@ -52,6 +54,7 @@ def main():
     ap.add_argument("--model", default="gemma-3-270m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--runs", type=int, default=64)
+    ap.add_argument("--sequential", action="store_true", help="also run the programs one by one")
     args = ap.parse_args()
     engine = prefixrt.Engine(args.model, device=args.device)
     essays = [{"essay": f"Essay {i}: cities should plant more trees because shade lowers summer temperatures "
@@ -66,10 +69,11 @@ def main():
 
     try:
         # a fresh CompiledProgram per mode: its prefetch (after the flush) is part of the measured time
-        rows = [measure(engine, "interpreter one by one", one_by_one(grade)),
-                measure(engine, "compiled one by one", one_by_one(grade.compile())),
-                measure(engine, "interpreter batch", batch(grade)),
+        rows = [measure(engine, "interpreter batch", batch(grade)),
                 measure(engine, "compiled batch", batch(grade.compile()))]
+        if args.sequential:
+            rows += [measure(engine, "interpreter one by one", one_by_one(grade)),
+                     measure(engine, "compiled one by one", one_by_one(grade.compile()))]
     finally:
         engine.shutdown()
     same = all(r[4] == rows[0][4] for r in rows)

@@ -1,6 +1,6 @@
 """Essay judge (docs/api.md's frontend example): three forked judgments, then a graded select.
 
-    python examples/frontend_judge.py                                  # Gemma-3-270M in-process (CPU)
+    python examples/frontend_judge.py                                  # SmolLM2-135M-Instruct in-process (CPU)
     python examples/frontend_judge.py --remote http://127.0.0.1:30000  # RemoteEngine on `prefixrt serve`
     python examples/frontend_judge.py --base-url http://127.0.0.1:30000/v1 --model smollm2-135m-instruct   # any OpenAI API
 

@@ -1,6 +1,6 @@
 """LangChain on prefixrt: prompt | model | parser, structured output, and tool calls.
 
-Run: python examples/langchain_chain.py     (Gemma-3-270M in-process; a couple of minutes on CPU)
+Run: python examples/langchain_chain.py     (SmolLM2-135M-Instruct in-process; a couple of minutes on CPU)
 
 Shows: a batch of prompts that share a system prompt (cached tokens per call), a pydantic schema enforced by
 constrained decoding (with_structured_output), and a forced tool call (bind_tools + tool_choice).

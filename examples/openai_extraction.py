@@ -1,6 +1,6 @@
 """Three-field extraction on an OpenAI-compatible endpoint, with and without API speculative execution.
 
-    python examples/openai_extraction.py                                   # Gemma-3-270M in-process (CPU)
+    python examples/openai_extraction.py                                   # SmolLM2-135M-Instruct in-process (CPU)
     python examples/openai_extraction.py --base-url http://127.0.0.1:30000/v1 --model smollm2-135m-instruct
 
 In-process, the `openai` client is prefixrt.openai's (same app as `prefixrt serve`, without sockets).

@@ -1,6 +1,6 @@
 """The OpenAI client, unchanged, on an in-process prefixrt engine (no server, no sockets).
 
-Run: python examples/openai_shim.py          (Gemma-3-270M in-process)
+Run: python examples/openai_shim.py          (SmolLM2-135M-Instruct in-process)
 
 Shows: chat completions, streaming, cached_tokens in usage on a repeated prefix, and a JSON-schema
 response_format enforced by constrained decoding.

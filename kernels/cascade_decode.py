@@ -38,9 +38,11 @@ def _cascade_prefix_kernel(
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
 
+    num_seqs = tl.load(TileNumSeqs + tile)
+    if num_seqs <= 0:  # a padding tile (plans padded to a fixed tile count for CUDA graphs)
+        return
     group = tl.load(TileGroup + tile)
     seq_start = tl.load(TileSeqStart + tile)
-    num_seqs = tl.load(TileNumSeqs + tile)
     prefix_len = tl.load(GroupPrefixLens + group)
     lead_row = tl.load(ReqPoolIdx + tl.load(GroupLeadSeq + group)).to(tl.int64)
 

@@ -28,6 +28,9 @@ class CascadePlan:
     num_tiles: int
     max_prefix_len: int  # longest shared prefix (host value, for choosing split counts)
     max_suffix_len: int  # longest per-sequence remainder, ungrouped sequences counted whole
+    # Tiles to plan split counts for, when num_tiles counts padding tiles (a plan padded for CUDA graphs):
+    # the real tiles of a full bucket, so few real tiles still get enough splits. None = num_tiles.
+    split_tiles: int | None = None
 
 
 def plan_cascade(
@@ -41,6 +44,40 @@ def plan_cascade(
     """Validate prefix_groups and build the plan; None when no group is worth sharing (too short a prefix
     or too few sequences). Raises ValueError on groups that contradict the batch (prefix longer than a
     member's sequence, a sequence in two groups, an index out of range)."""
+    lists = plan_lists(prefix_groups, seq_lens_cpu, queries_per_tile, min_prefix_len, min_group_size)
+    if lists is None:
+        return None
+    parts = [lists[name] for name in PLAN_FIELDS]
+    # One host->device copy for all arrays; the fields are views into it.
+    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int32).to(device, non_blocking=True)
+    views, offset = [], 0
+    for part in parts:
+        views.append(flat[offset : offset + len(part)])
+        offset += len(part)
+    return CascadePlan(
+        *views,
+        queries_per_tile=queries_per_tile,
+        num_tiles=len(lists["tile_group"]),
+        max_prefix_len=max(lists["group_prefix_lens"]),
+        max_suffix_len=max(n - p for n, p in zip(seq_lens_cpu, lists["suffix_start"])),
+    )
+
+
+PLAN_FIELDS = ("group_prefix_lens", "group_lead_seq", "group_seq_start", "group_seq_ids", "tile_group",
+               "tile_seq_start", "tile_num_seqs", "suffix_start")
+
+
+def plan_lists(
+    prefix_groups: list[tuple[int, list[int]]] | None,
+    seq_lens_cpu: list[int],
+    queries_per_tile: int = 16,
+    min_prefix_len: int = 1,
+    min_group_size: int = 2,
+    max_groups: int | None = None,
+) -> dict[str, list[int]] | None:
+    """The plan's arrays as host lists (PLAN_FIELDS), or None when no group is worth sharing. With
+    max_groups, only that many groups are kept (the ones sharing the most keys); the others' sequences
+    run ungrouped, which gives the same result."""
     if not prefix_groups:
         return None
     batch_size = len(seq_lens_cpu)
@@ -57,6 +94,8 @@ def plan_cascade(
                 raise ValueError(f"prefix_len {prefix_len} exceeds sequence {s}'s length {seq_lens_cpu[s]}")
         if prefix_len >= min_prefix_len and len(members) >= min_group_size:
             kept.append((prefix_len, list(members)))
+    if max_groups is not None and len(kept) > max_groups:
+        kept = sorted(kept, key=lambda g: -g[0] * (len(g[1]) - 1))[:max_groups]
     if not kept:
         return None
 
@@ -74,17 +113,28 @@ def plan_cascade(
         seq_start.append(len(seq_ids))
         for s in members:
             suffix_start[s] = prefix_len
-    parts = [prefix_lens, leads, seq_start, seq_ids, tile_group, tile_seq_start, tile_num_seqs, suffix_start]
-    # One host->device copy for all arrays; the fields are views into it.
-    flat = torch.tensor([x for part in parts for x in part], dtype=torch.int32).to(device, non_blocking=True)
-    views, offset = [], 0
-    for part in parts:
-        views.append(flat[offset : offset + len(part)])
-        offset += len(part)
-    return CascadePlan(
-        *views,
-        queries_per_tile=queries_per_tile,
-        num_tiles=len(tile_group),
-        max_prefix_len=max(prefix_lens),
-        max_suffix_len=max(n - p for n, p in zip(seq_lens_cpu, suffix_start)),
-    )
+    return {"group_prefix_lens": prefix_lens, "group_lead_seq": leads, "group_seq_start": seq_start,
+            "group_seq_ids": seq_ids, "tile_group": tile_group, "tile_seq_start": tile_seq_start,
+            "tile_num_seqs": tile_num_seqs, "suffix_start": suffix_start}
+
+
+def padded_sizes(batch_size: int, max_groups: int, queries_per_tile: int) -> dict[str, int]:
+    """Array lengths of a plan padded for a CUDA graph of batch_size rows and at most max_groups groups:
+    every plan of such a batch fits (tiles <= cdiv(batch, q) + groups)."""
+    tiles = -(-batch_size // queries_per_tile) + max_groups
+    return {"group_prefix_lens": max_groups, "group_lead_seq": max_groups, "group_seq_start": max_groups + 1,
+            "group_seq_ids": batch_size, "tile_group": tiles, "tile_seq_start": tiles, "tile_num_seqs": tiles,
+            "suffix_start": batch_size}
+
+
+def pad_lists(lists: dict[str, list[int]], sizes: dict[str, int]) -> list[int]:
+    """Concatenate the plan's arrays, each padded with zeros to its size (PLAN_FIELDS order). Zero is the
+    padding of every field: a tile with tile_num_seqs 0 does nothing, suffix_start 0 = ungrouped."""
+    flat: list[int] = []
+    for name in PLAN_FIELDS:
+        part = lists[name]
+        if len(part) > sizes[name]:
+            raise ValueError(f"plan field {name} has {len(part)} entries, the padded plan holds {sizes[name]}")
+        flat.extend(part)
+        flat.extend([0] * (sizes[name] - len(part)))
+    return flat

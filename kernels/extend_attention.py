@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
+from prefixrt.kernels.decode_attention import decode_workspace, launch_merge
 
 
 @triton.jit
@@ -53,6 +54,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BlockSeq, BlockMb, HAS_BLOCK_MAP: tl.constexpr,
+    MidO, MidLse, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
     if HAS_BLOCK_MAP:  # grid [num_blocks, H]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
         h = tl.program_id(1)
@@ -102,7 +104,16 @@ def _extend_kernel(
     if CONTIGUOUS_NEW_KV:
         pool_hi = prefix_len
     unmasked_hi = kv_lo + (tl.maximum(tl.minimum(pool_hi, prefix_len + mb * BLOCK_M) - kv_lo, 0) // BLOCK_N) * BLOCK_N
-    for n0 in range(kv_lo, unmasked_hi, BLOCK_N):
+    # Split-KV (grid axis 2): this program takes keys [s_lo, s_hi) of [kv_lo, pool_hi), cut at BLOCK_N
+    # multiples from kv_lo, so the unmasked/masked boundary above stays on a block edge.
+    s_lo = kv_lo
+    s_hi = pool_hi
+    if NUM_SPLITS > 1:
+        split = tl.program_id(2)
+        split_len = tl.cdiv(tl.cdiv(tl.maximum(pool_hi - kv_lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        s_lo = kv_lo + split * split_len
+        s_hi = tl.minimum(s_lo + split_len, pool_hi)
+    for n0 in range(s_lo, tl.minimum(unmasked_hi, s_hi), BLOCK_N):
         k_pos = n0 + offs_n
         slots = tl.load(ReqToToken + req_row * stride_rt + k_pos).to(tl.int64)
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
@@ -112,9 +123,9 @@ def _extend_kernel(
             MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
-    for n0 in range(unmasked_hi, pool_hi, BLOCK_N):
+    for n0 in range(tl.maximum(unmasked_hi, s_lo), s_hi, BLOCK_N):
         k_pos = n0 + offs_n
-        key_ok = k_pos < pool_hi
+        key_ok = k_pos < s_hi
         slots = tl.load(ReqToToken + req_row * stride_rt + k_pos, mask=key_ok, other=0).to(tl.int64)
         kv_mask = key_ok[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -146,6 +157,16 @@ def _extend_kernel(
 
     # Every valid query sees at least itself (l_i > 0); padded rows may see nothing under a window.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS > 1:  # partial result of this split: normalised output and log-sum-exp (-inf: saw nothing)
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        split_id = tl.program_id(2)
+        tl.store(
+            MidO + rows[:, None] * stride_mot + h * stride_moh + split_id * stride_mos + offs_d[None, :],
+            out,
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+        tl.store(MidLse + rows * stride_mlt + h * stride_mlh + split_id, lse, mask=mask_m)
+        return
     tl.store(
         Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -204,6 +225,7 @@ def extend_attention(
     block_seq: torch.Tensor | None = None,
     block_mb: torch.Tensor | None = None,
     block_m: int | None = None,
+    num_splits: int = 1,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
@@ -212,7 +234,9 @@ def extend_attention(
     block_seq/block_mb ([num_blocks] int32, see block_map) replace that grid by [num_blocks, H], one program
     per listed query block (entries with block_seq < 0 exit at once): with static map buffers the grid is
     fixed, so a CUDA graph captured once serves any batch the map fits. block_m overrides the block height
-    (pass the one the map was built with)."""
+    (pass the one the map was built with). num_splits > 1 (with a block map, pool K/V only) cuts each query
+    block's keys into that many ranges run by separate programs, merged by their log-sum-exp afterwards:
+    parallelism for a few new tokens over a long cached prefix (hot-prefix prefills)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
@@ -223,11 +247,17 @@ def extend_attention(
     k_ext = k_extend if contiguous else k_buffer
     v_ext = v_extend if contiguous else v_buffer
     cfg = _config(head_dim, max_extend_len, block_m)
+    if num_splits > 1:  # split partials: [T, H, S, D] and [T, H, S] fp32 (a graph's pool holds them)
+        mid_o, mid_lse = decode_workspace(q.shape[0], num_heads, head_dim, num_splits, q.device)
+    else:
+        mid_o, mid_lse = o.unsqueeze(2), o[:, :, 0]  # placeholders, never touched
     has_map = block_seq is not None
+    if num_splits > 1 and (not has_map or contiguous):
+        raise ValueError("num_splits > 1 needs a block map and pool K/V (no k_extend)")
     if has_map:
         if block_mb is None or block_m is None or cfg["BLOCK_M"] != block_m:
             raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
-        grid = (block_seq.shape[0], num_heads)
+        grid = (block_seq.shape[0], num_heads, num_splits)
     else:
         grid = (batch_size, num_heads, triton.cdiv(max_extend_len, cfg["BLOCK_M"]))
     _extend_kernel[grid](
@@ -241,4 +271,9 @@ def extend_attention(
         CONTIGUOUS_NEW_KV=contiguous, POOL_NEEDS_CAUSAL=not contiguous, **dot_args(q.dtype), **cfg,
         BlockSeq=block_seq if has_map else extend_lens, BlockMb=block_mb if has_map else extend_lens,
         HAS_BLOCK_MAP=has_map,
+        MidO=mid_o, MidLse=mid_lse, stride_mot=mid_o.stride(0), stride_moh=mid_o.stride(1),
+        stride_mos=mid_o.stride(2), stride_mlt=mid_lse.stride(0), stride_mlh=mid_lse.stride(1),
+        NUM_SPLITS=num_splits,
     )  # fmt: skip
+    if num_splits > 1:
+        launch_merge(o, mid_o, mid_lse, num_splits)

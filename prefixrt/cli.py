@@ -81,10 +81,45 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--stream", action="store_true")
     g.add_argument("--repeat", type=int, default=1, help="send the prompt this many times (shows cache reuse)")
+    c = sub.add_parser("chat", help="interactive chat in the terminal (local engine or --url)")
+    from prefixrt.chat_cli import add_chat_args
+
+    add_chat_args(c)
     m = sub.add_parser("models", help="list the built-in model registry")
     m.add_argument("--json", action="store_true")
     sub.add_parser("bench", help="benchmarks (see `prefixrt bench --help`)", add_help=False)
     return parser
+
+
+# Extras a command needs, and the pip line that installs each (named in the one-line error).
+_EXTRAS = {"uvicorn": "server", "fastapi": "server", "prometheus_client": "server", "httpx": "server",
+           "openai": "openai", "gguf": "gemma", "llguidance": "grammar", "xgrammar": "grammar"}
+
+
+def _one_line_error(command: str, e: BaseException) -> str:
+    """A user's mistake (or a missing extra) as one line: what is wrong and what to do."""
+    if isinstance(e, ImportError) and not isinstance(e, ModuleNotFoundError) or (
+            isinstance(e, ModuleNotFoundError) and e.name not in _EXTRAS):
+        return f"prefixrt {command}: {e}"
+    if isinstance(e, ModuleNotFoundError):
+        return (f"prefixrt {command}: the Python package {e.name!r} is missing; install it with: "
+                f"pip install 'prefixrt[{_EXTRAS[e.name]}]'")
+    msg = str(e).replace("load_format='dummy'", "--load-format dummy")
+    return f"prefixrt {command}: {msg}"
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        from prefixrt.server.launch import serve
+
+        return serve(args)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "chat":
+        from prefixrt.chat_cli import run_chat
+
+        return run_chat(args)
+    return _models(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,13 +127,23 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "bench":  # bench owns its own arguments
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        from prefixrt.server.launch import serve
+    from prefixrt.errors import InvalidRequest
 
-        return serve(args)
-    if args.command == "generate":
-        return _generate(args)
-    return _models(args)
+    try:
+        if args.command == "serve":
+            from prefixrt.server.launch import check_serve_args
+
+            check_serve_args(args)  # port free and in range, before the model loads
+        from prefixrt.server.launch import check_engine_args
+
+        if hasattr(args, "device"):
+            check_engine_args(args)
+        return _run(args)
+    except (InvalidRequest, ValueError, FileNotFoundError, ImportError, OSError) as e:
+        if getattr(args, "debug", False):
+            raise
+        print(_one_line_error(args.command, e), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

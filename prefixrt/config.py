@@ -28,6 +28,7 @@ class EngineConfig:
     grammar_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused (InvalidRequest)
     cuda_graph: bool = True  # capture decode batches (CUDA only)
     overlap_schedule: bool = True  # schedule step N+1 and post-process step N while the device runs (core.py)
+    cache_audit_rate: float = 0.0  # fraction of cache hits whose K/V is recomputed and checked (cache_audit.py)
     debug: bool = False  # check KV accounting every idle step; poison freed slots with NaN
 
     def __post_init__(self):
@@ -52,5 +53,7 @@ class EngineConfig:
             bad("chunked_prefill_tokens must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             bad("max_running_requests must be >= 1")
+        if not (isinstance(self.cache_audit_rate, (int, float)) and 0 <= self.cache_audit_rate <= 1):
+            bad(f"cache_audit_rate must be in [0, 1], got {self.cache_audit_rate!r}")
         if self.grammar_backend not in ("llguidance", "xgrammar"):
             bad("grammar_backend must be 'llguidance' or 'xgrammar'")

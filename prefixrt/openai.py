@@ -14,10 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
-import openai as _openai
+try:
+    import httpx
+    import openai as _openai
 
-from prefixrt.server.app import create_app
+    from prefixrt.server.app import create_app
+except ModuleNotFoundError as _missing:  # name the extras instead of a bare "No module named ..."
+    raise ModuleNotFoundError(
+        f"prefixrt.openai needs the {_missing.name!r} package: pip install 'prefixrt[openai,server]'",
+        name=_missing.name,
+    ) from _missing
+
 from prefixrt.server.inprocess import AsyncASGIStreamTransport, SyncASGIStreamTransport
 
 BASE_URL = "http://prefixrt.local/v1"

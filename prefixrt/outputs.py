@@ -71,6 +71,8 @@ class EngineStats:
     forward_passes_total: int = 0
     retracted_requests_total: int = 0
     aborted_requests_total: int = 0
+    cache_audits_total: int = 0  # cache hits whose K/V was recomputed and compared (cache_audit_rate)
+    cache_audit_mismatches_total: int = 0  # audits that found cached K/V differing from the recomputation
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,6 +7,10 @@ EngineStats objects, and closing a stream early aborts the request (the server s
 
 Difference from Engine: `astream` submits on the first iteration (an async iterator cannot do I/O when it is
 created), so a bad request raises there rather than at the call.
+
+`api_key` (default: the PREFIXRT_API_KEY environment variable) is sent as `Authorization: Bearer <key>`.
+Errors: 400/413 raise InvalidRequest, 401/403 PermissionError, 503 (engine dead, server shutting down)
+EngineDeadError, anything else RuntimeError; an error event in a stream raises the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -59,21 +64,35 @@ def _raise_for(resp: httpx.Response) -> None:
         err = resp.json().get("error", {})
     except (ValueError, AttributeError):
         err = {}
-    message = err.get("message") or resp.text or f"HTTP {resp.status_code}"
-    if resp.status_code == 400:
+    _raise_error(resp.status_code, err if isinstance(err, dict) else {}, resp.text)
+
+
+_CODE_STATUS = {"engine_dead": 503, "server_shutting_down": 503, "engine_timeout": 503}
+
+
+def _raise_error(status: int | None, err: dict, text: str = "") -> None:
+    message = err.get("message") or text or f"HTTP {status}"
+    if status in (400, 413):
         raise InvalidRequest(message, param=err.get("param"))
-    if resp.status_code == 503:
+    if status in (401, 403):
+        raise PermissionError(f"{message} (HTTP {status})")
+    if status == 503:
         raise EngineDeadError(message)
-    raise RuntimeError(f"server error {resp.status_code}: {message}")
+    raise RuntimeError(f"server error {status}: {message}")
 
 
 def _sse_data(line: str) -> dict | None:
+    """The JSON of one `data:` line; raises for an error event."""
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
     if data == "[DONE]":
         return None
-    return json.loads(data)
+    d = json.loads(data)
+    if isinstance(d, dict) and isinstance(d.get("error"), dict):
+        err = d["error"]
+        _raise_error(_CODE_STATUS.get(err.get("code"), 500), err)
+    return d
 
 
 class RemoteEngine:
@@ -81,6 +100,7 @@ class RemoteEngine:
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float | None = 600.0):
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        api_key = api_key if api_key is not None else os.environ.get("PREFIXRT_API_KEY")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
         self._client = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)

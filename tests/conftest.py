@@ -54,6 +54,8 @@ def make_engine(tiny_checkpoints, tiny_tokenizer):
         kwargs.setdefault("device", "cpu")
         kwargs.setdefault("debug", True)
         kwargs.setdefault("kv_cache_tokens", 4096)
+        if os.environ.get("PREFIXRT_TEST_CACHE_AUDIT"):  # e.g. 1.0: audit cache hits in every engine test
+            kwargs.setdefault("cache_audit_rate", float(os.environ["PREFIXRT_TEST_CACHE_AUDIT"]))
         eng = Engine(f"tiny-{arch}", _parts=(model, tiny_tokenizer, resolved), **kwargs)
         engines.append(eng)
         return eng

@@ -5,6 +5,10 @@ same run) or against a `prefixrt serve` URL; prints a table and optionally write
         --system-len 512 --question-len 32 --output-len 32 --baselines radix,no-radix,hf
     prefixrt bench --workload rag --model llama-3-8b --load-format dummy
     prefixrt bench --workload random --url http://127.0.0.1:30000
+    prefixrt bench --workload long-context --model llama-3-8b --load-format dummy --baselines radix
+
+long-context also prints the throughput of the computed (uncached) prompt tokens beside the bf16 compute
+floor (compute_floor.py; --peak-tflops, default the H200's 790).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import sys
 
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
+from prefixrt.bench.compute_floor import H200_BF16_DENSE_TFLOPS, ModelShape, floor_report, format_floor
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="prefixrt bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn"], default="shared-prefix")
+    ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context"], default="shared-prefix")
     ap.add_argument("--model", default="gemma-3-270m", help="registry name or local folder")
     ap.add_argument("--model-config", dest="model", help="alias of --model (e.g. llama-3-8b with dummy weights)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -43,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--sessions", type=int, default=32)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--sessions", type=int, default=None, help="multi-turn: 32; long-context: 4")
+    ap.add_argument("--turns", type=int, default=None, help="multi-turn: 4; long-context: 8")
+    ap.add_argument("--append-len", type=int, default=4000, help="long-context: tokens appended a turn")
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS,
+                    help="dense bf16 peak for the compute floor (long-context)")
     # engine flags
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -65,12 +73,16 @@ def make_workload(args, vocab: int) -> W.Workload:
         return W.rag(vocab, args.requests or 64, 3500, 80, args.output_len or 200, args.seed)
     if args.workload == "random":
         return W.random_prompts(vocab, args.requests or 256, args.input_len, args.output_len or 256, args.seed)
-    return W.multi_turn(vocab, args.sessions, args.turns, output_len=args.output_len or 64, seed=args.seed)
+    if args.workload == "long-context":
+        return W.long_context(vocab, args.sessions or 4, args.turns or 8, args.append_len,
+                              args.output_len or 32, args.seed)
+    return W.multi_turn(vocab, args.sessions or 32, args.turns or 4, output_len=args.output_len or 64, seed=args.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     results: list[R.Result] = []
+    floors: list[str] = []  # long-context: computed-token throughput beside the compute floor, per run
     meta = {"date": datetime.date.today().isoformat(), "argv": ["prefixrt", "bench", *(argv or sys.argv[1:])],
             "host": platform.node(), "python": platform.python_version()}
     show = not args.no_progress
@@ -112,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             R.run_workload(eng, warm, "warm-up", show_progress=False)
             eng.flush_cache()
             label = "prefixrt (radix cache)" if b == "radix" else "prefixrt (radix_cache=False)"
-            results.append(R.run_workload(eng, w, label, args.concurrency, show))
+            r = R.run_workload(eng, w, label, args.concurrency, show)
+            if args.workload == "long-context":
+                shape = ModelShape.of(eng._built.model)
+                r.extra["compute_floor"] = floor_report(
+                    shape, [(q.prompt_tokens, q.cached_tokens) for q in r.records], r.duration_s, args.peak_tflops)
+                floors.append(format_floor(label, r.extra["compute_floor"]))
+            results.append(r)
             eng.shutdown()
             eng = None
             gc.collect()
@@ -134,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {meta.get('workload', '')} | model {meta.get('model', args.model)} | device {meta.get('device', '')} "
           f"| {meta['date']}")
     print(R.format_table(results))
+    for line in floors:
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": [r.to_dict() for r in results]}, f, indent=1)

@@ -39,6 +39,7 @@ class Result:
     tpot_ms: dict = field(default_factory=dict)
     itl_ms: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    records: list[RequestRecord] = field(default_factory=list, repr=False)  # per request; not in to_dict
 
     @property
     def request_throughput(self) -> float:
@@ -138,7 +139,7 @@ def run_workload(provider, workload: Workload, label: str, concurrency: int = 10
         input_tokens=sum(r.prompt_tokens for r in records), output_tokens=sum(r.output_tokens for r in records),
         cached_tokens=sum(r.cached_tokens for r in records), optimal_hit_rate=optimal_hit_rate(prompts),
         ttft_ms=_pcts([r.ttft_s for r in records]), tpot_ms=_pcts(tpot),
-        itl_ms=_pcts([x for r in records for x in r.itl_s]),
+        itl_ms=_pcts([x for r in records for x in r.itl_s]), records=records,
     )
 
 

@@ -79,6 +79,20 @@ def multi_turn(vocab: int, sessions: int = 32, turns: int = 4, min_append: int =
                     dict(sessions=sessions, turns=turns, output_len=output_len))
 
 
+def long_context(vocab: int, sessions: int = 4, turns: int = 8, append_len: int = 4000, output_len: int = 32,
+                 seed: int = 0) -> Workload:
+    """Long multi-turn sessions (documents pasted turn after turn): each turn appends append_len tokens to
+    the whole history, so with the defaults the last prompt of a session is past 32k tokens. Every turn
+    reuses the session's cached history and computes only what it appended: the workload measures the
+    throughput of computed (uncached) prompt tokens at long context (see compute_floor)."""
+    rng = random.Random(seed)
+    out = [[Turn(_ids(rng, append_len, vocab), output_len) for _ in range(turns)] for _ in range(sessions)]
+    final = turns * append_len + (turns - 1) * output_len
+    return Workload("long-context", out, f"{sessions} sessions x {turns} turns, +{append_len} tokens a turn "
+                    f"(last prompt {final} tokens), {output_len} out",
+                    dict(sessions=sessions, turns=turns, append_len=append_len, output_len=output_len))
+
+
 def optimal_hit_rate(prompts: list[list[int]]) -> float:
     """Cache hit rate of an ideal cache that keeps everything: every distinct prefix computed once."""
     trie: dict = {}

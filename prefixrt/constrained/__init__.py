@@ -5,7 +5,6 @@ spec.py     backend-independent spec validation, canonical cache keys, JSON-sche
 llguidance_backend.py / xgrammar_backend.py   the two backends (llguidance is the default)
 compiler.py GrammarCompiler: thread pool + cache + timeout, used at submit time
 logits.py   bitmask allocation and application to logits (CPU and CUDA)
-choices.py  select() scoring
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from prefixrt.constrained.base import CONSTRAINT_KINDS, CompiledGrammar, GrammarBackend, Matcher
-from prefixrt.constrained.choices import score_choices, select_choice
 from prefixrt.constrained.compiler import GrammarCompiler
 from prefixrt.constrained.logits import allocate_bitmask, apply_token_bitmask
 
@@ -45,6 +43,4 @@ __all__ = [
     "allocate_bitmask",
     "apply_token_bitmask",
     "make_backend",
-    "score_choices",
-    "select_choice",
 ]

@@ -27,6 +27,13 @@ log = logging.getLogger("prefixrt")
 
 CPU_DEFAULT_KV_TOKENS = 16384
 EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
+# Shared-prefix (cascade) decode inside the decode graphs, for groups of >= 2 running requests sharing
+# >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py). Off by default:
+# exact in fp32 (tests) and 1.11x on the RAG decode on an H200, but in bf16 its greedy outputs matched
+# plain decode on only 8 of 64 RAG prompts over 16 tokens (logprob rel err 1.8e-2, the level of
+# Triton-vs-torch noise with dummy weights), short of the >= 95% bar; benchmarks/gpu_graphs.py turns it on.
+CASCADE_DECODE = False
+CASCADE_MIN_PREFIX = 256
 ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept out of the KV pool for activations and graphs
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -113,6 +120,13 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         aging_s=config.aging_s,
     ))
     attention = make_attention_backend(config.attention_backend, pool, device, max_running)
+    if device.type == "cuda" and type(attention).__name__ == "TritonAttentionBackend":
+        from prefixrt.model.layers import use_fused_kernels
+
+        t = time.perf_counter()
+        use_fused_kernels(model)  # before warm-up and capture: the graphs record the fused kernels
+        startup["fused_kernels_s"] = time.perf_counter() - t
+        say(f"fused Triton layer kernels on (small-batch GEMV layouts from the measured table) in {startup['fused_kernels_s']:.1f}s")
     from prefixrt.model.runner import ModelRunner
 
     runner = ModelRunner(model, pool, attention)
@@ -127,14 +141,15 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
-        for extend_tokens in (EXTEND_GRAPH_TOKENS, 0):  # on failure, decode graphs alone, then eager
+        # On failure: plain decode graphs alone, then eager.
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
-                                                          max_extend_tokens=extend_tokens)
+                                                          max_extend_tokens=extend_tokens, cascade=cascade)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
                 runner.release_graphs()
-                what = "EXTEND graphs" if extend_tokens else "decode graphs"
+                what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
                 log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
                 print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}", flush=True)
         startup["capture_s"] = time.perf_counter() - t
@@ -151,7 +166,24 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size,
         max_context, device, debug=config.debug, bitmask_ops=bitmask_ops, overlap=config.overlap_schedule,
     )
+    if CASCADE_DECODE and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
+        from prefixrt.engine.prefix_groups import PrefixGrouper
+
+        core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
+    if config.cache_audit_rate > 0 and cache.retains:
+        from prefixrt.engine.cache_audit import CacheAuditor
+
+        core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
+                                    chunk_tokens=config.chunked_prefill_tokens)
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
+
+
+def cascade_args(attention) -> dict | None:
+    """DecodeGraphs.enable_cascade arguments for this backend, or None (no cascade decode graphs)."""
+    if not CASCADE_DECODE or not getattr(attention, "use_cascade", False):
+        return None
+    return {"queries_per_tile": attention.cascade_queries_per_tile, "min_prefix_len": CASCADE_MIN_PREFIX,
+            "min_group_size": attention.cascade_min_group_size}
 
 
 def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, max_running: int,

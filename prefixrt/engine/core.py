@@ -126,6 +126,7 @@ class EngineCore:
         self.debug = debug
         self.overlap = overlap
         self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
+        self.prefix_grouper = None  # engine/prefix_groups.PrefixGrouper: shared-prefix groups for decode batches
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
@@ -138,6 +139,7 @@ class EngineCore:
         self._in_step = False
         self._inflight: Step | None = None  # overlapped loop: the step launched last, not processed yet
         self._stop_hits: queue.SimpleQueue = queue.SimpleQueue()  # requests a stop string ended (worker thread)
+        self.auditor = None  # CacheAuditor when cache_audit_rate > 0 (set by the builder)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -183,6 +185,15 @@ class EngineCore:
         finally:
             self._in_step = False
             self.flush_outputs()
+            if self.auditor is not None:
+                self._run_audits()
+
+    def _run_audits(self) -> None:
+        """Cache audits run after a step's outputs are out (cache_audit.py says when); never fatal."""
+        try:
+            self.auditor.run(idle=not self.has_work)
+        except Exception:
+            log.error("cache audit failed: %s", traceback.format_exc())
 
     def set_overlap(self, overlap: bool) -> None:
         """Switch loops (on the loop thread): the step in flight is finished first."""
@@ -273,6 +284,8 @@ class EngineCore:
                 r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
+                if self.auditor is not None:
+                    self.auditor.on_hit(r)
         step = Step(batch, [r.row for r in batch.reqs], sampled, [r.epoch for r in sampled], StepFence(self.device))
         for r, n in zip(batch.reqs, batch.num_tokens):
             if n > 1:
@@ -288,7 +301,8 @@ class EngineCore:
                 req_to_token=self.kv.table.table,
                 logits_indices=(ends + extra) or [acc - 1],
                 device=self.device,
-                prefix_groups=None,
+                prefix_groups=(self.prefix_grouper.groups(batch.reqs)
+                               if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
             )
             if holes:
                 idx = torch.tensor([holes, hole_rows], dtype=torch.int64)
@@ -331,10 +345,13 @@ class EngineCore:
         """Sample the batch on the device. If that raises, its rows are sampled one by one (synchronously): the
         failing request(s) are aborted with the error, their neighbours go on. Rows of an aborted request and
         stale rows are marked not live."""
+        seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
             return self.sampler.sample_on_device(logits, reqs, self._mask_fn(reqs, live), self.eos_token_ids, live)
         except Exception:
             log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
+        for g, state in seeded:  # seeded rows draw what they would have, from before the failed attempt
+            g.set_state(state)
         toks, lps = [0] * len(reqs), [None] * len(reqs)
         for i, r in enumerate(reqs):
             if not live[i]:
@@ -455,4 +472,7 @@ class EngineCore:
         s.kv_free = self.kv.free_tokens
         s.kv_evictable = self.kv.evictable_tokens
         s.kv_locked = s.kv_total - s.kv_free - s.kv_evictable
+        if self.auditor is not None:
+            s.cache_audits_total = self.auditor.audits_total
+            s.cache_audit_mismatches_total = self.auditor.mismatches_total
         return EngineStats(**s.to_dict())

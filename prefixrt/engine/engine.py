@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import Any
 
+from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
@@ -209,8 +210,6 @@ class Engine(EngineFront):
         return ids, hit, scores
 
     def _select(self, prompt, p: SamplingParams) -> Completion:
-        from prefixrt.constrained.choices import score_choices
-
         with self._tok_lock:
             cont = [self._tokenizer.encode(c, add_special_tokens=False) for c in p.choices]
         if any(not c for c in cont):
@@ -223,7 +222,7 @@ class Engine(EngineFront):
             start = [bos] if bos is not None else cont[0][:1]
             uncond = self.score_continuations(start, cont, p.cache_salt)[2]
         scores = score_choices(lps, normalization=method, unconditional_logprobs=uncond)
-        best = max(range(len(scores)), key=lambda i: scores[i])
+        best = best_choice(scores)
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
         c = Completion(
             request_id=rid, text=p.choices[best], token_ids=cont[best], finish_reason="stop",
@@ -245,6 +244,14 @@ class Engine(EngineFront):
     def abort(self, request_id: str) -> None:
         if not self._stopped:
             self._inbox.put(("abort", request_id))
+
+    def health(self) -> str | None:
+        """None while the scheduler loop runs; else why not (cheap: does not wait for the loop)."""
+        if self._stopped:
+            return "engine is shut down"
+        if not self._thread.is_alive():
+            return "the scheduler loop thread has stopped"
+        return None
 
     def stats(self) -> EngineStats:
         if self._stopped or not self._thread.is_alive():
@@ -269,6 +276,7 @@ class Engine(EngineFront):
     def shutdown(self) -> None:
         if self._stopped:
             return
+        self._stop_workers()
         self._inbox.put(None)
         self._thread.join(timeout=30)
         self.core.detokenizer.close()

@@ -10,11 +10,14 @@ never reaches the loop), and turns the StepOutputs the loop streams back into Co
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 from collections.abc import AsyncIterator, Iterator
 
 from prefixrt.engine.detokenizer import IncrementalDetokenizer
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
+from prefixrt.hub.chat_templates import render_chat_template
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import SamplingParams
 from prefixrt.text_checks import check_json_value, check_text
@@ -22,9 +25,20 @@ from prefixrt.text_checks import check_json_value, check_text
 
 class EngineFront:
     """Set by subclasses before use: _tokenizer, _tok_lock, model_name, vocab_size, max_context,
-    kv_total_tokens (the KV pool size: a longer prompt can never run)."""
+    kv_total_tokens (the KV pool size: a longer prompt can never run).
+
+    Optionally `_encoder` and `_encode_lock`: a private copy of the tokenizer that prompts are encoded (and chat
+    templates rendered) with, so that encoding a long prompt (a 5 MB one takes seconds) never holds the lock
+    that detokenization waits for. Without one, encoding shares `_tokenizer` and `_tok_lock`.
+
+    The async entry points (agenerate, astream_open, aencode) tokenize, validate and submit in a worker thread
+    (`_workers`), never on the caller's event loop."""
 
     _tokenizer = None
+    _encoder = None
+    _encode_lock = None
+    _worker_pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _worker_pool_lock = threading.Lock()
     model_name: str
     vocab_size: int
     max_context: int
@@ -33,6 +47,12 @@ class EngineFront:
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    @property
+    def tokenizer_lock(self):
+        """The lock every use of `tokenizer` holds (HF fast tokenizers are not thread-safe): share it when
+        calling the tokenizer from outside the engine."""
+        return self._tok_lock
 
     # ------------------------------------------------------------------ subclass hooks
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields
@@ -48,17 +68,65 @@ class EngineFront:
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ worker threads
+    def _workers(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads async callers submit on (created on first use, shut down by _stop_workers)."""
+        with self._worker_pool_lock:
+            if self._worker_pool is None:
+                self._worker_pool = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="prefixrt-submit")
+            return self._worker_pool
+
+    def _stop_workers(self) -> None:
+        with self._worker_pool_lock:
+            pool, self._worker_pool = self._worker_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _offload(self, fn, *args):
+        """fn(*args) in a worker thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers(), fn, *args)
+
+    async def _asubmit(self, prompt, p: SamplingParams, loop: asyncio.AbstractEventLoop):
+        """_submit in a worker thread. If the caller is cancelled while it runs, the request is aborted as
+        soon as it is in (so a client that left never leaves a request running)."""
+        fut = loop.run_in_executor(self._workers(), self._submit, prompt, p, loop)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            def abort_when_in(f) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self.abort(f.result()[0])
+
+            fut.add_done_callback(abort_when_in)
+            raise
+
     # ------------------------------------------------------------------ tokenization and validation
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._encoder is not None:
+            with self._encode_lock:
+                return self._encoder.encode(text, add_special_tokens=add_special_tokens)
+        with self._tok_lock:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode(self, prompt) -> list[int]:
+        """The prompt's token ids (text encoded, chat messages rendered with the chat template), validated
+        against the vocabulary, the context and the KV pool. Raises InvalidRequest."""
+        ids = self._tokenize(prompt)
+        self._validate_ids(ids, SamplingParams())
+        return ids
+
+    async def aencode(self, prompt) -> list[int]:
+        """encode() in a worker thread."""
+        return await self._offload(self.encode, prompt)
+
     def _tokenize(self, prompt) -> list[int]:
-        tok = self._tokenizer
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequest("prompt is empty", param="prompt")
             check_text(prompt, "prompt")
-            with self._tok_lock:
-                return tok.encode(prompt, add_special_tokens=True)
+            return self._encode_text(prompt, True)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return self._render_chat(list(prompt))
+            return self.chat_prompt_ids(list(prompt))
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
@@ -68,27 +136,42 @@ class EngineFront:
         raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
                              param="prompt")
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
+        """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
+        continue_final_message, the final assistant message left open). The one place the engine renders
+        chat; raises InvalidRequest for malformed messages, a model without a template or a template that
+        refuses them."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
         check_json_value(messages, "messages")  # every string valid Unicode without NUL; bounded nesting
-        tok = self._tokenizer
+        tok, lock = (self._encoder, self._encode_lock) if self._encoder is not None else (self._tokenizer,
+                                                                                           self._tok_lock)
         if not getattr(tok, "chat_template", None):
             raise InvalidRequest(f"model {self.model_name!r} has no chat template; send a text prompt",
                                  param="messages")
+        if continue_final_message and (not messages or messages[-1]["role"] != "assistant"):
+            raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
         try:
-            with self._tok_lock:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            with lock:
+                text = render_chat_template(tok, messages, continue_final_message=continue_final_message)
                 return tok.encode(text, add_special_tokens=False)
         except InvalidRequest:
             raise
         except Exception as e:
             raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
 
+    def encode_continuation(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation whose final assistant message is left open for the model to continue
+        (`continue_final_message`, as vLLM and SGLang accept it), validated against the model's limits.
+        Raises InvalidRequest."""
+        ids = self.chat_prompt_ids(messages, continue_final_message=True)
+        self._validate_ids(ids, SamplingParams())
+        return ids
+
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt text the chat template makes of messages (with the generation prompt)."""
-        ids = self._render_chat(messages)
+        ids = self.chat_prompt_ids(messages)
         with self._tok_lock:
             return self._tokenizer.decode(ids)
 
@@ -180,9 +263,15 @@ class EngineFront:
             return await asyncio.to_thread(self.generate, prompt, p)
         loop = asyncio.get_running_loop()
         if _is_batch(prompt):
-            subs = [self._submit(q, p, loop) for q in prompt]
+            subs = await asyncio.gather(*(self._asubmit(q, p, loop) for q in prompt), return_exceptions=True)
+            failed = [s for s in subs if isinstance(s, BaseException)]
+            if failed:  # one bad prompt fails the batch: nothing of it keeps running
+                for s in subs:
+                    if not isinstance(s, BaseException):
+                        self.abort(s[0])
+                raise failed[0]
             return list(await asyncio.gather(*(self._await(*s) for s in subs)))
-        return await self._await(*self._submit(prompt, p, loop))
+        return await self._await(*await self._asubmit(prompt, p, loop))
 
     def stream(self, prompt, params: SamplingParams | dict | None = None) -> Iterator[Chunk]:
         """Submit now (errors raise here), then iterate Chunks. Closing the iterator early aborts."""
@@ -210,6 +299,16 @@ class EngineFront:
             return _aiter_one(asyncio.to_thread(lambda: _completion_chunk(self._select(prompt, p))))
         loop = asyncio.get_running_loop()
         rid, stream, ids, p = self._submit(prompt, p, loop)
+        return self._aiter_chunks(rid, stream, ids, p)
+
+    async def astream_open(self, prompt, params: SamplingParams | dict | None = None) -> AsyncIterator[Chunk]:
+        """astream with the submission (tokenization, validation, grammar compilation) done in a worker thread:
+        `chunks = await eng.astream_open(prompt, params)` raises InvalidRequest there, before anything is
+        streamed; then `async for ch in chunks`. Closing the iterator early aborts."""
+        p = SamplingParams.coerce(params)
+        if p.choices is not None:
+            return _aiter_one(asyncio.to_thread(lambda: _completion_chunk(self._select(prompt, p))))
+        rid, stream, ids, p = await self._asubmit(prompt, p, asyncio.get_running_loop())
         return self._aiter_chunks(rid, stream, ids, p)
 
     async def _aiter_chunks(self, rid, stream, ids, p) -> AsyncIterator[Chunk]:
@@ -261,7 +360,7 @@ class _ChunkState:
 def _completion_chunk(c: Completion) -> Chunk:
     return Chunk(request_id=c.request_id, text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                  logprobs=c.logprobs, prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
-                 completion_tokens=c.completion_tokens)
+                 completion_tokens=c.completion_tokens, error=c.error)
 
 
 async def _aiter_one(awaitable):

@@ -26,6 +26,9 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "aborted_requests_total": ("prefixrt_aborted_requests", "Request samples aborted."),
     "retracted_requests_total": ("prefixrt_retracted_requests", "Requests retracted under KV pressure."),
     "forward_passes_total": ("prefixrt_forward_passes", "Model forward passes."),
+    "cache_audits_total": ("prefixrt_cache_audits", "Cache hits whose K/V was recomputed and compared."),
+    "cache_audit_mismatches_total": ("prefixrt_cache_audit_mismatch",
+                                     "Cache audits whose cached K/V differed from the recomputation."),
 }
 _GAUGES = {
     "kv_total": ("prefixrt_kv_total_tokens", "KV pool size in tokens."),

@@ -19,11 +19,18 @@ Messages are pickled tuples over a multiprocessing Pipe:
   engine -> server   ("progress", text), then ("ready", info) or ("failed", exception)      start-up
                      ("out", [(request_id, StepOutput), ...])     all outputs of one scheduler step
                      ("reply", call_id, ok, result or exception)
+                     ("beat",)                                     every HEARTBEAT_S, from its own thread
                      ("bye",)                                      after shutdown
-A request with a constraint waits for the reply to its "add" (its grammar compiles in the child and may be
-invalid: InvalidRequest must reach the caller before anything is streamed); any other request is fully
-validated in the server process and sent without waiting. The child exits when the pipe closes, so it dies
-with the server process; it ignores SIGINT (Ctrl-C reaches the whole process group) and stops on "shutdown".
+A request with a constraint waits for the reply to its "add" (its grammar compiles in the child, on a compile
+thread so the child keeps receiving, and may be invalid: InvalidRequest must reach the caller before anything
+is streamed); any other request is fully validated in the server process and sent without waiting. An
+"abort" that arrives while its request's grammar still compiles aborts it as soon as it is in.
+
+The child exits when the pipe closes, so it dies with the server process; it ignores SIGINT (Ctrl-C reaches
+the whole process group) and SIGTERM, and stops on "shutdown". When the child dies on its own, the reader thread reaps it
+(no zombie), finishes every in-flight request with finish_reason "abort" and an error naming the cause, fails
+every pending call with EngineDeadError, and calls `on_death(reason)` (the server uses it to exit). The
+heartbeat lets `health()` tell a stopped or hung engine process from a busy one.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
 import multiprocessing
 import pickle
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +57,9 @@ from prefixrt.json_schema import to_json_schema
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
 
+log = logging.getLogger("prefixrt")
+
+HEARTBEAT_S = 1.0  # how often the engine process says it is alive
 
 @dataclass
 class _InFlight:
@@ -58,7 +70,13 @@ class _InFlight:
 class ProcessEngine(EngineFront):
     """`ProcessEngine(model, **engine_kwargs)`: Engine's API (generate, agenerate, stream, astream,
     cache_prefix, abort, stats, flush_cache, ...) with the engine in a child process. Blocks until the
-    child has built the engine; `progress(text)` receives its start-up messages. Call shutdown() when done."""
+    child has built the engine; `progress(text)` receives its start-up messages. Call shutdown() when done.
+
+    `on_death`: called once (on the reader thread) with the reason if the engine process dies on its own.
+    `heartbeat_timeout_s`: health() reports the engine process as unresponsive after this long without a word."""
+
+    on_death: Callable[[str], None] | None = None
+    heartbeat_timeout_s: float = 30.0
 
     def __init__(self, model: str = "gemma-3-270m", progress: Callable[[str], None] | None = None,
                  **engine_kwargs: Any):
@@ -73,8 +91,12 @@ class ProcessEngine(EngineFront):
         except BaseException:
             self._stop_child(timeout=5)
             raise
-        self._tokenizer = info["tokenizer"]
+        # Two copies of the tokenizer: one decodes outputs (on the event loop), one encodes prompts (on worker
+        # threads), so a long encode never blocks a stream. Unpickling holds the GIL: done now, not while serving.
+        self._tokenizer = pickle.loads(info["tokenizer"])
         self._tok_lock = threading.Lock()
+        self._encoder = pickle.loads(info["tokenizer"])
+        self._encode_lock = threading.Lock()
         self.model_name = info["model_name"]
         self.model_revision = info["model_revision"]
         self.vocab_size = info["vocab_size"]
@@ -87,6 +109,9 @@ class ProcessEngine(EngineFront):
         self._replies: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._closed: str | None = None  # why the engine no longer takes requests
+        self.death: str | None = None  # why the engine process died, if it died on its own
+        self._stopping = False  # shutdown() was called: the child's exit is expected
+        self._last_heard = time.monotonic()
         self._reader = threading.Thread(target=self._read_loop, name="prefixrt-engine-reader", daemon=True)
         self._reader.start()
 
@@ -108,11 +133,16 @@ class ProcessEngine(EngineFront):
 
     # ------------------------------------------------------------------ messages
     def _send(self, msg: tuple) -> None:
+        try:
+            data = _pickle(msg)
+        except (pickle.PicklingError, RecursionError, TypeError, AttributeError) as e:
+            raise InvalidRequest(f"the request cannot be passed to the engine process: {type(e).__name__}: {e}"
+                                 ) from None
         with self._send_lock:
             if self._closed is not None:
                 raise EngineDeadError(self._closed)
             try:
-                self._conn.send(msg)
+                self._conn.send_bytes(data)
             except OSError as e:
                 raise EngineDeadError(f"the engine process is gone: {e}") from e
 
@@ -139,7 +169,10 @@ class ProcessEngine(EngineFront):
         try:
             while True:
                 msg = self._conn.recv()
+                self._last_heard = time.monotonic()
                 kind = msg[0]
+                if kind == "beat":
+                    continue
                 if kind == "out":
                     self._deliver(msg[1])
                 elif kind == "reply":
@@ -153,7 +186,22 @@ class ProcessEngine(EngineFront):
                     break
         except (EOFError, OSError):
             pass
-        self._fail_all(self._closed or f"the engine process died (exit code {self._proc.exitcode})")
+        if self._stopping:
+            self._fail_all(self._closed or "engine is shut down")
+            return
+        self._proc.join(timeout=5)  # reap it: its exit code names the cause, and no zombie is left behind
+        code = self._proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        reason = f"the engine process died ({how})"
+        with self._send_lock:
+            self.death = reason
+        log.error("%s; failing every in-flight request", reason)
+        if self.on_death is not None:  # first, so that whoever reads the failures below knows the cause
+            try:
+                self.on_death(reason)
+            except Exception:
+                log.exception("on_death callback failed")
+        self._fail_all(reason)
 
     def _deliver(self, items: list[tuple[str, StepOutput]]) -> None:
         pairs = []
@@ -215,6 +263,17 @@ class ProcessEngine(EngineFront):
         return self._call("generate", prompt, p)
 
     # ------------------------------------------------------------------ public API (the rest is EngineFront's)
+    def health(self) -> str | None:
+        """None while the engine process is alive and talking; else why not (cheap: no round trip)."""
+        if self._closed is not None:
+            return self._closed
+        if not self._proc.is_alive():
+            return f"the engine process died (exit code {self._proc.exitcode})"
+        silent = time.monotonic() - self._last_heard
+        if silent > self.heartbeat_timeout_s:
+            return f"the engine process has not answered for {silent:.0f} s (stopped or hung)"
+        return None
+
     def abort(self, request_id: str) -> None:
         try:
             self._send(("abort", request_id))
@@ -246,9 +305,12 @@ class ProcessEngine(EngineFront):
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is running, stop the engine process and wait for it to exit."""
+        self._stop_workers()
         with self._send_lock:
             if self._closed is not None and not self._proc.is_alive():
+                self._proc.join(timeout=1)
                 return
+            self._stopping = True
             try:
                 self._conn.send(("shutdown",))
             except OSError:
@@ -283,7 +345,10 @@ class _PipeSink:
 
 
 def _child_main(conn, model: str, engine_kwargs: dict) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server process decides when the engine stops
+    # The server process decides when the engine stops: Ctrl-C and a supervisor's SIGTERM reach the whole
+    # process group (systemd signals the whole cgroup), and the server must drain before the engine goes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from prefixrt.engine.engine import Engine
 
     try:
@@ -300,8 +365,13 @@ class _EngineServer:
 
     def __init__(self, engine, conn):
         self.engine, self.conn = engine, conn
-        self.send_lock = threading.Lock()  # the main, scheduler and worker threads all send
+        self.send_lock = threading.Lock()  # the main, scheduler, worker and heartbeat threads all send
         self.workers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="prefixrt-engine-call")
+        # Constrained adds compile their grammar here, so a slow compile never holds up other messages.
+        self.compilers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="prefixrt-engine-compile")
+        self.compiling: dict[str, bool] = {}  # request id -> aborted while compiling
+        self.compiling_lock = threading.Lock()
+        self.stopped = threading.Event()
         self.metrics = _metrics_for(engine)
         engine.core.deliver = self.deliver
         self.calls: dict[str, Callable] = {
@@ -332,8 +402,10 @@ class _EngineServer:
         info = {"model_name": eng.model_name, "model_revision": eng.model_revision, "vocab_size": eng.vocab_size,
                 "max_context": eng.max_context, "kv_total_tokens": eng.kv_total_tokens,
                 "page_size": eng.page_size, "device": str(eng.device), "tokenizer": eng.tokenizer}
+        info["tokenizer"] = pickle.dumps(eng.tokenizer)  # bytes: the server makes its copies from them
         try:
             self.send(("ready", info))
+            threading.Thread(target=self.heartbeat, name="prefixrt-engine-heartbeat", daemon=True).start()
             while True:
                 msg = self.conn.recv()
                 if msg[0] == "shutdown":
@@ -342,33 +414,60 @@ class _EngineServer:
         except (EOFError, OSError):
             pass  # the server process is gone
         finally:
+            self.stopped.set()
             eng.shutdown()
             self.workers.shutdown(wait=False, cancel_futures=True)
+            self.compilers.shutdown(wait=False, cancel_futures=True)
             try:
                 self.send(("bye",))
             except OSError:
                 pass
 
+    def heartbeat(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                self.send(("beat",))
+            except OSError:
+                return
+
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
             _, call_id, rid, ids, params = msg
-            try:
-                self.engine._submit(ids, params, sink=_PipeSink(rid))
-            except Exception as e:
-                if call_id is not None:
-                    self.send(("reply", call_id, False, _picklable(e)))
-                else:  # validated in the server already, so this is a bug: end the request with its error
-                    self.send(("out", [(rid, StepOutput(index=i, token_ids=[], text=None, finished=True,
-                                                        finish_reason="abort", error=str(e)))
-                                       for i in range(params.n)]))
-                return
-            if call_id is not None:
-                self.send(("reply", call_id, True, None))
+            if call_id is None:
+                self.add(call_id, rid, ids, params)
+            else:  # a constraint to compile: off the receiving thread
+                with self.compiling_lock:
+                    self.compiling[rid] = False
+                self.compilers.submit(self.add, call_id, rid, ids, params)
         elif kind == "abort":
+            with self.compiling_lock:
+                if msg[1] in self.compiling:
+                    self.compiling[msg[1]] = True
+                    return
             self.engine.abort(msg[1])
         elif kind == "call":
             self.workers.submit(self.run_call, *msg[1:])
+
+    def add(self, call_id: int | None, rid: str, ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine._submit(ids, params, sink=_PipeSink(rid))
+        except Exception as e:
+            with self.compiling_lock:
+                self.compiling.pop(rid, None)
+            if call_id is not None:
+                self.send(("reply", call_id, False, _picklable(e)))
+            else:  # validated in the server already, so this is a bug: end the request with its error
+                self.send(("out", [(rid, StepOutput(index=i, token_ids=[], text=None, finished=True,
+                                                    finish_reason="abort", error=f"internal error: {e}"))
+                                   for i in range(params.n)]))
+            return
+        with self.compiling_lock:
+            aborted = self.compiling.pop(rid, False)
+        if aborted:
+            self.engine.abort(rid)
+        if call_id is not None:
+            self.send(("reply", call_id, True, None))
 
     def run_call(self, call_id: int, name: str, args: tuple) -> None:
         try:
@@ -395,6 +494,12 @@ def _metrics_for(engine):
     except ImportError:
         return None
     return Metrics.for_engine(engine)
+
+
+def _pickle(msg: tuple) -> bytes:
+    from multiprocessing.reduction import ForkingPickler
+
+    return bytes(ForkingPickler.dumps(msg))
 
 
 def _picklable(e: BaseException) -> BaseException:

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixrt.choice_scoring import best_choice
 from prefixrt.errors import InvalidRequest
 from prefixrt.frontend.chat_format import ChatFormat, Message, Piece, PlainFormat, TemplateFormat
 from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_FLOAT, REGEX_STR, Gen
-from prefixrt.frontend.select import ChoiceScores, choose, score_choices
+from prefixrt.frontend.select import ChoiceScores, teacher_forced_scores
 
 
 @dataclass
@@ -236,7 +237,9 @@ class ProviderBackend(ProgramBackend):
         self.normalization = normalization
         own = getattr(provider, "tokenizer", None)
         self.tokenizer = own if own is not None else tokenizer
-        self._tok_lock = threading.Lock()
+        # One lock per tokenizer: an engine's own tokenizer is used under the engine's lock.
+        self._tok_lock = getattr(provider, "tokenizer_lock", None) if own is not None else None
+        self._tok_lock = self._tok_lock or threading.Lock()
         self._engine_choices_ok: bool | None = None  # learnt on first select in "auto"
         self._in_process = _in_process(provider)
         self.token_usage = TokenUsage()
@@ -405,7 +408,7 @@ class ProviderBackend(ProgramBackend):
         text = self.render(ctx)
         choice_ids = [self._choice_ids(text, prompt, c) for c in choices]
         try:
-            scores = score_choices(self.provider, prompt, choice_ids, normalization,
+            scores = teacher_forced_scores(self.provider, prompt, choice_ids, normalization,
                                    prefix_hint=self.prefix_hints)
         except Exception as e:
             raise BackendError(f"select failed: {type(e).__name__}: {e}") from e
@@ -448,7 +451,7 @@ class ProviderBackend(ProgramBackend):
 
     @staticmethod
     def _result(choices, scores: ChoiceScores, method: str, prompt_tokens: int = 0, cached: int = 0):
-        best = choose(scores.scores)
+        best = best_choice(scores.scores)
         if scores.approximate:
             method += "~"  # some token was outside the reported top logprobs: its logprob is a bound
         return SelectResult(choices[best], dict(zip(choices, scores.scores)), method,

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefixrt.hub.chat_templates import render_chat_template
+
 log = logging.getLogger("prefixrt.frontend")
 
 _SENTINEL = "\x00prefixrt-content\x00"
@@ -78,11 +80,9 @@ class TemplateFormat:
 
     def _apply(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._lock is None:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return render_chat_template(self.tokenizer, messages, add_generation_prompt)
         with self._lock:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return render_chat_template(self.tokenizer, messages, add_generation_prompt)
 
     def _render_run(self, run: list[Message], open_role: str | None, partial: str) -> str:
         msgs = [m.to_dict() for m in run]

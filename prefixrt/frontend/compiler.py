@@ -262,6 +262,7 @@ class _Run:
         self.execs = {0: self.root}
         self.todo = {sid: graph.stream(sid) for sid in graph.streams}
         self.pos = {0: 0}
+        self.hints: list[threading.Thread] = []
 
     def finished(self, sid: int) -> bool:
         return sid in self.pos and self.pos[sid] == len(self.todo[sid])
@@ -294,8 +295,11 @@ class _Run:
             elif n.kind == "media":
                 raise InvalidRequest("compiled programs do not take image/video inputs; run it with prog.run")
             elif n.kind == "fork":
-                if n.k > 1 and (ex.pieces or ex.open_role):
-                    ex.backend.submit_prefix_hint(ex.context())
+                if n.k > 1 and (ex.pieces or ex.open_role):  # as the interpreter's fork: the prefix hint
+                    wait = ex.backend.submit_prefix_hint(ex.context())
+                    t = threading.Thread(target=wait, name="prefixrt-prefix-hint", daemon=True)
+                    self.hints.append(t)
+                    t.start()
                 snap = ex.snapshot()
                 for child in n.children:
                     c = StreamExecutor(self.backend, self.defaults, parent=ex)
@@ -323,6 +327,8 @@ class _Run:
                     break
             if not waiting:
                 if all(self.finished(s) for s in self.execs):
+                    for t in self.hints:
+                        t.join()
                     return
                 raise ProgramError("the compiled program is stuck: a stream waits for a value no stream produces")
             self._submit(waiting)

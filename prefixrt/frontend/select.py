@@ -1,17 +1,17 @@
-"""select() scoring from a provider's token logprobs (the source used until the engine reports choice scores).
+"""select() by teacher forcing: choice-token logprobs gathered from a provider's top logprobs (the source used
+when the provider does not score `choices` requests itself). The normalization is prefixrt/choice_scoring.py's.
 
 Each choice is scored by teacher forcing: for choice tokens c_1..c_m after the prompt, request one greedy
 token with top-k logprobs after `prompt + c_1..c_{j-1}` and read c_j's logprob. All requests share the
 prompt (one prefix hint, then one batch). The engine reports raw-model logprobs of the sampled token and
 its top-k; a c_j outside the top-k is bounded by the k-th logprob and the score is marked approximate.
-Normalization as SGLang's default (and prefixrt.constrained's): mean token logprob.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
+
+from prefixrt.choice_scoring import score_choices
 
 TOP_K = 20  # the most top logprobs SamplingParams accepts
 
@@ -25,20 +25,7 @@ class ChoiceScores:
     cached_tokens: int = 0
 
 
-def choose(scores: Sequence[float]) -> int:
-    """Index of the best score; ties go to the earliest choice."""
-    return max(range(len(scores)), key=lambda i: scores[i])
-
-
-def normalize(token_logprobs: Sequence[Sequence[float]], normalization: str) -> list[float]:
-    if normalization == "token_length_normalized":
-        return [math.fsum(lps) / len(lps) for lps in token_logprobs]
-    if normalization == "sum":
-        return [math.fsum(lps) for lps in token_logprobs]
-    raise ValueError(f"unknown normalization {normalization!r}; expected 'token_length_normalized' or 'sum'")
-
-
-def score_choices(provider, prompt_ids: list[int], choice_ids: list[list[int]],
+def teacher_forced_scores(provider, prompt_ids: list[int], choice_ids: list[list[int]],
                   normalization: str = "token_length_normalized", prefix_hint: bool = True) -> ChoiceScores:
     """Score each tokenized choice after prompt_ids from the provider's next-token logprobs."""
     from prefixrt.params import SamplingParams
@@ -76,5 +63,5 @@ def score_choices(provider, prompt_ids: list[int], choice_ids: list[list[int]],
                 row.append(floors[k])
                 approximate = True
         token_logprobs.append(row)
-    return ChoiceScores(normalize(token_logprobs, normalization), approximate, token_logprobs,
+    return ChoiceScores(score_choices(token_logprobs, normalization), approximate, token_logprobs,
                         prompt_tokens=outs[0].prompt_tokens, cached_tokens=outs[0].cached_tokens)

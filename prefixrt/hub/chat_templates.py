@@ -1,4 +1,6 @@
-"""Jinja chat templates the registry supplies for models whose checkpoint carries none.
+"""Chat templates: the Jinja templates the registry supplies for models whose checkpoint carries none, and
+`render_chat_template`, the one function that applies a tokenizer's template (EngineFront, hence the server
+and the in-process engine, and the frontend's TemplateFormat all render through it).
 
 Each renders `messages` (list of {"role", "content"}; content a string or a list of {"type": "text",
 "text"} parts) and honours `add_generation_prompt`. Rendered text already starts with the BOS token where
@@ -88,6 +90,23 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- endif -%}"
 )
+
+
+def render_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                         continue_final_message: bool = False) -> str:
+    """The text tokenizer's chat template makes of messages (tokenize it with add_special_tokens=False).
+
+    continue_final_message: the last message must be the assistant's; the earlier ones are rendered with the
+    generation prompt and its content follows verbatim, left open for the model to continue (as vLLM and
+    SGLang accept it). The caller holds the tokenizer's lock (fast tokenizers are not thread-safe); template
+    errors propagate as they are.
+    """
+    if continue_final_message:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError("continue_final_message needs a final assistant message")
+        head = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        return head + messages[-1]["content"]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def store_chat_template_in_tokenizer_config(folder: Path, chat_template: str | None) -> None:

@@ -62,6 +62,16 @@ def extend_block_m(num_tokens: int, num_seqs: int, head_dim: int) -> int:
     return block_m_for(head_dim, num_tokens, want)
 
 
+def extend_splits(num_blocks: int, num_heads: int, num_sms: int, max_splits: int = 8) -> int:
+    """Key splits per query block of a bucket (a power of two <= max_splits): enough programs for about four
+    per SM when the bucket has few query blocks (a short extend over a long cached prefix), else 1."""
+    want = -(-4 * num_sms // max(num_blocks * num_heads, 1))
+    splits = 1
+    while splits * 2 <= min(want, max_splits):
+        splits *= 2
+    return splits
+
+
 @dataclass
 class CaptureReport:
     """What a bank's capture cost (printed at start-up)."""
@@ -150,6 +160,7 @@ class _Bank:
             if graph is not None:
                 graph.reset()
         self.graphs.clear()
+        self.cascade, self._cascade_last = {}, {}
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor):
                 setattr(self, name, None)
@@ -177,7 +188,39 @@ class DecodeGraphs(_Bank):
         self.extend_start_loc = torch.arange(n, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
+    def enable_cascade(self, queries_per_tile: int, min_prefix_len: int, min_group_size: int,
+                       max_groups: int = 8) -> None:
+        """Also capture, per bucket of >= 2 rows, a graph running cascade (shared-prefix) decode from a
+        static plan padded to a fixed tile count (call before capture)."""
+        from prefixrt.kernels.cascade_plan import PLAN_FIELDS, CascadePlan, padded_sizes
+
+        self.cascade_args = (queries_per_tile, min_prefix_len, min_group_size)
+        self.cascade: dict[int, tuple] = {}  # bs -> (buffer, sizes, CascadePlan, max_groups)
+        for bs in self.buckets:
+            if bs < 2:
+                continue
+            groups = min(max_groups, bs // 2)
+            sizes = padded_sizes(bs, groups, queries_per_tile)
+            buf = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=self.device)
+            views, off = [], 0
+            for name in PLAN_FIELDS:
+                views.append(buf[off : off + sizes[name]])
+                off += sizes[name]
+            plan = CascadePlan(*views, queries_per_tile=queries_per_tile, num_tiles=sizes["tile_group"],
+                               max_prefix_len=self.max_context, max_suffix_len=self.max_context,
+                               split_tiles=-(-bs // queries_per_tile))
+            self.cascade[bs] = (buf, sizes, plan, groups)
+        self._cascade_last: dict[int, object] = {}  # bs -> prefix_groups object whose plan the buffer holds
+
+    def _static_batch(self, key) -> ForwardBatch:
+        cascade = isinstance(key, tuple)
+        bs = key[1] if cascade else key
+        batch = self._plain_static_batch(bs)
+        if cascade:
+            batch.cascade_plan = self.cascade[bs][2]
+        return batch
+
+    def _plain_static_batch(self, bs: int) -> ForwardBatch:
         # Host lengths at their maximum: the backend plans (split counts) for the worst case of the bucket,
         # so one graph serves every context length.
         return ForwardBatch(
@@ -190,11 +233,13 @@ class DecodeGraphs(_Bank):
         )
 
     def capture(self, pool=None) -> None:  # noqa: D102
-        super().capture(reversed(self.buckets), pool)
+        keys = list(reversed(self.buckets))
+        keys += [("cascade", bs) for bs in reversed(self.buckets) if bs in getattr(self, "cascade", {})]
+        super().capture(keys, pool)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
-        if (batch.mode is not ForwardMode.DECODE or batch.prefix_groups is not None
-                or batch.logits_indices.shape[0] != batch.batch_size):
+        """The plain bucket of this decode batch (prefix_groups or not), or None (eager)."""
+        if batch.mode is not ForwardMode.DECODE or batch.logits_indices.shape[0] != batch.batch_size:
             return None
         bs = pick(self.buckets, batch.batch_size)
         return bs if bs in self.graphs else None
@@ -202,9 +247,35 @@ class DecodeGraphs(_Bank):
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.bucket_for(batch) is not None
 
+    def _cascade_key(self, batch: ForwardBatch, bs: int):
+        """("cascade", bs) with the batch's plan written into that graph's static plan, or None (plain
+        decode: no groups worth sharing, or no cascade graphs). Groups unchanged since the last step of this
+        bucket (the same prefix_groups object) leave the static plan as it is."""
+        groups = batch.prefix_groups
+        key = ("cascade", bs)
+        if groups is None or key not in self.graphs:
+            return None
+        if self._cascade_last.get(bs) is groups:
+            return key
+        from prefixrt.kernels.cascade_plan import pad_lists, plan_lists
+
+        buf, sizes, _, max_groups = self.cascade[bs]
+        qpt, min_prefix, min_size = self.cascade_args
+        lists = plan_lists(groups, batch.seq_lens_cpu, qpt, min_prefix, min_size, max_groups=max_groups)
+        if lists is None:
+            return None
+        host = torch.tensor(pad_lists(lists, sizes), dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        buf.copy_(host, non_blocking=True)
+        self._cascade_last[bs] = groups
+        return key
+
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         n = batch.batch_size
         bs = self.bucket_for(batch)
+        key = self._cascade_key(batch, bs) or bs
+        self.last_key = key
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.out_cache_loc[:n].copy_(batch.out_cache_loc)
@@ -216,7 +287,7 @@ class DecodeGraphs(_Bank):
             self.out_cache_loc[n:bs].zero_()
             self.req_pool_indices[n:bs].fill_(self.pad_row)
             self.seq_lens[n:bs].fill_(1)
-        return self._replay(bs, n)
+        return self._replay(key, n)
 
 
 class ExtendGraphs(_Bank):
@@ -224,8 +295,12 @@ class ExtendGraphs(_Bank):
 
     def __init__(self, forward_eager, attn_backend, req_to_token: torch.Tensor, pad_row: int, max_seqs: int,
                  head_dim: int, device: torch.device, max_tokens: int = DEFAULT_MAX_EXTEND_TOKENS,
-                 logits_out: torch.Tensor | None = None, emulate: bool = False):
+                 logits_out: torch.Tensor | None = None, emulate: bool = False, num_heads: int = 1,
+                 num_sms: int = 0):
+        """num_heads, num_sms: size the split-KV of each bucket (num_sms 0: no splits)."""
         super().__init__(forward_eager, attn_backend, req_to_token, pad_row, device, logits_out, emulate)
+        self.num_heads = num_heads
+        self.num_sms = num_sms
         self.keys = extend_buckets(max_tokens, max_seqs)
         self.token_buckets = sorted({t for t, _ in self.keys})
         self.head_dim = head_dim
@@ -255,6 +330,11 @@ class ExtendGraphs(_Bank):
         t, b = key
         return b + -(-t // self.block_m(key))
 
+    def num_splits(self, key: tuple[int, int]) -> int:
+        if self.num_sms <= 0:
+            return 1
+        return extend_splits(self.num_blocks(key), self.num_heads, self.num_sms)
+
     def _static_batch(self, key: tuple[int, int]) -> ForwardBatch:
         t, b = key
         nb = self.num_blocks(key)
@@ -265,18 +345,19 @@ class ExtendGraphs(_Bank):
             extend_start_loc=self.extend_start_loc[:b], req_to_token=self.req_to_token,
             logits_indices=self.logits_indices[:b], seq_lens_cpu=[t] * b, prefix_lens_cpu=[0] * b,
             extend_lens_cpu=[t] + [0] * (b - 1),
-            extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key)),
+            extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key), self.num_splits(key)),
         )
 
     def capture(self, pool=None) -> None:  # noqa: D102
         super().capture(sorted(self.keys, reverse=True), pool)
 
     def _warm_keys(self, keys: list) -> list:
-        # The extend kernel compiles once per block height; the largest key sizes the buffers.
+        # The extend kernel compiles once per (block height, splits); the largest key sizes the buffers.
         seen, out = set(), []
         for key in keys:
-            if not out or self.block_m(key) not in seen:
-                seen.add(self.block_m(key))
+            variant = (self.block_m(key), self.num_splits(key))
+            if not out or variant not in seen:
+                seen.add(variant)
                 out.append(key)
         return out
 

@@ -29,6 +29,7 @@ class ExtendPlan:
     block_seq: torch.Tensor  # [num_blocks] int32, sequence of each query block; -1 = padding
     block_mb: torch.Tensor  # [num_blocks] int32, index of the block within its sequence's new tokens
     block_m: int  # query-block height the map was built for
+    num_splits: int = 1  # key ranges per query block, merged by log-sum-exp (split-KV)
 
 
 @dataclass
@@ -54,6 +55,9 @@ class ForwardBatch:
     # Optional fixed launch plan for EXTEND attention (CUDA graphs): which (sequence, query block) each
     # program of a fixed-size grid handles. None = the backend sizes the grid from extend_lens_cpu.
     extend_plan: ExtendPlan | None = None
+    # Optional cascade plan already on the device (decode CUDA graphs: static, padded to a fixed tile
+    # count); None = the backend plans from prefix_groups itself.
+    cascade_plan: object | None = None
 
     @property
     def batch_size(self) -> int:

@@ -23,11 +23,12 @@ from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.model.layers import (
     GatedMLP,
     GemmaRMSNorm,
+    Linear,
     MergedLinear,
     RopeConfig,
     RotaryEmbedding,
-    apply_rotary,
     hf_rope_parameters,
+    rope_and_attend,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -127,7 +128,7 @@ class Gemma3Attention(nn.Module):
         self.qkv_proj = MergedLinear(
             config.hidden_size, [h * d, kvh * d, kvh * d], ["q_proj", "k_proj", "v_proj"], bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(h * d, config.hidden_size, bias=config.attention_bias)
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
         self.layer = AttentionLayer(
@@ -138,17 +139,13 @@ class Gemma3Attention(nn.Module):
             scaling=config.query_pre_attn_scalar**-0.5,
             sliding_window=config.sliding_window_of(layer_id),
         )
+        self.fused = False  # set by layers.use_fused_kernels
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
-        num_tokens = x.shape[0]
-        h, kvh, d = self.layer.num_heads, self.layer.num_kv_heads, self.layer.head_dim
-        q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)
-        q = self.q_norm(q.view(num_tokens, h, d))  # [T, h, d]
-        k = self.k_norm(k.view(num_tokens, kvh, d))  # [T, kvh, d]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn.forward(q.reshape(num_tokens, h * d), k.reshape(num_tokens, kvh * d), v, self.layer, batch)
+        qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) * d]
+        out = rope_and_attend(attn, self.layer, qkv, cos, sin, batch, self.q_norm, self.k_norm, self.fused)
         return self.o_proj(out)
 
 
@@ -164,10 +161,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
-    ) -> torch.Tensor:  # x: [T, hidden]
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch, attn))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        batch: ForwardBatch, attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x: the previous block's (post-normed) output [T, hidden], the embeddings at layer 0 with residual
+        None; residual: the stream before it. Returns (this layer's post-normed MLP output, the stream before
+        it), like LlamaDecoderLayer: the sums are formed by the next pre-norm (fused on the Triton path)."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, batch, attn))
+        h, residual = self.pre_feedforward_layernorm.add_norm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class Gemma3TextModel(nn.Module):
@@ -188,7 +191,7 @@ class Gemma3ForCausalLM(CausalLM):
         )
         self.config = config
         self.model = Gemma3TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.local_rotary = RotaryEmbedding(config.local_rope)
         self.global_rotary = RotaryEmbedding(config.global_rope)
         self.attention_layers = [layer.self_attn.layer for layer in self.model.layers]
@@ -203,12 +206,14 @@ class Gemma3ForCausalLM(CausalLM):
         x = self.model.embed_tokens(batch.input_ids) * self.embed_scale()  # [T, hidden]
         local_cos, local_sin = self.local_rotary(batch.positions)  # [T, head_dim] each
         global_cos, global_sin = self.global_rotary(batch.positions)
+        residual = None
         for layer in self.model.layers:
             if layer.self_attn.is_sliding:
-                x = layer(x, local_cos, local_sin, batch, attn)
+                x, residual = layer(x, residual, local_cos, local_sin, batch, attn)
             else:
-                x = layer(x, global_cos, global_sin, batch, attn)
-        x = self.model.norm(x[batch.logits_indices])  # [L, hidden]: norm is per token, so select first
+                x, residual = layer(x, residual, global_cos, global_sin, batch, attn)
+        idx = batch.logits_indices  # norm is per token, so select first
+        x, _ = self.model.norm.add_norm(x[idx], residual[idx] if residual is not None else None)  # [L, hidden]
         logits = self.lm_head(x).float()  # [L, vocab]
         cap = self.config.final_logit_softcapping
         if cap is not None:

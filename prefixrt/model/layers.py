@@ -2,18 +2,44 @@
 
 Numerics follow transformers exactly (dtype casts included), because transformers is our oracle: a model
 built from these pieces in float32 reproduces its logits to float rounding.
+
+Every piece has two paths. The torch path is the reference and the default. `use_fused_kernels(model)`
+switches a built model to the Triton kernels of prefixrt.kernels (add+RMSNorm, act*mul, q/k-norm + RoPE +
+K/V store, small-batch GEMV); they follow the same casts, so outputs agree to rounding (tests compare
+the two). The engine switches it on when attention runs on the Triton backend on CUDA.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
+from prefixrt.model.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from prefixrt.kernels.gemv import GemvConfig
+
+MAX_GEMV_ROWS = 16  # = prefixrt.kernels.gemv.MAX_M
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """The Triton kernels of the fused path, imported on first use: the torch path never needs Triton, and
+    TRITON_INTERPRET must be set before the kernel modules are first imported."""
+    from prefixrt.kernels import activation, gemv, norm, rope
+
+    return SimpleNamespace(act_mul=activation.act_mul, gemv=gemv.gemv, GemvConfig=gemv.GemvConfig,
+                           choose_gemv_config=gemv.choose_config, add_rms_norm=norm.add_rms_norm,
+                           qk_norm_rope_store=rope.qk_norm_rope_store)
 
 # ----------------------------------------------------------------------------------------------- norms
 
@@ -22,32 +48,45 @@ class RMSNorm(nn.Module):
     """Llama-style RMSNorm: normalise in float32, cast back, then multiply by `weight` (identity = 1)."""
 
     identity_weight = 1.0
+    gemma = False
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # set by use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
+        if self.fused and x.dim() == 2:
+            return _kernels().add_rms_norm(x, self.weight, self.eps, gemma=self.gemma)[0]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self._scale(x32, x.dtype)
+
+    def _scale(self, normed32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight * normed32.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream step of a pre-norm block: (norm(x + residual), x + residual); with residual
+        None (the first block) it is (norm(x), x). x, residual: [T, dim]; neither is modified."""
+        if self.fused:
+            return _kernels().add_rms_norm(x, self.weight, self.eps, residual, gemma=self.gemma)
+        summed = x if residual is None else x + residual
+        return self(summed), summed
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma-style RMSNorm: scales by (1 + weight) in float32 before the cast back (identity = 0)."""
 
     identity_weight = 0.0
+    gemma = True
 
     def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
+        super().__init__(dim, eps)
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., dim]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+    def _scale(self, normed32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (normed32 * (1.0 + self.weight.float())).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------ rope
@@ -156,6 +195,37 @@ class RotaryEmbedding(nn.Module):
         return emb.cos(), emb.sin()
 
 
+def rope_and_attend(
+    attn: AttentionBackend,
+    layer: AttentionLayer,
+    qkv: torch.Tensor,  # [T, (H + 2 * KVH) * D]: the fused q/k/v projection
+    cos: torch.Tensor,  # [T, D] float32
+    sin: torch.Tensor,
+    batch: ForwardBatch,
+    q_norm: RMSNorm | None = None,  # per-head q/k norms (Qwen3, Gemma-3), both or neither
+    k_norm: RMSNorm | None = None,
+    fused: bool = False,
+) -> torch.Tensor:  # [T, H * D]
+    """Optional per-head q/k norm, RoPE, K/V store into the pool and attention, for one layer. The fused
+    path does the first three in one kernel (qk_norm_rope_store) and hands the backend q alone."""
+    num_tokens = qkv.shape[0]
+    h, kvh, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    if fused:
+        k_buffer, v_buffer = attn.kv_buffers(layer)
+        norm = {} if q_norm is None else dict(
+            q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps, gemma_norm=q_norm.gemma
+        )
+        q = _kernels().qk_norm_rope_store(qkv, cos, sin, batch.out_cache_loc, k_buffer, v_buffer, h, kvh, d, **norm)
+        return attn.forward(q.view(num_tokens, h * d), None, None, layer, batch)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q = q.view(num_tokens, h, d)  # [T, h, d]
+    k = k.view(num_tokens, kvh, d)  # [T, kvh, d]
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    return attn.forward(q.reshape(num_tokens, h * d), k.reshape(num_tokens, kvh * d), v, layer, batch)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Neox-style (rotate-half) RoPE. x: [T, heads, head_dim]; cos, sin: [T, head_dim] float32.
     cos/sin are cast to x's dtype first, as transformers does."""
@@ -169,7 +239,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # --------------------------------------------------------------------------------------------- linears
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear that runs small batches (at most MAX_GEMV_ROWS rows) on the Triton GEMV when use_fused_kernels
+    planned a configuration for that row count (`gemv_plan[rows]`); cuBLAS otherwise."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias=bias)
+        self.gemv_plan: dict[int, GemvConfig] = {}  # rows -> config; a missing row count runs cuBLAS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        config = self.gemv_plan.get(x.shape[0]) if x.dim() == 2 else None
+        if config is not None:
+            return _kernels().gemv(x, self.weight, self.bias, config)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input fused into one matmul (q/k/v, gate/up).
 
     `shard_names[i]` is the checkpoint name of output rows [offset_i, offset_i + shard_sizes[i]); the weight
@@ -204,6 +289,10 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise NotImplementedError(f"activation {name!r} not supported; supported: {sorted(_ACTIVATIONS)}") from None
 
 
+# transformers activation names -> the fused kernels' names (exact-erf GELU has no fused kernel)
+_FUSED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
@@ -213,9 +302,101 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             hidden_size, [intermediate_size, intermediate_size], ["gate_proj", "up_proj"], bias=bias
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = activation(act)
+        self.fused_act = _FUSED_ACTIVATIONS.get(act)
+        self.fused = False  # set by use_fused_kernels
+        # rows -> GEMV config of down_proj with act(gate) * up computed inside it (no activation kernel)
+        self.down_act_plan: dict[int, GemvConfig] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each [T, intermediate]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.fused and self.fused_act is not None:
+            config = self.down_act_plan.get(gate_up.shape[0])
+            if config is not None:
+                k = _kernels()
+                return k.gemv(gate_up, self.down_proj.weight, self.down_proj.bias, config, act_input=self.fused_act)
+            return self.down_proj(_kernels().act_mul(gate_up, self.fused_act))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # each [T, intermediate]
         return self.down_proj(self.act(gate) * up)
+
+
+# ------------------------------------------------------------------------------------- fused kernels
+
+_GEMV_CHOICES: dict[tuple, tuple] = {}  # (n, k, rows, act, dtype, device name) -> (choice, timings)
+MEASURED_ROWS = (1, 2, 4, 8, 16)  # row counts measured; others use the next measured one up
+
+
+def _table_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, gpu: str):
+    """-> (found, config or None) from the checked-in table (kernels/gemv_table.py; bf16 only)."""
+    if dtype != torch.bfloat16:
+        return False, None
+    from prefixrt.kernels.gemv_table import MEASURED
+
+    table = MEASURED.get(gpu, {})
+    key = (n, k, rows, act)
+    return key in table, table.get(key)
+
+
+def gemv_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, device, use_table: bool = True
+                ) -> tuple[GemvConfig | None, dict]:
+    """(fastest GEMV config for an [rows, k] x [k, n] product, None when cuBLAS is fastest; timings in us
+    per candidate, empty when the choice came from the table). Taken from this process's earlier
+    measurements, else (use_table) from the table measured on this GPU model and checked in
+    (kernels/gemv_table.py), else measured now (kernels.gemv.choose_config) and remembered."""
+    gpu = torch.cuda.get_device_name(device)
+    key = (n, k, rows, act, dtype, gpu)
+    if key in _GEMV_CHOICES:
+        return _GEMV_CHOICES[key]
+    if use_table:
+        found, config = _table_choice(n, k, rows, act, dtype, gpu)
+        if found:
+            return config, {}
+    _GEMV_CHOICES[key] = _kernels().choose_gemv_config(n, k, rows, dtype, device, act)
+    return _GEMV_CHOICES[key]
+
+
+def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None) -> dict[int, GemvConfig]:
+    """rows (1..MAX_GEMV_ROWS) -> GEMV config, for one weight; row counts left out run cuBLAS. gemv:
+    "table" (CUDA: the choices measured on this GPU model and checked in; shapes not in it run cuBLAS, so
+    start-up measures nothing), "measure" (CUDA: like "table", but shapes missing from it are measured
+    now: the fastest of the Triton layouts and cuBLAS per measured row count), "always" (the default layout
+    for every row count: tests, the interpreter) or "never" (cuBLAS)."""
+    if gemv == "never":
+        return {}
+    if gemv == "always":
+        return {rows: _kernels().GemvConfig() for rows in range(1, MAX_GEMV_ROWS + 1)}
+    if gemv not in ("table", "measure"):
+        raise ValueError(f"gemv must be 'table', 'measure', 'always' or 'never', got {gemv!r}")
+    if weight.device.type != "cuda":
+        return {}
+    n, k = weight.shape
+    gpu = torch.cuda.get_device_name(weight.device)
+    measured = {}
+    for rows in MEASURED_ROWS:
+        if gemv == "measure":
+            measured[rows] = gemv_choice(n, k, rows, act, weight.dtype, weight.device)[0]
+        else:
+            key = (n, k, rows, act, weight.dtype, gpu)
+            cached = _GEMV_CHOICES.get(key)  # measured earlier in this process (a benchmark)
+            measured[rows] = cached[0] if cached else _table_choice(n, k, rows, act, weight.dtype, gpu)[1]
+    plan = {}
+    for rows in range(1, MAX_GEMV_ROWS + 1):
+        config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
+        if config is not None:
+            plan[rows] = config
+    return plan
+
+
+def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table") -> None:
+    """Switch every norm, MLP, attention block and linear of `model` to the Triton kernels (enabled) or
+    back to the torch reference path. gemv: see gemv_plan_for. Mutates the modules' `fused` flags and GEMV
+    plans only; weights are untouched. Call before capturing CUDA graphs: the plans are part of them."""
+    for module in model.modules():
+        if hasattr(module, "fused"):
+            module.fused = enabled
+        if isinstance(module, GatedMLP):
+            act = module.fused_act
+            module.down_act_plan = gemv_plan_for(module.down_proj.weight, gemv, act) if enabled and act else {}
+        if isinstance(module, Linear):
+            module.gemv_plan = gemv_plan_for(module.weight, gemv) if enabled else {}

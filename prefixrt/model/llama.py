@@ -16,12 +16,13 @@ from prefixrt.model.base import CausalLM, eos_ids_from_hf
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.model.layers import (
     GatedMLP,
+    Linear,
     MergedLinear,
     RMSNorm,
     RopeConfig,
     RotaryEmbedding,
-    apply_rotary,
     hf_rope_parameters,
+    rope_and_attend,
 )
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -111,7 +112,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             config.hidden_size, [h * d, kvh * d, kvh * d], ["q_proj", "k_proj", "v_proj"], bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(h * d, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.layer = AttentionLayer(
@@ -122,19 +123,13 @@ class LlamaAttention(nn.Module):
             scaling=d**-0.5,
             sliding_window=config.sliding_windows[layer_id],
         )
+        self.fused = False  # set by layers.use_fused_kernels
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
-        num_tokens = x.shape[0]
-        h, kvh, d = self.layer.num_heads, self.layer.num_kv_heads, self.layer.head_dim
-        q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)
-        q = q.view(num_tokens, h, d)  # [T, h, d]
-        k = k.view(num_tokens, kvh, d)  # [T, kvh, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn.forward(q.reshape(num_tokens, h * d), k.reshape(num_tokens, kvh * d), v, self.layer, batch)
+        qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) * d]
+        out = rope_and_attend(attn, self.layer, qkv, cos, sin, batch, self.q_norm, self.k_norm, self.fused)
         return self.o_proj(out)
 
 
@@ -147,10 +142,16 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
-    ) -> torch.Tensor:  # x: [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        batch: ForwardBatch, attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x: the previous block's output [T, hidden] (the embeddings at layer 0, with residual None);
+        residual: the stream before it. Returns (this layer's MLP output, the stream before it); the
+        layer's result is their sum, which the next norm forms (fused with the norm on the Triton path)."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(h, cos, sin, batch, attn)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -171,7 +172,7 @@ class LlamaForCausalLM(CausalLM):
         )
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.rope)
         self.attention_layers = [layer.self_attn.layer for layer in self.model.layers]
         self.tie_weights()
@@ -179,7 +180,9 @@ class LlamaForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary(batch.positions)  # [T, head_dim] each
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, batch, attn)
-        x = self.model.norm(x[batch.logits_indices])  # [L, hidden]: norm is per token, so select first
+            x, residual = layer(x, residual, cos, sin, batch, attn)
+        idx = batch.logits_indices  # norm is per token, so select first
+        x, _ = self.model.norm.add_norm(x[idx], residual[idx] if residual is not None else None)  # [L, hidden]
         return self.lm_head(x).float()  # [L, vocab]

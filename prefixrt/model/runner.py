@@ -28,15 +28,16 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.graphs = None  # DecodeGraphs once capture_graphs() ran
         self.extend_graphs = None  # ExtendGraphs once capture_graphs(max_extend_tokens > 0) ran
-        self.replays = {"decode": 0, "extend": 0, "eager": 0}  # forwards by how they ran
+        self.replays = {"decode": 0, "cascade": 0, "extend": 0, "eager": 0}  # forwards by how they ran
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step: writes the new tokens' K/V into the pool, returns float32 logits
         [len(batch.logits_indices), vocab_size]. A graph's logits are valid until the next forward."""
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_run(batch):
-                self.replays["decode"] += 1
-                return self.graphs.replay(batch)
+                logits = self.graphs.replay(batch)
+                self.replays["cascade" if isinstance(self.graphs.last_key, tuple) else "decode"] += 1
+                return logits
             if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
                 self.replays["extend"] += 1
                 return self.extend_graphs.replay(batch)
@@ -48,11 +49,13 @@ class ModelRunner:
         return self.model(batch, self.attn_backend)
 
     def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
-                       max_extend_tokens: int = 0, emulate: bool = False) -> list[str]:
+                       max_extend_tokens: int = 0, emulate: bool = False,
+                       cascade: dict | None = None) -> list[str]:
         """Capture one CUDA graph per decode batch-size bucket and, with max_extend_tokens > 0, per EXTEND
         (token, sequence) bucket up to that many tokens. pad_row: a request-table row that stays all zeros,
         read by padded decode rows. emulate: no CUDA graphs, the static batches run eagerly (CPU tests).
-        Returns one line per bank: graphs, capture seconds and memory."""
+        cascade: keyword arguments of DecodeGraphs.enable_cascade (decode graphs for batches with
+        prefix_groups, from a padded plan), or None. Returns one line per bank: graphs, seconds, memory."""
         from prefixrt.model.cuda_graphs import DecodeGraphs, ExtendGraphs
 
         self.release_graphs()
@@ -62,13 +65,17 @@ class ModelRunner:
         with torch.inference_mode():
             graphs = DecodeGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
                                   max_context, device, emulate=emulate)
+            if cascade is not None:
+                graphs.enable_cascade(**cascade)
             graphs.capture(pool)
             self.graphs = graphs
             lines.append(_describe("decode", graphs.report))
             if max_extend_tokens > 0:
                 ext = ExtendGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
                                    self.model.head_dim, device, max_tokens=max_extend_tokens,
-                                   logits_out=graphs.logits_out, emulate=emulate)
+                                   logits_out=graphs.logits_out, emulate=emulate,
+                                   num_heads=self.model.attention_layers[0].num_heads,
+                                   num_sms=getattr(self.attn_backend, "num_sms", 0))
                 ext.capture(pool)
                 self.extend_graphs = ext
                 lines.append(_describe("extend", ext.report))

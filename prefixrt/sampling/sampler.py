@@ -87,7 +87,8 @@ class Sampler:
             if r.params.has_penalties:
                 self._apply_penalties(logits[i], r)
         for i in held:
-            ids = sorted(set(eos_token_ids) | set(reqs[i].params.stop_token_ids or ()))
+            V = logits.shape[1]  # stop ids past the vocabulary can never be sampled: nothing to hold
+            ids = sorted(t for t in set(eos_token_ids) | set(reqs[i].params.stop_token_ids or ()) if t < V)
             logits[i, ids] = float("-inf")
         if bitmask_fn is not None:
             bitmask_fn(logits)

@@ -1,8 +1,10 @@
 """The FastAPI app: `create_app(engine)`. OpenAI routes live in openai_api.py; native routes and errors here.
 
-Errors always have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`. Bad input is a 400
-(InvalidRequest from the engine, and request-body validation errors too, where FastAPI would say 422);
-`x-should-retry: false` marks errors a retry cannot fix, so OpenAI clients do not retry them.
+Errors always have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (errors.py). Bad input is
+a 400 (InvalidRequest from the engine, and request-body validation errors too, where FastAPI would say 422);
+`x-should-retry: false` marks errors a retry cannot fix, so OpenAI clients do not retry them. Every request
+first passes admission (admission.py: API keys, draining, body size); routes check the body's text
+(validate.py) and tokenize off the event loop (EngineFront.aencode), so `/health` always answers at once.
 """
 
 from __future__ import annotations
@@ -22,16 +24,15 @@ from starlette.responses import Response
 from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.params import SamplingParams
+from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
+from prefixrt.server.errors import RequestFailed, error_response
+from prefixrt.server.lifecycle import Lifecycle
 from prefixrt.server.openai_api import router as openai_router
 from prefixrt.server.protocol import AbortRequest, CachePrefixRequest, GenerateRequest
 from prefixrt.server.sse import JSON, SSE_DONE, ClientDisconnected, EventStream, sse, until_disconnect
+from prefixrt.server.validate import check_body
 
-
-def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                   retry: bool = False) -> JSON:
-    headers = {} if retry else {"x-should-retry": "false"}
-    return JSON({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                status_code=status, headers=headers)
+__all__ = ["create_app", "error_response"]
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -60,10 +61,19 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def invalid_request(request: Request, e: InvalidRequest):
         return error_response(400, e.message, "invalid_request_error", e.param)
 
+    @app.exception_handler(RequestFailed)
+    async def request_failed(request: Request, e: RequestFailed):
+        return e.response()
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {"loc": (), "msg": "invalid request body"}
+        if first.get("type") == "json_invalid":  # loc holds a byte offset, which is not a parameter
+            where = [p for p in first.get("loc", ()) if isinstance(p, int)]
+            at = f" at byte {where[0]}" if where else ""
+            reason = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+            return error_response(400, f"request body is not valid JSON{at}: {reason}", "invalid_request_error")
         param = _loc_param(first.get("loc", ()))
         msg = first.get("msg", "invalid request body")
         same_field = [x for x in errs if _loc_param(x.get("loc", ())) == param]
@@ -86,7 +96,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError):
-        return error_response(503, str(e), "server_error", code="engine_dead")
+        return error_response(503, str(e) or "the engine is not running", "server_error", code="engine_dead",
+                              retry=True)
+
+    @app.exception_handler(TimeoutError)
+    async def engine_timeout(request: Request, e: TimeoutError):
+        return error_response(503, f"the engine did not answer in time (stopped, hung or overloaded){_detail(e)}",
+                              "server_error", code="engine_timeout", retry=True)
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, e: RecursionError):
+        return error_response(400, "request body is nested too deeply", "invalid_request_error")
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(request: Request, e: ClientDisconnected):
@@ -97,24 +117,39 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(e).__name__}: {e}", "server_error", retry=True)
 
 
-def create_app(engine, served_model_name: str | None = None) -> FastAPI:
+def _detail(e: BaseException) -> str:
+    return f": {e}" if str(e) else ""
+
+
+def create_app(engine, served_model_name: str | None = None, *, api_key: str | None = None,
+               admin_api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               lifecycle: Lifecycle | None = None) -> FastAPI:
     """An ASGI app serving `engine` (a prefixrt.Engine, or a ProcessEngine: the engine in its own process).
-    The engine's lifetime is the caller's."""
+    The engine's lifetime is the caller's. `api_key` / `admin_api_key` / `max_request_bytes`: see
+    admission.py; `lifecycle`: drain and engine-death state (the launcher passes its own)."""
     app = FastAPI(title="prefixrt", version="0.1.0", docs_url=None, redoc_url=None)
+    lc = lifecycle or Lifecycle()
     app.state.engine = engine
+    app.state.lifecycle = lc
     app.state.model_name = served_model_name or engine.model_name
     app.state.created = int(time.time())
     # A ProcessEngine renders its metrics in the engine process, where the latency histograms are observed.
     app.state.render_metrics = getattr(engine, "render_metrics", None) or Metrics.for_engine(engine).render
+    app.add_middleware(Admission, lifecycle=lc, api_key=api_key, admin_api_key=admin_api_key,
+                       max_body_bytes=max_request_bytes)
     _install_error_handlers(app)
     app.include_router(openai_router)
 
     @app.get("/health")
     async def health():
-        try:
-            await asyncio.wait_for(run_in_threadpool(engine.stats), timeout=10)
-        except Exception as e:
-            return error_response(503, f"engine not responding: {e}", "server_error", retry=True)
+        """200 while the server admits requests and the engine is alive; 503 with the reason otherwise. Answers
+        from local state only (no round trip to the engine), so it is never slowed down by the load."""
+        reason = lc.refusal
+        if reason is None:
+            check = getattr(engine, "health", None)
+            reason = check() if check is not None else None
+        if reason is not None:
+            return error_response(503, f"not healthy: {reason}", "server_error", code="unhealthy", retry=True)
         return JSON({"status": "ok"})
 
     @app.get("/stats")
@@ -134,6 +169,7 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
 
     @app.post("/cache_prefix")
     async def cache_prefix(body: CachePrefixRequest):
+        check_body(body)
         n = await run_in_threadpool(engine.cache_prefix, body.prompt, body.cache_salt)
         return JSON({"cached_tokens": n})
 
@@ -144,10 +180,15 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
+        check_body(body)
         given = [x for x in (body.prompt, body.prompts, body.input_ids) if x is not None]
         if len(given) != 1:
             raise InvalidRequest("give exactly one of prompt, prompts, input_ids", param="prompt")
-        params = SamplingParams.coerce(body.sampling_params)
+        try:
+            params = SamplingParams.coerce(body.sampling_params)
+        except InvalidRequest as e:  # name the field as the body spells it
+            raise InvalidRequest(e.message, param=f"sampling_params.{e.param}" if e.param else "sampling_params"
+                                 ) from None
         rid = params.request_id or f"gen-{uuid.uuid4().hex}"
         if body.prompts is not None:
             if body.stream:
@@ -160,21 +201,45 @@ def create_app(engine, served_model_name: str | None = None) -> FastAPI:
                 return await asyncio.gather(*(engine.agenerate(p, dataclasses.replace(params, request_id=r))
                                               for p, r in zip(body.prompts, rids)))
 
-            cs = await until_disconnect(request, run())
+            with lc.serving(engine, rids):
+                cs = await until_disconnect(request, run())
+            _raise_if_failed(lc, cs)
             return JSON([c.to_dict() for c in cs])
         prompt = body.prompt if body.prompt is not None else body.input_ids
         params = dataclasses.replace(params, request_id=rid)
         if not body.stream:
-            c = await until_disconnect(request, engine.agenerate(prompt, params))
+            with lc.serving(engine, [rid]):
+                c = await until_disconnect(request, engine.agenerate(prompt, params))
+            _raise_if_failed(lc, [c])
             return JSON(c.to_dict())
-        chunks = engine.astream(prompt, params)
-        return EventStream(_native_events(chunks), on_close=lambda: engine.abort(rid))
+        chunks = await engine.astream_open(prompt, params)
+        lc.register(engine, [rid])
+
+        def close():
+            engine.abort(rid)
+            lc.release([rid])
+
+        return EventStream(_native_events(chunks, lc), on_close=close)
 
     return app
 
 
-async def _native_events(chunks) -> AsyncIterator[str]:
-    async for ch in chunks:
-        yield sse(dataclasses.asdict(ch))
-    yield SSE_DONE
+def _raise_if_failed(lc: Lifecycle, cs) -> None:
+    """Native routes: a request aborted by an error, a drain or the engine's death is an error response (one
+    aborted through POST /abort stays a Completion with finish_reason "abort")."""
+    for c in cs:
+        for s in (c.outputs or [c]):
+            if s.finish_reason == "abort" and (s.error or lc.drain_expired or lc.engine_death):
+                raise RequestFailed.for_abort(lc, s.error)
 
+
+async def _native_events(chunks, lc: Lifecycle) -> AsyncIterator[str]:
+    try:
+        async for ch in chunks:
+            if ch.finish_reason == "abort" and (ch.error or lc.drain_expired or lc.engine_death):
+                yield RequestFailed.for_abort(lc, ch.error).event()
+                break
+            yield sse(dataclasses.asdict(ch))
+    except Exception as e:  # a bug: end the stream with an error event rather than cutting it
+        yield RequestFailed(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").event()
+    yield SSE_DONE

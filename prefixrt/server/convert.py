@@ -5,6 +5,7 @@ Shared by the HTTP server and the in-process OpenAI shim (which runs the same ap
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
@@ -24,6 +25,8 @@ _PASSTHROUGH = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
 def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int) -> dict[str, Any]:
     params = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
     params["max_new_tokens"] = default_max if max_new_tokens is None else max_new_tokens
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
     return params
 
 
@@ -52,6 +55,27 @@ def chat_params(req: ChatCompletionRequest, max_context: int
     messages = structured.to_engine_messages(req)
     mode = structured.apply(req, messages, params)
     return messages, _finish_params(params), mode
+
+
+def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """The chat request's explicit output limit (max_completion_tokens, else max_tokens), or None."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def fit_max_tokens(params: SamplingParams, requested: int | None, prompt_tokens: int, max_context: int,
+                   limit_param: str = "max_tokens") -> SamplingParams:
+    """The params with max_new_tokens fitted to the context, as vLLM does: an explicit limit that does not fit
+    after the prompt is a 400; a default one is cut to what fits."""
+    room = max_context - prompt_tokens
+    if requested is not None:
+        if requested > room:
+            raise InvalidRequest(f"{limit_param} is {requested}, but the model's context is {max_context} tokens "
+                                 f"and the prompt has {prompt_tokens}: at most {room} new tokens fit",
+                                 param=limit_param)
+        return params
+    if params.max_new_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_new_tokens=room)
 
 
 def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:

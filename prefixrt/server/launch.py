@@ -3,21 +3,25 @@
 The engine runs in its own process (ProcessEngine) unless --engine-in-process keeps it on a thread of the
 server process (sharing the GIL with the HTTP event loop).
 
-uvicorn installs the SIGINT/SIGTERM handlers: on a signal it stops accepting connections, lets running
-requests finish (up to --graceful-timeout seconds; streams still open after that are cut, which aborts
-them), and returns; the engine is shut down after it.
+SIGTERM/SIGINT drains (lifecycle.py): new requests get 503 while the listening socket stays open, in-flight
+requests get up to --drain-timeout seconds to finish, the rest are aborted with a clean error, then uvicorn
+stops and the engine is shut down; exit status 0. A second signal stops at once. If the engine process dies,
+in-flight requests get an error naming the cause and the server exits with status 1 within seconds (fail
+fast, so a supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
+import asyncio
+import os
 import sys
 import time
 from typing import Any
 
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
-                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug")
+                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
+                "cache_audit_rate")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -41,6 +45,54 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug", action="store_true", help="check KV accounting whenever the scheduler is idle (slow)")
+    p.add_argument("--cache-audit-rate", type=float, default=0.0,
+                   help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
+                        "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Mistakes that can be named before anything loads; raises ValueError with a one-line message."""
+    device = str(getattr(args, "device", "auto"))
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"--device {device}: {why}; use --device cpu (or auto)")
+    elif device not in ("auto", "cpu"):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    model = getattr(args, "model", None)
+    if model and not os.path.isdir(os.path.expanduser(model)):
+        from prefixrt.hub.catalogue import ENTRIES
+
+        entry = ENTRIES.get(model.strip().lower())
+        if entry is None:
+            from prefixrt.hub.registry import resolve_model
+
+            resolve_model(model)  # raises the registry's one-line InvalidRequest (names the built-in models)
+        elif entry.kind == "dummy" and getattr(args, "load_format", "auto") != "dummy":
+            raise ValueError(f"{entry.name!r} is a shape without weights: use --load-format dummy")
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Fail in a second, not after loading the model: the port must be in range and free on the host."""
+    import socket
+
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be between 0 (any free port) and 65535, got {args.port}")
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((args.host, args.port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}"
+                          f"{' (the port is in use; pick another with --port)' if e.errno == 98 else ''}") from None
+    import importlib.util
+
+    for module in ("uvicorn", "fastapi"):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -67,32 +119,73 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
     return eng
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+UVICORN_GRACE_S = 5.0  # after a drain: how long uvicorn waits for connections to close
+
+
+def _make_server(config, lifecycle):
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, with SIGINT/SIGTERM starting a drain (Lifecycle.drain) instead of closing the socket."""
+
+        async def startup(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            lifecycle.bind_loop(self._loop)
+            await super().startup(sockets=sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            loop = getattr(self, "_loop", None)
+            if lifecycle.draining or self.should_exit or loop is None:  # a second signal: stop now
+                self.force_exit = self.should_exit = True
+                return
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(lifecycle.drain()))
+
+    server = DrainingServer(config)
+
+    def request_exit(code: int) -> None:
+        server.should_exit = True
+
+    lifecycle.request_exit = request_exit
+    return server
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from prefixrt.server.app import create_app
+    from prefixrt.server.lifecycle import Lifecycle
 
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
+        print(f"[prefixrt] WARNING: serving on {args.host} (not a loopback address) without an API key: anyone "
+              "who can reach it can use it. Set --api-key (or PREFIXRT_API_KEY) and --admin-api-key.",
+              file=sys.stderr, flush=True)
     try:
         eng = build_engine(args, own_process=not args.engine_in_process)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except RuntimeError as e:  # the engine failed to start (e.g. its process died); other mistakes reach cli.main
         print(f"prefixrt serve: {e}", file=sys.stderr)
         return 2
+    lifecycle = Lifecycle(drain_timeout=args.drain_timeout)
+    if hasattr(eng, "on_death"):
+        eng.on_death = lifecycle.engine_died
     try:
-        app = create_app(eng, served_model_name=args.served_model_name)
+        app = create_app(eng, served_model_name=args.served_model_name, api_key=args.api_key,
+                         admin_api_key=args.admin_api_key, max_request_bytes=args.max_request_bytes,
+                         lifecycle=lifecycle)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.graceful_timeout)
-        server = uvicorn.Server(config)
-        # uvicorn catches SIGINT/SIGTERM, drains, then re-raises the signal to the handler that was installed
-        # before it: make that a no-op so the engine below is shut down and the exit status is 0.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: None)
+                                timeout_graceful_shutdown=UVICORN_GRACE_S)
+        server = _make_server(config, lifecycle)
         print(f"[prefixrt] serving {app.state.model_name} on http://{args.host}:{args.port} "
-              f"(OpenAI base_url http://{args.host}:{args.port}/v1)", file=sys.stderr, flush=True)
+              f"(OpenAI base_url http://{args.host}:{args.port}/v1)"
+              f"{'; API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
         server.run()
     finally:
         print("[prefixrt] shutting down the engine", file=sys.stderr, flush=True)
         eng.shutdown()
-    return 0
+    if lifecycle.engine_death is not None:
+        print(f"[prefixrt] exiting with status 1: {lifecycle.engine_death}", file=sys.stderr, flush=True)
+        return 1
+    return lifecycle.exit_code
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -101,7 +194,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--served-model-name", default=None, help="the model id reported by /v1/models")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--graceful-timeout", type=float, default=10.0,
-                   help="seconds to let running requests finish on SIGINT/SIGTERM")
+    p.add_argument("--drain-timeout", "--graceful-timeout", dest="drain_timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted")
+    p.add_argument("--api-key", default=os.environ.get("PREFIXRT_API_KEY") or None,
+                   help="require `Authorization: Bearer KEY` on every route but /health (env PREFIXRT_API_KEY)")
+    p.add_argument("--admin-api-key", default=os.environ.get("PREFIXRT_ADMIN_API_KEY") or None,
+                   help="the key for /flush_cache, /cache_prefix, /stats, /metrics, /dashboard (env "
+                        "PREFIXRT_ADMIN_API_KEY); with --api-key alone those routes are off")
+    p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,
+                   help="larger request bodies get 413 (default 32 MiB)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server process instead of its own process")

@@ -1,26 +1,63 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE)."""
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE).
+
+Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineFront.aencode),
+checks max_tokens against the context, then submits the token ids (off the event loop too: a constrained
+request waits for its grammar to compile). A request the engine ends with finish_reason "abort" is never
+returned as a success: it becomes an error object, or an error event and `[DONE]` in a stream (errors.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
 
-from prefixrt.errors import InvalidRequest
 from prefixrt.server import convert, structured
+from prefixrt.server.errors import RequestFailed
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
+from prefixrt.server.validate import check_body
 
 router = APIRouter()
 
 
 def _engine(request: Request):
     return request.app.state.engine
+
+
+def _lifecycle(request: Request):
+    return request.app.state.lifecycle
+
+
+def _raise_if_aborted(lc, cs) -> None:
+    for c in cs:
+        for s in convert.samples(c):
+            if s.finish_reason == "abort":
+                raise RequestFailed.for_abort(lc, s.error)
+
+
+def _stream_close(eng, lc, rids: list[str]):
+    def close():
+        for r in rids:
+            eng.abort(r)
+        lc.release(rids)
+
+    return close
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE body that ends with an error event and [DONE] if producing it fails, rather than being cut."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as e:
+        yield RequestFailed(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").event()
+        yield SSE_DONE
 
 
 def _model_name(request: Request) -> str:
@@ -39,38 +76,33 @@ async def list_models(request: Request):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    eng = _engine(request)
+    eng, lc = _engine(request), _lifecycle(request)
+    check_body(body)
     messages, params, mode = convert.chat_params(body, eng.max_context)
-    prompt = _continuation_prompt(eng, messages) if body.continue_final_message else messages
+    if body.continue_final_message:
+        ids = await run_in_threadpool(eng.encode_continuation, messages)
+    else:
+        ids = await eng.aencode(messages)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    params = convert.fit_max_tokens(params, convert.requested_max_tokens(body), len(ids), eng.max_context,
+                                    limit_param)
     params = dataclasses.replace(params, request_id=rid)
     model, created = _model_name(request), int(time.time())
     if not body.stream:
-        c = await until_disconnect(request, eng.agenerate(prompt, params))
+        with lc.serving(eng, [rid]):
+            c = await until_disconnect(request, eng.agenerate(ids, params))
+        _raise_if_aborted(lc, [c])
         return JSON(convert.chat_response(c, rid, model, created, mode))
-    chunks = eng.astream(prompt, params)  # submits now: a bad request raises here, before any byte is sent
+    chunks = await eng.astream_open(ids, params)  # a bad request raises here, before any byte is sent
+    lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _chat_events(chunks, rid, model, created, mode, include_usage)
-    return EventStream(gen, on_close=lambda: eng.abort(rid))
-
-
-def _continuation_prompt(eng, messages: list[dict]) -> list[int]:
-    """Token ids of the conversation up to the final assistant message's text, left open for the model to
-    continue: the chat template's rendering of the earlier messages with the generation prompt, then that text
-    (`continue_final_message`, as vLLM and SGLang accept it)."""
-    if not messages or messages[-1]["role"] != "assistant":
-        raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
-    tok = eng.tokenizer
-    try:
-        with getattr(eng, "_tok_lock", contextlib.nullcontext()):
-            head = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-            return tok.encode(head + messages[-1]["content"], add_special_tokens=False)
-    except Exception as e:
-        raise InvalidRequest(f"cannot render chat messages: {e}", param="messages") from e
+    gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc))
+    return EventStream(gen, on_close=_stream_close(eng, lc, [rid]))
 
 
 async def _chat_events(chunks, rid: str, model: str, created: int, mode: structured.ToolMode,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, lc) -> AsyncIterator[str]:
     usage = convert.StreamUsage()
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
@@ -81,6 +113,10 @@ async def _chat_events(chunks, rid: str, model: str, created: int, mode: structu
         return sse(convert.chat_chunk(rid, model, created, i, delta, reason, convert.chat_logprobs(lps)))
 
     async for ch in chunks:
+        if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
+            yield RequestFailed.for_abort(lc, ch.error).event()
+            yield SSE_DONE
+            return
         usage.add(0, ch)
         i = ch.index
         if i not in started:
@@ -116,41 +152,46 @@ async def _chat_events(chunks, rid: str, model: str, created: int, mode: structu
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    eng = _engine(request)
+    eng, lc = _engine(request), _lifecycle(request)
+    check_body(body)
     prompts, params = convert.completion_params(body)
+    encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
-    per_prompt = [dataclasses.replace(params, request_id=r) for r in rids]
+    requested = body.max_tokens
+    per_prompt = [dataclasses.replace(convert.fit_max_tokens(params, requested, len(ids), eng.max_context),
+                                      request_id=r) for ids, r in zip(encoded, rids)]
     model, created = _model_name(request), int(time.time())
     if not body.stream:
         async def run():
-            return await asyncio.gather(*(eng.agenerate(p, sp) for p, sp in zip(prompts, per_prompt)))
+            return await asyncio.gather(*(eng.agenerate(ids, sp) for ids, sp in zip(encoded, per_prompt)))
 
-        cs = await until_disconnect(request, run())
+        with lc.serving(eng, rids):
+            cs = await until_disconnect(request, run())
+        _raise_if_aborted(lc, cs)
         return JSON(convert.completion_response(list(cs), rid, model, created))
-    streams = []
-    try:
-        for p, sp in zip(prompts, per_prompt):
-            streams.append(eng.astream(p, sp))
-    except Exception:
+    opened = await asyncio.gather(*(eng.astream_open(ids, sp) for ids, sp in zip(encoded, per_prompt)),
+                                  return_exceptions=True)
+    failed = [x for x in opened if isinstance(x, BaseException)]
+    if failed:
         for r in rids:
             eng.abort(r)
-        raise
+        raise failed[0]
+    lc.register(eng, rids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _completion_events(streams, params.n, rid, model, created, include_usage)
-
-    def close():
-        for r in rids:
-            eng.abort(r)
-
-    return EventStream(gen, on_close=close)
+    gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc))
+    return EventStream(gen, on_close=_stream_close(eng, lc, rids))
 
 
 async def _completion_events(streams, n: int, rid: str, model: str, created: int,
-                             include_usage: bool) -> AsyncIterator[str]:
+                             include_usage: bool, lc) -> AsyncIterator[str]:
     usage = convert.StreamUsage()
     offsets: dict[int, int] = {}
     async for k, ch in _merge(streams):
+        if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
+            yield RequestFailed.for_abort(lc, ch.error).event()
+            yield SSE_DONE
+            return
         usage.add(k, ch)
         index = k * n + ch.index
         lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0))

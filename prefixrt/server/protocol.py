@@ -38,6 +38,7 @@ class _Sampling(_Body):
     # prefixrt / vLLM / SGLang extras
     top_k: int | None = None
     min_p: float | None = None
+    min_tokens: int | None = None  # -> SamplingParams.min_new_tokens
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None

@@ -29,11 +29,19 @@ def _finite(obj: Any) -> Any:
 
 
 def dumps(obj: Any) -> str:
-    """Strict JSON; -inf logprobs (masked tokens) become -1e30 rather than invalid JSON."""
+    """Strict JSON; -inf logprobs (masked tokens) become -1e30 rather than invalid JSON. Text that cannot be
+    encoded as UTF-8 (a lone surrogate echoed from a bad request) is written with \\u escapes."""
     try:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+        out = json.dumps(obj, ensure_ascii=False, allow_nan=False)
     except ValueError:
-        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
+        obj = _finite(obj)
+        out = json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    if not out.isascii():
+        try:
+            out.encode("utf-8")
+        except UnicodeEncodeError:
+            out = json.dumps(obj, ensure_ascii=True, allow_nan=False)
+    return out
 
 
 class JSON(Response):

@@ -93,14 +93,13 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
         if choice not in (None, "none", "auto"):
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
         return mode
+    for i, t in enumerate(req.tools):  # checked whatever tool_choice is, as OpenAI does
+        check_tool_parameters(t.function.name, t.function.parameters, f"tools[{i}].function.parameters")
     if choice == "none":
         return mode
     tools = {t.function.name: t.function for t in req.tools}
     if len(tools) != len(req.tools):
         raise InvalidRequest("tool names must be unique", param="tools")
-    for name, fn in tools.items():
-        if fn.parameters is not None and not isinstance(fn.parameters, dict):
-            raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object", param="tools")
     if choice is None or choice == "auto":
         mode = ToolMode(names=list(tools), forced=False)
     else:
@@ -123,6 +122,31 @@ def apply(req: ChatCompletionRequest, messages: list[dict], params: dict) -> Too
     else:
         messages.insert(0, {"role": "system", "content": system})
     return mode
+
+
+def check_tool_parameters(name: str, parameters: Any, param: str) -> None:
+    """A tool's parameters must be a valid JSON schema of an object, whatever tool_choice is (as OpenAI checks
+    it): InvalidRequest otherwise. The schema is checked against its JSON Schema meta-schema (with the
+    `jsonschema` package; without it only the shape is checked)."""
+    if parameters is None:
+        return
+    if not isinstance(parameters, dict):
+        raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object", param=param)
+    kind = parameters.get("type")
+    if kind is not None and kind != "object":
+        raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema of type 'object', got "
+                             f"type {kind!r}", param=param)
+    try:
+        from jsonschema import Draft202012Validator, validators
+        from jsonschema.exceptions import SchemaError
+    except ImportError:
+        return
+    try:
+        validators.validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise InvalidRequest(f"tool {name!r}: invalid parameters schema{f' at {where}' if where else ''}: "
+                             f"{e.message}", param=param) from None
 
 
 def parse_tool_calls(text: str, mode: ToolMode) -> list[dict] | None:

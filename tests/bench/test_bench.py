@@ -41,3 +41,46 @@ def test_bench_cli_runs_baselines(tiny_checkpoints, tiny_tokenizer, tmp_path, ca
     assert abs(radix["optimal_hit_rate"] - 240 / 384) < 1e-9
     assert radix["cache_hit_rate"] > 0.5
     assert "req/s" in capsys.readouterr().out
+
+
+def test_long_context_workload_grows_past_its_appends():
+    w = W.long_context(1000, sessions=2, turns=3, append_len=10, output_len=2)
+    assert w.num_requests == 6 and all(len(t.new_tokens) == 10 for s in w.sessions for t in s)
+    assert "last prompt 34 tokens" in w.description  # 3 x 10 appended + 2 x 2 outputs
+
+
+def test_prefill_flops_counts_linears_and_causal_keys():
+    from prefixrt.bench.compute_floor import ModelShape, floor_report, prefill_flops
+
+    shape = ModelShape(linear_params=100, attention=((2, 4, None), (2, 4, 3)))
+    # Positions 2..4 computed (2 cached of 5): full layer keys 3 + 4 + 5, window-3 layer 3 + 3 + 3.
+    assert prefill_flops(shape, 5, 2) == 2 * 100 * 3 + 4 * 2 * 4 * (12 + 9)
+    assert prefill_flops(shape, 2, 0) == 2 * 100 * 2 + 4 * 2 * 4 * (3 + 3)  # window not reached: 1 + 2
+    rep = floor_report(shape, [(5, 2), (2, 0)], duration_s=2.0, peak_tflops=1e-9)  # 1000 FLOP/s
+    flops = prefill_flops(shape, 5, 2) + prefill_flops(shape, 2, 0)
+    assert rep["computed_prompt_tokens"] == 5 and rep["computed_tok_s"] == 2.5
+    assert abs(rep["floor_tok_s"] - 5 / (flops / 1000)) < 0.1
+
+
+def test_bench_cli_long_context_reports_floor(tiny_checkpoints, tiny_tokenizer, tmp_path, capsys):
+    from prefixrt.bench.cli import main
+    from prefixrt.bench.compute_floor import ModelShape, prefill_flops
+    from prefixrt.hub.loader import load_model
+
+    path, _ = tiny_checkpoints("llama")
+    tiny_tokenizer.save_pretrained(str(path))
+    out = tmp_path / "r.json"
+    rc = main(["--workload", "long-context", "--model", str(path), "--device", "cpu", "--sessions", "2",
+               "--turns", "3", "--append-len", "20", "--output-len", "3", "--baselines", "radix",
+               "--kv-cache-tokens", "2048", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    (res,) = json.loads(out.read_text())["results"]
+    floor = res["compute_floor"]
+    # A later turn reuses the previous prompt and the K/V of all but the last output token (that one was
+    # sampled, never fed back): per session 20 + 2, then 43 + 2.
+    assert res["cached_tokens"] == 2 * ((20 + 2) + (20 + 3 + 20 + 2))
+    assert floor["computed_prompt_tokens"] == res["input_tokens"] - res["cached_tokens"]
+    shape = ModelShape.of(load_model(str(path), device="cpu"))
+    assert shape.linear_params == 2 * (64 * (64 + 2 * 32 + 64) + 3 * 64 * 128)  # tiny llama: 2 layers
+    assert floor["prefill_tflop"] >= 0 and prefill_flops(shape, 20, 0) > 0
+    assert "of the floor" in capsys.readouterr().out

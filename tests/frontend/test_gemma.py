@@ -142,7 +142,7 @@ def test_speculation_on_prefixrt_serve_one_call_when_guess_holds(gemma):
 @function
 def extract_occupation(s, doc):
     """The one-shot example says "Job:", this template "Occupation:": the model's continuation writes "Job:"
-    after the name, so the guess fails there and the remaining gens run as separate calls."""
+    after the name, so the guess fails there and the next gen starts a new speculative call."""
     s += extraction_example.SHOT + "Text: " + doc + "\n"
     s += "Name:" + gen("name", max_tokens=16, stop="\n") + "\nOccupation:" + gen("job", max_tokens=16, stop="\n") \
         + "\nCity:" + gen("city", max_tokens=16, stop="\n")
@@ -152,7 +152,9 @@ def test_speculation_on_prefixrt_serve_falls_back_when_guess_fails(gemma):
     _, url = gemma
     plain, plain_calls, _ = _run_counted(extract_occupation, url, 0)
     spec, spec_calls, _ = _run_counted(extract_occupation, url, 24)
-    assert plain_calls == 3 and spec_calls == 3  # the speculative call resolved "name" only
-    assert [r.kind for r in spec.requests] == ["speculate", "gen", "gen"]
+    # the first guess resolves "name" and breaks at "Occupation:"; a second speculative call from there
+    # resolves "job" and, from the same continuation, "city"
+    assert plain_calls == 3 and spec_calls == 2
+    assert [r.kind for r in spec.requests] == ["speculate", "speculate", "gen-speculated"]
     assert {k: spec[k] for k in FIELDS} == {k: plain[k] for k in FIELDS}
     assert spec.text() == plain.text()

@@ -334,6 +334,9 @@ def test_speculation_on_real_server_same_variables(served):
     st_plain = P.character_plain.run(backend=plain, temperature=0, max_new_tokens=12)
     assert st_spec.variables() == st_plain.variables()
     assert plain.token_usage.num_calls == 3 and 1 <= spec.token_usage.num_calls <= 6
+    chat = OpenAIBackend("tiny-llama-1k", client=client)  # min_tokens reaches the server as `min_tokens`
+    st = P.long_enough.run(backend=chat, temperature=0)
+    assert P.MIN_TOKENS <= chat.token_usage.completion_tokens <= P.MAX_TOKENS and st["answer"]
 
 
 # ---------------------------------------------------------------------- language rules

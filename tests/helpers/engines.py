@@ -36,4 +36,5 @@ def assert_idle_and_clean(engine) -> None:
     assert s.requests_running == 0 and s.requests_waiting == 0
     assert s.kv_free + s.kv_evictable == s.kv_total, s
     assert s.kv_locked == 0, s
+    assert s.cache_audit_mismatches_total == 0, s  # cache_audit_rate > 0: recomputed K/V equals the cache
     engine.check_integrity()

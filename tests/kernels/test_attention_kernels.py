@@ -293,11 +293,12 @@ def test_triton_backend_extend_then_cascade_decode():
     assert batch.mode.value == "decode" and backend.cascade_plan is not None
 
 
-@pytest.mark.parametrize("block_m,window,dtype", [(16, None, torch.float32), (32, 8, torch.float32),
-                                                  (16, None, torch.bfloat16)])
-def test_extend_attention_block_map_equals_reference(block_m, window, dtype):
+@pytest.mark.parametrize("block_m,window,dtype,splits", [(16, None, torch.float32, 1), (32, 8, torch.float32, 1),
+                                                         (16, None, torch.bfloat16, 1), (16, None, torch.float32, 3),
+                                                         (32, 8, torch.float32, 4), (16, None, torch.bfloat16, 2)])
+def test_extend_attention_block_map_equals_reference(block_m, window, dtype, splits):
     """The fixed-grid launch (CUDA graphs): a padded block map gives the reference result, and padding
-    entries (-1) write nothing."""
+    entries (-1) write nothing; with split-KV the merged partials equal it too."""
     from prefixrt.kernels.extend_attention import block_map
 
     rng = random.Random(f"map-{block_m}-{window}")
@@ -309,6 +310,56 @@ def test_extend_attention_block_map_equals_reference(block_m, window, dtype):
     out = torch.full_like(q, 7.0)
     expected = torch.empty_like(q)
     extend_attention(q, out, *args, sliding_window=window, block_seq=torch.tensor(seqs, **i32),
-                     block_mb=torch.tensor(mbs, **i32), block_m=block_m)
+                     block_mb=torch.tensor(mbs, **i32), block_m=block_m, num_splits=splits)
     ref.extend_attention(q, expected, *args, sliding_window=window)
     assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("per_tile,max_groups,dtype", [(2, 3, torch.float32), (16, 4, torch.float32),
+                                                       (4, 2, torch.bfloat16)])
+def test_padded_cascade_plan_equals_plain_decode(per_tile, max_groups, dtype):
+    """A plan padded to a fixed tile count (CUDA graphs), over a batch padded with extra rows: padding tiles
+    do nothing, padded rows are ungrouped; the real rows equal plain decode."""
+    from prefixrt.kernels.cascade_plan import PLAN_FIELDS, CascadePlan, pad_lists, padded_sizes, plan_lists
+
+    q, args, groups, seq_lens = make_cascade_case(4, 64, dtype)
+    n = len(seq_lens)
+    bs = n + 3  # the graph's bucket
+    lists = plan_lists(groups, seq_lens, per_tile, max_groups=max_groups)
+    sizes = padded_sizes(bs, max_groups, per_tile)
+    flat = torch.tensor(pad_lists(lists, sizes), dtype=torch.int32, device=DEVICE)
+    views, off = [], 0
+    for name in PLAN_FIELDS:
+        views.append(flat[off : off + sizes[name]])
+        off += sizes[name]
+    plan = CascadePlan(*views, queries_per_tile=per_tile, num_tiles=sizes["tile_group"], max_prefix_len=96,
+                       max_suffix_len=96)
+    assert sizes["tile_group"] > len(lists["tile_group"])  # there are padding tiles
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    cascade_decode_attention(q, out, *args, plan=plan, num_prefix_splits=2, num_suffix_splits=2)
+    ref.decode_attention(q, expected, *args)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_prefix_grouper_groups_shared_tree_pages():
+    from types import SimpleNamespace
+
+    from prefixrt.engine.prefix_groups import PrefixGrouper, common_prefix
+
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4], 4) == 2 and common_prefix([1, 2], [1, 2], 5) == 2
+    shared = list(range(100, 400))
+
+    def req(row, pages, cached):
+        return SimpleNamespace(row=row, pages=pages, cached_len=cached)
+
+    reqs = [req(0, shared + [1, 2], 302), req(1, shared + [3], 300), req(2, shared[:280] + [7] * 30, 310),
+            req(3, [9] * 300, 300), req(4, shared + [5], 100)]
+    g = PrefixGrouper(page_size=1, min_prefix_len=256)
+    groups = g.groups(reqs)
+    assert groups == [(280, [0, 1, 2])]  # row 4 caches too little; row 3 shares nothing
+    assert g.groups(reqs) is groups  # unchanged batch: the same object (graphs keep their plan)
+    reqs[1].cached_len = 250  # changed: recomputed; row 1 now caches less than the minimum share
+    assert g.groups(reqs) == [(280, [0, 2])]
+    paged = PrefixGrouper(page_size=16, min_prefix_len=32)
+    two = [req(0, [4, 5, 6, 7], 64), req(1, [4, 5, 6, 8], 60)]
+    assert paged.groups(two) == [(48, [0, 1])]

@@ -32,7 +32,10 @@ row_params = st.fixed_dictionaries({
     "presence_penalty": st.sampled_from([0.0, -1.0, 1.5]),
     "repetition_penalty": st.sampled_from([1.0, 0.5, 1.3, 5.0]),
     "seed": st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
+    "min_new_tokens": st.sampled_from([0, 0, 3, 20]),  # holds EOS (id 2) and stop ids while below it
+    "stop_token_ids": st.sampled_from([None, [5], [7, V + 3]]),
 })
+EOS = (2,)
 
 
 def _req(params: dict, prompt: list[int], output: list[int], index: int, sampler: Sampler) -> Req:
@@ -88,15 +91,18 @@ def test_batched_rows_equal_rows_alone(rows, data_seed, scale, ties):
     batch = [_req(p, hist[2 * i], hist[2 * i + 1], i, batched_sampler) for i, p in enumerate(rows)]
     alone = [_req(p, hist[2 * i], hist[2 * i + 1], i, alone_sampler) for i, p in enumerate(rows)]
 
-    adjusted = batched_sampler.adjust_logits(logits, batch)
+    adjusted = batched_sampler.adjust_logits(logits, batch, eos_token_ids=EOS)
     sampled = [i for i, r in enumerate(batch) if not r.params.greedy]
     probs = sampling_probs(adjusted[sampled], [batch[i].params for i in sampled]) if sampled else None
-    out = batched_sampler.sample(logits, batch)
+    out = batched_sampler.sample(logits, batch, eos_token_ids=EOS)
 
     for i, r in enumerate(alone):
-        own = alone_sampler.adjust_logits(logits[i : i + 1], [r])
+        own = alone_sampler.adjust_logits(logits[i : i + 1], [r], eos_token_ids=EOS)
         assert torch.equal(own[0], adjusted[i]), f"row {i}: penalties depend on the batch"
-        tok = alone_sampler.sample(logits[i : i + 1], [r]).token_ids[0]
+        tok = alone_sampler.sample(logits[i : i + 1], [r], eos_token_ids=EOS).token_ids[0]
+        if len(r.output_ids) < r.params.min_new_tokens:
+            held = [2, *(t for t in r.params.stop_token_ids or () if t < V)]
+            assert torch.all(own[0, held] == float("-inf")) and tok not in held
         if r.params.greedy:
             assert tok == out.token_ids[i] == int(own[0].argmax())
             continue

@@ -212,3 +212,29 @@ def test_failure_while_adding_finishes_the_request(make_engine, monkeypatch):
     bad = out["bad"]
     assert bad.outputs[0].finish_reason == "abort" and "generator refused" in bad.outputs[0].error
     assert bad.outputs[1].finish_reason == "length"  # seed 4243: its sibling runs
+
+
+def test_failure_after_the_draw_leaves_seeded_neighbours_reproducible(make_engine, monkeypatch):
+    """A batch that fails after its rows drew (here: in the logprobs step) is retried row by row; seeded
+    neighbours redraw from their generator's state before the failed attempt, so their tokens are those of
+    a run without the failing request."""
+    eng = make_engine("llama")
+    seeded = {"temperature": 1.0, "seed": 11, "max_new_tokens": 12, "ignore_eos": True}
+    want = eng.generate([1, 20, 21], seeded).token_ids
+    sampler = eng.core.sampler
+    real = sampler._draw
+
+    def draw_then_fail(probs, reqs):
+        out = real(probs, reqs)
+        if any(r.params.request_id == "bad" for r in reqs):
+            raise RuntimeError("failed after drawing")
+        return out
+
+    monkeypatch.setattr(sampler, "_draw", draw_then_fail)
+    out = eng.generate([[1, 20, 21], [1, 40]], seeded)  # control: both run, no failure
+    assert out[0].token_ids == want
+    jobs = [("seeded", [1, 20, 21], seeded),
+            ("bad", [1, 40], {"temperature": 0.5, "max_new_tokens": 12, "ignore_eos": True, "request_id": "bad"})]
+    got = _concurrent(eng, jobs)
+    assert got["bad"].finish_reason == "abort" and "failed after drawing" in got["bad"].error
+    assert got["seeded"].token_ids == want and got["seeded"].finish_reason == "length"

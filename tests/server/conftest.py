@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -72,21 +73,49 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServeProcess:
-    """`prefixrt serve ARGS` in a subprocess on a free loopback port; its output goes to `log_path`."""
+_LIVE_GROUPS: set[int] = set()  # process groups of servers still running: killed at exit, whatever happens
 
-    def __init__(self, args: list[str], log_path: Path):
+
+@atexit.register
+def _kill_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the server gets SIGKILL if the test process dies (even by SIGKILL, where atexit cannot run)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ServeProcess:
+    """`prefixrt serve ARGS` in a subprocess on a free loopback port, in its own process group (as a supervisor
+    starts it: a signal to the group reaches the engine process too); its output goes to `log_path`. The group
+    is killed on exit from the block, at interpreter exit, and when the test process dies."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, wait_healthy: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.args = [*args, "--port", str(self.port)]
+        self.env = {**cli_env(), **(env or {})}
+        self.wait_healthy = wait_healthy
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self):
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cli("serve", *self.args), env=cli_env(), stdout=log,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
+            self.proc = subprocess.Popen(cli("serve", *self.args), env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
+        _LIVE_GROUPS.add(self.proc.pid)
+        if not self.wait_healthy:
+            return self
+        deadline = time.monotonic() + 180
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
@@ -98,15 +127,23 @@ class ServeProcess:
             time.sleep(0.1)
 
     def __exit__(self, *exc):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its engine process
+        except ProcessLookupError:
+            pass
         if self.proc.poll() is None:
-            self.proc.kill()
             self.proc.wait()
+        _LIVE_GROUPS.discard(self.proc.pid)
 
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
-        self.proc.send_signal(sig)
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60, group: bool = False) -> int:
+        """Signal the server (or its whole process group, as a supervisor does) and wait for its exit status."""
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
         return self.proc.wait(timeout=timeout)
 
     def stats(self) -> dict:

@@ -6,6 +6,7 @@ uses; here: the in-thread mode, and what happens when either process dies.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -49,8 +50,8 @@ def test_serve_in_process_answers_then_stops_on_sigterm(model_dirs, tmp_path):
 
 
 def test_engine_process_death(model_dirs, tmp_path):
-    """The engine process dies: running requests end with an error, /health and new requests say 503.
-    The server process dies: the engine process follows it."""
+    """The engine process dies: a running stream ends with an error event naming the cause and [DONE], and the
+    server exits non-zero (fail fast). The server process dies: the engine process follows it."""
     args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "2048",
             "--log-level", "warning"]
     with ServeProcess(args, tmp_path / "serve.log") as live:
@@ -61,10 +62,11 @@ def test_engine_process_death(model_dirs, tmp_path):
             assert next(line for line in lines if line.startswith("data: {"))
             os.kill(engine_pid, signal.SIGKILL)
             rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason":"abort"' in "".join(rest).replace(" ", "")
-        assert httpx.get(live.url + "/health", timeout=30).status_code == 503
-        r = _complete(live.url)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert rest[-1] == "data: [DONE]", rest
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["code"] == "engine_dead" and "engine process died" in error["message"], error
+        assert '"finish_reason":"abort"' not in "".join(rest).replace(" ", "")
+        assert live.proc.wait(timeout=30) == 1, live.log()
 
     with ServeProcess(args, tmp_path / "serve2.log") as live:
         children = _children(live.proc.pid)

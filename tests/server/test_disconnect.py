@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 
@@ -51,12 +52,16 @@ async def test_64_streams_half_cut(server, engine):
 
 def test_nonstreaming_disconnect_aborts(server):
     before = server.stats()["aborted_requests_total"]
-    body = {"model": "m", "prompt": "The quick brown", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+    body = {"model": "m", "prompt": "The quick brown", "max_tokens": 110, "temperature": 0, "ignore_eos": True,
             "n": 64}
     try:
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.05)
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)  # long enough to be running
     except httpx.TimeoutException:
         pass
+    # The request may still be on its way to the engine (it is submitted from a worker thread): wait for it.
+    deadline = time.monotonic() + 30
+    while server.stats()["aborted_requests_total"] - before < 64 and time.monotonic() < deadline:
+        time.sleep(0.05)
     stats = server.wait_idle()
     assert stats["aborted_requests_total"] - before == 64
     assert_clean(stats)
@@ -65,7 +70,7 @@ def test_nonstreaming_disconnect_aborts(server):
 def test_shim_stream_break_aborts(engine):
     before = engine.stats().aborted_requests_total
     client = OpenAI(engine=engine)
-    stream = client.completions.create(model="m", prompt="hi", max_tokens=120, stream=True,
+    stream = client.completions.create(model="m", prompt="hi", max_tokens=110, stream=True,
                                        extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 2:

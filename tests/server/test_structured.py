@@ -49,7 +49,7 @@ class Person(pydantic.BaseModel):
 def test_json_schema(client, stream):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in range(3):
-        kw = dict(model="m", messages=MSGS, max_tokens=100, temperature=1.0, seed=seed, response_format=rf)
+        kw = dict(model="m", messages=MSGS, temperature=1.0, seed=seed, response_format=rf)
         if stream:
             text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                            if c.choices)
@@ -62,14 +62,14 @@ def test_json_schema(client, stream):
 
 @needs_constrained_decoding()
 def test_json_object(client):
-    out = client.chat.completions.create(model="m", messages=MSGS, max_tokens=100, temperature=0,
+    out = client.chat.completions.create(model="m", messages=MSGS, temperature=0,
                                          response_format={"type": "json_object"})
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
 @needs_constrained_decoding()
 def test_parse_pydantic(client):
-    out = client.chat.completions.parse(model="m", messages=MSGS, max_tokens=100, temperature=0.7, seed=1,
+    out = client.chat.completions.parse(model="m", messages=MSGS, temperature=0.7, seed=1,
                                         response_format=Person)
     person = out.choices[0].message.parsed
     assert isinstance(person, Person) and 0 <= person.age <= 150
@@ -79,7 +79,7 @@ def test_parse_pydantic(client):
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_call(client, choice):
     out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
-                                         max_tokens=100, temperature=0, tools=TOOLS, tool_choice=choice,
+                                         temperature=0, tools=TOOLS, tool_choice=choice,
                                          extra_body={"tool_prompt": False})
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
@@ -91,7 +91,7 @@ def test_forced_tool_call(client, choice):
     assert call.id.startswith("call_") and call.type == "function"
     # Streaming gives the same call, as one tool_calls delta.
     chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
-                                                 max_tokens=100, temperature=0, tools=TOOLS, tool_choice=choice,
+                                                 temperature=0, tools=TOOLS, tool_choice=choice,
                                                  stream=True, extra_body={"tool_prompt": False}))
     deltas = [tc for ch in chunks for ch_c in ch.choices for tc in (ch_c.delta.tool_calls or [])]
     assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]

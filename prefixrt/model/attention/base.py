@@ -45,10 +45,17 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads * head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads * head_dim], already RoPE'd and normed
-        v: torch.Tensor,  # [T, num_kv_heads * head_dim]
+        k: torch.Tensor | None,  # [T, num_kv_heads * head_dim], already RoPE'd and normed
+        v: torch.Tensor | None,  # [T, num_kv_heads * head_dim]
         layer: AttentionLayer,
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         """Write k, v into the pool at batch.out_cache_loc for layer.layer_id, then attend each new token to
-        its sequence's positions [0, its own position] (causal, windowed if layer.sliding_window)."""
+        its sequence's positions [0, its own position] (causal, windowed if layer.sliding_window).
+        k = v = None: the caller already stored them there (fused RoPE + K/V store, see kv_buffers)."""
+
+    def kv_buffers(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_buffer, v_buffer), each [num_slots, num_kv_heads, head_dim], of this layer in the pool the
+        backend reads: for a caller that stores the new K/V itself and then calls forward(q, None, None)."""
+        pool = self.pool  # every backend holds its pool as self.pool
+        return pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]

@@ -75,7 +75,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = q.shape[0]
         h, kvh, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         group = h // kvh
-        self.pool.write(layer.layer_id, batch.out_cache_loc, k.view(num_tokens, kvh, d), v.view(num_tokens, kvh, d))
+        if k is not None:  # None: already stored by the caller (fused RoPE + K/V store)
+            self.pool.write(layer.layer_id, batch.out_cache_loc, k.view(num_tokens, kvh, d), v.view(num_tokens, kvh, d))
 
         k_all = self.pool.k_buffers[layer.layer_id][plan.kv_slots]  # [sum(S), kvh, d], includes the new tokens
         v_all = self.pool.v_buffers[layer.layer_id][plan.kv_slots]

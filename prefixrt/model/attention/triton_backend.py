@@ -9,8 +9,8 @@ CUDA graphs (model/cuda_graphs.py): decode graphs are captured per batch-size bu
 depend only on the bucket (plan_decode_splits with the engine's max context), the per-sequence arrays are
 copied into static tensors before replay, and the split workspace below is already static, so replay
 launches the same grids on the same addresses. EXTEND graphs pass ForwardBatch.extend_plan, a block map in
-static buffers: extend attention then runs on a grid fixed by the map's length. A cascade plan will need
-its index arrays padded to a fixed tile count for that; until then cascade batches run eagerly.
+static buffers: extend attention then runs on a grid fixed by the map's length. Cascade decode graphs pass
+ForwardBatch.cascade_plan, a plan padded to a fixed tile count (padding tiles exit at once).
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_kv_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, max_seq_len, self.num_sms, self.max_kv_splits
         )
+        if batch.cascade_plan is not None:  # static, padded (CUDA graphs): split counts fixed by its shape
+            self._use_plan(batch.cascade_plan, num_kv_heads)
+            return
         if not (self.use_cascade and batch.prefix_groups):
             return
         plan = plan_cascade(
@@ -120,8 +123,9 @@ class TritonAttentionBackend(AttentionBackend):
     def _use_plan(self, plan: CascadePlan, num_kv_heads: int) -> None:
         batch = self._batch
         self.cascade_plan = plan
+        tiles = plan.split_tiles or plan.num_tiles
         self._num_prefix_splits = plan_decode_splits(
-            plan.num_tiles * num_kv_heads, plan.max_prefix_len, self.num_sms, self.max_kv_splits
+            tiles * num_kv_heads, plan.max_prefix_len, self.num_sms, self.max_kv_splits
         )
         self._num_suffix_splits = plan_decode_splits(
             batch.batch_size * num_kv_heads, plan.max_suffix_len, self.num_sms, self.max_kv_splits
@@ -132,7 +136,8 @@ class TritonAttentionBackend(AttentionBackend):
         plan = batch.extend_plan
         if plan is None:
             return {}
-        return {"block_seq": plan.block_seq, "block_mb": plan.block_mb, "block_m": plan.block_m}
+        return {"block_seq": plan.block_seq, "block_mb": plan.block_mb, "block_m": plan.block_m,
+                "num_splits": plan.num_splits}
 
     def forward(
         self,
@@ -147,9 +152,10 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError("TritonAttentionBackend.forward called without prepare() for this batch")
         num_tokens, num_heads, head_dim = q.shape[0], layer.num_heads, layer.head_dim
         q = q.view(num_tokens, num_heads, head_dim)  # q: [T, H, D]
-        k = k.view(num_tokens, layer.num_kv_heads, head_dim)  # k: [T, KVH, D]
-        v = v.view(num_tokens, layer.num_kv_heads, head_dim)
-        self.pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+        if k is not None:  # None: already stored by the caller (fused RoPE + K/V store)
+            k = k.view(num_tokens, layer.num_kv_heads, head_dim)  # k: [T, KVH, D]
+            v = v.view(num_tokens, layer.num_kv_heads, head_dim)
+            self.pool.write(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer = self.pool.k_buffers[layer.layer_id]  # [num_slots, KVH, D]
         v_buffer = self.pool.v_buffers[layer.layer_id]
         if q.dtype != k_buffer.dtype:
@@ -157,7 +163,8 @@ class TritonAttentionBackend(AttentionBackend):
         o = torch.empty_like(q)  # o: [T, H, D]
         common = (k_buffer, v_buffer, batch.req_to_token, batch.req_pool_indices)
         if batch.mode is ForwardMode.EXTEND:
-            contiguous = self.contiguous_extend_kv
+            plan = batch.extend_plan
+            contiguous = self.contiguous_extend_kv and k is not None and (plan is None or plan.num_splits == 1)
             extend_attention(
                 q, o, *common, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
                 self._max_extend_len, layer.scaling, layer.sliding_window, layer.logit_softcap,

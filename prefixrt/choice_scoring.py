@@ -1,7 +1,9 @@
-"""Scoring for `select(choices=...)`: pick a choice from the logprobs of its tokens after the prompt.
+"""Choice scoring for `select(choices=...)` / SamplingParams.choices: the one home of the normalizations.
 
-The frontend prefills `prompt + choice` for every choice (sharing the prompt through the radix cache),
-collects each choice token's logprob, and calls `select_choice`. Pure functions; no engine state.
+Whoever gathers the logprobs of each choice's tokens after the prompt (the engine, by prefilling
+`prompt + choice` for every choice with the prompt shared through the radix cache; the frontend, by
+teacher forcing over a provider's top logprobs) calls `score_choices`, then `best_choice`. Pure functions,
+no engine state, no dependencies.
 
 Normalizations (as in SGLang's `choices_method`):
   "token_length_normalized"  mean token logprob (default; does not favour short choices)
@@ -58,11 +60,8 @@ def score_choices(
     raise ValueError(f"unknown normalization {normalization!r}; expected one of {', '.join(NORMALIZATIONS)}")
 
 
-def select_choice(
-    choice_logprobs: Sequence[Sequence[float]],
-    normalization: str = "token_length_normalized",
-    unconditional_logprobs: Sequence[Sequence[float | None]] | None = None,
-) -> int:
-    """Index of the best-scoring choice; ties go to the earliest choice."""
-    scores = score_choices(choice_logprobs, normalization, unconditional_logprobs)
+def best_choice(scores: Sequence[float]) -> int:
+    """Index of the best score; ties go to the earliest choice."""
+    if len(scores) == 0:
+        raise ValueError("no choices to score")
     return max(range(len(scores)), key=scores.__getitem__)

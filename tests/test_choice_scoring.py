@@ -1,4 +1,4 @@
-"""select() scoring normalizations."""
+"""Choice scoring: the normalizations of prefixrt/choice_scoring.py and best_choice."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import math
 
 import pytest
 
-from prefixrt.constrained.choices import score_choices, select_choice
+from prefixrt.choice_scoring import best_choice, score_choices
+
+
+def select_choice(*args):
+    return best_choice(score_choices(*args))
 
 # "Paris" is one confident token; the long word has a poor first token and then near-certain ones.
 PARIS = [-0.5]
