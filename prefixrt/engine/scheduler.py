@@ -151,11 +151,14 @@ class Scheduler:
             if (self.config.dedup_shared_prefill and kv.cache.retains
                     and self._shares_uncached_prefix(req, m.length, leaders)):
                 continue
+            first_admission = req.num_cached_tokens is None
             kv.admit(req)
             n = min(req.num_pending, budget)
             pages = kv.pages_for(req, n)
             if not kv.ensure_pages(pages + reserve_pages):
                 kv.release(req)
+                if first_admission:  # it did not run: its reused-prompt count is taken when it does
+                    req.num_cached_tokens = None
                 break
             self.waiting.remove(req)
             self._match_cache.pop(id(req), None)
