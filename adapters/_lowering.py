@@ -1,5 +1,6 @@
-"""What the DSPy and LangChain adapters share: where the Provider comes from, and how framework requests are
-lowered to Provider calls (chat messages, SamplingParams dicts, tool-call schemas).
+"""What the DSPy and LangChain adapters share: where the Provider comes from, and the request lowering they
+use — prefixrt/lowering.py, the translation layer `prefixrt serve` uses too (options, response formats, tool
+plans and their constraints, call parsing), re-exported here with the adapters' message helpers.
 
 Nothing here imports DSPy or LangChain. Everything speaks the Provider protocol (prefixrt/provider.py), so an
 in-process Engine and a RemoteEngine over `prefixrt serve` are interchangeable.
@@ -7,13 +8,25 @@ in-process Engine and a RemoteEngine over `prefixrt serve` are interchangeable.
 
 from __future__ import annotations
 
-import json
 import threading
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.json_schema import strict_schema  # noqa: F401
+from prefixrt.lowering import (  # noqa: F401  (re-exported for the adapters)
+    Tool,
+    ToolCall,
+    ToolPlan,
+    format_call,
+    format_tool_result,
+    new_call_id,
+    plan_tools,
+    response_format_constraint,
+    sampling_options,
+    tools_prompt,
+    with_system_note,
+)
 
 # ---------------------------------------------------------------------------------------------- providers
 
@@ -117,265 +130,13 @@ class ProviderHandle:
 
 # ---------------------------------------------------------------------------------------------- parameters
 
-# Framework option name -> SamplingParams field. Anything else a caller passes is refused (no silent drops).
-_PARAM_NAMES = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
-    "max_new_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "stop": "stop",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "logprobs": "logprobs",
-    "ignore_eos": "ignore_eos",
-    "regex": "regex",
-    "grammar": "grammar",
-    "choices": "choices",
-    "cache_salt": "cache_salt",
-    "priority": "priority",
-}
-
 
 def sampling_params(options: dict[str, Any], *, what: str) -> dict[str, Any]:
-    """Framework options (OpenAI-style names) -> a SamplingParams dict. None values mean "engine default".
-
-    Raises InvalidRequest naming an option prefixrt has no meaning for; `what` says who passed it.
-    """
-    params: dict[str, Any] = {}
-    for key, value in options.items():
-        if value is None:
-            continue
-        name = _PARAM_NAMES.get(key)
-        if name is None:
-            raise InvalidRequest(f"{what}: prefixrt has no sampling option {key!r}", param=key)
-        if name == "stop":
-            value = [value] if isinstance(value, str) else list(value)
-            if not value:
-                continue
-        params[name] = value
+    """Framework options (OpenAI names) -> a SamplingParams dict with a fresh request_id
+    (prefixrt.lowering.sampling_options: unknown options are refused, naming `what`)."""
+    params = sampling_options(options, what=what)
     params.setdefault("request_id", f"req-{uuid.uuid4().hex[:12]}")
     return params
-
-
-def response_format_constraint(response_format: dict | None) -> dict[str, Any]:
-    """An OpenAI/lm15 response_format -> {"json_schema": ...} for constrained decoding ({} for none).
-
-    Accepts {"type": "json_object"} (any JSON object: SamplingParams.json_object),
-    {"type": "json_schema", "schema": ...} (lm15) and {"type": "json_schema", "json_schema": {"schema": ...}}
-    (OpenAI). The schema is sent as given.
-    """
-    if not response_format:
-        return {}
-    kind = response_format.get("type")
-    if kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        schema = response_format.get("schema")
-        if schema is None and isinstance(response_format.get("json_schema"), dict):
-            schema = response_format["json_schema"].get("schema")
-        if not isinstance(schema, dict):
-            raise InvalidRequest("response_format json_schema needs a 'schema' object", param="response_format")
-        return {"json_schema": schema}
-    raise InvalidRequest(f"unsupported response_format type {kind!r}", param="response_format")
-
-
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-
-
-def closed_schema(schema: Any) -> Any:
-    """A copy of `schema` in which every object that lists its properties allows no others.
-
-    JSON Schema leaves objects open by default, and a small model under constrained decoding happily fills an
-    open object with invented keys (often copied from the schema text it was shown). Schemas derived from
-    pydantic models, TypedDicts and function signatures mean "exactly these fields", so objects that declare
-    `properties` get `additionalProperties: false` unless they say otherwise (what OpenAI's strict mode does).
-    """
-    if isinstance(schema, list):
-        return [closed_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed_schema(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
-    for key in _SUBSCHEMA_ONE:
-        if isinstance(out.get(key), dict):
-            out[key] = closed_schema(out[key])
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
-    if is_object and "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- tools
-
-
-@dataclass(frozen=True)
-class ToolSpec:
-    name: str
-    description: str
-    parameters: dict
-
-
-_DEF_KEYS = ("$defs", "definitions")
-
-
-def _hoist_defs(schema: dict, defs: dict) -> dict:
-    """Move a tool's `$defs` / `definitions` to the root of the combined schema, where its refs point.
-
-    Refs of the form `#/definitions/X` are rewritten to `#/$defs/X`. Two tools may share a definition name only
-    when they define it identically.
-    """
-    schema = dict(schema)
-    for key in _DEF_KEYS:
-        for name, sub in (schema.pop(key, None) or {}).items():
-            sub = _rewrite_refs(sub)
-            if name in defs and defs[name] != sub:
-                raise InvalidRequest(f"two tools define different schemas named {name!r}", param="tools")
-            defs[name] = sub
-    return _rewrite_refs(schema)
-
-
-def _rewrite_refs(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_rewrite_refs(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _rewrite_refs(v) for k, v in schema.items()}
-    ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#/definitions/"):
-        out["$ref"] = "#/$defs/" + ref[len("#/definitions/"):]
-    elif isinstance(ref, str) and not ref.startswith("#/$defs/"):
-        raise InvalidRequest(f"tool parameters may only refer to their own definitions, not {ref!r}", param="tools")
-    return out
-
-
-def tool_call_schema(tools: list[ToolSpec], choice: str) -> dict:
-    """The JSON schema a reply must match when tools are bound.
-
-    choice: "required" (call one of the tools), "auto" (call a tool or answer in text), or a tool name (call
-    exactly that tool). A call is {"name": <tool>, "arguments": {...}}; a text answer (auto only) is
-    {"response": "..."}. Decoding is constrained to this schema, so a reply always parses. Argument objects
-    are closed (`closed_schema`): a call carries exactly the parameters the tool declares.
-    """
-    if choice not in ("required", "auto") and choice not in {t.name for t in tools}:
-        raise InvalidRequest(f"tool_choice names {choice!r}, which is not a bound tool", param="tool_choice")
-    chosen = [t for t in tools if choice in ("required", "auto") or t.name == choice]
-    defs: dict = {}
-    variants = []
-    for t in chosen:
-        params = _hoist_defs(closed_schema(t.parameters or {"type": "object", "properties": {}}), defs)
-        params.pop("title", None)
-        params.pop("description", None)
-        variants.append({
-            "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
-    if choice == "auto":
-        variants.append({
-            "type": "object",
-            "properties": {"response": {"type": "string"}},
-            "required": ["response"],
-            "additionalProperties": False,
-        })
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    if defs:
-        schema = {**schema, "$defs": defs}
-    return schema
-
-
-def _type_name(schema: dict) -> str:
-    if "enum" in schema:
-        return " | ".join(json.dumps(v) for v in schema["enum"])
-    if "const" in schema:
-        return json.dumps(schema["const"])
-    if "$ref" in schema:
-        return schema["$ref"].rsplit("/", 1)[-1]
-    for key in ("anyOf", "oneOf"):
-        if key in schema:
-            return " | ".join(_type_name(s) for s in schema[key] if isinstance(s, dict))
-    kind = schema.get("type", "any")
-    if kind == "array" and isinstance(schema.get("items"), dict):
-        return f"list of {_type_name(schema['items'])}"
-    return " | ".join(kind) if isinstance(kind, list) else str(kind)
-
-
-def _signature(tool: ToolSpec) -> str:
-    props = (tool.parameters or {}).get("properties") or {}
-    required = set((tool.parameters or {}).get("required") or [])
-    args = []
-    for name, sub in props.items():
-        sub = sub if isinstance(sub, dict) else {}
-        arg = f"{name}: {_type_name(sub)}" + ("" if name in required else " (optional)")
-        if sub.get("description"):
-            arg += f" - {sub['description']}"
-        args.append(arg)
-    return f"{tool.name}({', '.join(args)})"
-
-
-def tools_instruction(tools: list[ToolSpec], choice: str) -> str:
-    """The system text that tells the model which tools exist and how a call is written.
-
-    Tools are shown as signatures (`add(a: integer, b: integer)`), not as raw JSON schemas: the reply's shape
-    is enforced by decoding, and a small model shown a schema tends to copy it into the arguments.
-    """
-    lines = ["You can call these tools:"]
-    for t in tools:
-        desc = f": {t.description}" if t.description else ""
-        lines.append(f"- {_signature(t)}{desc}")
-    lines.append('To call a tool, reply with JSON: {"name": "<tool name>", "arguments": {<argument values>}}.')
-    if choice == "auto":
-        lines.append('To answer without a tool, reply with JSON: {"response": "<your answer>"}.')
-    elif choice != "required":
-        lines.append(f"Call the tool {choice}.")
-    return "\n".join(lines)
-
-
-def format_tool_call(name: str, arguments: dict) -> str:
-    """How a past tool call appears in the transcript (the same shape the model is asked to produce)."""
-    return json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-
-
-def format_tool_result(name: str | None, content: str) -> str:
-    return f"Result of tool {name}: {content}" if name else f"Tool result: {content}"
-
-
-@dataclass
-class ParsedReply:
-    text: str  # the text answer ("" when the reply is a tool call)
-    tool_name: str | None = None
-    tool_arguments: dict | None = None
-
-
-def parse_tool_reply(text: str) -> ParsedReply:
-    """Read a reply generated under `tool_call_schema`. Raises ValueError if it does not match (truncated)."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"the tool-call reply is not complete JSON ({e}); raise max_tokens") from e
-    if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict):
-        return ParsedReply("", obj["name"], obj["arguments"])
-    if isinstance(obj, dict) and isinstance(obj.get("response"), str):
-        return ParsedReply(obj["response"])
-    raise ValueError(f"the reply does not match the tool-call schema: {text[:200]!r}")
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:16]}"
 
 
 # ---------------------------------------------------------------------------------------------- messages
@@ -391,10 +152,3 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     if not rest:
         raise InvalidRequest("the conversation has no user message", param="messages")
     return out
-
-
-def with_system_note(messages: list[dict], note: str) -> list[dict]:
-    """Append `note` to the system message (creating one), keeping everything else as is."""
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
-    return [{"role": "system", "content": note}, *messages]

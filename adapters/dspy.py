@@ -10,6 +10,8 @@ engine pair over any `prefixrt.Provider`, and `LM`, the `dspy.LM` subclass that 
   `Config.extensions` may carry prefixrt knobs (regex, choices, grammar, cache_salt, repetition_penalty, ...);
 - `Config.response_format` (JSONAdapter's structured-output schema) -> `json_schema` constrained decoding, so
   every reply parses; the engine declares `supports_response_schema` for JSONAdapter to send it;
+- no response_format: the reply format ChatAdapter or XMLAdapter asked for in the prompt becomes a grammar
+  (adapters/dspy_formats.py), so the default ChatAdapter parses on the first call and never falls back;
 - `Request.tools` -> constrained decoding over a schema of the tools, returned as ToolCallParts;
 - `Completion.cached_tokens` -> `Usage.cache_read_tokens`, which DSPy reports as
   `prompt_tokens_details.cached_tokens` to its usage tracker and history.
@@ -44,20 +46,23 @@ from dspy.lm15 import (
 )
 from prefixrt.adapters._lowering import (
     ProviderHandle,
-    ToolSpec,
-    format_tool_call,
+    Tool,
+    ToolCall,
+    ToolPlan,
+    format_call,
     format_tool_result,
     new_call_id,
     normalize_messages,
-    parse_tool_reply,
+    plan_tools,
     response_format_constraint,
     sampling_params,
-    tool_call_schema,
-    tools_instruction,
+    tools_prompt,
     with_system_note,
 )
+from prefixrt.adapters.dspy_formats import output_format_constraint
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.params import CONSTRAINT_FIELDS
 
 _PROVIDER = "prefixrt"
 _LM_CLASS_PATH = "prefixrt.adapters.dspy.LM"
@@ -75,7 +80,7 @@ def _parts_text(parts, where: str) -> str:
         if kind == "text":
             texts.append(part.text)
         elif kind == "tool_call":
-            texts.append(format_tool_call(part.name, part.input))
+            texts.append(format_call(ToolCall(part.name, part.input)))
         elif kind == "tool_result":
             texts.append(format_tool_result(part.name, _parts_text(part.content, "tool result")))
         elif kind in ("thinking", "citation"):
@@ -116,12 +121,13 @@ def _tool_choice(request: Request) -> str | None:
     return mode
 
 
-def lower_request(request: Request) -> tuple[list[dict], dict, list[ToolSpec] | None]:
-    """Request -> (chat messages, SamplingParams dict, tools when a tool-call schema constrains the reply)."""
+def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
+    """Request -> (chat messages, SamplingParams dict, the tool plan when tools constrain the reply)."""
     cfg = request.config
     options: dict[str, Any] = {name: getattr(cfg, name) for name in _ENGINE_OPTIONS}
     options["stop"] = list(cfg.stop) or None
     extensions = dict(cfg.extensions or {})
+    parallel = bool(extensions.pop("parallel_tool_calls", False))  # one tool call per reply unless asked
     if "top_logprobs" in extensions:
         options["logprobs"] = extensions.pop("top_logprobs")
     for key in ("max_completion_tokens",):
@@ -135,16 +141,20 @@ def lower_request(request: Request) -> tuple[list[dict], dict, list[ToolSpec] | 
         tools = None
         choice = _tool_choice(request)
         if choice is not None:
-            tools = [ToolSpec(t.name, t.description or "", dict(t.parameters))
+            specs = [Tool(t.name, t.description or "", dict(t.parameters))
                      for t in request.tools if t.type == "function"]
-            if len(tools) != len(request.tools):
+            if len(specs) != len(request.tools):
                 raise UnsupportedFeatureError("prefixrt: only function tools are supported", provider=_PROVIDER)
             if cfg.response_format is not None:
                 raise InvalidRequest("pass tools or response_format, not both", param="response_format")
-            params["json_schema"] = tool_call_schema(tools, choice)
-            messages = with_system_note(messages, tools_instruction(tools, choice))
+            tools = plan_tools(specs, choice, parallel)
+            params.update(tools.constraint)
+            messages = with_system_note(messages, tools_prompt(tools))
         else:
             params.update(response_format_constraint(cfg.response_format))
+            if not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
+                # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
+                params.update(output_format_constraint(messages))
     except InvalidRequest as e:
         raise InvalidRequestError(str(e), provider=_PROVIDER) from e
     return messages, params, tools
@@ -169,22 +179,24 @@ def _finish(reason: str | None, error: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def build_response(request: Request, completion, tools: list[ToolSpec] | None) -> Response:
-    """A prefixrt Completion -> an lm15 Response (tool calls parsed when a tool schema constrained it)."""
+def _reply_parts(text: str, tools: ToolPlan | None) -> tuple[list, bool]:
+    """(message parts, whether they are tool calls) for a reply generated under `tools` (or none)."""
+    if tools is None:
+        return [TextPart(text)], False
+    calls = tools.parse(text)
+    if calls:
+        return [ToolCallPart(id=new_call_id(), name=c.name, input=c.arguments) for c in calls], True
+    if tools.forced:
+        raise ServerError(f"the tool-call reply is incomplete: {text[:200]!r}; raise max_tokens", provider=_PROVIDER)
+    return [TextPart(text)], False
+
+
+def build_response(request: Request, completion, tools: ToolPlan | None) -> Response:
+    """A prefixrt Completion -> an lm15 Response (tool calls parsed when a tool plan constrained it)."""
     finish = _finish(completion.finish_reason, getattr(completion, "error", None))
-    parts: list[Any]
-    if tools is not None and finish == "stop":
-        try:
-            reply = parse_tool_reply(completion.text)
-        except ValueError as e:
-            raise ServerError(str(e), provider=_PROVIDER) from e
-        if reply.tool_name is not None:
-            parts = [ToolCallPart(id=new_call_id(), name=reply.tool_name, input=reply.tool_arguments)]
-            finish = "tool_call"
-        else:
-            parts = [TextPart(reply.text)]
-    else:
-        parts = [TextPart(completion.text)]
+    parts, called = _reply_parts(completion.text, tools if finish == "stop" else None)
+    if called:
+        finish = "tool_call"
     return Response(
         id=completion.request_id, model=request.model, message=Message.assistant(parts), finish_reason=finish,
         usage=_usage(completion.prompt_tokens, completion.completion_tokens, completion.cached_tokens),
@@ -194,7 +206,7 @@ def build_response(request: Request, completion, tools: list[ToolSpec] | None) -
 class _StreamState:
     """Turns prefixrt Chunks into lm15 stream events (text deltas; a tool call arrives whole at the end)."""
 
-    def __init__(self, request: Request, tools: list[ToolSpec] | None):
+    def __init__(self, request: Request, tools: ToolPlan | None):
         self.request, self.tools = request, tools
         self.text: list[str] = []
         self.last = None
@@ -208,7 +220,7 @@ class _StreamState:
             return []
         self.text.append(chunk.text)
         if self.tools is not None:
-            return []  # a tool call is JSON: emit it parsed, once complete
+            return []  # tool calls are JSON: emitted parsed, once complete
         return [StreamDeltaEvent(delta=TextDelta(text=chunk.text, part_index=0))]
 
     def end(self) -> list:
@@ -217,17 +229,17 @@ class _StreamState:
             raise ServerError("the stream ended without output", provider=_PROVIDER)
         finish = _finish(c.finish_reason, None)
         events = []
-        if self.tools is not None and finish == "stop":
-            try:
-                reply = parse_tool_reply("".join(self.text))
-            except ValueError as e:
-                raise ServerError(str(e), provider=_PROVIDER) from e
-            if reply.tool_name is not None:
-                events.append(StreamDeltaEvent(delta=ToolCallDelta(
-                    input=json.dumps(reply.tool_arguments), part_index=0, id=new_call_id(), name=reply.tool_name)))
+        if self.tools is not None:
+            text = "".join(self.text)
+            parts, called = _reply_parts(text, self.tools if finish == "stop" else None)
+            for k, part in enumerate(parts):
+                if called:
+                    events.append(StreamDeltaEvent(delta=ToolCallDelta(
+                        input=json.dumps(part.input), part_index=k, id=part.id, name=part.name)))
+                elif text:
+                    events.append(StreamDeltaEvent(delta=TextDelta(text=text, part_index=0)))
+            if called:
                 finish = "tool_call"
-            elif reply.text:
-                events.append(StreamDeltaEvent(delta=TextDelta(text=reply.text, part_index=0)))
         events.append(StreamEndEvent(finish_reason=finish,
                                      usage=_usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
         return events

@@ -44,17 +44,18 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import secret_from_env
 from prefixrt.adapters._lowering import (
     ProviderHandle,
-    ToolSpec,
-    closed_schema,
-    format_tool_call,
+    Tool,
+    ToolCall,
+    ToolPlan,
+    format_call,
     format_tool_result,
     new_call_id,
     normalize_messages,
-    parse_tool_reply,
+    plan_tools,
     response_format_constraint,
     sampling_params,
-    tool_call_schema,
-    tools_instruction,
+    strict_schema,
+    tools_prompt,
     with_system_note,
 )
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
@@ -91,7 +92,7 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, HumanMessage):
             out.append({"role": "user", "content": text})
         elif isinstance(m, AIMessage):
-            calls = [format_tool_call(tc["name"], tc["args"]) for tc in m.tool_calls]
+            calls = [format_call(ToolCall(tc["name"], tc["args"])) for tc in m.tool_calls]
             out.append({"role": "assistant", "content": "\n".join(t for t in [text, *calls] if t)})
         elif isinstance(m, ToolMessage):
             out.append({"role": "user", "content": format_tool_result(m.name, text)})
@@ -210,7 +211,7 @@ class ChatPrefixRT(BaseChatModel):
 
     # ------------------------------------------------------------------ lowering
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
-                 ) -> tuple[list[dict], dict, list[ToolSpec] | None]:
+                 ) -> tuple[list[dict], dict, ToolPlan | None]:
         kwargs = dict(kwargs)
         kwargs.pop("ls_structured_output_format", None)  # tracing metadata bound by with_structured_output
         model = kwargs.pop("model", None)
@@ -218,6 +219,7 @@ class ChatPrefixRT(BaseChatModel):
             raise ValueError(f"this ChatPrefixRT serves {self._name()!r}; make another for {model!r}")
         tools = kwargs.pop("tools", None)
         tool_choice = kwargs.pop("tool_choice", None)
+        parallel_tool_calls = kwargs.pop("parallel_tool_calls", None)
         response_format = kwargs.pop("response_format", None)
         options = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                    "top_k": self.top_k, "seed": self.seed, "repetition_penalty": self.repetition_penalty,
@@ -225,25 +227,29 @@ class ChatPrefixRT(BaseChatModel):
         options.update(kwargs)
         params = sampling_params(options, what="ChatPrefixRT")
         chat = to_chat_messages(messages)
-        specs = None
+        plan = None
         if tools:
             names = [t["function"]["name"] for t in tools]
             choice = _tool_choice_name(tool_choice, names)
             if choice != "none":
                 if response_format is not None:
                     raise InvalidRequest("bind tools or a response_format, not both", param="response_format")
-                specs = [ToolSpec(t["function"]["name"], t["function"].get("description", ""),
-                                  t["function"].get("parameters") or {"type": "object", "properties": {}})
+                specs = [Tool(t["function"]["name"], t["function"].get("description", ""),
+                              t["function"].get("parameters") or {"type": "object", "properties": {}},
+                              t["function"].get("strict"))
                          for t in tools]
-                params["json_schema"] = tool_call_schema(specs, choice)
-                chat = with_system_note(chat, tools_instruction(specs, choice))
-        if specs is None and response_format is not None:
+                # One call per reply unless bound with parallel_tool_calls=True: a small model allowed "one or
+                # more" calls may keep writing calls until max_tokens.
+                plan = plan_tools(specs, choice, bool(parallel_tool_calls))
+                params.update(plan.constraint)
+                chat = with_system_note(chat, tools_prompt(plan))
+        if plan is None and response_format is not None:
             params.update(response_format_constraint(response_format))
             schema = params.get("json_schema")
             if isinstance(schema, dict):
                 note = f"Reply with a JSON object matching this JSON schema: {json.dumps(schema, separators=(',', ':'))}"
                 chat = with_system_note(chat, note)
-        return chat, params, specs
+        return chat, params, plan
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageMetadata:
         return UsageMetadata(input_tokens=prompt_tokens, output_tokens=completion_tokens,
@@ -254,19 +260,20 @@ class ChatPrefixRT(BaseChatModel):
         return {"model_name": self._name(), "model_provider": "prefixrt", "finish_reason": finish_reason,
                 "request_id": request_id}
 
-    def _reply_fields(self, text: str, finish_reason: str | None, specs: list[ToolSpec] | None) -> dict:
-        """Message fields (content, tool calls) for the whole reply text."""
-        if specs is None:
+    def _reply_fields(self, text: str, finish_reason: str | None, plan: ToolPlan | None) -> dict:
+        """Message fields (content, tool calls) for the whole reply text. Under a tool plan the reply is
+        plain text or well-formed calls; one that began a call and was cut short is an invalid tool call."""
+        if plan is None:
             return {"content": text}
-        try:
-            reply = parse_tool_reply(text)
-        except ValueError as e:
+        calls = plan.parse(text)
+        if calls:
+            return {"content": "", "tool_calls": [
+                {"name": c.name, "args": c.arguments, "id": new_call_id(), "type": "tool_call"} for c in calls]}
+        if plan.forced or (text.strip() and plan.may_be_call(text)):
             return {"content": "", "invalid_tool_calls": [
-                {"name": None, "args": text, "id": new_call_id(), "error": str(e), "type": "invalid_tool_call"}]}
-        if reply.tool_name is None:
-            return {"content": reply.text}
-        return {"content": "", "tool_calls": [
-            {"name": reply.tool_name, "args": reply.tool_arguments, "id": new_call_id(), "type": "tool_call"}]}
+                {"name": None, "args": text, "id": new_call_id(), "type": "invalid_tool_call",
+                 "error": f"the tool-call reply is incomplete (finish_reason {finish_reason}); raise max_tokens"}]}
+        return {"content": text}
 
     @staticmethod
     def _check(completion_or_chunk, timed_out: bool) -> None:
@@ -340,7 +347,7 @@ class ChatPrefixRT(BaseChatModel):
 
         return self._result(await self._aretrying(call), specs)
 
-    def _result(self, completion, specs: list[ToolSpec] | None) -> ChatResult:
+    def _result(self, completion, specs: ToolPlan | None) -> ChatResult:
         fields = self._reply_fields(completion.text, completion.finish_reason, specs)
         message = AIMessage(
             **fields,
@@ -351,7 +358,7 @@ class ChatPrefixRT(BaseChatModel):
         return ChatResult(generations=[ChatGeneration(message=message,
                                                       generation_info={"finish_reason": completion.finish_reason})])
 
-    def _final_chunk(self, text: str, last, specs: list[ToolSpec] | None, request_id: str) -> ChatGenerationChunk:
+    def _final_chunk(self, text: str, last, specs: ToolPlan | None, request_id: str) -> ChatGenerationChunk:
         """The closing chunk: usage, metadata, and (with tools) the parsed tool call."""
         fields: dict[str, Any] = {"content": ""}
         if specs is not None:
@@ -359,8 +366,8 @@ class ChatPrefixRT(BaseChatModel):
             fields = {"content": reply.get("content", "")}
             if reply.get("tool_calls"):
                 fields["tool_call_chunks"] = [
-                    {"name": tc["name"], "args": json.dumps(tc["args"]), "id": tc["id"], "index": 0,
-                     "type": "tool_call_chunk"} for tc in reply["tool_calls"]]
+                    {"name": tc["name"], "args": json.dumps(tc["args"]), "id": tc["id"], "index": k,
+                     "type": "tool_call_chunk"} for k, tc in enumerate(reply["tool_calls"])]
             if reply.get("invalid_tool_calls"):
                 fields["tool_call_chunks"] = [
                     {"name": None, "args": text, "id": new_call_id(), "index": 0, "type": "tool_call_chunk"}]
@@ -479,14 +486,14 @@ class ChatPrefixRT(BaseChatModel):
             if schema is None:
                 raise ValueError("method='json_schema' needs a schema")
             json_schema = convert_to_json_schema(schema)
-            llm = self.bind(response_format={"type": "json_schema", "schema": closed_schema(json_schema)}, **kwargs,
+            llm = self.bind(response_format={"type": "json_schema", "schema": strict_schema(json_schema)}, **kwargs,
                             ls_structured_output_format={"kwargs": {"method": method, "strict": strict},
                                                          "schema": json_schema})
             parser = PydanticOutputParser(pydantic_object=schema) if is_model else JsonOutputParser()
         elif method == "json_mode":
             # With a schema, decoding follows it (a reply that is JSON but not the schema is of no use to the
             # parser); without one, any JSON object.
-            response_format = ({"type": "json_schema", "schema": closed_schema(convert_to_json_schema(schema))}
+            response_format = ({"type": "json_schema", "schema": strict_schema(convert_to_json_schema(schema))}
                                if schema is not None else {"type": "json_object"})
             llm = self.bind(response_format=response_format, **kwargs,
                             ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})

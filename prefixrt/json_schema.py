@@ -3,7 +3,20 @@
 `SamplingParams.json_schema` (and the frontend's `gen(json_schema=...)`) accept a dict (or a bool schema),
 JSON text, or a pydantic BaseModel subclass. Whatever must hand a plain schema on calls `to_json_schema`:
 the constraint compiler (its cache key and both backends), the engine-process pipe (classes are not sent
-across it), RemoteEngine's JSON body and the frontend's OpenAI backend (response_format).
+across it), RemoteEngine's JSON body and the frontend's OpenAI backend (response_format); also TypedDicts and other
+types pydantic's TypeAdapter describes (`list[Model]`).
+
+The strict-mode rule and embedding live here too:
+- `strict_schema(schema)`: the rule of OpenAI's strict structured outputs and xgrammar's strict mode: an object
+  schema that lists `properties` and says nothing about `additionalProperties` is closed. JSON Schema leaves
+  such objects open, and a small model under constrained decoding fills an open object with invented keys
+  until `max_new_tokens`. The engine applies it to every json_schema constraint (constrained/spec.py
+  `load_json_schema`); the server and adapters whatever a request's `"strict"` says, as vLLM and xgrammar do.
+  `strict=False` keeps JSON Schema's meaning (objects marked open explicitly) for callers that want it.
+  Objects without `properties` (`{"type": "object"}`, `dict[str, Any]`) are open either way.
+- `embed(schema, name)`: a schema that will sit inside a larger one (a tool's parameters under
+  `properties.arguments`) is moved whole to `#/$defs/<name>` with its local `$ref`s (`#`, `#/$defs/X`,
+  `#/properties/...`) rewritten to point there, so they resolve wherever it is embedded.
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ def to_json_schema(spec: Any) -> dict | bool:
     """The schema `spec` stands for: a dict or bool as is, JSON text parsed, a pydantic model class's
     `model_json_schema()`. Raises InvalidRequest (param "json_schema") for anything else, for text that is
     not JSON, and for a class pydantic cannot describe. Never mutates `spec`."""
-    if isinstance(spec, type):
+    if isinstance(spec, type) and not _is_typed_dict(spec):
         schema_fn = getattr(spec, "model_json_schema", None)
         if schema_fn is None:
             raise InvalidRequest(
@@ -35,7 +48,135 @@ def to_json_schema(spec: Any) -> dict | bool:
             raise InvalidRequest(f"json_schema is not valid JSON: {e}", param="json_schema") from e
     if isinstance(spec, (bool, dict)):
         return spec
+    if getattr(spec, "__origin__", None) is not None or _is_typed_dict(spec):  # TypedDict, list[Model], ...
+        try:
+            from pydantic import TypeAdapter
+
+            return TypeAdapter(spec).json_schema()
+        except ImportError:
+            pass
+        except Exception as e:
+            raise InvalidRequest(f"cannot build a JSON schema from {spec!r}: {e}", param="json_schema") from e
     raise InvalidRequest(
-        f"json_schema must be a JSON object (dict), JSON text or a pydantic model class, not {type(spec).__name__}",
+        f"json_schema must be a JSON object (dict), JSON text, a pydantic model class or a TypedDict, "
+        f"not {type(spec).__name__}",
         param="json_schema",
     )
+
+
+def _is_typed_dict(spec: Any) -> bool:
+    return isinstance(spec, type) and issubclass(spec, dict) and hasattr(spec, "__annotations__") \
+        and hasattr(spec, "__total__")
+
+
+# ---------------------------------------------------------------------------------------------- strict rule, embedding
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                  "unevaluatedProperties", "unevaluatedItems")
+
+
+def schema_of(spec: Any, param: str = "json_schema") -> dict | bool:
+    """The JSON schema `spec` describes: a dict or bool (as is), JSON text, a pydantic BaseModel class, or any
+    type pydantic's TypeAdapter can describe (TypedDict, dataclass, `list[Model]`). InvalidRequest otherwise."""
+    if isinstance(spec, (str, bytes)):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise InvalidRequest(f"{param} is not valid JSON: {e}", param=param) from e
+    if isinstance(spec, (bool, dict)):
+        return spec
+    model_schema = getattr(spec, "model_json_schema", None)
+    if isinstance(spec, type) and model_schema is not None:
+        try:
+            return model_schema()
+        except Exception as e:  # pydantic raises several types for unschematizable fields
+            raise InvalidRequest(f"cannot build a JSON schema from {spec.__name__}: {e}", param=param) from e
+    if isinstance(spec, type) or getattr(spec, "__origin__", None) is not None:
+        try:
+            from pydantic import TypeAdapter
+
+            return TypeAdapter(spec).json_schema()
+        except ImportError:
+            pass
+        except Exception as e:
+            raise InvalidRequest(f"cannot build a JSON schema from {spec!r}: {e}", param=param) from e
+    raise InvalidRequest(f"{param} must be a JSON schema (dict or JSON text), a pydantic model class or a type "
+                         f"pydantic can describe, not {type(spec).__name__}", param=param)
+
+
+def _map_subschemas(schema: dict, fn) -> dict:
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: fn(s) for name, s in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key])
+    if isinstance(out.get("items"), list):  # draft-4 tuple form
+        out["items"] = [fn(s) for s in out["items"]]
+    return out
+
+
+def _is_object(schema: dict) -> bool:
+    t = schema.get("type")
+    return t == "object" or (isinstance(t, list) and "object" in t)
+
+
+def strict_schema(schema: Any, strict: bool | None = True) -> Any:
+    """A copy of `schema` with the strict-mode rule applied to every object that lists `properties` and does
+    not say whether others are allowed: closed (`additionalProperties: false`) unless `strict` is False, then
+    marked open (`additionalProperties: true`). Objects that say, and objects without `properties`, are kept."""
+    if isinstance(schema, list):
+        return [strict_schema(s, strict) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = _map_subschemas(schema, lambda s: strict_schema(s, strict))
+    if (_is_object(out) and "properties" in out and "additionalProperties" not in out
+            and "patternProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = strict is False
+    return out
+
+
+def _rewrite_refs(node: Any, base: str) -> Any:
+    if isinstance(node, list):
+        return [_rewrite_refs(s, base) for s in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (_rewrite_refs(v, base) if k not in ("const", "enum", "default", "examples") else v)
+           for k, v in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str):
+        if ref == "#" or ref.startswith("#/"):
+            out["$ref"] = base + ref[1:]
+        elif not ref.startswith("#"):
+            raise InvalidRequest(f"only local $refs are supported, not {ref!r}", param="json_schema")
+    return out
+
+
+def embed(schema: Any, name: str) -> tuple[dict, dict]:
+    """(the reference to put where `schema` is embedded, the `$defs` entries the outer schema must carry).
+
+    The schema is moved whole to `#/$defs/<name>` and every local `$ref` in it is rewritten relative to that
+    place, so `#/$defs/X` (pydantic's nested models), `#/definitions/X` and `#` (recursion) keep resolving.
+    `name` must be unique among the schemas embedded in one outer schema."""
+    if not isinstance(schema, dict):
+        return {} if schema is True else {"not": {}}, {}
+    key = name.replace("~", "~0").replace("/", "~1")
+    return {"$ref": f"#/$defs/{key}"}, {name: _rewrite_refs(schema, f"#/$defs/{key}")}
+
+
+def with_defs(schema: dict, defs: dict) -> dict:
+    """`schema` carrying `defs` at its root (beside any it has)."""
+    if not defs:
+        return schema
+    merged = dict(schema.get("$defs") or {})
+    for k, v in defs.items():
+        if k in merged and merged[k] != v:
+            raise InvalidRequest(f"two embedded schemas are both named {k!r}", param="json_schema")
+        merged[k] = v
+    return {**schema, "$defs": merged}

@@ -34,6 +34,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -122,6 +123,16 @@ class SamplingParams:
         need(in_range(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
              f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
              f"got {self.repetition_penalty!r}", "repetition_penalty")
+        if self.logit_bias is not None:
+            need(isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers", "logit_bias")
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}  # JSON keys arrive as text
+            except (TypeError, ValueError):
+                need(False, "logit_bias keys must be token ids (integers)", "logit_bias")
+            need(all(k >= 0 for k in self.logit_bias), "logit_bias keys must be token ids >= 0", "logit_bias")
+            need(all(in_range(v, -100, 100) for v in self.logit_bias.values()),
+                 "logit_bias values must be numbers in [-100, 100]", "logit_bias")
+            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()} or None
         need(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
              f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}", "seed")
         if isinstance(self.stop, str):

@@ -125,6 +125,11 @@ class RemoteEngine:
         return self._model_card().get("vocab_size")
 
     @property
+    def model_revision(self) -> str | None:
+        """The served weights' revision (from /v1/models), so caches keyed by model string tell weights apart."""
+        return self._model_card().get("revision")
+
+    @property
     def tokenizer(self):
         return None
 

@@ -5,6 +5,7 @@ same run) or against a `prefixrt serve` URL; prints a table and optionally write
         --system-len 512 --question-len 32 --output-len 32 --baselines radix,no-radix,hf
     prefixrt bench --workload rag --model llama-3-8b --load-format dummy
     prefixrt bench --workload random --url http://127.0.0.1:30000
+    prefixrt bench --workload shared-prefix --plot bench.png   # throughput + cold/hot TTFT as a picture
     prefixrt bench --workload long-context --model llama-3-8b --load-format dummy --baselines radix
 
 long-context also prints the throughput of the computed (uncached) prompt tokens beside the bf16 compute
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--plot", default=None, metavar="OUT.png",
+                    help="also draw throughput and cold/hot TTFT distributions here (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true")
     # workload shapes
     ap.add_argument("--groups", type=int, default=64)
@@ -157,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": [r.to_dict() for r in results]}, f, indent=1)
+    if args.plot:
+        from prefixrt.bench.plot import plot_results
+
+        plot_results(results, args.plot, title=f"{meta.get('workload', '')} | model {meta.get('model', args.model)}"
+                     f" | device {meta.get('device', '')} | {meta['date']}")
+        print(f"plot written to {args.plot}")
     return 0
 
 

@@ -210,6 +210,38 @@ class RadixCache(PrefixCache):
     def locked_tokens(self) -> int:
         return self._locked
 
+    # ------------------------------------------------------------------ inspection
+    def largest_prefixes(self, max_nodes: int = 40, head_tokens: int = 12) -> list[dict]:
+        """The biggest cached subtrees as a pruned tree, for display (read-only: no recency, no splits).
+
+        One entry per namespace root that holds tokens: {"namespace": None or "salted", "tokens": its cached
+        tokens, "children": [...]}. A node entry: {"tokens": len(its key), "prefix_tokens": tokens from the
+        root to its end, "subtree_tokens": its tokens plus its descendants', "locked": whether a running
+        request holds it, "head": the first `head_tokens` ids of its key, "children": [...]}. Children are
+        sorted by subtree_tokens, largest first; at most `max_nodes` nodes in all, chosen largest-first
+        (every kept node's parent is kept)."""
+        sizes: dict[int, int] = {}
+        for node in reversed(list(self._iter_nodes())):  # children come after parents in _iter_nodes
+            sizes[node.id] = len(node.key) + sum(sizes[c.id] for c in node.children.values())
+        out, frontier = [], []
+        for ns, root in self._roots.items():
+            entry = {"namespace": None if ns is None else "salted", "children": [],
+                     "tokens": sum(sizes[c.id] for c in root.children.values())}
+            if entry["tokens"]:
+                out.append(entry)
+                frontier += [(c, 0, entry) for c in root.children.values()]
+        kept = 0
+        while frontier and kept < max_nodes:
+            frontier.sort(key=lambda t: sizes[t[0].id])
+            node, start, parent = frontier.pop()
+            end = start + len(node.key)
+            entry = {"tokens": len(node.key), "prefix_tokens": end, "subtree_tokens": sizes[node.id],
+                     "locked": node.lock_ref > 0, "head": list(node.key[:head_tokens]), "children": []}
+            parent["children"].append(entry)
+            kept += 1
+            frontier += [(c, end, entry) for c in node.children.values()]
+        return out
+
     # ------------------------------------------------------------------ debugging
     def _iter_nodes(self):
         stack = [c for r in self._roots.values() for c in r.children.values()]

@@ -20,7 +20,6 @@ from prefixrt.constrained import spec as specs
 from prefixrt.constrained.base import CompiledGrammar, GrammarBackend, Matcher
 from prefixrt.constrained.logits import fill_only
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import to_json_schema
 
 
 def _first_line(message: str) -> str:
@@ -152,7 +151,7 @@ class LLGuidanceBackend(GrammarBackend):
             lark_regex = llguidance.regex_to_lark(specs.check_text(kind, spec), use_ascii="d")
             return llguidance.LLMatcher.grammar_from_lark(f"start: /{lark_regex}/")
         if kind in ("json_schema", "json_object"):
-            schema = specs.JSON_OBJECT_SCHEMA if kind == "json_object" else to_json_schema(spec)
+            schema = specs.JSON_OBJECT_SCHEMA if kind == "json_object" else specs.load_json_schema(spec)
             specs.check_json_schema_refs(schema)
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self._json_options)

@@ -12,7 +12,7 @@ from urllib.parse import unquote
 
 from prefixrt.constrained.base import CONSTRAINT_KINDS
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import to_json_schema
+from prefixrt.json_schema import strict_schema, to_json_schema
 
 # The OpenAI `json_object` response format: any JSON object.
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
@@ -31,6 +31,13 @@ def _param_for(kind: str) -> str:
 def check_kind(kind: str) -> None:
     if kind not in CONSTRAINT_KINDS:
         raise InvalidRequest(f"unknown constraint kind {kind!r}; expected one of {', '.join(CONSTRAINT_KINDS)}")
+
+
+def load_json_schema(spec: Any) -> dict | bool:
+    """The JSON schema the engine enforces for `spec` (what `to_json_schema` accepts), with the strict-mode
+    rule applied: objects listing `properties` and silent on `additionalProperties` are closed
+    (prefixrt/json_schema.py). The compiler's cache key and both backends use it."""
+    return strict_schema(to_json_schema(spec))
 
 
 def check_choices(spec: Any) -> list[str]:
@@ -57,7 +64,7 @@ def canonical_spec(kind: str, spec: Any) -> str:
     if kind == "json_object":
         return ""
     if kind == "json_schema":
-        return json.dumps(to_json_schema(spec), ensure_ascii=False, separators=(",", ":"))
+        return json.dumps(load_json_schema(spec), ensure_ascii=False, separators=(",", ":"))
     if kind == "choices":
         return json.dumps(check_choices(spec), ensure_ascii=False)
     return check_text(kind, spec)

@@ -24,7 +24,6 @@ from prefixrt.constrained import spec as specs
 from prefixrt.constrained.base import CompiledGrammar, GrammarBackend, Matcher
 from prefixrt.constrained.logits import allocate_bitmask, allowed_token_ids, fill_only, pack_bitmask
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import to_json_schema
 
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+\.(cc|h):\d+:\s*")
 _MAX_PROBES = 64  # continuations tried when checking which forced tokens are stable
@@ -244,7 +243,7 @@ class XGrammarBackend(GrammarBackend):
         if kind == "regex":
             return self._compiler.compile_regex(specs.check_text(kind, spec))
         if kind in ("json_schema", "json_object"):
-            schema = specs.JSON_OBJECT_SCHEMA if kind == "json_object" else to_json_schema(spec)
+            schema = specs.JSON_OBJECT_SCHEMA if kind == "json_object" else specs.load_json_schema(spec)
             specs.check_json_schema_refs(schema)
             return self._compiler.compile_json_schema(
                 specs.canonical_spec("json_schema", schema),

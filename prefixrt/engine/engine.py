@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from prefixrt.choice_scoring import best_choice, score_choices
@@ -30,6 +31,17 @@ from prefixrt.params import SamplingParams
 from prefixrt.request import Req
 
 log = logging.getLogger("prefixrt")
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request ready for the loop (Engine.prepare -> Engine.enqueue): its id, prompt ids, coerced
+    params and one Req per sample (constraint matchers attached, step-0 forced tokens already output)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    reqs: list[Req]
 
 
 class Engine(EngineFront):
@@ -161,9 +173,18 @@ class Engine(EngineFront):
         spec = None if kind == "json_object" else getattr(p, kind)
         return self.grammar_compiler().compile(kind, spec)
 
-    def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, sink=None, **req_fields):
-        """See EngineFront._submit. `sink` receives the outputs instead of a new RequestStream on `loop` (the
-        engine process passes one that forwards them to the server process)."""
+    def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
+        """See EngineFront._submit: prepare, then enqueue with a new RequestStream on `loop` as the sink."""
+        prepared = self.prepare(prompt, params, **req_fields)
+        stream = RequestStream(loop)
+        self.enqueue(prepared, stream)
+        return prepared.request_id, stream, prepared.prompt_ids, prepared.params
+
+    def prepare(self, prompt, params, **req_fields) -> PreparedRequest:
+        """Everything before scheduling, in the caller's thread: coerce and validate params, tokenize and
+        check the prompt, compile the constraint (with step-0 forced tokens already output), build one Req
+        per sample. Raises InvalidRequest (or EngineDeadError); nothing reaches the loop. `req_fields` are
+        extra Req fields (input_logprobs_from for choice scoring)."""
         if self._stopped:
             raise EngineDeadError("engine is shut down")
         p = SamplingParams.coerce(params)
@@ -173,17 +194,26 @@ class Engine(EngineFront):
         if p.constraint_kind not in (None, "choices"):
             compiled = self._compile(p)
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
-        stream = sink if sink is not None else RequestStream(loop)
         reqs = []
         for i in range(p.n):
-            r = Req(rid=rid, prompt_ids=ids, params=p, sink=stream, index=i, namespace=p.cache_salt, **req_fields)
+            r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, namespace=p.cache_salt, **req_fields)
             if compiled is not None:
                 r.matcher = self.grammar_compiler().backend.matcher(compiled)
                 # Step-0 forced tokens join the prefill (reserve 1: the prefill still samples a token).
                 r.pending_emit = jump_forward(r, self.max_context, reserve=1)
             reqs.append(r)
-        self._inbox.put(("add", reqs))
-        return rid, stream, ids, p
+        return PreparedRequest(rid, ids, p, reqs)
+
+    def enqueue(self, prepared: PreparedRequest, sink) -> None:
+        """Hand a prepared request to the loop; its outputs go to `sink` (a RequestStream, or whatever the
+        loop's deliver hook routes, e.g. the engine process's pipe). A request is enqueued at most once."""
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        for r in prepared.reqs:
+            if r.sink is not None:
+                raise RuntimeError(f"request {prepared.request_id!r} was already enqueued")
+            r.sink = sink
+        self._inbox.put(("add", prepared.reqs))
 
     # ------------------------------------------------------------------ select
     def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None
@@ -257,6 +287,12 @@ class Engine(EngineFront):
         if self._stopped or not self._thread.is_alive():
             return self.core.snapshot_stats()
         return self._run_on_loop(self.core.snapshot_stats)
+
+    def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
+        """The largest cached prefixes of the radix tree as a pruned tree (RadixCache.largest_prefixes); [] for
+        a cache that keeps nothing."""
+        fn = getattr(self.core.kv.cache, "largest_prefixes", None)
+        return self._run_on_loop(lambda: fn(max_nodes)) if fn is not None else []
 
     def flush_cache(self) -> None:
         self._run_on_loop(self.core.kv.flush)

@@ -102,11 +102,36 @@ class EngineFront:
 
     # ------------------------------------------------------------------ tokenization and validation
     def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self._encoder is not None:
-            with self._encode_lock:
-                return self._encoder.encode(text, add_special_tokens=add_special_tokens)
-        with self._tok_lock:
-            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        """text -> token ids. Long texts go straight to the Rust tokenizer (`encode_batch` releases the GIL; the
+        Python wrapper's per-token bookkeeping holds it for seconds on a 5 MB prompt, stalling every other
+        thread, the HTTP event loop included), and a text whose token count already exceeds the model's limits
+        is refused before its ids are turned into a Python list."""
+        tok, lock = (self._encoder, self._encode_lock) if self._encoder is not None else (self._tokenizer,
+                                                                                           self._tok_lock)
+        with lock:
+            backend = self._rust_backend(tok) if len(text) > _FAST_ENCODE_CHARS else None
+            if backend is None:
+                return tok.encode(text, add_special_tokens=add_special_tokens)
+            # A head of the text that alone is far over the limit settles it without encoding the rest (a
+            # 5 MB prompt would cost seconds and millions of objects). Tokenization is local (normalizers and
+            # pre-tokenizers work on characters and words, merges on neighbours), so the rest can change the
+            # head's count by a token or two at its cut, never by _HEAD_SLACK_TOKENS.
+            limit = min(self.max_context, self.kv_total_tokens)
+            head_chars = _HEAD_CHARS_PER_TOKEN * (limit + _HEAD_SLACK_TOKENS)
+            if len(text) > head_chars:
+                n = len(backend.encode_batch([text[:head_chars]], add_special_tokens=add_special_tokens)[0])
+                if n >= limit + _HEAD_SLACK_TOKENS:
+                    self._check_length(n, at_least=True)
+            enc = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            self._check_length(len(enc))
+            return enc.ids
+
+    def _rust_backend(self, tok):
+        """_probe_rust_backend(tok), probed once per tokenizer of this engine (the caller holds its lock)."""
+        cache = self.__dict__.setdefault("_rust_backends", {})  # id(tok) -> backend; the engine keeps tok alive
+        if id(tok) not in cache:
+            cache[id(tok)] = _probe_rust_backend(tok)
+        return cache[id(tok)]
 
     def encode(self, prompt) -> list[int]:
         """The prompt's token ids (text encoded, chat messages rendered with the chat template), validated
@@ -136,7 +161,8 @@ class EngineFront:
         raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
                              param="prompt")
 
-    def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False,
+                        tools: list[dict] | None = None) -> list[int]:
         """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
         continue_final_message, the final assistant message left open). The one place the engine renders
         chat; raises InvalidRequest for malformed messages, a model without a template or a template that
@@ -154,8 +180,9 @@ class EngineFront:
             raise InvalidRequest("continue_final_message needs a final assistant message", param="messages")
         try:
             with lock:
-                text = render_chat_template(tok, messages, continue_final_message=continue_final_message)
-                return tok.encode(text, add_special_tokens=False)
+                text = render_chat_template(tok, messages, continue_final_message=continue_final_message,
+                                            tools=tools)
+            return self._encode_text(text, False)
         except InvalidRequest:
             raise
         except Exception as e:
@@ -166,6 +193,14 @@ class EngineFront:
         (`continue_final_message`, as vLLM and SGLang accept it), validated against the model's limits.
         Raises InvalidRequest."""
         ids = self.chat_prompt_ids(messages, continue_final_message=True)
+        self._validate_ids(ids, SamplingParams())
+        return ids
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of chat messages (tools passed to the template when given; the final assistant message
+        left open with continue_final_message), validated against the model's limits. Raises InvalidRequest."""
+        ids = self.chat_prompt_ids(messages, continue_final_message=continue_final_message, tools=tools)
         self._validate_ids(ids, SamplingParams())
         return ids
 
@@ -182,11 +217,19 @@ class EngineFront:
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  param="prompt")
-        if len(ids) >= self.max_context:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}",
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                 param="logit_bias")
+        self._check_length(len(ids))
+
+    def _check_length(self, num_tokens: int, at_least: bool = False) -> None:
+        has = f"more than {num_tokens - _HEAD_SLACK_TOKENS}" if at_least else str(num_tokens)
+        if num_tokens >= self.max_context:
+            raise InvalidRequest(f"prompt has {has} tokens; the model's context is {self.max_context}",
                                  param="prompt")
-        if len(ids) + 1 > self.kv_total_tokens:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the KV pool holds {self.kv_total_tokens}",
+        if num_tokens + 1 > self.kv_total_tokens:
+            raise InvalidRequest(f"prompt has {has} tokens; the KV pool holds {self.kv_total_tokens}",
                                  param="prompt")
 
     # ------------------------------------------------------------------ outputs
@@ -365,6 +408,26 @@ def _completion_chunk(c: Completion) -> Chunk:
 
 async def _aiter_one(awaitable):
     yield await awaitable
+
+
+_FAST_ENCODE_CHARS = 100_000  # texts longer than this skip the Python tokenizer wrapper (see _encode_text)
+_HEAD_CHARS_PER_TOKEN = 16  # a long text's head is this many characters per token of the limit (+ slack)
+_HEAD_SLACK_TOKENS = 64
+_PROBE = " The quick  brown fox\n\njumps: {\"a\": [1, 2]} éü 🎉 <|im_start|>user\nhi<|im_end|> <bos></s>"
+
+
+def _probe_rust_backend(tok):
+    """tok's `tokenizers.Tokenizer` when encoding through it gives exactly tok.encode's ids (checked on a probe
+    text, with and without special tokens), else None (a tokenizer that post-processes in Python)."""
+    backend = getattr(tok, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch"):
+        return None
+    try:
+        same = all(backend.encode_batch([_PROBE], add_special_tokens=sp)[0].ids
+                   == tok.encode(_PROBE, add_special_tokens=sp) for sp in (True, False))
+    except Exception:
+        return None
+    return backend if same else None
 
 
 def _is_batch(prompt) -> bool:

@@ -5,29 +5,21 @@ scheduler loop (EngineCore.step) do not share one GIL, as vLLM V1's EngineCore p
 scheduler process do. It has Engine's API: the caller-side half (tokenization, validation, Completion and
 Chunk assembly, detokenization) is EngineFront and runs in the server process; the child owns a full Engine.
 
-    server process                                    engine process (child, spawned)
-    ProcessEngine                                     _EngineServer around an Engine
-      callers: tokenize, validate, send  --- add / abort / call --->  main thread: receive, submit
-      reader thread: outputs -> streams  <--- out (one per step) ---  scheduler thread: EngineCore.step
-                                         <--- reply -----------------  worker threads: blocking calls
+    server process                                    engine process (child, spawned: process_child.py)
+    ProcessEngine                                     EngineProcessServer around an Engine
+      callers: tokenize, validate, send  --- Add / Abort / Call --->  main thread: receive, prepare, enqueue
+      reader thread: outputs -> streams  <--- Outputs (one per step) --  scheduler thread: EngineCore.step
+                                         <--- Reply -----------------  worker threads: blocking calls
 
-Messages are pickled tuples over a multiprocessing Pipe:
-  server -> engine   ("add", call_id | None, request_id, prompt_ids, SamplingParams)
-                     ("abort", request_id)
-                     ("call", call_id, name, args)     a blocking Engine method (stats, cache_prefix, ...)
-                     ("shutdown",)
-  engine -> server   ("progress", text), then ("ready", info) or ("failed", exception)      start-up
-                     ("out", [(request_id, StepOutput), ...])     all outputs of one scheduler step
-                     ("reply", call_id, ok, result or exception)
-                     ("beat",)                                     every HEARTBEAT_S, from its own thread
-                     ("bye",)                                      after shutdown
-A request with a constraint waits for the reply to its "add" (its grammar compiles in the child, on a compile
+The messages are the typed dataclasses of engine/messages.py (the whole wire protocol), pickled over a
+multiprocessing Pipe.
+A request with a constraint waits for the Reply to its Add (its grammar compiles in the child, on a compile
 thread so the child keeps receiving, and may be invalid: InvalidRequest must reach the caller before anything
 is streamed); any other request is fully validated in the server process and sent without waiting. An
-"abort" that arrives while its request's grammar still compiles aborts it as soon as it is in.
+Abort that arrives while its request's grammar still compiles aborts it as soon as it is in.
 
 The child exits when the pipe closes, so it dies with the server process; it ignores SIGINT (Ctrl-C reaches
-the whole process group) and SIGTERM, and stops on "shutdown". When the child dies on its own, the reader thread reaps it
+the whole process group) and SIGTERM, and stops on Shutdown. When the child dies on its own, the reader thread reaps it
 (no zombie), finishes every in-flight request with finish_reason "abort" and an error naming the cause, fails
 every pending call with EngineDeadError, and calls `on_death(reason)` (the server uses it to exit). The
 heartbeat lets `health()` tell a stopped or hung engine process from a busy one.
@@ -42,7 +34,6 @@ import itertools
 import logging
 import multiprocessing
 import pickle
-import signal
 import threading
 import time
 import uuid
@@ -51,6 +42,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.engine.front import EngineFront
+from prefixrt.engine.messages import (
+    Abort,
+    Add,
+    Beat,
+    Bye,
+    Call,
+    EngineInfo,
+    Failed,
+    Outputs,
+    Progress,
+    Reply,
+    Shutdown,
+)
+from prefixrt.engine.process_child import child_main
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.json_schema import to_json_schema
@@ -58,8 +63,6 @@ from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
 
 log = logging.getLogger("prefixrt")
-
-HEARTBEAT_S = 1.0  # how often the engine process says it is alive
 
 @dataclass
 class _InFlight:
@@ -82,7 +85,7 @@ class ProcessEngine(EngineFront):
                  **engine_kwargs: Any):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(child_conn, model, engine_kwargs),
+        self._proc = ctx.Process(target=child_main, args=(child_conn, model, engine_kwargs),
                                  name="prefixrt-engine", daemon=True)
         self._proc.start()
         child_conn.close()  # the child's end lives in the child only: its exit closes the pipe
@@ -93,17 +96,17 @@ class ProcessEngine(EngineFront):
             raise
         # Two copies of the tokenizer: one decodes outputs (on the event loop), one encodes prompts (on worker
         # threads), so a long encode never blocks a stream. Unpickling holds the GIL: done now, not while serving.
-        self._tokenizer = pickle.loads(info["tokenizer"])
+        self._tokenizer = pickle.loads(info.tokenizer)
         self._tok_lock = threading.Lock()
-        self._encoder = pickle.loads(info["tokenizer"])
+        self._encoder = pickle.loads(info.tokenizer)
         self._encode_lock = threading.Lock()
-        self.model_name = info["model_name"]
-        self.model_revision = info["model_revision"]
-        self.vocab_size = info["vocab_size"]
-        self.max_context = info["max_context"]
-        self.kv_total_tokens = info["kv_total_tokens"]
-        self.page_size = info["page_size"]
-        self.device = info["device"]
+        self.model_name = info.model_name
+        self.model_revision = info.model_revision
+        self.vocab_size = info.vocab_size
+        self.max_context = info.max_context
+        self.kv_total_tokens = info.kv_total_tokens
+        self.page_size = info.page_size
+        self.device = info.device
         self._send_lock = threading.Lock()
         self._streams: dict[str, _InFlight] = {}  # written by callers, finished by the reader thread
         self._replies: dict[int, concurrent.futures.Future] = {}
@@ -115,24 +118,24 @@ class ProcessEngine(EngineFront):
         self._reader = threading.Thread(target=self._read_loop, name="prefixrt-engine-reader", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self, progress) -> dict:
+    def _wait_ready(self, progress) -> EngineInfo:
         while True:
             try:
-                kind, payload = self._conn.recv()
+                msg = self._conn.recv()
             except EOFError:
                 self._proc.join(timeout=10)
                 raise RuntimeError(f"the engine process exited during start-up (exit code {self._proc.exitcode}); "
                                    "its error is above") from None
-            if kind == "progress":
+            if isinstance(msg, Progress):
                 if progress is not None:
-                    progress(payload)
-            elif kind == "failed":
-                raise payload
+                    progress(msg.text)
+            elif isinstance(msg, Failed):
+                raise msg.error
             else:
-                return payload
+                return msg.info
 
     # ------------------------------------------------------------------ messages
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg) -> None:
         try:
             data = _pickle(msg)
         except (pickle.PicklingError, RecursionError, TypeError, AttributeError) as e:
@@ -146,13 +149,13 @@ class ProcessEngine(EngineFront):
             except OSError as e:
                 raise EngineDeadError(f"the engine process is gone: {e}") from e
 
-    def _ask(self, kind: str, *payload, timeout: float | None = None):
-        """Send (kind, call_id, *payload) and wait for the engine's reply: its result, or its exception."""
+    def _ask(self, make_msg: Callable[[int], Any], timeout: float | None = None):
+        """Send make_msg(call_id) and wait for the engine's Reply: its result, or its exception."""
         call_id = next(self._call_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._replies[call_id] = fut
         try:
-            self._send((kind, call_id, *payload))
+            self._send(make_msg(call_id))
         except BaseException:
             self._replies.pop(call_id, None)
             raise
@@ -161,28 +164,26 @@ class ProcessEngine(EngineFront):
             raise EngineDeadError(self._closed)
         return fut.result(timeout=timeout)
 
-    def _call(self, name: str, *args, timeout: float | None = None):
+    def _call_in_engine(self, name: str, *args, timeout: float | None = None):
         """Engine.<name>(*args), run in the engine process."""
-        return self._ask("call", name, args, timeout=timeout)
+        return self._ask(lambda call_id: Call(call_id, name, args), timeout=timeout)
 
     def _read_loop(self) -> None:
         try:
             while True:
                 msg = self._conn.recv()
                 self._last_heard = time.monotonic()
-                kind = msg[0]
-                if kind == "beat":
+                if isinstance(msg, Beat):
                     continue
-                if kind == "out":
-                    self._deliver(msg[1])
-                elif kind == "reply":
-                    _, call_id, ok, value = msg
-                    fut = self._replies.pop(call_id, None)
-                    if fut is not None and ok:
-                        fut.set_result(value)
+                if isinstance(msg, Outputs):
+                    self._deliver(msg.items)
+                elif isinstance(msg, Reply):
+                    fut = self._replies.pop(msg.call_id, None)
+                    if fut is not None and msg.ok:
+                        fut.set_result(msg.value)
                     elif fut is not None:
-                        fut.set_exception(value)
-                elif kind == "bye":
+                        fut.set_exception(msg.value)
+                elif isinstance(msg, Bye):
                     break
         except (EOFError, OSError):
             pass
@@ -251,16 +252,16 @@ class ProcessEngine(EngineFront):
         self._streams[rid] = _InFlight(stream, set(range(p.n)))  # before sending: outputs may come at once
         try:
             if p.constraint_kind not in (None, "choices"):
-                self._ask("add", rid, ids, p)  # the grammar compiles in the child: wait for its verdict
+                self._ask(lambda call_id: Add(call_id, rid, ids, p))  # compiles in the child: wait for its verdict
             else:
-                self._send(("add", None, rid, ids, p))
+                self._send(Add(None, rid, ids, p))
         except BaseException:
             self._streams.pop(rid, None)
             raise
         return rid, stream, ids, p
 
     def _select(self, prompt, p: SamplingParams) -> Completion:
-        return self._call("generate", prompt, p)
+        return self._call_in_engine("generate", prompt, p)
 
     # ------------------------------------------------------------------ public API (the rest is EngineFront's)
     def health(self) -> str | None:
@@ -276,32 +277,40 @@ class ProcessEngine(EngineFront):
 
     def abort(self, request_id: str) -> None:
         try:
-            self._send(("abort", request_id))
+            self._send(Abort(request_id))
         except EngineDeadError:
             pass  # nothing runs any more
 
     def cache_prefix(self, prompt, cache_salt: str | None = None) -> int:
         """Prefill prompt into the radix cache without generating. Returns how many of its tokens are cached."""
-        return self._call("cache_prefix", prompt, cache_salt)
+        return self._call_in_engine("cache_prefix", prompt, cache_salt)
 
     def stats(self) -> EngineStats:
-        return self._call("stats", timeout=60)
+        return self._call_in_engine("stats", timeout=60)
+
+    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None):
+        """Engine.score_continuations, in the engine process."""
+        return self._call_in_engine("score_continuations", prompt, continuations, cache_salt)
+
+    def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
+        """Engine.largest_prefixes, computed in the engine process."""
+        return self._call_in_engine("largest_prefixes", max_nodes, timeout=60)
 
     def flush_cache(self) -> None:
-        self._call("flush_cache", timeout=60)
+        self._call_in_engine("flush_cache", timeout=60)
 
     def check_integrity(self) -> None:
         """Debug: verify KV accounting now (in the engine process)."""
-        self._call("check_integrity", timeout=60)
+        self._call_in_engine("check_integrity", timeout=60)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until no request is waiting or running."""
-        self._call("wait_idle", timeout, timeout=timeout + 10)
+        self._call_in_engine("wait_idle", timeout, timeout=timeout + 10)
 
     def render_metrics(self) -> bytes:
         """The engine's Prometheus metrics (text format), rendered in the engine process where the latency
         histograms are observed."""
-        return self._call("render_metrics", timeout=60)
+        return self._call_in_engine("render_metrics", timeout=60)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is running, stop the engine process and wait for it to exit."""
@@ -312,7 +321,7 @@ class ProcessEngine(EngineFront):
                 return
             self._stopping = True
             try:
-                self._conn.send(("shutdown",))
+                self._conn.send(Shutdown())
             except OSError:
                 pass
             self._closed = self._closed or "engine is shut down"
@@ -336,175 +345,7 @@ class ProcessEngine(EngineFront):
         self.shutdown()
 
 
-# ---------------------------------------------------------------------------------------------- the child
-@dataclass
-class _PipeSink:
-    """A request's output sink in the engine process: its outputs go to the server process."""
-
-    request_id: str
-
-
-def _child_main(conn, model: str, engine_kwargs: dict) -> None:
-    # The server process decides when the engine stops: Ctrl-C and a supervisor's SIGTERM reach the whole
-    # process group (systemd signals the whole cgroup), and the server must drain before the engine goes.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from prefixrt.engine.engine import Engine
-
-    try:
-        engine = Engine(model, progress=lambda text: conn.send(("progress", text)), **engine_kwargs)
-    except BaseException as e:
-        conn.send(("failed", _picklable(e)))
-        return
-    _EngineServer(engine, conn).run()
-
-
-class _EngineServer:
-    """The engine process's side: receives requests on the main thread, streams outputs from the scheduler
-    thread, runs blocking calls on worker threads."""
-
-    def __init__(self, engine, conn):
-        self.engine, self.conn = engine, conn
-        self.send_lock = threading.Lock()  # the main, scheduler, worker and heartbeat threads all send
-        self.workers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="prefixrt-engine-call")
-        # Constrained adds compile their grammar here, so a slow compile never holds up other messages.
-        self.compilers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="prefixrt-engine-compile")
-        self.compiling: dict[str, bool] = {}  # request id -> aborted while compiling
-        self.compiling_lock = threading.Lock()
-        self.stopped = threading.Event()
-        self.metrics = _metrics_for(engine)
-        engine.core.deliver = self.deliver
-        self.calls: dict[str, Callable] = {
-            "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
-            "generate": engine.generate, "check_integrity": engine.check_integrity,
-            "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
-        }
-
-    def send(self, msg: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(msg)
-
-    def deliver(self, items: list[tuple[Any, StepOutput]]) -> None:
-        """EngineCore.deliver: one message per step for the server's requests; the engine process's own
-        requests (the choices scoring and cache_prefix calls) stay local."""
-        local = [(sink, out) for sink, out in items if not isinstance(sink, _PipeSink)]
-        remote = [(sink.request_id, out) for sink, out in items if isinstance(sink, _PipeSink)]
-        if local:
-            RequestStream.push_many(local)
-        if remote:
-            try:
-                self.send(("out", remote))
-            except OSError:
-                pass  # the server process is gone; the main thread is shutting down
-
-    def run(self) -> None:
-        eng = self.engine
-        info = {"model_name": eng.model_name, "model_revision": eng.model_revision, "vocab_size": eng.vocab_size,
-                "max_context": eng.max_context, "kv_total_tokens": eng.kv_total_tokens,
-                "page_size": eng.page_size, "device": str(eng.device), "tokenizer": eng.tokenizer}
-        info["tokenizer"] = pickle.dumps(eng.tokenizer)  # bytes: the server makes its copies from them
-        try:
-            self.send(("ready", info))
-            threading.Thread(target=self.heartbeat, name="prefixrt-engine-heartbeat", daemon=True).start()
-            while True:
-                msg = self.conn.recv()
-                if msg[0] == "shutdown":
-                    break
-                self.handle(msg)
-        except (EOFError, OSError):
-            pass  # the server process is gone
-        finally:
-            self.stopped.set()
-            eng.shutdown()
-            self.workers.shutdown(wait=False, cancel_futures=True)
-            self.compilers.shutdown(wait=False, cancel_futures=True)
-            try:
-                self.send(("bye",))
-            except OSError:
-                pass
-
-    def heartbeat(self) -> None:
-        while not self.stopped.wait(HEARTBEAT_S):
-            try:
-                self.send(("beat",))
-            except OSError:
-                return
-
-    def handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            _, call_id, rid, ids, params = msg
-            if call_id is None:
-                self.add(call_id, rid, ids, params)
-            else:  # a constraint to compile: off the receiving thread
-                with self.compiling_lock:
-                    self.compiling[rid] = False
-                self.compilers.submit(self.add, call_id, rid, ids, params)
-        elif kind == "abort":
-            with self.compiling_lock:
-                if msg[1] in self.compiling:
-                    self.compiling[msg[1]] = True
-                    return
-            self.engine.abort(msg[1])
-        elif kind == "call":
-            self.workers.submit(self.run_call, *msg[1:])
-
-    def add(self, call_id: int | None, rid: str, ids: list[int], params: SamplingParams) -> None:
-        try:
-            self.engine._submit(ids, params, sink=_PipeSink(rid))
-        except Exception as e:
-            with self.compiling_lock:
-                self.compiling.pop(rid, None)
-            if call_id is not None:
-                self.send(("reply", call_id, False, _picklable(e)))
-            else:  # validated in the server already, so this is a bug: end the request with its error
-                self.send(("out", [(rid, StepOutput(index=i, token_ids=[], text=None, finished=True,
-                                                    finish_reason="abort", error=f"internal error: {e}"))
-                                   for i in range(params.n)]))
-            return
-        with self.compiling_lock:
-            aborted = self.compiling.pop(rid, False)
-        if aborted:
-            self.engine.abort(rid)
-        if call_id is not None:
-            self.send(("reply", call_id, True, None))
-
-    def run_call(self, call_id: int, name: str, args: tuple) -> None:
-        try:
-            result = self.calls[name](*args)
-        except BaseException as e:
-            reply = ("reply", call_id, False, _picklable(e))
-        else:
-            reply = ("reply", call_id, True, result)
-        try:
-            self.send(reply)
-        except OSError:
-            pass
-
-    def render_metrics(self) -> bytes:
-        if self.metrics is None:
-            raise RuntimeError("metrics need prometheus-client (pip install 'prefixrt[server]')")
-        return self.metrics.render()
-
-
-def _metrics_for(engine):
-    """The engine's Prometheus metrics, installed at start so the latency histograms see every request."""
-    try:
-        from prefixrt.engine.metrics import Metrics
-    except ImportError:
-        return None
-    return Metrics.for_engine(engine)
-
-
-def _pickle(msg: tuple) -> bytes:
+def _pickle(msg) -> bytes:
     from multiprocessing.reduction import ForkingPickler
 
     return bytes(ForkingPickler.dumps(msg))
-
-
-def _picklable(e: BaseException) -> BaseException:
-    try:
-        pickle.dumps(e)
-        return e
-    except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}")

@@ -93,20 +93,23 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 
 def render_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                         continue_final_message: bool = False) -> str:
+                         continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
     """The text tokenizer's chat template makes of messages (tokenize it with add_special_tokens=False).
 
     continue_final_message: the last message must be the assistant's; the earlier ones are rendered with the
     generation prompt and its content follows verbatim, left open for the model to continue (as vLLM and
-    SGLang accept it). The caller holds the tokenizer's lock (fast tokenizers are not thread-safe); template
-    errors propagate as they are.
+    SGLang accept it). tools: OpenAI-style tool definitions for templates that render them
+    (`apply_chat_template(tools=...)`). The caller holds the tokenizer's lock (fast tokenizers are not
+    thread-safe); template errors propagate as they are.
     """
+    kwargs = {"tools": tools} if tools else {}
     if continue_final_message:
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("continue_final_message needs a final assistant message")
-        head = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        head = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True, **kwargs)
         return head + messages[-1]["content"]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
 
 
 def store_chat_template_in_tokenizer_config(folder: Path, chat_template: str | None) -> None:

@@ -1,6 +1,6 @@
 """Sampler: logits of the sampled rows -> next tokens, with every SamplingParams knob, batched.
 
-Order per row: penalties (repetition on prompt+output, frequency/presence on output) -> grammar mask ->
+Order per row: penalties (repetition on prompt+output, frequency/presence on output) -> logit_bias -> grammar mask ->
 greedy argmax, or temperature -> top-k / top-p / min-p -> draw. `adjust_logits` (penalties, masks) and
 `sampling_probs` (the filtered distribution) are row-wise: a row's distribution never depends on its batch
 neighbours. Rows with a seed draw from their own torch.Generator (reproducible whatever the batch); others
@@ -76,16 +76,19 @@ class Sampler:
     @torch.inference_mode()
     def adjust_logits(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
                       eos_token_ids: tuple[int, ...] | set[int] = ()) -> torch.Tensor:
-        """Penalties, min_new_tokens holds, then grammar masks, row by row: the logits greedy rows argmax and
-        sampled rows scale. A row below its min_new_tokens gets eos_token_ids and its stop_token_ids masked.
-        Returns a new tensor when anything applies, else logits itself (never modified)."""
+        """Penalties, logit_bias, min_new_tokens holds, then grammar masks, row by row: the logits greedy rows
+        argmax and sampled rows scale. A row below its min_new_tokens gets eos_token_ids and its stop_token_ids
+        masked. Returns a new tensor when anything applies, else logits itself (never modified)."""
         held = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
-        if not (any(r.params.has_penalties for r in reqs) or bitmask_fn or held):
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        if not (any(r.params.has_penalties for r in reqs) or bitmask_fn or held or biased):
             return logits
         logits = logits.clone()
         for i, r in enumerate(reqs):
             if r.params.has_penalties:
                 self._apply_penalties(logits[i], r)
+        for i in biased:
+            self._apply_logit_bias(logits[i], reqs[i].params.logit_bias)
         for i in held:
             V = logits.shape[1]  # stop ids past the vocabulary can never be sampled: nothing to hold
             ids = sorted(t for t in set(eos_token_ids) | set(reqs[i].params.stop_token_ids or ()) if t < V)
@@ -151,6 +154,12 @@ class Sampler:
             out = torch.tensor(r.output_ids, device=dev)
             counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+        """row[V] += bias at its token ids (ids were checked against the vocabulary at submission)."""
+        ids = torch.tensor(list(bias), device=row.device)
+        row[ids] += torch.tensor(list(bias.values()), device=row.device, dtype=row.dtype)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         return self._draw(sampling_probs(logits, [r.params for r in reqs]), reqs)

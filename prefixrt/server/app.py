@@ -25,6 +25,7 @@ from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.params import SamplingParams
 from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
+from prefixrt.server.dashboard import router as dashboard_router
 from prefixrt.server.errors import RequestFailed, error_response
 from prefixrt.server.lifecycle import Lifecycle
 from prefixrt.server.openai_api import router as openai_router
@@ -139,6 +140,7 @@ def create_app(engine, served_model_name: str | None = None, *, api_key: str | N
                        max_body_bytes=max_request_bytes)
     _install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(dashboard_router)  # /dashboard and /dashboard/data: admin routes (admission.py)
 
     @app.get("/health")
     async def health():

@@ -1,29 +1,42 @@
-"""Request -> (prompt, SamplingParams) and Completion/Chunk -> OpenAI response objects (plain dicts).
+"""Chat / completions requests -> (prompt, SamplingParams, tool plan), and engine outputs -> OpenAI objects.
 
-Shared by the HTTP server and the in-process OpenAI shim (which runs the same app without sockets).
+Shared by the HTTP server and the in-process OpenAI shim (which runs the same app without sockets). The
+request vocabulary itself (options, response_format, tools, messages) is lowered by prefixrt/lowering.py,
+the one translation layer the adapters use too; this module applies it to the server's request models and
+builds the response dicts. The routes turn an engine abort into an error (server/errors.py) before these run,
+so finish_reason is always one of OpenAI's values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
+from dataclasses import dataclass
 from typing import Any
 
+from prefixrt import lowering
 from prefixrt.errors import InvalidRequest
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import CONSTRAINT_FIELDS, SamplingParams
-from prefixrt.server import structured
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
-# Request field -> SamplingParams field, for the fields that carry over unchanged.
-_PASSTHROUGH = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k",
-                "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "regex",
-                "grammar", "choices", "json_schema", "cache_salt", "priority")
+# Request fields that carry over under their OpenAI names (lowering.sampling_options maps them).
+_OPTIONS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+            "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "regex",
+            "grammar", "choices", "json_schema", "cache_salt", "priority")
+
+
+def constrained_decoding_available() -> bool:
+    return importlib.util.find_spec("prefixrt.constrained.compiler") is not None
 
 
 def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int) -> dict[str, Any]:
-    params = {k: getattr(req, k) for k in _PASSTHROUGH if getattr(req, k) is not None}
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    params = lowering.sampling_options({k: getattr(req, k) for k in _OPTIONS}, what="request")
     params["max_new_tokens"] = default_max if max_new_tokens is None else max_new_tokens
     if req.min_tokens is not None:
         params["min_new_tokens"] = req.min_tokens
@@ -33,28 +46,55 @@ def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int) -
 def _finish_params(params: dict[str, Any]) -> SamplingParams:
     sp = SamplingParams(**params)
     kind = sp.constraint_kind
-    if kind is not None and not structured.constrained_decoding_available():
+    if kind is not None and not constrained_decoding_available():
         raise InvalidRequest("constrained decoding (regex, json_schema, grammar, choices, response_format, "
-                             "forced tool_choice) is not available in this build", param=kind)
+                             "tool_choice) is not available in this build", param=kind)
     return sp
 
 
-def chat_params(req: ChatCompletionRequest, max_context: int
-                ) -> tuple[list[dict], SamplingParams, structured.ToolMode]:
-    """The engine messages, SamplingParams and tool mode for a chat request (InvalidRequest when bad)."""
+@dataclass
+class ChatLowered:
+    messages: list[dict]  # what the chat template renders
+    params: SamplingParams
+    tools: lowering.ToolPlan | None
+    template_tools: list[dict] | None  # tools for apply_chat_template(tools=...), when it renders them
+
+
+def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
+    """The messages, SamplingParams and tool plan for a chat request (InvalidRequest when bad); the route
+    renders the messages with `eng.encode_chat` (tools given to the template when it renders them)."""
+    if req.functions is not None or req.function_call is not None:
+        raise InvalidRequest("functions / function_call are deprecated; pass tools / tool_choice",
+                             param="functions" if req.functions is not None else "function_call")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No limit given: generate until EOS or the context is full (the engine stops at max_context).
-    params = _base_params(req, limit, max_context)
+    params = _base_params(req, limit, eng.max_context)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
-    messages = structured.to_engine_messages(req)
-    mode = structured.apply(req, messages, params)
-    return messages, _finish_params(params), mode
+    rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
+    answer = lowering.response_format_constraint(rf)
+
+    tools = lowering.tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
+    syntax = lowering.template_call_syntax(eng.tokenizer) if tools and req.tool_prompt else None
+    choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
+    plan = lowering.plan_tools(tools, choice, req.parallel_tool_calls, syntax or lowering.BARE,
+                               text_schema=answer.get("json_schema") or ("json_object" if answer else None))
+    if plan is None:  # with tools, "auto" folds the answer's schema into its plan; a forced call has no answer
+        lowering.merge_constraint(params, answer, "response_format")
+    if plan is not None:
+        lowering.merge_constraint(params, plan.constraint, "tool_choice")
+    in_template = syntax is not None and plan is not None
+    messages = lowering.engine_messages([m.model_dump(exclude_none=True) for m in req.messages],
+                                        template_tools=in_template, syntax=syntax or lowering.BARE)
+    if plan is not None and not in_template and req.tool_prompt:
+        messages = lowering.with_system_note(messages, lowering.tools_prompt(plan))
+    return ChatLowered(messages, _finish_params(params), plan,
+                       lowering.template_tools(plan.tools) if in_template else None)
 
 
 def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -80,12 +120,12 @@ def fit_max_tokens(params: SamplingParams, requested: int | None, prompt_tokens:
 
 def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
     """The prompts (one or a batch) and SamplingParams for a completions request."""
-    if req.echo:
-        raise InvalidRequest("echo is not supported", param="echo")
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of other than n is not supported", param="best_of")
+    if req.echo and req.stream and req.logprobs is not None:
+        raise InvalidRequest("echo with logprobs is not supported when streaming", param="echo")
     params = _base_params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
@@ -131,32 +171,39 @@ def chat_logprobs(entries: list[dict] | None) -> dict | None:
 
 
 def completion_logprobs(entries: list[dict] | None, text_start: int = 0) -> dict | None:
+    """OpenAI's legacy logprobs object. top_logprobs always holds the sampled token beside the top-k
+    alternatives (so `logprobs: 0` still reports the sampled token, as vLLM does); prompt entries echoed
+    with a None logprob (the first prompt token) have a None top_logprobs entry."""
     if entries is None:
         return None
     offsets, at = [], text_start
+    tops: list[dict | None] = []
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs", [])} for e in entries],
-        "text_offset": offsets,
-    }
+        if e["logprob"] is None:
+            tops.append(None)
+            continue
+        top = {t["token"]: t["logprob"] for t in e.get("top_logprobs", [])}
+        top.setdefault(e["token"], e["logprob"])
+        tops.append(top)
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_message(text: str, mode: structured.ToolMode) -> tuple[dict, str | None]:
-    """The assistant message for a finished output; the finish_reason override when it is a tool call."""
-    calls = structured.parse_tool_calls(text, mode)
+def chat_message(text: str, plan: lowering.ToolPlan | None) -> tuple[dict, str | None]:
+    """The assistant message for a finished output; "tool_calls" when it is one or more tool calls."""
+    calls = plan.parse(text) if plan is not None else None
     if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": text}, None
+        return {"role": "assistant", "content": None, "refusal": None,
+                "tool_calls": [c.to_openai() for c in calls]}, "tool_calls"
+    return {"role": "assistant", "content": text, "refusal": None}, None
 
 
-def chat_response(c: Completion, rid: str, model: str, created: int, mode: structured.ToolMode) -> dict:
+def chat_response(c: Completion, rid: str, model: str, created: int, plan: lowering.ToolPlan | None) -> dict:
     choices = []
     for i, s in enumerate(samples(c)):
-        message, reason = chat_message(s.text, mode)
+        message, reason = chat_message(s.text, plan)
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(s.logprobs),
                         "finish_reason": reason or s.finish_reason})
     return {
@@ -165,11 +212,17 @@ def chat_response(c: Completion, rid: str, model: str, created: int, mode: struc
     }
 
 
-def completion_response(cs: list[Completion], rid: str, model: str, created: int) -> dict:
+def completion_response(cs: list[Completion], rid: str, model: str, created: int,
+                        echo: list[tuple[str, list[dict] | None]] | None = None) -> dict:
+    """echo: per prompt, (its text, its logprob entries or None), put before each of its samples."""
     choices = []
-    for c in cs:
+    for k, c in enumerate(cs):
         for s in samples(c):
-            choices.append({"index": len(choices), "text": s.text, "logprobs": completion_logprobs(s.logprobs),
+            head, head_lps = echo[k] if echo else ("", None)
+            lps = None
+            if s.logprobs is not None:
+                lps = completion_logprobs((head_lps or []) + s.logprobs)
+            choices.append({"index": len(choices), "text": head + s.text, "logprobs": lps,
                             "finish_reason": s.finish_reason})
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
@@ -177,6 +230,29 @@ def completion_response(cs: list[Completion], rid: str, model: str, created: int
                        sum(s.completion_tokens for c in cs for s in samples(c)),
                        sum(c.cached_tokens for c in cs)),
     }
+
+
+def prompt_entries(eng, prompt) -> tuple[str, list[dict]]:
+    """A completions prompt's text and per-token logprob entries (the first token's logprob is None, as in
+    OpenAI's echo), scored by the engine in one extend of the prompt's first token."""
+    tok = eng.tokenizer
+    with getattr(eng, "tokenizer_lock", None) or contextlib.nullcontext():
+        ids = list(prompt) if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=True)
+        pieces = [tok.decode([t]) for t in ids]
+    text = prompt if isinstance(prompt, str) else "".join(pieces)
+    if len(ids) < 2:
+        return text, [{"token": p, "logprob": None, "top_logprobs": []} for p in pieces]
+    _, _, (lps,) = eng.score_continuations(ids[:1], [ids[1:]])
+    entries = [{"token": pieces[0], "logprob": None, "top_logprobs": []}]
+    entries += [{"token": p, "logprob": lp, "top_logprobs": []} for p, lp in zip(pieces[1:], lps)]
+    return text, entries
+
+
+def prompt_text(eng, prompt) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    with getattr(eng, "tokenizer_lock", None) or contextlib.nullcontext():
+        return eng.tokenizer.decode(list(prompt))
 
 
 class StreamUsage:

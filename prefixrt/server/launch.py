@@ -77,6 +77,10 @@ def check_engine_args(args: argparse.Namespace) -> None:
 def check_serve_args(args: argparse.Namespace) -> None:
     """Fail in a second, not after loading the model: the port must be in range and free on the host."""
     import socket
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
+        print(f"[prefixrt] WARNING: serving on {args.host} (not a loopback address) without an API key: anyone "
+              "who can reach it can use it. Set --api-key (or PREFIXRT_API_KEY) and --admin-api-key.",
+              file=sys.stderr, flush=True)
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be between 0 (any free port) and 65535, got {args.port}")
@@ -156,10 +160,6 @@ def serve(args: argparse.Namespace) -> int:
     from prefixrt.server.app import create_app
     from prefixrt.server.lifecycle import Lifecycle
 
-    if args.host not in LOOPBACK_HOSTS and not args.api_key:
-        print(f"[prefixrt] WARNING: serving on {args.host} (not a loopback address) without an API key: anyone "
-              "who can reach it can use it. Set --api-key (or PREFIXRT_API_KEY) and --admin-api-key.",
-              file=sys.stderr, flush=True)
     try:
         eng = build_engine(args, own_process=not args.engine_in_process)
     except RuntimeError as e:  # the engine failed to start (e.g. its process died); other mistakes reach cli.main

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions (JSON or SSE).
+"""OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE);
+/v1/responses lives in responses.py (included here).
 
 Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineFront.aencode),
 checks max_tokens against the context, then submits the token ids (off the event loop too: a constrained
@@ -16,14 +17,18 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
-from prefixrt.server import convert, structured
+from prefixrt.lowering import ToolPlan
+from prefixrt.server import convert
 from prefixrt.server.errors import RequestFailed
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
+from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
 from prefixrt.server.validate import check_body
 
 router = APIRouter()
+router.include_router(responses_router)
 
 
 def _engine(request: Request):
@@ -64,25 +69,34 @@ def _model_name(request: Request) -> str:
     return request.app.state.model_name
 
 
+def _model_card(request: Request) -> dict:
+    eng = _engine(request)
+    return {"id": _model_name(request), "object": "model", "created": request.app.state.created,
+            "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
+            "vocab_size": getattr(eng, "vocab_size", None), "revision": getattr(eng, "model_revision", None)}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request):
-    eng = _engine(request)
-    return JSON({"object": "list", "data": [{
-        "id": _model_name(request), "object": "model", "created": request.app.state.created,
-        "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
-        "vocab_size": getattr(eng, "vocab_size", None),
-    }]})
+    return JSON({"object": "list", "data": [_model_card(request)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    if model_id != _model_name(request):
+        raise HTTPException(404, f"the model {model_id!r} does not exist; this server serves "
+                                 f"{_model_name(request)!r}")
+    return JSON(_model_card(request))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_body(body)
-    messages, params, mode = convert.chat_params(body, eng.max_context)
-    if body.continue_final_message:
-        ids = await run_in_threadpool(eng.encode_continuation, messages)
-    else:
-        ids = await eng.aencode(messages)
+    lowered = convert.chat_params(body, eng)
+    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
+                                  body.continue_final_message)
+    params, mode = lowered.params, lowered.tools
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = convert.fit_max_tokens(params, convert.requested_max_tokens(body), len(ids), eng.max_context,
@@ -101,8 +115,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     return EventStream(gen, on_close=_stream_close(eng, lc, [rid]))
 
 
-async def _chat_events(chunks, rid: str, model: str, created: int, mode: structured.ToolMode,
+async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
                        include_usage: bool, lc) -> AsyncIterator[str]:
+    """Text streams as it comes. With tools, a sample's text is held while it may still be a call (it starts
+    like one); calls are sent whole, one delta per call, once the sample ends."""
     usage = convert.StreamUsage()
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
@@ -121,21 +137,22 @@ async def _chat_events(chunks, rid: str, model: str, created: int, mode: structu
         i = ch.index
         if i not in started:
             started.add(i)
-            yield chunk(i, {"role": "assistant", "content": ""})
-        if mode.active and i not in plain:
+            yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+        if plan is not None and i not in plain:
             held[i] = held.get(i, "") + ch.text
             if ch.logprobs:
                 held_lps.setdefault(i, []).extend(ch.logprobs)
-            lead = held[i].lstrip()[:1]
-            if not mode.forced and lead and lead not in "{<`":  # "auto" and clearly prose: stream it
+            if not plan.may_be_call(held[i]):  # clearly prose: stream it
                 plain.add(i)
                 yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
+                if ch.finish_reason is not None:
+                    yield chunk(i, {}, ch.finish_reason)
             elif ch.finish_reason is not None:
                 text, lps = held.pop(i, ""), held_lps.pop(i, None)
-                calls = structured.parse_tool_calls(text, mode)
+                calls = plan.parse(text)
                 if calls:
-                    delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
-                    yield chunk(i, delta, lps=lps)
+                    for k, c in enumerate(calls):
+                        yield chunk(i, {"tool_calls": [{"index": k, **c.to_openai()}]}, lps=lps if k == 0 else None)
                     yield chunk(i, {}, "tool_calls")
                 else:
                     yield chunk(i, {"content": text}, lps=lps)
@@ -169,7 +186,14 @@ async def completions(body: CompletionRequest, request: Request):
         with lc.serving(eng, rids):
             cs = await until_disconnect(request, run())
         _raise_if_aborted(lc, cs)
-        return JSON(convert.completion_response(list(cs), rid, model, created))
+        echo = None
+        if body.echo:
+            if body.logprobs is not None:
+                echo = [await run_in_threadpool(convert.prompt_entries, eng, ids) for ids in encoded]
+                echo = [(convert.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, echo)]
+            else:
+                echo = [(convert.prompt_text(eng, p), None) for p in prompts]
+        return JSON(convert.completion_response(list(cs), rid, model, created, echo))
     opened = await asyncio.gather(*(eng.astream_open(ids, sp) for ids, sp in zip(encoded, per_prompt)),
                                   return_exceptions=True)
     failed = [x for x in opened if isinstance(x, BaseException)]
@@ -179,12 +203,14 @@ async def completions(body: CompletionRequest, request: Request):
         raise failed[0]
     lc.register(eng, rids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc))
+    heads = [convert.prompt_text(eng, p) for p in prompts] if body.echo else None
+    gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
     return EventStream(gen, on_close=_stream_close(eng, lc, rids))
 
 
 async def _completion_events(streams, n: int, rid: str, model: str, created: int,
-                             include_usage: bool, lc) -> AsyncIterator[str]:
+                             include_usage: bool, lc, heads: list[str] | None = None) -> AsyncIterator[str]:
+    """heads: with echo, each prompt's text, sent first on each of its samples."""
     usage = convert.StreamUsage()
     offsets: dict[int, int] = {}
     async for k, ch in _merge(streams):
@@ -194,10 +220,13 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
             return
         usage.add(k, ch)
         index = k * n + ch.index
-        lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + len(ch.text)
-        if ch.text or ch.logprobs or ch.finish_reason is not None:
-            yield sse(convert.completion_chunk(rid, model, created, index, ch.text, ch.finish_reason, lps))
+        text = ch.text
+        if heads is not None and index not in offsets:
+            text = heads[k] + text
+        lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0) + len(text) - len(ch.text))
+        offsets[index] = offsets.get(index, 0) + len(text)
+        if text or ch.logprobs or ch.finish_reason is not None:
+            yield sse(convert.completion_chunk(rid, model, created, index, text, ch.finish_reason, lps))
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))
     yield SSE_DONE

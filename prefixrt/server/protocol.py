@@ -33,6 +33,7 @@ class _Sampling(_Body):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     max_tokens: int | None = None
     user: str | None = None
     # prefixrt / vLLM / SGLang extras
@@ -67,9 +68,14 @@ class ToolCall(_Body):
     function: ToolCallFunction
 
 
+class RefusalPart(_Body):
+    type: Literal["refusal"] = "refusal"
+    refusal: str
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | RefusalPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -120,6 +126,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     tool_prompt: bool = True  # prefixrt extra: False when the messages already describe the tools
+    function_call: Any = None  # OpenAI's deprecated forms: refused with a pointer to tools
+    functions: Any = None
     # vLLM / SGLang extra: the final assistant message is a prefix to continue, not a finished turn
     continue_final_message: bool = False
 

@@ -12,13 +12,7 @@ from typing import Annotated
 import jsonschema
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
-from prefixrt.adapters._lowering import (
-    ToolSpec,
-    closed_schema,
-    parse_tool_reply,
-    tool_call_schema,
-    tools_instruction,
-)
+from prefixrt.adapters._lowering import Tool, plan_tools, strict_schema, tools_prompt
 from prefixrt.adapters.langchain import to_chat_messages
 from pydantic import BaseModel, Field
 
@@ -178,42 +172,42 @@ def test_message_lowering():
 
 
 def test_tool_schema_shapes():
-    tools = [ToolSpec("add", "Add.", {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}),
-             ToolSpec("now", "", {"type": "object", "properties": {}})]
-    forced = tool_call_schema(tools, "now")
+    tools = [Tool("add", "Add.", {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}),
+             Tool("now", "", {"type": "object", "properties": {}})]
+    forced = plan_tools(tools, "now").constraint["json_schema"]
     assert forced["properties"]["name"] == {"const": "now"}
-    assert forced["properties"]["arguments"]["additionalProperties"] is False  # a call carries declared args only
-    assert len(tool_call_schema(tools, "auto")["anyOf"]) == 3
+    args = forced["$defs"]["now.arguments"]
+    assert args["additionalProperties"] is False  # a call carries declared args only
+    assert "grammar" in plan_tools(tools, "auto").constraint  # text, or one or more calls
     with pytest.raises(ValueError):
-        tool_call_schema(tools, "missing")
-    assert parse_tool_reply('{"name": "add", "arguments": {"x": 2}}').tool_arguments == {"x": 2}
-    assert parse_tool_reply('{"response": "hi"}').text == "hi"
-    assert "add(x: integer): Add." in tools_instruction(tools, "required")
+        plan_tools(tools, "missing")
+    plan = plan_tools(tools, "required")
+    assert plan.parse('{"name": "add", "arguments": {"x": 2}}')[0].arguments == {"x": 2}
+    assert plan.parse("hi") is None
+    assert "add(x: integer): Add." in tools_prompt(plan)
 
 
-def test_tool_schema_hoists_definitions():
-    """Nested models ($defs, or pydantic v1's definitions) end up at the root, where their refs point."""
-    v2 = ToolSpec("lookup", "", Lookup.model_json_schema())
-    v1 = ToolSpec("old", "", {"type": "object", "properties": {"b": {"$ref": "#/definitions/Old"}},
-                              "definitions": {"Old": {"type": "object", "properties": {"n": {"type": "integer"}}}}})
-    schema = tool_call_schema([v2, v1], "required")
-    assert set(schema["$defs"]) == {"Book", "Old"}
-    assert schema["$defs"]["Book"]["additionalProperties"] is False
-    old_args = schema["anyOf"][1]["properties"]["arguments"]
-    assert old_args["properties"]["b"] == {"$ref": "#/$defs/Old"}
+def test_tool_schema_keeps_definitions_resolving():
+    """Nested models ($defs, or pydantic v1's definitions) keep resolving inside the call schema, each tool's
+    under its own name (two tools may define different schemas of one name)."""
+    v2 = Tool("lookup", "", Lookup.model_json_schema())
+    v1 = Tool("old", "", {"type": "object", "properties": {"b": {"$ref": "#/definitions/Old"}},
+                          "definitions": {"Old": {"type": "object", "properties": {"n": {"type": "integer"}}}}})
+    clash = Tool("clash", "", {"type": "object", "properties": {"b": {"$ref": "#/$defs/Book"}},
+                               "$defs": {"Book": {"type": "string"}}})
+    schema = plan_tools([v2, v1, clash], "required", False).constraint["json_schema"]
+    assert set(schema["$defs"]) == {"lookup.arguments", "old.arguments", "clash.arguments"}
+    assert schema["$defs"]["lookup.arguments"]["$defs"]["Book"]["additionalProperties"] is False
     jsonschema.validate({"name": "old", "arguments": {"b": {"n": 1}}}, schema)
+    jsonschema.validate({"name": "clash", "arguments": {"b": "x"}}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"name": "old", "arguments": {"b": {"n": 1, "extra": 2}}}, schema)
-    clash = ToolSpec("clash", "", {"type": "object", "properties": {"b": {"$ref": "#/$defs/Book"}},
-                                   "$defs": {"Book": {"type": "string"}}})
-    with pytest.raises(ValueError, match="Book"):
-        tool_call_schema([v2, clash], "required")
 
 
 def test_closed_schema_keeps_explicit_choices():
     schema = {"type": "object", "properties": {"m": {"type": "object", "additionalProperties": {"type": "integer"}},
                                                "o": {"type": "object", "properties": {}, "additionalProperties": True}}}
-    closed = closed_schema(schema)
+    closed = strict_schema(schema)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["m"]["additionalProperties"] == {"type": "integer"}
     assert closed["properties"]["o"]["additionalProperties"] is True

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from prefixrt.bench import workloads as W
 
 
@@ -84,3 +86,33 @@ def test_bench_cli_long_context_reports_floor(tiny_checkpoints, tiny_tokenizer, 
     assert shape.linear_params == 2 * (64 * (64 + 2 * 32 + 64) + 3 * 64 * 128)  # tiny llama: 2 layers
     assert floor["prefill_tflop"] >= 0 and prefill_flops(shape, 20, 0) > 0
     assert "of the floor" in capsys.readouterr().out
+
+
+def test_split_cold_hot():
+    from prefixrt.bench.plot import split_cold_hot
+    from prefixrt.bench.runner import RequestRecord
+
+    recs = [RequestRecord(10, 0, 2, 0.3, 0.5), RequestRecord(10, 8, 2, 0.1, 0.2), RequestRecord(10, 0, 2, 0.2, 0.4)]
+    assert split_cold_hot(recs) == ([0.2, 0.3], [0.1])
+
+
+def test_bench_cli_plot_writes_a_png(tiny_checkpoints, tiny_tokenizer, tmp_path, capsys):
+    """--plot draws a real PNG beside the table and the JSON (both baselines: cold and hot requests)."""
+    pytest.importorskip("matplotlib", reason="matplotlib is in the bench extra: pip install -e '.[bench]'")
+    import matplotlib.image
+
+    from prefixrt.bench.cli import main
+
+    path, _ = tiny_checkpoints("llama")
+    tiny_tokenizer.save_pretrained(str(path))
+    png, out = tmp_path / "bench.png", tmp_path / "r.json"
+    rc = main(["--workload", "shared-prefix", "--model", str(path), "--device", "cpu", "--groups", "2",
+               "--prompts-per-group", "4", "--system-len", "40", "--question-len", "8", "--output-len", "4",
+               "--kv-cache-tokens", "2048", "--json", str(out), "--plot", str(png), "--no-progress"])
+    assert rc == 0 and json.loads(out.read_text())["results"]
+    assert f"plot written to {png}" in capsys.readouterr().out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[0] >= 400 and img.shape[1] >= 1000  # 13 x 5.2 in at 110 dpi
+    assert img[..., :3].std() > 0.05  # drawn, not blank

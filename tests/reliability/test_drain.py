@@ -69,13 +69,13 @@ def _assert_refused(refused: httpx.Response, health: httpx.Response) -> None:
 
 
 def test_sigterm_drain_lets_16_requests_finish(long_model_dir, tmp_path):
-    code, exit_s, refused, health, results, log = _drain(long_model_dir, tmp_path, 30.0, max_tokens=200)
+    code, exit_s, refused, health, results, log = _drain(long_model_dir, tmp_path, 30.0, max_tokens=400)
     assert code == 0, log
     _assert_refused(refused, health)
     for k, (status, out) in enumerate(results):
         assert status == 200, (k, out)
         if isinstance(out, dict):  # non-streaming
-            assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 200, out
+            assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 400, out
         else:
             assert out[-1] == "[DONE]" and not any("error" in e for e in out[:-1]), out[-3:]
             reasons = [c["finish_reason"] for e in out[:-1] for c in e["choices"] if c["finish_reason"]]
@@ -97,5 +97,5 @@ def test_sigterm_drain_timeout_aborts_cleanly(long_model_dir, tmp_path):
             err = assert_error_shape(out[-2])
             assert err["code"] == "server_shutting_down", (k, err)
             assert not any(c.get("finish_reason") for e in out[:-2] for c in e["choices"]), (k, out[-4:])
-    assert exit_s < 1.0 + 10, exit_s
+    assert exit_s < 1.0 + 30, exit_s
     assert "Traceback" not in log, log

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -222,3 +223,19 @@ def needs_constrained_decoding():
 
     return pytest.mark.skipif(importlib.util.find_spec("prefixrt.constrained.compiler") is None,
                               reason="prefixrt.constrained.compiler (constrained decoding) is not on this branch yet")
+
+
+@pytest.fixture(scope="module")
+def long_server(model_dirs, tmp_path_factory):
+    """`prefixrt serve` on the tiny llama with a 2048-token context (its checkpoint says 128, too few for the
+    tools' description the fallback prompt adds; RoPE has no learned positions, so only the limit changes)."""
+    folder = tmp_path_factory.mktemp("long") / "tiny-llama"
+    shutil.copytree(model_dirs("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 2048
+    (folder / "config.json").write_text(json.dumps(config))
+    args = ["--model", str(folder), "--served-model-name", SERVED_NAME, "--device", "cpu",
+            "--kv-cache-tokens", "16384", "--log-level", "warning"]
+    with ServeProcess(args, tmp_path_factory.mktemp("serve") / "serve.log") as live:
+        yield live
+        assert_clean(live.wait_idle())

@@ -8,8 +8,6 @@ import jsonschema
 import pydantic
 import pytest
 
-from prefixrt.server import structured
-from prefixrt.server.protocol import ChatCompletionRequest
 from tests.server.conftest import needs_constrained_decoding
 
 
@@ -80,7 +78,7 @@ def test_parse_pydantic(client):
 def test_forced_tool_call(client, choice):
     out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
                                          temperature=0, tools=TOOLS, tool_choice=choice,
-                                         extra_body={"tool_prompt": False})
+                                         parallel_tool_calls=False, extra_body={"tool_prompt": False})
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     (call,) = c.message.tool_calls
@@ -92,7 +90,8 @@ def test_forced_tool_call(client, choice):
     # Streaming gives the same call, as one tool_calls delta.
     chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
                                                  temperature=0, tools=TOOLS, tool_choice=choice,
-                                                 stream=True, extra_body={"tool_prompt": False}))
+                                                 parallel_tool_calls=False, stream=True,
+                                                 extra_body={"tool_prompt": False}))
     deltas = [tc for ch in chunks for ch_c in ch.choices for tc in (ch_c.delta.tool_calls or [])]
     assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
@@ -126,54 +125,8 @@ def test_gemma_tool_call_with_tool_prompt(gemma_client):
     """The real model, with the tools described in the prompt: a forced call names a tool and valid args."""
     out = gemma_client.chat.completions.create(
         model="gemma-3-270m", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-        max_tokens=40, temperature=0, tools=TOOLS, tool_choice="required")
+        max_tokens=40, temperature=0, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     (call,) = out.choices[0].message.tool_calls
     tool = {t["function"]["name"]: t["function"] for t in TOOLS}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), tool["parameters"])
     assert out.usage.prompt_tokens > 100  # the tool descriptions went into the prompt
-
-
-# ------------------------------------------------------------------ request folding (no model needed)
-def _req(**kw) -> ChatCompletionRequest:
-    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **kw)
-
-
-def test_tool_modes_fold_into_params_and_prompt():
-    params: dict = {}
-    messages = [{"role": "user", "content": "hi"}]
-    mode = structured.apply(_req(tools=TOOLS, tool_choice="required"), messages, params)
-    assert mode.forced and mode.names == ["get_weather", "add"]
-    assert [b["properties"]["name"]["const"] for b in params["json_schema"]["anyOf"]] == ["get_weather", "add"]
-    assert messages[0]["role"] == "system" and "get_weather" in messages[0]["content"]
-
-    params, messages = {}, [{"role": "user", "content": "hi"}]
-    mode = structured.apply(_req(tools=TOOLS), messages, params)  # auto: no constraint
-    assert not mode.forced and "json_schema" not in params and messages[0]["role"] == "system"
-    params, messages = {}, [{"role": "user", "content": "hi"}]
-    mode = structured.apply(_req(tools=TOOLS, tool_choice="none"), messages, params)
-    assert not mode.active and params == {} and len(messages) == 1
-
-
-def test_auto_mode_reads_tool_calls_or_text():
-    mode = structured.ToolMode(names=["add"], forced=False)
-    (call,) = structured.parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', mode)
-    assert call["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
-    assert structured.parse_tool_calls("```json\n{\"name\": \"add\", \"arguments\": {}}\n```", mode)
-    assert structured.parse_tool_calls("The answer is 3.", mode) is None
-    assert structured.parse_tool_calls('{"name": "unknown", "arguments": {}}', mode) is None
-
-
-def test_tool_history_messages_render():
-    req = ChatCompletionRequest(messages=[
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "add "}, {"type": "text", "text": "1 2"}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "3"},
-    ])
-    assert structured.to_engine_messages(req) == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "add 1 2"},
-        {"role": "assistant", "content": '{"name": "add", "arguments": {"a": 1}}'},
-        {"role": "user", "content": "Tool result: 3"},
-    ]

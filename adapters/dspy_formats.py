@@ -1,0 +1,132 @@
+"""The output format a DSPy adapter asks for, as a constraint: so a DSPy program parses on the first call.
+
+DSPy's adapters describe the reply they expect in the prompt and parse it afterwards; a small model often
+misses the format, and DSPy then retries with another adapter (a second call) or fails. DSPy passes the LM
+only messages (no signature), but its adapters spell out the output fields in fixed sentences, and that is
+enough to rebuild the format as a grammar (llguidance Lark):
+
+- ChatAdapter: the last user message ends with "Respond with the corresponding output fields, starting with
+  the field `[[ ## a ## ]]`, then `[[ ## b ## ]]` (must be formatted as a valid Python int), and then ending
+  with the marker for `[[ ## completed ## ]]`." The system message's field structure carries each field's
+  note ("must be a single int value", "must be True or False", "must exactly match (no extra characters) one
+  of: x; y", "must adhere to the JSON schema: {...}"). The reply becomes
+  `[[ ## a ## ]]\\n<a>\\n\\n[[ ## b ## ]]\\n<b>\\n\\n[[ ## completed ## ]]`, headers forced, each value typed:
+  text (non-empty, no blank line and no "[[" inside, so a paragraph break or a header moves on to the next
+  field), an integer or number,
+  True/False, one of the choices, or JSON under the field's schema (strict-mode rule applied).
+- XMLAdapter: "Respond with the corresponding output fields wrapped in XML tags `<a>`, then `<b>`." ->
+  `<a>\\n<text>\\n</a>\\n<b>\\n...</b>` (typed the same way where the structure block gives a note).
+- JSONAdapter sends its schema as `response_format` itself (the engine declares response-schema support),
+  so it needs nothing from here.
+
+`output_format_constraint(messages)` returns {"grammar": ...} or {} when no adapter format is recognised
+(plain prompts are left unconstrained).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
+from prefixrt.json_schema import strict_schema
+
+_CHAT_REQUEST = re.compile(r"Respond with the corresponding output fields, starting with the field (.*?), and then "
+                           r"ending with the marker for `\[\[ ## completed ## \]\]`\.", re.S)
+_CHAT_FIELD = re.compile(r"`\[\[ ## (\w+) ## \]\]`")
+_XML_REQUEST = re.compile(r"Respond with the corresponding output fields wrapped in XML tags ((?:`<\w+>`(?:, then )?)+)")
+_XML_FIELD = re.compile(r"`<(\w+)>`")
+_NOTE = "# note: the value you produce "
+
+# A text value: starts with a visible character, has no blank line (a paragraph break ends the field) and no
+# "[[" (a small model that starts writing a field header inside a value is steered to the real one).
+_TEXT = r"/[^\s\[]([^\n\[]|\n[^\n\[]|\[[^\[\n])*/"
+_INT = r"/-?[0-9]+/"
+_NUMBER = r"/-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _notes(system: str) -> dict[str, str]:
+    """field name -> the note DSPy's field structure gives its value ("" for plain text)."""
+    notes = {}
+    for m in re.finditer(r"\[\[ ## (\w+) ## \]\]\n\{\1\}([^\n]*)", system):
+        rest = m.group(2)
+        notes[m.group(1)] = rest.split(_NOTE, 1)[1].strip() if _NOTE in rest else ""
+    for m in re.finditer(r"<(\w+)>\n\{\1\}([^\n]*)", system):
+        rest = m.group(2)
+        notes.setdefault(m.group(1), rest.split(_NOTE, 1)[1].strip() if _NOTE in rest else "")
+    return notes
+
+
+def _value_rule(name: str, note: str, suffix: str, rules: list[str]) -> str:
+    """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned."""
+    rule = f"v_{name}"
+    if note.startswith("must adhere to the JSON schema: "):
+        try:
+            schema = json.loads(note[len("must adhere to the JSON schema: "):])
+        except ValueError:
+            schema = None
+        if isinstance(schema, dict):
+            schema = {**strict_schema(schema), "x-guidance": {
+                "whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR,
+                "key_separator": JSON_KEY_SEPARATOR}}
+            rules.append(f"{rule}: %json {json.dumps(schema, ensure_ascii=False)} {_lit(suffix)}")
+            return rule
+    if note == "must be True or False":
+        body = "/True|False/"
+    elif note in ("must be a single int value",):
+        body = _INT
+    elif note in ("must be a single float value",):
+        body = _NUMBER
+    elif note.startswith("must exactly match (no extra characters) one of: ") or note.startswith("must be one of: "):
+        options = note.split(": ", 1)[1].split("; ")
+        alts = " | ".join(_lit(o) for o in options)
+        rules.append(f"{rule}: ({alts}) {_lit(suffix)}")
+        return rule
+    else:
+        body = _TEXT
+    rules.append(f"{rule}[suffix={_lit(suffix)}]: {body}")
+    return rule
+
+
+def chat_adapter_grammar(fields: list[str], notes: dict[str, str]) -> str:
+    rules: list[str] = []
+    seq = []
+    for k, name in enumerate(fields):
+        after = f"\n\n[[ ## {fields[k + 1]} ## ]]\n" if k + 1 < len(fields) else "\n\n[[ ## completed ## ]]"
+        seq.append(_value_rule(name, notes.get(name, ""), after, rules))
+    start = f"start: {_lit(f'[[ ## {fields[0]} ## ]]' + chr(10))} " + " ".join(seq)
+    return "\n".join([start, *rules])
+
+
+def xml_adapter_grammar(fields: list[str], notes: dict[str, str]) -> str:
+    rules: list[str] = []
+    seq = []
+    for k, name in enumerate(fields):
+        after = f"\n</{name}>" + (f"\n<{fields[k + 1]}>\n" if k + 1 < len(fields) else "")
+        seq.append(_value_rule(name, notes.get(name, ""), after, rules))
+    start = f"start: {_lit(f'<{fields[0]}>' + chr(10))} " + " ".join(seq)
+    return "\n".join([start, *rules])
+
+
+def output_format_constraint(messages: list[dict]) -> dict:
+    """{"grammar": ...} for the reply format a DSPy adapter asked for in `messages`, or {}."""
+    users = [m for m in messages if m.get("role") == "user"]
+    if not users:
+        return {}
+    last = users[-1].get("content") or ""
+    system = "\n".join(m.get("content") or "" for m in messages if m.get("role") == "system")
+    m = _CHAT_REQUEST.search(last)
+    if m:
+        fields = _CHAT_FIELD.findall(m.group(1))
+        if fields:
+            return {"grammar": chat_adapter_grammar(fields, _notes(system))}
+    m = _XML_REQUEST.search(last)
+    if m:
+        fields = _XML_FIELD.findall(m.group(1))
+        if fields:
+            return {"grammar": xml_adapter_grammar(fields, _notes(system))}
+    return {}

@@ -1,0 +1,393 @@
+"""POST /v1/responses (OpenAI's Responses API), JSON or SSE with the Responses event types; GET and DELETE
+/v1/responses/{id}.
+
+A Responses request is lowered to a chat request and goes through the same translation layer
+(convert.chat_params -> prefixrt/lowering.py): `instructions` -> a leading system message, `input` (text or
+items: messages, `function_call`, `function_call_output`) -> chat messages, `text.format` -> response_format,
+function `tools` / `tool_choice` / `parallel_tool_calls` -> the tool plan, `max_output_tokens` -> max_tokens.
+
+`previous_response_id`: every response is kept in memory (`ResponseStore`, bounded, least recently used
+dropped first) as the conversation it ended: earlier input and output items, never instructions (which,
+as in OpenAI's API, do not carry over). A follow-up renders that conversation again, so its prompt begins
+with the tokens of the earlier turn and the radix cache reuses their K/V (usage.input_tokens_details.
+cached_tokens shows it). `store: false` keeps a response out of the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from prefixrt.errors import InvalidRequest
+from prefixrt.lowering import ToolCall, ToolPlan, content_text, new_call_id
+from prefixrt.server import convert
+from prefixrt.server.errors import RequestFailed
+from prefixrt.server.protocol import ChatCompletionRequest, _Body
+from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
+from prefixrt.server.validate import check_body
+
+router = APIRouter()
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    text: TextConfig | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    # prefixrt / vLLM extras, as on chat
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    cache_salt: str | None = None
+    tool_prompt: bool = True  # as on chat: False when the input already describes the tools
+
+
+class ResponseStore:
+    """id -> (the conversation as chat messages, the response object), least recently used dropped first."""
+
+    def __init__(self, max_entries: int = 1024):
+        self.max_entries = max_entries
+        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, messages: list[dict], response: dict) -> None:
+        with self._lock:
+            self._items[rid] = (messages, response)
+            self._items.move_to_end(rid)
+            while len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[list[dict], dict] | None:
+        with self._lock:
+            item = self._items.get(rid)
+            if item is not None:
+                self._items.move_to_end(rid)
+            return item
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            return self._items.pop(rid, None) is not None
+
+
+def _store(request: Request) -> ResponseStore:
+    state = request.app.state
+    if getattr(state, "responses", None) is None:
+        state.responses = ResponseStore()
+    return state.responses
+
+
+# ---------------------------------------------------------------------------------------------- input
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """Responses `input` -> OpenAI chat messages (function calls become assistant tool_calls, their outputs
+    tool messages). Reasoning items are dropped (prefixrt models emit none)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for k, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequest(f"input[{k}]: unsupported role {role!r}", param=f"input[{k}].role")
+            out.append({"role": role, "content": content_text(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                        "content": output if isinstance(output, str) else content_text(output)})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise InvalidRequest(f"input[{k}]: unsupported item type {kind!r}", param=f"input[{k}].type")
+    return out
+
+
+def _chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
+    rf = None
+    fmt = body.text.format if body.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        rf = {"type": fmt.type}
+        if fmt.type == "json_schema":
+            rf["json_schema"] = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
+    if body.top_logprobs is not None:
+        raise InvalidRequest("top_logprobs is not supported on /v1/responses", param="top_logprobs")
+    tools = []
+    for k, t in enumerate(body.tools or []):
+        if t.get("type") != "function":
+            raise InvalidRequest(f"tools[{k}]: only function tools are supported, not {t.get('type')!r}",
+                                 param=f"tools[{k}].type")
+        tools.append({"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description"), "parameters": t.get("parameters"),
+            "strict": t.get("strict")}})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise InvalidRequest(f"unsupported tool_choice {choice!r}", param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    fields = dict(messages=system + messages, max_tokens=body.max_output_tokens, temperature=body.temperature,
+                  top_p=body.top_p, response_format=rf, tools=tools or None, tool_choice=choice,
+                  parallel_tool_calls=body.parallel_tool_calls, seed=body.seed, stop=body.stop, top_k=body.top_k,
+                  min_p=body.min_p, repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt,
+                  tool_prompt=body.tool_prompt)
+    return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _message_item(text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call_item(call: ToolCall, status: str = "completed") -> dict:
+    oc = call.to_openai(new_call_id())
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": oc["id"], "name": call.name,
+            "arguments": oc["function"]["arguments"], "status": status}
+
+
+def output_items(text: str, plan: ToolPlan | None, finish: str) -> list[dict]:
+    calls = plan.parse(text) if plan is not None else None
+    if calls:
+        return [_call_item(c) for c in calls]
+    return [_message_item(text, "completed" if finish == "stop" else "incomplete")]
+
+
+def output_messages(items: list[dict]) -> list[dict]:
+    """Output items -> the chat messages they add to the conversation (for previous_response_id)."""
+    return input_messages([{k: v for k, v in item.items() if k not in ("id", "status")} for item in items])
+
+
+class _Shell:
+    """The parts of a response object fixed at request time."""
+
+    def __init__(self, body: ResponsesRequest, model: str, rid: str, created: int, params):
+        self.body, self.model, self.rid, self.created = body, model, rid, created
+        self.temperature = params.temperature
+        self.top_p = params.top_p
+
+    def response(self, status: str, output: list[dict], usage: dict | None, incomplete: str | None = None) -> dict:
+        b = self.body
+        fmt = b.text.format.model_dump(by_alias=True, exclude_none=True) if b.text and b.text.format else {
+            "type": "text"}
+        return {
+            "id": self.rid, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
+            "error": None, "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
+            "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": b.previous_response_id, "reasoning": None, "store": b.store,
+            "temperature": self.temperature, "text": {"format": fmt},
+            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
+            "top_p": self.top_p, "truncation": b.truncation or "disabled",
+            "metadata": b.metadata or {}, **({"usage": usage} if usage is not None else {}),
+            **({"user": b.user} if b.user is not None else {}),
+        }
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    # cache_write_tokens: the prompt tokens computed now, which the radix cache keeps for later requests.
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": prompt_tokens - cached_tokens},
+            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    eng = request.app.state.engine
+    store = _store(request)
+    history: list[dict] = []
+    if body.previous_response_id is not None:
+        prev = store.get(body.previous_response_id)
+        if prev is None:
+            raise InvalidRequest(f"previous response {body.previous_response_id!r} is not stored on this server",
+                                 param="previous_response_id")
+        history = prev[0]
+    conversation = history + input_messages(body.input)
+    chat = _chat_request(body, conversation)
+    check_body(chat)
+    lowered = convert.chat_params(chat, eng)
+    if lowered.params.n != 1:
+        raise InvalidRequest("n must be 1 on /v1/responses", param="n")
+    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools)
+    rid = f"resp_{uuid.uuid4().hex}"
+    params = convert.fit_max_tokens(lowered.params, body.max_output_tokens, len(ids), eng.max_context,
+                                    "max_output_tokens")
+    params = dataclasses.replace(params, request_id=rid)
+    shell = _Shell(body, request.app.state.model_name, rid, int(time.time()), params)
+    lc = request.app.state.lifecycle
+
+    def finish(text: str, reason: str, usage: dict) -> dict:
+        items = output_items(text, lowered.tools, reason)
+        status, incomplete = ("completed", None) if reason == "stop" else ("incomplete", "max_output_tokens")
+        response = shell.response(status, items, usage, incomplete)
+        if body.store:
+            store.put(rid, conversation + output_messages(items), response)
+        return response
+
+    if not body.stream:
+        with lc.serving(eng, [rid]):
+            c = await until_disconnect(request, eng.agenerate(ids, params))
+        if c.finish_reason == "abort":
+            raise RequestFailed.for_abort(lc, c.error)
+        return JSON(finish(c.text, c.finish_reason, _usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
+    chunks = await eng.astream_open(ids, params)  # a bad request raises before any byte is sent
+    lc.register(eng, [rid])
+
+    def close():
+        eng.abort(rid)
+        lc.release([rid])
+
+    return EventStream(_events(chunks, shell, lowered.tools, finish, lc), on_close=close)
+
+
+def _event(seq: list[int], kind: str, **fields) -> str:
+    seq[0] += 1
+    return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': seq[0] - 1, **fields})}\n\n"
+
+
+async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc) -> AsyncIterator[str]:
+    """response.created, in_progress, then text deltas as they come (held while the reply may still be a
+    tool call, as on chat), the items' done events, and response.completed (or .incomplete / .failed)."""
+    seq = [0]
+    yield _event(seq, "response.created", response=shell.response("in_progress", [], None))
+    yield _event(seq, "response.in_progress", response=shell.response("in_progress", [], None))
+    text, held, last = "", "", None
+    msg: dict | None = None
+
+    def open_message():
+        item = _message_item("", "in_progress")
+        item["content"] = []
+        return item
+
+    try:
+        async for ch in chunks:
+            last = ch
+            if ch.finish_reason == "abort":
+                raise RequestFailed.for_abort(lc, ch.error)
+            text += ch.text
+            if plan is not None and msg is None:
+                held += ch.text
+                if plan.may_be_call(held):
+                    continue
+            if msg is None:
+                msg = open_message()
+                yield _event(seq, "response.output_item.added", output_index=0, item=msg)
+                yield _event(seq, "response.content_part.added", item_id=msg["id"], output_index=0,
+                             content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                    "logprobs": []})
+                delta, held = (held or ch.text), ""
+            else:
+                delta = ch.text
+            if delta:
+                yield _event(seq, "response.output_text.delta", item_id=msg["id"], output_index=0,
+                             content_index=0, delta=delta, logprobs=[])
+    except RequestFailed as e:
+        failed = shell.response("failed", [], None)
+        failed["error"] = {"code": "server_error", "message": e.message}
+        yield _event(seq, "response.failed", response=failed)
+        return
+    if last is None:
+        return
+    reason = last.finish_reason
+    response = finish(text, reason, _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
+    items = response["output"]
+    if msg is not None or items[0]["type"] == "message":
+        item = items[0]
+        if msg is None:  # held text that turned out to be plain (or an incomplete call)
+            item_open = {**item, "status": "in_progress", "content": []}
+            yield _event(seq, "response.output_item.added", output_index=0, item=item_open)
+            yield _event(seq, "response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
+                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            if text:
+                yield _event(seq, "response.output_text.delta", item_id=item["id"], output_index=0,
+                             content_index=0, delta=text, logprobs=[])
+        else:
+            item["id"] = msg["id"]
+        part = item["content"][0]
+        yield _event(seq, "response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
+                     text=part["text"], logprobs=[])
+        yield _event(seq, "response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
+                     part=part)
+        yield _event(seq, "response.output_item.done", output_index=0, item=item)
+    else:
+        for k, item in enumerate(items):
+            yield _event(seq, "response.output_item.added", output_index=k,
+                         item={**item, "arguments": "", "status": "in_progress"})
+            yield _event(seq, "response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                         delta=item["arguments"])
+            yield _event(seq, "response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                         name=item["name"], arguments=item["arguments"])
+            yield _event(seq, "response.output_item.done", output_index=k, item=item)
+    kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+    yield _event(seq, kind, response=response)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    item = _store(request).get(response_id)
+    if item is None:
+        raise HTTPException(404, f"no stored response {response_id!r}")
+    return JSON(item[1])
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    if not _store(request).delete(response_id):
+        raise HTTPException(404, f"no stored response {response_id!r}")
+    return JSON({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+__all__ = ["router", "ResponsesRequest", "ResponseStore", "input_messages"]

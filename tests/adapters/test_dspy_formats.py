@@ -1,0 +1,69 @@
+"""DSPy adapters' reply formats as constraints (adapters/dspy_formats.py), no model: the grammar built from the
+messages DSPy's own ChatAdapter / XMLAdapter produce accepts a reply in that format, which the adapter then
+parses, and refuses replies outside it (checked with the real llguidance matcher on the tiny tokenizer)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pytest
+
+dspy = pytest.importorskip("dspy")
+pytest.importorskip("llguidance")
+
+from prefixrt.adapters.dspy_formats import output_format_constraint  # noqa: E402
+
+
+class QA(dspy.Signature):
+    question: str = dspy.InputField()
+    reasoning: str = dspy.OutputField()
+    answer: int = dspy.OutputField()
+    kind: Literal["easy", "hard"] = dspy.OutputField()
+    extra: dict[str, Any] = dspy.OutputField()
+    ok: bool = dspy.OutputField()
+
+
+CHAT_REPLY = ("[[ ## reasoning ## ]]\nTwo plus two.\nSo four.\n\n[[ ## answer ## ]]\n4\n\n[[ ## kind ## ]]\neasy\n\n"
+              "[[ ## extra ## ]]\n{\"a\": 1}\n\n[[ ## ok ## ]]\nTrue\n\n[[ ## completed ## ]]")
+XML_REPLY = "<reasoning>\nTwo plus two.\nSo four.\n</reasoning>\n<answer>\n4\n</answer>\n<kind>\neasy\n</kind>\n" \
+            "<extra>\n{\"a\": 1}\n</extra>\n<ok>\nTrue\n</ok>"
+EXPECTED = {"reasoning": "Two plus two.\nSo four.", "answer": 4, "kind": "easy", "extra": {"a": 1}, "ok": True}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from prefixrt.constrained.llguidance_backend import LLGuidanceBackend
+    from tests.helpers.engines import make_tiny_tokenizer
+
+    return LLGuidanceBackend(make_tiny_tokenizer())
+
+
+def _accepts(backend, grammar: str, text: str) -> bool:
+    m = backend.matcher(backend.compile("grammar", grammar))
+    ids = backend.tokenizer.encode(text, add_special_tokens=False)
+    return m.accept_tokens(ids) == len(ids) and m.can_stop()
+
+
+@pytest.mark.parametrize("adapter,reply", [(dspy.ChatAdapter(), CHAT_REPLY), (dspy.XMLAdapter(), XML_REPLY)])
+def test_adapter_format_becomes_a_grammar(backend, adapter, reply):
+    messages = adapter.format(QA, demos=[], inputs={"question": "2+2?"})
+    constraint = output_format_constraint(messages)
+    grammar = constraint["grammar"]
+    assert _accepts(backend, grammar, reply)
+    assert adapter.parse(QA, reply) == EXPECTED
+    assert not _accepts(backend, grammar, reply.replace("\n4\n", "\nfour\n"))  # an int field takes digits only
+    assert not _accepts(backend, grammar, reply.replace("easy", "medium"))  # Literal choices only
+
+
+def test_chat_text_fields_end_at_a_blank_line(backend):
+    messages = dspy.ChatAdapter().format(dspy.Signature("question -> answer"), demos=[], inputs={"question": "q"})
+    grammar = output_format_constraint(messages)["grammar"]
+    assert _accepts(backend, grammar, "[[ ## answer ## ]]\nParis\n\n[[ ## completed ## ]]")
+    assert not _accepts(backend, grammar, "[[ ## answer ## ]]\nParis\n\nMore text\n\n[[ ## completed ## ]]")
+    assert not _accepts(backend, grammar, "Paris")
+
+
+def test_plain_prompts_are_left_alone():
+    assert output_format_constraint([{"role": "user", "content": "hello"}]) == {}
+    json_messages = dspy.JSONAdapter().format(dspy.Signature("question -> answer"), demos=[], inputs={"question": "q"})
+    assert output_format_constraint(json_messages) == {}  # JSONAdapter sends response_format itself

@@ -1,0 +1,80 @@
+"""The serve process boundary: Engine.prepare / Engine.enqueue (what the engine process calls) and the typed
+pipe messages of engine/messages.py. tests/reliability/test_engine_death.py and tests/server run the real
+two-process engine end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from prefixrt.engine import messages as M
+from prefixrt.engine.stream import RequestStream, StepOutput
+from prefixrt.errors import InvalidRequest
+from prefixrt.params import SamplingParams
+
+
+def test_prepare_validates_without_enqueueing_and_enqueue_runs_it(make_engine):
+    eng = make_engine()
+    greedy = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    prepared = eng.prepare("The quick brown fox", greedy)
+    assert prepared.prompt_ids == eng.tokenizer.encode("The quick brown fox")
+    assert [r.sink for r in prepared.reqs] == [None] and prepared.params.request_id is None
+    assert eng.stats().requests_total == 0  # nothing reached the loop
+    with pytest.raises(InvalidRequest):
+        eng.prepare("x", {"temperature": -1})
+    stream = RequestStream()
+    eng.enqueue(prepared, stream)
+    with pytest.raises(RuntimeError, match="already enqueued"):
+        eng.enqueue(prepared, stream)
+    got = eng._wait(prepared.request_id, stream, prepared.prompt_ids, prepared.params)
+    assert got.token_ids == eng.generate("The quick brown fox", greedy).token_ids
+
+
+def test_prepare_attaches_constraint_matchers_per_sample(make_engine):
+    pytest.importorskip("llguidance")
+    eng = make_engine()
+    prepared = eng.prepare("Pick: ", {"regex": "(yes|no)", "n": 2, "max_new_tokens": 4})
+    assert len(prepared.reqs) == 2 and all(r.matcher is not None for r in prepared.reqs)
+    assert prepared.reqs[0].matcher is not prepared.reqs[1].matcher
+    stream = RequestStream()
+    eng.enqueue(prepared, stream)
+    c = eng._wait(prepared.request_id, stream, prepared.prompt_ids, prepared.params)
+    assert {o.text for o in c.outputs} <= {"yes", "no"}
+
+
+MESSAGES = [
+    M.Add(3, "req-1", [1, 2, 3], SamplingParams(max_new_tokens=2, stop="x")),
+    M.Add(None, "req-2", [4], SamplingParams()),
+    M.Abort("req-1"),
+    M.Call(7, "stats", ()),
+    M.Shutdown(),
+    M.Progress("loading"),
+    M.Ready(M.EngineInfo("m", "rev", 320, 128, 4096, 1, "cpu", b"tok")),
+    M.Outputs([("req-1", StepOutput(index=0, token_ids=[5], text="a", finished=False))]),
+    M.Reply(7, True, {"x": 1}),
+    M.Beat(),
+    M.Bye(),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_survives_the_pipe(msg):
+    from multiprocessing.reduction import ForkingPickler
+
+    back = pickle.loads(bytes(ForkingPickler.dumps(msg)))
+    assert type(back) is type(msg) and back == msg
+    if dataclasses.fields(back):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(back, dataclasses.fields(back)[0].name, None)
+
+
+def test_unpicklable_errors_are_replaced_by_their_text():
+    class Local(Exception):  # a local class cannot be pickled
+        pass
+
+    e = M.picklable(Local("boom"))
+    assert isinstance(e, RuntimeError) and str(e) == "Local: boom"
+    ok = InvalidRequest("bad", param="regex")
+    assert M.picklable(ok) is ok
