@@ -4,9 +4,12 @@ A shared record on the bottom floor (beside params.py and outputs.py): the engin
 cache/kv_manager.py owns its KV fields, sampling/sampler.py reads its params and sampling state. It imports
 nothing but SamplingParams, so all of them depend downward on it.
 
-Token layout: all_ids = prompt_ids + output_ids. The pool holds K/V for all_ids[:kv_len]; the next forward
-feeds all_ids[kv_len:] (the whole prompt at first, in chunks; then one sampled token, or a sampled token
-followed by grammar-forced ones).
+Token layout: all_ids = prompt_ids + output_ids, every token the host knows. With overlap scheduling the
+sequence may be one token longer than that: a token sampled on the device whose value the host has not read
+yet (num_unresolved, at most 1 when the scheduler runs). seq_len counts it; the next forward feeds it from the
+device (`future`). The pool holds K/V for positions [0, kv_len); the next forward feeds positions
+[kv_len, seq_len) (the whole prompt at first, in chunks; then one sampled token, or a sampled token followed
+by grammar-forced ones).
 """
 
 from __future__ import annotations
@@ -55,14 +58,17 @@ class Req:
     # Sampling state
     generator: Any = None  # torch.Generator when params.seed is set
     matcher: Any = None  # grammar matcher when a constraint is set
-    # Text state (only for requests whose text the loop must watch: stop strings)
-    text: str = ""
-    detok: Any = None  # IncrementalDetokenizer (engine/detokenizer.py)
-    num_emitted_chars: int = 0  # chars of text already pushed to the sink (text past it is held back)
+    # Text state, owned by the detokenizer worker (the loop creates it and passes it along, never reads it)
+    detok: Any = None  # DetokState (engine/detokenizer.py)
     # Prompt logprobs (select scoring): report log p(all_ids[k]) for k >= input_logprobs_from
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
     retractions: int = 0
+    # Overlap scheduling (engine/core.py): samples launched on the device and not yet read by the host
+    num_unresolved: int = 0
+    future: Any = None  # (step, row): where the last unresolved token lives on the device
+    chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache
+    epoch: int = 0  # bumped when the host rewrites what follows (jump-forward): samples in flight go stale
 
     def __post_init__(self):
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)
@@ -73,7 +79,8 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.all_ids)
+        """Tokens of the sequence, including a sampled token the host has not read yet."""
+        return len(self.all_ids) + self.num_unresolved
 
     @property
     def num_pending(self) -> int:
@@ -86,4 +93,10 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
+        """Output tokens still allowed, counting only tokens the host knows."""
         return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def finishes_on_resolve(self) -> bool:
+        """Its unresolved token is its last (max_new_tokens): scheduling it again would only be discarded."""
+        return self.num_unresolved > 0 and len(self.output_ids) + self.num_unresolved >= self.params.max_new_tokens

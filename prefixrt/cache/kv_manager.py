@@ -3,9 +3,20 @@
 Every slot is in exactly one of: free (allocator), cached (radix tree, locked or evictable), or private to a
 running request (its pages past cached_len). check_integrity() verifies free + cached + private == total.
 The scheduler asks this class for memory; it never touches pages or the tree itself.
+
+Lifetimes (overlap scheduling): a slot returns to the allocator, and a released request's K/V enters the prefix
+cache, only after every forward that may write or read it has completed. The loop sets `write_fence` to the
+fence of the latest forward it launched; while that fence is pending, release() detaches the request's KV
+(row, pages, lock) into a held record, and page frees wait in a queue; reclaim() finishes them once their fence
+has passed. Held and queued pages count as private, so free + cached + private == total at all times; when
+the loop is idle nothing is held (it calls reclaim(wait=True)).
 """
 
 from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.base import MatchResult, PrefixCache
@@ -30,7 +41,13 @@ class KVManager:
         self.page_size = allocator.page_size
         self.debug = debug
         self.evicted_tokens_total = 0
-        self._running: dict[int, Req] = {}  # row -> request holding it
+        self._running: dict[int, Any] = {}  # row -> request (or held record) holding it
+        # Fence of the latest launched forward: an object with query() -> bool (done) and wait(). None: no
+        # forward in flight, frees are immediate.
+        self.write_fence = None
+        self._deferred: deque = deque()  # (fence, _HeldKV | list of pages), fences in launch order
+        self._deferred_pages = 0
+        self._reclaiming = False
 
     # ------------------------------------------------------------------ sizes (tokens)
     @property
@@ -82,6 +99,13 @@ class KVManager:
         short = num_pages - self.allocator.free_pages
         if short <= 0:
             return True
+        if self._deferred:  # memory held for forwards in flight: take back what is done, then wait for the rest
+            self.reclaim()
+            if num_pages > self.allocator.free_pages:
+                self.reclaim(wait=True)
+            short = num_pages - self.allocator.free_pages
+            if short <= 0:
+                return True
         if short * self.page_size > self.cache.evictable_tokens:
             return False
         self.evicted_tokens_total += self.cache.evict(short * self.page_size)
@@ -105,14 +129,17 @@ class KVManager:
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
 
     # ------------------------------------------------------------------ caching and release
-    def cache_unfinished(self, req: Req) -> None:
-        """Publish req's computed K/V (whole pages) to the prefix cache while it keeps running, so requests
-        arriving now can reuse it (prefill-once). Private duplicates of what the tree already had are freed
-        and req's table row is pointed at the tree's slots."""
+    def cache_unfinished(self, req: Req, upto: int | None = None) -> None:
+        """Publish req's computed K/V (whole pages of positions [0, upto), default kv_len) to the prefix cache
+        while it keeps running, so requests arriving now can reuse it (prefill-once). upto must cover only
+        K/V whose forward has completed. Private duplicates of what the tree already had are freed (after the
+        forwards in flight) and req's table row is pointed at the tree's slots."""
         if not self.cache.retains:
             return
         ps = self.page_size
-        n = req.kv_len // ps * ps
+        # Only tokens the host knows are published (a request that failed before its last token was read
+        # has K/V past all_ids: the tree must never hold K/V under a token it cannot name).
+        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // ps * ps
         if n <= req.cached_len:
             return
         tokens = req.all_ids[:n]
@@ -121,7 +148,7 @@ class KVManager:
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
         if existing > req.cached_len:
             first, last = req.cached_len // ps, existing // ps
-            self._free_pages(req.pages[first:last])
+            self._free_pages_after_fence(req.pages[first:last])
             req.pages[first:last] = [m.slots[i] // ps for i in range(req.cached_len, existing, ps)]
             self.table.write(req.row, req.cached_len, m.slots[req.cached_len : existing])
         handle = self.cache.lock(m)
@@ -131,21 +158,66 @@ class KVManager:
 
     def release(self, req: Req) -> None:
         """req stops running (finished, aborted or retracted): publish its computed K/V to the cache, free
-        what the cache does not take, unlock, and give back the table row. Its pages are cleared."""
+        what the cache does not take, unlock, and give back the table row. req's KV fields are cleared at once
+        (it may be admitted again); while a forward is in flight the rest waits for its fence (see reclaim)."""
         if req.row is None:
             return
+        fence = self.write_fence
+        if fence is not None and not fence.query():
+            held = _HeldKV(all_ids=req.all_ids[: req.kv_len], namespace=req.namespace, row=req.row,
+                           pages=req.pages, kv_len=req.kv_len, cached_len=req.cached_len,
+                           cache_handle=req.cache_handle)
+            self._running[req.row] = held
+            self._deferred.append((fence, held))
+            req.row, req.cache_handle, req.pages = None, None, []
+            req.kv_len = req.cached_len = 0
+            return
+        self._release_now(req)
+
+    def reclaim(self, wait: bool = False) -> None:
+        """Finish the releases and frees whose fence has passed (wait=True: wait for every fence first)."""
+        while self._deferred:
+            fence, what = self._deferred[0]
+            if not fence.query():
+                if not wait:
+                    return
+                fence.wait()
+            self._deferred.popleft()
+            self._reclaiming = True  # its fence has passed: nothing in flight can touch these pages
+            try:
+                if isinstance(what, _HeldKV):
+                    self._release_now(what)
+                else:
+                    self._deferred_pages -= len(what)
+                    self._free_pages(what)
+            finally:
+                self._reclaiming = False
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def _release_now(self, req) -> None:
         ps = self.page_size
         if self.cache.retains:
             self.cache_unfinished(req)
             private = req.pages[req.cached_len // ps :]
         else:
             private = req.pages
-        self._free_pages(private)
+        self._free_pages_after_fence(private)
         self.cache.unlock(req.cache_handle)
         del self._running[req.row]
         self.table.free_row(req.row)
         req.row, req.cache_handle, req.pages = None, None, []
         req.kv_len = req.cached_len = 0
+
+    def _free_pages_after_fence(self, pages: list[int]) -> None:
+        fence = self.write_fence
+        if pages and not self._reclaiming and fence is not None and not fence.query():
+            self._deferred.append((fence, list(pages)))
+            self._deferred_pages += len(pages)
+            return
+        self._free_pages(pages)
 
     def _free_pages(self, pages: list[int]) -> None:
         if not pages:
@@ -167,7 +239,8 @@ class KVManager:
     @property
     def private_tokens(self) -> int:
         ps = self.page_size
-        return sum((len(r.pages) - r.cached_len // ps) * ps for r in self._running.values())
+        held = sum((len(r.pages) - r.cached_len // ps) * ps for r in self._running.values())
+        return held + self._deferred_pages * ps
 
     def check_integrity(self) -> None:
         """free + cached (evictable + locked) + private == total, and no page owned twice."""
@@ -180,4 +253,19 @@ class KVManager:
         )
         ps = self.page_size
         owned = [p for r in self._running.values() for p in r.pages[r.cached_len // ps :]]
+        owned += [p for _, what in self._deferred if not isinstance(what, _HeldKV) for p in what]
         assert len(owned) == len(set(owned)), "a private page is owned by two requests"
+
+
+@dataclass
+class _HeldKV:
+    """A released request's KV, held until the forwards in flight are done (duck-types the Req fields that
+    _release_now and cache_unfinished read)."""
+
+    all_ids: list[int]
+    namespace: Any
+    row: int
+    pages: list[int]
+    kv_len: int
+    cached_len: int
+    cache_handle: Any

@@ -163,8 +163,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     except ImportError:
         bitmask_ops = None
     core = EngineCore(
-        runner, scheduler, Sampler(device, config.seed), tokenizer, lock, eos, model.vocab_size,
-        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
+        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size,
+        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops, overlap=config.overlap_schedule,
     )
     if CASCADE_DECODE and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
         from prefixrt.engine.prefix_groups import PrefixGrouper

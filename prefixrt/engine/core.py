@@ -1,27 +1,104 @@
-"""EngineCore: the scheduler loop's body. One step = schedule -> forward -> sample -> post-process.
+"""EngineCore: the scheduler loop's body. Four units, and two loops over them:
 
-Runs on one thread (the loop thread); everything it owns (scheduler, KV, requests) is touched only there.
-Per-request failures (a grammar error, a bad token) abort that request alone; a failing forward aborts the
-requests of that batch and the loop goes on.
+    schedule()          which requests run next and how many tokens each feeds        (Scheduler)
+    forward(batch)      build the ForwardBatch, run the model: logits stay on the device
+    sample(step)        grammar masks, penalties, draw: tokens stay on the device; host copies start
+    process(step)       wait for the step's tokens, post-process each row, stream outputs (postprocess.py)
+
+    synchronous  (overlap_schedule=False)   schedule(N) -> forward(N) -> sample(N) -> process(N)
+    overlapped   (overlap_schedule=True)    schedule(N+1) -> forward(N+1) -> process(N) -> sample(N+1)
+
+In the overlapped loop the host schedules step N+1 and builds its batch while the device runs step N, then
+post-processes step N while the device runs step N+1's forward. Contracts:
+- Input ids: a token sampled at step N is unknown to the host when step N+1 is built. The request counts it
+  (Req.num_unresolved) and step N+1 reads it from step N's device tensor (`future`); at most one such token
+  per request, always from the step just before.
+- Sampling needs the host state through the previous token (a grammar mask, penalties): sample(N+1) runs after
+  process(N), so it sees exactly what the synchronous loop sees.
+- A request finished (or rewritten by jump-forward) at process(N) was already scheduled into N+1: its row of
+  N+1 is stale and discarded (taken greedily, drawing nothing, so a seeded request's generator is untouched).
+  After jump-forward the forced tokens follow the sampled one in the next forward, as in the synchronous loop.
+- KV lifetimes: KVManager.write_fence is the fence of the latest launched forward; a release or free while it
+  is pending waits for it (see cache/kv_manager.py). On CUDA a fence is an event recorded after the step's
+  sample; on the CPU it passes when the step is processed (the same ordering, so the CPU tests exercise it).
+Greedy outputs are identical in both loops. Per-request failures (a grammar error, a bad token) abort that
+request alone; a failing forward aborts the requests of that batch and the loop goes on.
+Runs on one thread (the loop thread); everything it owns (scheduler, KV, requests) is touched only there. The
+tokenizer is never called here: outputs carry token ids to the detokenizer worker (engine/detokenizer.py).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
 import traceback
+from dataclasses import dataclass, field
 
 import torch
 
-from prefixrt.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from prefixrt.engine import postprocess
+from prefixrt.engine.detokenizer import DetokState
 from prefixrt.engine.scheduler import ScheduledBatch, Scheduler
-from prefixrt.engine.stream import RequestStream, StepOutput
+from prefixrt.engine.stream import RequestStream
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
 from prefixrt.request import Req
-from prefixrt.sampling.sampler import Sampler
+from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
 
 log = logging.getLogger("prefixrt")
+
+
+class StepFence:
+    """Passes when the device has finished a step (its forward and sample). CUDA: an event recorded after the
+    sample; CPU: marked when the step is processed. Unrecorded: pending."""
+
+    def __init__(self, device: torch.device):
+        self.event = torch.cuda.Event() if device.type == "cuda" else None
+        self.recorded = False
+        self.done = False
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+        self.recorded = True
+
+    def query(self) -> bool:
+        if not self.done and self.recorded and self.event is not None and self.event.query():
+            self.done = True
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            assert self.recorded, "waiting on a step that was never launched to the end"
+            if self.event is not None:
+                self.event.synchronize()
+            self.done = True
+
+
+@dataclass
+class _HostSample:
+    """A step's samples already on the host (the row-by-row fallback): DeviceSample's interface."""
+
+    token_ids: torch.Tensor  # [B] int64 on the device, for the next step's unresolved inputs
+    out: SampleOutput
+
+    def read(self) -> SampleOutput:
+        return self.out
+
+
+@dataclass
+class Step:
+    """One launched forward and what the host needs to finish it."""
+
+    batch: ScheduledBatch
+    rows: list[int | None]  # each batch request's table row at launch (a retracted one has another later)
+    sampled: list[Req]  # requests with a sampled row, in row order
+    epochs: list[int]  # their Req.epoch at launch: a later change marks the row stale
+    fence: StepFence
+    logits: torch.Tensor | None = None  # [len(sampled), V] until sample()
+    result: DeviceSample | _HostSample | None = None
+    live: list[bool] = field(default_factory=list)  # rows sampled for real (not stale, not finished)
 
 
 class EngineCore:
@@ -30,36 +107,38 @@ class EngineCore:
         runner,
         scheduler: Scheduler,
         sampler: Sampler,
-        tokenizer,
-        tokenizer_lock,
         eos_token_ids: list[int],
         vocab_size: int,
         max_context: int,
         device: torch.device,
         debug: bool = False,
         bitmask_ops=None,
+        overlap: bool = True,
     ):
         self.runner = runner
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.sampler = sampler
-        self.tokenizer = tokenizer
-        self.tokenizer_lock = tokenizer_lock
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.device = device
         self.debug = debug
+        self.overlap = overlap
         self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
         self.prefix_grouper = None  # engine/prefix_groups.PrefixGrouper: shared-prefix groups for decode batches
         self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
         self.metrics_hook = None  # optional callable(event, **values) for Prometheus
-        # Hands one step's [(sink, StepOutput)] to their consumers (the engine process replaces it).
+        # Hands one step's [(sink, StepOutput)] to their consumers (the engine process replaces it). Called by
+        # the detokenizer worker when there is one (the Engine starts it), else by the loop.
         self.deliver = RequestStream.push_many
-        self._outbox: list = []  # (stream, StepOutput) produced this step, delivered together
+        self.detokenizer = None  # DetokenizerWorker: gets [(DetokState | None, sink, StepOutput)] per step
+        self._outbox: list = []  # produced this step, handed over together
         self._in_step = False
+        self._inflight: Step | None = None  # overlapped loop: the step launched last, not processed yet
+        self._stop_hits: queue.SimpleQueue = queue.SimpleQueue()  # requests a stop string ended (worker thread)
         self.auditor = None  # CacheAuditor when cache_audit_rate > 0 (set by the builder)
 
     # ------------------------------------------------------------------ requests in and out
@@ -67,12 +146,12 @@ class EngineCore:
         self.requests.setdefault(reqs[0].rid, []).extend(reqs)
         self.stats.requests_total += 1
         for r in reqs:
+            p = r.params
             try:
-                if r.params.seed is not None:
-                    r.generator = self.sampler.make_generator(r.params.generator_seed(r.index))
-                if r.params.stop:
-                    r.detok = IncrementalDetokenizer(self.tokenizer, r.params.skip_special_tokens,
-                                                     self.tokenizer_lock)
+                if p.seed is not None:
+                    r.generator = self.sampler.make_generator(p.generator_seed(r.index))
+                if self.detokenizer is not None and (p.detokenize or p.stop or p.logprobs is not None):
+                    r.detok = DetokState(r, p.stop, p.skip_special_tokens, p.detokenize)
                 self.scheduler.add(r)
             except Exception as e:  # registered but not runnable: finish it now, never leave it hanging
                 log.error("request %s could not be added: %s", r.rid, traceback.format_exc())
@@ -83,11 +162,26 @@ class EngineCore:
             if r.finish_reason is None:
                 self._finish(r, reason, error=error)
 
-    # ------------------------------------------------------------------ the step
+    def stop_hit(self, req: Req) -> None:
+        """A stop string ended req's stream (called on the detokenizer thread); the loop finishes it next."""
+        self._stop_hits.put(req)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._inflight is not None
+
+    # ------------------------------------------------------------------ the loops
     def step(self) -> bool:
+        """One iteration of the loop. Returns False when there was nothing to run."""
         self._in_step = True
         try:
-            return self._step()
+            self._take_stop_hits()
+            ran = self._step_overlapped() if self.overlap else self._step_sync()
+            if not self.has_work:
+                self.kv.reclaim(wait=True)  # idle: every fence has passed, nothing stays held
+                if self.debug:
+                    self.kv.check_integrity()
+            return ran
         finally:
             self._in_step = False
             self.flush_outputs()
@@ -97,76 +191,86 @@ class EngineCore:
     def _run_audits(self) -> None:
         """Cache audits run after a step's outputs are out (cache_audit.py says when); never fatal."""
         try:
-            self.auditor.run(idle=not self.scheduler.has_work)
+            self.auditor.run(idle=not self.has_work)
         except Exception:
             log.error("cache audit failed: %s", traceback.format_exc())
+
+    def set_overlap(self, overlap: bool) -> None:
+        """Switch loops (on the loop thread): the step in flight is finished first."""
+        self.drain()
+        self.overlap = overlap
+
+    def _step_sync(self) -> bool:
+        batch = self.schedule()
+        if batch is None:
+            return False
+        step = self.forward(batch, None)
+        if step is not None:
+            self.sample(step)
+            self.process(step)
+        return True
+
+    def _step_overlapped(self) -> bool:
+        prev = self._inflight
+        batch = self.schedule()
+        step = self.forward(batch, prev) if batch is not None else None
+        self._inflight = None
+        if prev is not None:
+            self.process(prev)
+        if step is not None:
+            self.sample(step)
+            self._inflight = step
+        return batch is not None or prev is not None
 
     def flush_outputs(self) -> None:
         if self._outbox:
             out, self._outbox = self._outbox, []
-            self.deliver(out)
+            if self.detokenizer is not None:
+                self.detokenizer.submit(out)
+            else:
+                self.deliver([(sink, o) for _, sink, o in out])
 
-    def _step(self) -> bool:
+    def _take_stop_hits(self) -> None:
+        while True:
+            try:
+                r = self._stop_hits.get_nowait()
+            except queue.Empty:
+                return
+            if r.finish_reason is None:  # its stream already ended: finish silently (the worker drops it)
+                r.matched_stop = None
+                self._finish(r, "stop")
+
+    # ------------------------------------------------------------------ unit 1: schedule
+    def schedule(self) -> ScheduledBatch | None:
+        self.kv.reclaim()
         batch = self.scheduler.schedule()
         for r in batch.finished_early:
             self._finish(r, "length")
         self.stats.retracted_requests_total = self.scheduler.retracted_total
-        if batch.is_empty:
-            return False
-        try:
-            logits, sampled = self._forward(batch)
-        except Exception as e:  # a failing forward takes down its batch, not the engine
-            log.error("forward failed: %s", traceback.format_exc())
-            for r in list(batch.reqs):
-                self._finish(r, "abort", error=f"internal error in forward: {e}")
-            return True
-        self.stats.forward_passes_total += 1
-        if sampled:
-            for r, tok, lp in self._sample(logits, sampled):
-                try:
-                    self._on_token(r, tok, lp)
-                except Exception as e:
-                    log.error("post-processing failed: %s", traceback.format_exc())
-                    self._finish(r, "abort", error=f"internal error in post-processing: {e}")
-        for r, n, s in zip(batch.reqs, batch.num_tokens, batch.sample):
-            if r.finish_reason is not None:
-                continue
-            if s and r.params.max_new_tokens == 0:  # cache_prefix / prefill-only request
-                self._finish(r, "length")
-            elif n > 1:
-                self.kv.cache_unfinished(r)  # publish the prefill chunk: later arrivals reuse it
-        if self.debug and not self.scheduler.has_work:
-            self.kv.check_integrity()
-        return True
+        return None if batch.is_empty else batch
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[tuple[Req, int, object]]:
-        """(request, token, logprobs) for each row of logits. If sampling the batch raises, its rows are
-        sampled one by one: the failing request(s) are aborted with the error, their neighbours go on (seeded
-        ones from their generator's state before the failed attempt, so they draw what they would have)."""
-        seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
-        try:
-            out = self.sampler.sample(logits, reqs, self._mask_fn(reqs), self.eos_token_ids)
-            return list(zip(reqs, out.token_ids, out.logprobs))
-        except Exception:
-            log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
-        for g, state in seeded:
-            g.set_state(state)
-        results = []
-        for i, r in enumerate(reqs):
-            try:
-                out = self.sampler.sample(logits[i : i + 1], [r], self._mask_fn([r]), self.eos_token_ids)
-                results.append((r, out.token_ids[0], out.logprobs[0]))
-            except Exception as e:
-                log.error("sampling failed for %s: %s", r.rid, traceback.format_exc())
-                self._finish(r, "abort", error=f"internal error in sampling: {e}")
-        return results
-
-    def _forward(self, batch: ScheduledBatch):
+    # ------------------------------------------------------------------ unit 2: forward
+    def forward(self, batch: ScheduledBatch, prev: Step | None) -> Step | None:
+        """Build the batch's ForwardBatch and launch the model. Unresolved tokens come from prev's device
+        tokens. Marks the sampled requests' new tokens unresolved. None if the forward failed (its requests are
+        aborted)."""
         ends, acc = [], 0
         sampled: list[Req] = []
         scored: list[tuple[Req, list[int]]] = []  # (request, positions whose next-token logprob it wants)
         extra: list[int] = []
+        extend_tokens: list[list[int]] = []
+        holes: list[int] = []  # flat positions whose token is still on the device
+        hole_rows: list[int] = []  # ... at these rows of prev's sampled tokens
         for r, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.num_tokens, batch.sample):
+            known = len(r.all_ids)
+            toks = r.all_ids[p: min(p + n, known)]
+            if p + n > known:
+                step, row = r.future
+                assert step is prev and p + n == known + 1, "an unresolved token must come from the last step"
+                holes.append(acc + n - 1)
+                hole_rows.append(row)
+                toks = toks + [0]
+            extend_tokens.append(toks)
             if r.input_logprobs_from is not None:
                 pos = [j for j in range(p, p + n) if r.input_logprobs_from - 1 <= j <= r.seq_len - 2]
                 if pos:
@@ -182,35 +286,91 @@ class EngineCore:
                 self.stats.cached_tokens_total += r.num_cached_tokens
                 if self.auditor is not None:
                     self.auditor.on_hit(r)
-        self.kv.table.flush()
-        fb = ForwardBatch.build(
-            req_pool_indices=[r.row for r in batch.reqs],
-            prefix_lens=batch.prefix_lens,
-            extend_tokens=[r.all_ids[p : p + n] for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.num_tokens)],
-            out_cache_loc=[s for slots in batch.slots for s in slots],
-            req_to_token=self.kv.table.table,
-            logits_indices=(ends + extra) or [acc - 1],
-            device=self.device,
-            prefix_groups=(self.prefix_grouper.groups(batch.reqs)
-                           if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
-        )
-        logits = self.runner.forward(fb)
-        if scored:
-            rows = torch.log_softmax(logits[len(ends):].float(), dim=-1)
-            k = 0
-            for r, pos in scored:
-                targets = torch.tensor([r.all_ids[j + 1] for j in pos], device=rows.device)
-                r.input_logprobs.extend(rows[k : k + len(pos)].gather(1, targets[:, None]).squeeze(1).tolist())
-                k += len(pos)
-        return logits[: len(sampled)], sampled
+        step = Step(batch, [r.row for r in batch.reqs], sampled, [r.epoch for r in sampled], StepFence(self.device))
+        for r, n in zip(batch.reqs, batch.num_tokens):
+            if n > 1:
+                r.chunk_step = step
+        self.kv.write_fence = step.fence
+        try:
+            self.kv.table.flush()
+            fb = ForwardBatch.build(
+                req_pool_indices=[r.row for r in batch.reqs],
+                prefix_lens=batch.prefix_lens,
+                extend_tokens=extend_tokens,
+                out_cache_loc=[s for slots in batch.slots for s in slots],
+                req_to_token=self.kv.table.table,
+                logits_indices=(ends + extra) or [acc - 1],
+                device=self.device,
+                prefix_groups=(self.prefix_grouper.groups(batch.reqs)
+                               if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
+            )
+            if holes:
+                idx = torch.tensor([holes, hole_rows], dtype=torch.int64)
+                if self.device.type == "cuda":
+                    idx = idx.pin_memory().to(self.device, non_blocking=True)
+                fb.input_ids[idx[0]] = prev.result.token_ids[idx[1]]
+            logits = self.runner.forward(fb)
+            if scored:
+                rows = torch.log_softmax(logits[len(ends):].float(), dim=-1)
+                k = 0
+                for r, pos in scored:
+                    targets = torch.tensor([r.all_ids[j + 1] for j in pos], device=rows.device)
+                    r.input_logprobs.extend(rows[k: k + len(pos)].gather(1, targets[:, None]).squeeze(1).tolist())
+                    k += len(pos)
+        except Exception as e:  # a failing forward takes down its batch, not the engine
+            log.error("forward failed: %s", traceback.format_exc())
+            step.fence.record()
+            step.fence.wait()
+            for r in list(batch.reqs):
+                self._finish(r, "abort", error=f"internal error in forward: {e}")
+            return None
+        self.stats.forward_passes_total += 1
+        step.logits = logits[: len(sampled)]
+        for i, r in enumerate(sampled):
+            r.num_unresolved += 1
+            r.future = (step, i)
+        return step
 
-    def _mask_fn(self, reqs: list[Req]):
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+    # ------------------------------------------------------------------ unit 3: sample
+    def sample(self, step: Step) -> None:
+        """Masks and penalties from the host state (current through the previous step), draw on the device,
+        start the host copies, record the step's fence."""
+        if step.sampled:
+            step.live = [r.finish_reason is None and r.epoch == e for r, e in zip(step.sampled, step.epochs)]
+            step.result = self._sample(step.logits, step.sampled, step.live)
+        step.logits = None
+        step.fence.record()
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], live: list[bool]) -> DeviceSample | _HostSample:
+        """Sample the batch on the device. If that raises, its rows are sampled one by one (synchronously): the
+        failing request(s) are aborted with the error, their neighbours go on. Rows of an aborted request and
+        stale rows are marked not live."""
+        seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
+        try:
+            return self.sampler.sample_on_device(logits, reqs, self._mask_fn(reqs, live), self.eos_token_ids, live)
+        except Exception:
+            log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
+        for g, state in seeded:  # seeded rows draw what they would have, from before the failed attempt
+            g.set_state(state)
+        toks, lps = [0] * len(reqs), [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if not live[i]:
+                continue
+            try:
+                one = self.sampler.sample(logits[i: i + 1], [r], self._mask_fn([r], [True]), self.eos_token_ids)
+                toks[i], lps[i] = one.token_ids[0], one.logprobs[0]
+            except Exception as e:
+                log.error("sampling failed for %s: %s", r.rid, traceback.format_exc())
+                self._finish(r, "abort", error=f"internal error in sampling: {e}")
+                live[i] = False
+        return _HostSample(torch.tensor(toks, dtype=torch.int64, device=logits.device), SampleOutput(toks, lps))
+
+    def _mask_fn(self, reqs: list[Req], live: list[bool]):
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and live[i]]
         if not rows or self.bitmask_ops is None:
             return None
 
         def apply(logits: torch.Tensor) -> None:
-            # Runs while the GPU still computes the forward (nothing has synchronised yet).
             bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
             if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
                 self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
@@ -221,100 +381,66 @@ class EngineCore:
 
         return apply
 
-    # ------------------------------------------------------------------ per-token post-processing
-    def _on_token(self, r: Req, tok: int, lp) -> None:
+    # ------------------------------------------------------------------ unit 4: post-process
+    def process(self, step: Step) -> None:
+        """Wait for the step, then per row: resolve the token, post-process, stream; publish prefill chunks."""
+        step.fence.wait()
+        out = step.result.read() if step.result is not None else None
         now = time.monotonic()
+        for i, r in enumerate(step.sampled):
+            if out is None or not step.live[i] or r.finish_reason is not None or r.epoch != step.epochs[i]:
+                continue  # stale or finished: the token is discarded
+            r.num_unresolved -= 1
+            if r.future is not None and r.future[0] is step:
+                r.future = None
+            try:
+                self._post_process(r, out.token_ids[i], out.logprobs[i], now)
+            except Exception as e:
+                log.error("post-processing failed: %s", traceback.format_exc())
+                self._finish(r, "abort", error=f"internal error in post-processing: {e}")
+        b = step.batch
+        for r, row, p, n, s in zip(b.reqs, step.rows, b.prefix_lens, b.num_tokens, b.sample):
+            if r.chunk_step is step:
+                r.chunk_step = None
+            if r.finish_reason is not None:
+                continue
+            if s and r.params.max_new_tokens == 0:  # cache_prefix / prefill-only request
+                self._finish(r, "length")
+            elif n > 1 and r.row is not None and r.row == row:  # (not retracted since)
+                self.kv.cache_unfinished(r, p + n)  # publish the prefill chunk: later arrivals reuse it
+        self.kv.reclaim()
+
+    def _post_process(self, r: Req, tok: int, lp, now: float) -> None:
         if r.first_token_time is None:
             r.first_token_time = now
-        new = r.pending_emit + [tok]
-        r.pending_emit = []
-        reason, matched = None, None
-        p = r.params
-        if tok in (p.stop_token_ids or ()) or (tok in self.eos_token_ids and not p.ignore_eos):
-            reason, matched = "stop", tok
-        r.append_output([tok])
+        adv = postprocess.advance(r, tok, self.eos_token_ids, self.max_context)
+        if adv.num_forced and r.num_unresolved:
+            # A sample launched after tok is stale: the forced tokens come first (the next forward feeds them).
+            r.num_unresolved -= 1
+            r.epoch += 1
+            r.future = None
         logprobs = None
         if lp is not None:
-            logprobs = [self._logprob_entry(f, (0.0, [])) for f in new[:-1]] + [self._logprob_entry(tok, lp)]
-        if reason is None and r.matcher is not None:
-            if not r.matcher.accept_token(tok):
-                raise RuntimeError(f"grammar rejected sampled token {tok}")
-            if r.matcher.is_finished():
-                reason = "stop"
-            elif p.jump_forward:
-                forced = r.matcher.forced_tokens()[: max(0, r.remaining_new_tokens)]
-                forced = forced[: max(0, self.max_context - r.seq_len)]
-                for f in forced:
-                    if not r.matcher.accept_token(f):
-                        raise RuntimeError(f"grammar rejected its own forced token {f}")
-                if forced:
-                    r.append_output(forced)
-                    r.num_forced_tokens += len(forced)
-                    new.extend(forced)
-                    if logprobs is not None:
-                        logprobs.extend(self._logprob_entry(f, (0.0, [])) for f in forced)
-                    if r.matcher.is_finished():
-                        reason = "stop"
-        text = None
-        if r.detok is not None:
-            text_ids = r.output_ids[:-1] if isinstance(matched, int) else r.output_ids
-            before = len(r.text)
-            r.text += r.detok.step(text_ids)
-            hit = find_stop(r.text, p.stop, before)
-            if hit is not None:
-                r.text = r.text[: hit[0]]
-                reason, matched = "stop", hit[1]
-            emitted = r.num_emitted_chars
-            upto = len(r.text) if reason else len(r.text) - stop_holdback(r.text, p.stop)
-            text = r.text[emitted:upto]
-            r.num_emitted_chars = max(emitted, upto)
-        if reason is None and len(r.output_ids) >= p.max_new_tokens:
-            reason = "length"
-        if reason is None and r.seq_len >= self.max_context:
-            reason = "length"
-        self.stats.generated_tokens_total += len(new)
-        r.finish_reason = reason
-        r.matched_stop = matched
+            logprobs = postprocess.logprob_entries(adv.new_tokens, len(adv.new_tokens) - 1 - adv.num_forced, lp)
+        self.stats.generated_tokens_total += len(adv.new_tokens)
+        r.finish_reason = adv.finish_reason
+        r.matched_stop = adv.matched_stop
         if self.metrics_hook is not None:
-            self.metrics_hook("tokens", req=r, num=len(new), now=now)
-        self._outbox.append((r.sink, StepOutput(
-            index=r.index, token_ids=new, text=text, logprobs=logprobs,
-            finished=reason is not None, finish_reason=reason, matched_stop=matched,
-            prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0,
-            final_text=r.text if (reason and r.detok is not None) else None,
-        )))
-        if reason is not None:
+            self.metrics_hook("tokens", req=r, num=len(adv.new_tokens), now=now)
+        self._outbox.append((r.detok, r.sink, postprocess.step_output(r, adv, logprobs)))
+        if adv.finish_reason is not None:
             self._release(r)
-
-    def _logprob_entry(self, tok: int, lp) -> dict:
-        tok_lp, top = lp
-        return {
-            "token_id": tok, "token": self._tok_str(tok), "logprob": tok_lp,
-            "top_logprobs": [{"token_id": t, "token": self._tok_str(t), "logprob": v} for t, v in top],
-        }
-
-    def _tok_str(self, tok: int) -> str:
-        with self.tokenizer_lock:
-            return self.tokenizer.decode([tok])
 
     # ------------------------------------------------------------------ finishing
     def _finish(self, r: Req, reason: str, error: str | None = None) -> None:
-        """Finish r without a new token (abort, length-out-of-memory, prefill-only)."""
+        """Finish r without a new token (abort, length-out-of-memory, prefill-only, stop string)."""
         if r.finish_reason is not None and r.state.value == "finished":
             return
         r.finish_reason = reason
         r.error = error
         if reason == "abort":
             self.stats.aborted_requests_total += 1
-        text = None
-        if r.detok is not None:
-            text = r.text[r.num_emitted_chars:]
-        self._outbox.append((r.sink, StepOutput(
-            index=r.index, token_ids=[], text=text, finished=True, finish_reason=reason,
-            prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0, error=error,
-            final_text=r.text if r.detok is not None else None,
-            input_logprobs=r.input_logprobs if r.input_logprobs_from is not None else None,
-        )))
+        self._outbox.append((r.detok, r.sink, postprocess.final_output(r, reason, error)))
         if not self._in_step:
             self.flush_outputs()
         self._release(r)
@@ -326,6 +452,14 @@ class EngineCore:
             del self.requests[r.rid]
         if self.metrics_hook is not None:
             self.metrics_hook("finished", req=r, now=time.monotonic())
+
+    def drain(self) -> None:
+        """Finish the step in flight and every held release (shutdown, or before inspecting KV state)."""
+        if self._inflight is not None:
+            prev, self._inflight = self._inflight, None
+            self.process(prev)
+            self.flush_outputs()
+        self.kv.reclaim(wait=True)
 
     # ------------------------------------------------------------------ stats
     def snapshot_stats(self) -> EngineStats:

@@ -1,8 +1,28 @@
-"""Incremental detokenization: text deltas from a growing list of token ids, never splitting a multi-byte
-character or a word-piece merge (the prefix/read offset method: decode a small window twice and emit only
-the stable difference)."""
+"""Detokenization off the scheduler loop: token ids -> text deltas, stop strings, logprob token strings.
+
+The loop streams token ids only. Each step's outputs go to the DetokenizerWorker (a thread), which decodes every
+request of the step in one batched tokenizer call, searches stop strings, fills logprob token strings, and then
+delivers the outputs to their streams. A stop string ends the request's stream as soon as it appears; the worker
+then tells the loop (on_stop), which finishes the request at its next step: the few tokens computed meanwhile
+are discarded, never streamed. Ordering: outputs of one request are delivered in the order the loop produced
+them; the worker drops everything a request sends after its final output.
+
+Incremental decoding uses the prefix/read offset method: decode a small window twice and emit only the stable
+difference, so a multi-byte character or a word-piece merge is never split.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from prefixrt.engine.stream import StepOutput
+
+log = logging.getLogger("prefixrt")
 
 
 class IncrementalDetokenizer:
@@ -58,3 +78,199 @@ def stop_holdback(text: str, stops: list[str]) -> int:
                 hold = max(hold, k)
                 break
     return hold
+
+
+def batch_decode(tokenizer, seqs: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """tokenizer.decode of every sequence, in one call to the Rust tokenizer where that decodes the same."""
+    fast = _fast_backend(tokenizer)
+    if fast is not None:
+        return fast.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+    return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in seqs]
+
+
+def _fast_backend(tokenizer):
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    if (isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        return tokenizer.backend_tokenizer
+    return None
+
+
+class DetokState:
+    """One sample's text state. Created by the loop when the request is added; read and written only by the
+    worker afterwards. `req` is handed back to the loop (on_stop) and never read here."""
+
+    def __init__(self, req: Any, stops: list[str] | None, skip_special_tokens: bool, detokenize: bool):
+        self.req = req
+        self.stops = list(stops or [])
+        self.skip_special_tokens = skip_special_tokens
+        self.detokenize = detokenize or bool(self.stops)
+        self.ids: list[int] = []  # output ids so far
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # text so far (cut at the stop string once one matched)
+        self.emitted = 0  # chars of text already streamed
+        self.done = False  # the final output went out: drop anything later
+
+
+class DetokenizerWorker:
+    """The thread that turns the loop's token outputs into text outputs and delivers them.
+
+    submit(items) takes one step's [(DetokState | None, sink, StepOutput)] from the loop (never blocks it);
+    deliver(pairs) receives [(sink, StepOutput)] on the worker thread; on_stop(req) is told which requests a stop
+    string finished. process(items) is the synchronous unit, also used by tests."""
+
+    # submit() waits while more than this many steps are queued: streams lag the loop by a bounded number of
+    # steps even when the loop thread holds the GIL most of the time.
+    MAX_LAG_STEPS = 2
+
+    def __init__(self, tokenizer, lock: threading.Lock | None, deliver: Callable, on_stop: Callable):
+        self.tokenizer = tokenizer
+        self.lock = lock or threading.Lock()
+        self.deliver = deliver
+        self.on_stop = on_stop
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._queued = 0  # submissions not yet delivered
+        self._cv = threading.Condition()
+
+    def start(self) -> DetokenizerWorker:
+        self._thread = threading.Thread(target=self._run, name="prefixrt-detokenizer", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> None:
+        with self._cv:
+            if self._thread is not None:
+                self._cv.wait_for(lambda: self._queued <= self.MAX_LAG_STEPS, timeout=1.0)
+            self._queued += 1
+        self._q.put(items)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Deliver what is queued, then stop the thread."""
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            items = self._q.get()
+            stop = items is None
+            batch = [] if stop else list(items)
+            taken = 0 if stop else 1
+            while not stop:  # take everything queued: one batched decode for all of it
+                try:
+                    more = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                else:
+                    batch.extend(more)
+                    taken += 1
+            if batch:
+                try:
+                    self.deliver(self.process(batch))
+                except Exception:  # never let the worker die: the callers would wait forever
+                    log.exception("detokenizer worker error")
+            with self._cv:
+                self._queued -= taken
+                self._cv.notify_all()
+            if stop:
+                return
+
+    # ------------------------------------------------------------------ the unit
+    def process(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> list[tuple[Any, StepOutput]]:
+        """Text, stop strings and logprob token strings for a batch of outputs (in order). Mutates the states;
+        returns the outputs to deliver (those after a request's final one are dropped). Several steps of one
+        request in the batch are taken in rounds, one output per request per round, in order."""
+        rounds: list[list] = []
+        seen: dict[int, int] = {}
+        for item in items:
+            k = seen.get(id(item[0]), 0) if item[0] is not None else 0
+            if item[0] is not None:
+                seen[id(item[0])] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(item)
+        return [pair for rnd in rounds for pair in self._process_round(rnd)]
+
+    def _process_round(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> list[tuple[Any, StepOutput]]:
+        live = []
+        for st, sink, out in items:
+            if st is not None and st.done:
+                continue
+            if st is not None:
+                st.ids.extend(out.token_ids)
+            live.append((st, sink, out))
+        # 1. One batched decode per skip_special_tokens setting: two windows per request with new text.
+        jobs: dict[bool, list] = {}
+        for k, (st, _, out) in enumerate(live):
+            if st is None or not st.detokenize:
+                continue
+            end = len(st.ids)
+            if out.finished and isinstance(out.matched_stop, int) and out.token_ids:
+                end -= 1  # a stop token is not part of the text
+            jobs.setdefault(st.skip_special_tokens, []).append((k, end))
+        deltas: dict[int, str] = {}
+        with self.lock:
+            for skip, ks in jobs.items():
+                seqs = []
+                for k, end in ks:
+                    st = live[k][0]
+                    seqs.append(st.ids[st.prefix_offset : st.read_offset])
+                    seqs.append(st.ids[st.prefix_offset : end])
+                texts = batch_decode(self.tokenizer, seqs, skip)
+                for j, (k, end) in enumerate(ks):
+                    st, _, out = live[k]
+                    prefix_text, new_text = texts[2 * j], texts[2 * j + 1]
+                    longer = len(new_text) > len(prefix_text)
+                    if out.finished:  # the rest, a dangling partial character included
+                        deltas[k] = new_text[len(prefix_text):] if longer else ""
+                        st.prefix_offset = st.read_offset = end
+                    elif longer and not new_text.endswith("\ufffd"):
+                        deltas[k] = new_text[len(prefix_text):]
+                        st.prefix_offset, st.read_offset = st.read_offset, end
+            strings = self._token_strings([out for st, _, out in live if st is not None and out.logprobs])
+        # 2. Stop strings, holdback, final text.
+        result = []
+        for k, (st, sink, out) in enumerate(live):
+            if st is None:
+                result.append((sink, out))
+                continue
+            if out.logprobs:
+                out = dataclasses.replace(out, logprobs=[_with_strings(e, strings) for e in out.logprobs])
+            if st.detokenize:
+                before = len(st.text)
+                st.text += deltas.get(k, "")
+                hit = find_stop(st.text, st.stops, before) if st.stops else None
+                if hit is not None:
+                    st.text = st.text[: hit[0]]
+                    out = dataclasses.replace(out, finished=True, finish_reason="stop", matched_stop=hit[1])
+                    self.on_stop(st.req)
+                upto = len(st.text) if out.finished else len(st.text) - stop_holdback(st.text, st.stops)
+                text = st.text[st.emitted:upto] if upto > st.emitted else ""
+                st.emitted = max(st.emitted, upto)
+                out = dataclasses.replace(out, text=text, final_text=st.text if out.finished else None)
+            st.done = out.finished
+            result.append((sink, out))
+        return result
+
+    def _token_strings(self, outs: list[StepOutput]) -> dict[int, str]:
+        ids = sorted({e2["token_id"] for out in outs for e in out.logprobs
+                      for e2 in [e, *e["top_logprobs"]] if e2["token"] is None})
+        if not ids:
+            return {}
+        return dict(zip(ids, batch_decode(self.tokenizer, [[t] for t in ids], False)))
+
+
+def _with_strings(entry: dict, strings: dict[int, str]) -> dict:
+    if entry["token"] is not None:
+        return entry
+    return {**entry, "token": strings[entry["token_id"]],
+            "top_logprobs": [{**t, "token": strings[t["token_id"]]} if t["token"] is None else t
+                             for t in entry["top_logprobs"]]}

@@ -21,7 +21,9 @@ from typing import Any
 
 from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
+from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
+from prefixrt.engine.postprocess import jump_forward
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.outputs import Completion, EngineStats
@@ -68,6 +70,11 @@ class Engine(EngineFront):
         self.kv_total_tokens = self.core.kv.total_tokens
         self._compiler = None
         self._compiler_lock = threading.Lock()
+        core = self.core
+        # Text, stop strings and logprob strings leave the loop: the worker delivers through core.deliver (which
+        # the engine process replaces) and tells the loop when a stop string ended a request.
+        core.detokenizer = DetokenizerWorker(self._tokenizer, self._tok_lock, lambda items: core.deliver(items),
+                                             core.stop_hit).start()
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
@@ -101,7 +108,7 @@ class Engine(EngineFront):
         core = self.core
         while True:
             try:
-                block = not core.scheduler.has_work
+                block = not core.has_work
                 while True:
                     try:
                         msg = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
@@ -112,7 +119,7 @@ class Engine(EngineFront):
                         self._drain_on_exit()
                         return
                     self._handle(msg)
-                if core.scheduler.has_work:
+                if core.has_work:
                     core.step()
             except Exception:  # never let the loop die silently
                 log.exception("scheduler loop error")
@@ -134,6 +141,7 @@ class Engine(EngineFront):
     def _drain_on_exit(self) -> None:
         for rid in list(self.core.requests):
             self.core.abort(rid)
+        self.core.drain()
 
     def _run_on_loop(self, fn, timeout: float | None = 60.0):
         """Run fn on the loop thread (between steps) and return its result."""
@@ -191,14 +199,8 @@ class Engine(EngineFront):
             r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, namespace=p.cache_salt, **req_fields)
             if compiled is not None:
                 r.matcher = self.grammar_compiler().backend.matcher(compiled)
-                if p.jump_forward:  # step-0 forced tokens join the prefill
-                    forced = r.matcher.forced_tokens()[: max(0, p.max_new_tokens - 1)]
-                    forced = forced[: max(0, self.max_context - 1 - len(ids))]
-                    if forced:
-                        r.matcher.accept_tokens(forced)
-                        r.append_output(forced)
-                        r.num_forced_tokens += len(forced)
-                        r.pending_emit = list(forced)
+                # Step-0 forced tokens join the prefill (reserve 1: the prefill still samples a token).
+                r.pending_emit = jump_forward(r, self.max_context, reserve=1)
             reqs.append(r)
         return PreparedRequest(rid, ids, p, reqs)
 
@@ -302,7 +304,7 @@ class Engine(EngineFront):
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until no request is waiting or running."""
         deadline = time.monotonic() + timeout
-        while self._run_on_loop(lambda: self.core.scheduler.has_work):
+        while self._run_on_loop(lambda: self.core.has_work):
             if time.monotonic() > deadline:
                 raise TimeoutError("engine did not become idle")
             time.sleep(0.01)
@@ -313,6 +315,7 @@ class Engine(EngineFront):
         self._stop_workers()
         self._inbox.put(None)
         self._thread.join(timeout=30)
+        self.core.detokenizer.close()
         self._stopped = True
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
             from prefixrt.engine import builder

@@ -7,6 +7,8 @@ share a not-yet-cached prefix with a request already prefilling it are held back
 prefilled once (the leader publishes it to the cache after each chunk). When memory runs out, the most
 recently admitted running requests are retracted: they release their K/V (published to the cache, so the
 resume usually re-matches it) and go back to waiting with their output so far.
+With overlap scheduling a request's last token may still be on the device (Req.num_unresolved): it counts in
+seq_len and is fed from the device; a request whose unresolved token is its last is not scheduled again.
 The scheduler knows requests and token counts; KVManager knows memory; neither knows tensors' layouts.
 """
 
@@ -85,7 +87,11 @@ class Scheduler:
         while True:
             plan, left = [], budget
             for req in self.running:
+                if req.finishes_on_resolve:  # its token in flight is its last: another step would be discarded
+                    continue
                 n = req.num_pending
+                if n <= 0:
+                    continue
                 if n > 1:  # a prefill chunk or a jump-forward run: bounded by the token budget
                     n = min(n, max(left, 1))
                     left -= n
@@ -102,7 +108,8 @@ class Scheduler:
                 self._retract(victim)
                 batch.retracted.append(victim)
 
-        prefilling = [r for r, _ in plan if r.kv_len < len(r.prompt_ids)]
+        # Leaders: requests whose prompt K/V is not in the cache yet (still prefilling, or a chunk in flight).
+        prefilling = [r for r, _ in plan if r.kv_len < len(r.prompt_ids) or r.chunk_step is not None]
         for req, n in plan:
             self._add_to_batch(batch, req, n)
             if n > 1:
@@ -144,11 +151,14 @@ class Scheduler:
             if (self.config.dedup_shared_prefill and kv.cache.retains
                     and self._shares_uncached_prefix(req, m.length, leaders)):
                 continue
+            first_admission = req.num_cached_tokens is None
             kv.admit(req)
             n = min(req.num_pending, budget)
             pages = kv.pages_for(req, n)
             if not kv.ensure_pages(pages + reserve_pages):
                 kv.release(req)
+                if first_admission:  # it did not run: its reused-prompt count is taken when it does
+                    req.num_cached_tokens = None
                 break
             self.waiting.remove(req)
             self._match_cache.pop(id(req), None)

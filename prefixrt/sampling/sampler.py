@@ -25,6 +25,43 @@ class SampleOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+@dataclass
+class DeviceSample:
+    """One step's samples, still on the device; the host copies start at once (into pinned memory on CUDA) and
+    read() returns them once the device is done. Nothing here synchronises until read()."""
+
+    token_ids: torch.Tensor  # [B] int64 on the device
+    want: list[int]  # rows that asked for logprobs
+    ks: list[int]  # their top-k
+    _host: list[torch.Tensor]  # [tokens, (token logprobs, top values, top ids)] being copied to the host
+    _event: object = None
+
+    def read(self) -> SampleOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        toks = self._host[0].tolist()
+        lps: list = [None] * len(toks)
+        if self.want:
+            tok_lp, top_v, top_i = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(self.want):
+                k = self.ks[j]
+                lps[i] = (tok_lp[j], list(zip(top_i[j][:k], top_v[j][:k])))
+        return SampleOutput(toks, lps)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors], None
+    host = []
+    for t in tensors:
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        host.append(h)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -60,19 +97,30 @@ class Sampler:
             bitmask_fn(logits)
         return logits
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
                eos_token_ids: tuple[int, ...] | set[int] = ()) -> SampleOutput:
         """logits: [B, V] float32, row i for reqs[i]. bitmask_fn(logits) applies grammar masks in place;
-        eos_token_ids are held back in rows below their min_new_tokens. Returns one token per row."""
+        eos_token_ids are held back in rows below their min_new_tokens. Returns one token per row (waits for
+        the device)."""
+        return self.sample_on_device(logits, reqs, bitmask_fn, eos_token_ids).read()
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[Req], bitmask_fn=None,
+                         eos_token_ids: tuple[int, ...] | set[int] = (), live: list[bool] | None = None
+                         ) -> DeviceSample:
+        """As sample(), without waiting for the device: tokens stay on it (the next step's input ids are
+        gathered from them) and their host copies start. Rows with live[i] False (stale or finished: their
+        token is discarded) are taken greedily, without logprobs or random draws, so a request's own generator
+        advances exactly once per token it keeps."""
+        live = live if live is not None else [True] * len(reqs)
         raw = logits
         logits = self.adjust_logits(logits, reqs, bitmask_fn, eos_token_ids)
 
-        greedy = [r.params.greedy for r in reqs]
-        tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
+        greedy = [r.params.greedy or not ok for r, ok in zip(reqs, live)]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
+            tokens = torch.empty(len(reqs), dtype=torch.int64, device=logits.device)
             g_rows = [i for i, g in enumerate(greedy) if g]
             s_rows = [i for i, g in enumerate(greedy) if not g]
             if g_rows:
@@ -80,21 +128,19 @@ class Sampler:
                 tokens[gi] = logits[gi].argmax(dim=-1)
             si = torch.tensor(s_rows, device=logits.device)
             tokens[si] = self._sample_rows(logits[si], [reqs[i] for i in s_rows])
-        token_list = tokens.tolist()
 
-        lps: list = [None] * len(reqs)
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        want = [i for i, r in enumerate(reqs) if live[i] and r.params.logprobs is not None]
+        parts = [tokens]
+        ks: list[int] = []
         if want:
-            rows = torch.log_softmax(raw[want].float(), dim=-1)
-            for j, i in enumerate(want):
-                k = reqs[i].params.logprobs
-                tok_lp = rows[j, token_list[i]].item()
-                top = []
-                if k:
-                    v, ix = rows[j].topk(k)
-                    top = list(zip(ix.tolist(), v.tolist()))
-                lps[i] = (tok_lp, top)
-        return SampleOutput(token_list, lps)
+            wi = torch.tensor(want, device=logits.device)
+            rows = torch.log_softmax(raw[wi].float(), dim=-1)  # [W, V]
+            ks = [reqs[i].params.logprobs for i in want]
+            tok_lp = rows.gather(1, tokens[wi].unsqueeze(1)).squeeze(1)  # [W]
+            top_v, top_i = rows.topk(max(max(ks), 1), dim=-1)  # [W, K]
+            parts += [tok_lp, top_v, top_i]
+        host, event = _to_host(parts)
+        return DeviceSample(tokens, want, ks, host, event)
 
     # ------------------------------------------------------------------ pieces
     def _apply_penalties(self, row: torch.Tensor, r: Req) -> None:

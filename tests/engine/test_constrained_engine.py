@@ -79,9 +79,10 @@ def test_constrained_valid_mixed_with_unconstrained(arch, make_engine):
         _check(kind, spec, c.text)
 
 
-def test_jump_forward_equals_plain_decoding_and_saves_forwards(make_engine):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_jump_forward_equals_plain_decoding_and_saves_forwards(make_engine, overlap):
     """Forced tokens are exactly what greedy decoding under the mask would have produced, in fewer forwards."""
-    eng = make_engine("llama")
+    eng = make_engine("llama", overlap_schedule=overlap)
     for schema in SCHEMAS:
         params = {"max_new_tokens": 120, "temperature": 0, "json_schema": schema}
         before = eng.stats().forward_passes_total
@@ -94,8 +95,9 @@ def test_jump_forward_equals_plain_decoding_and_saves_forwards(make_engine):
         assert (mid - before) < (after - mid), "jump-forward should need fewer forward passes"
 
 
-def test_streaming_constrained_includes_forced_tokens(make_engine):
-    eng = make_engine("llama")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_streaming_constrained_includes_forced_tokens(make_engine, overlap):
+    eng = make_engine("llama", overlap_schedule=overlap)
     params = {"max_new_tokens": 80, "temperature": 0, "json_schema": SCHEMAS[0]}
     whole = eng.generate([1, 40], params)
     chunks = list(eng.stream([1, 40], params))

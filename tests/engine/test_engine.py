@@ -124,8 +124,9 @@ def test_cache_prefix_and_flush(make_engine):
     assert eng.generate(p + [5], {"max_new_tokens": 1, **GREEDY}).cached_tokens == 0
 
 
-def test_stop_strings_across_token_boundaries(make_engine, tiny_tokenizer):
-    eng = make_engine("llama")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stop_strings_across_token_boundaries(make_engine, tiny_tokenizer, overlap):
+    eng = make_engine("llama", overlap_schedule=overlap)
     prompt = "The quick brown"
     free = eng.generate(prompt, {"max_new_tokens": 24, **GREEDY})
     text = free.text
@@ -139,8 +140,9 @@ def test_stop_strings_across_token_boundaries(make_engine, tiny_tokenizer):
     assert chunks[-1].finish_reason == "stop"
 
 
-def test_stop_token_ids_and_eos(make_engine):
-    eng = make_engine("llama")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stop_token_ids_and_eos(make_engine, overlap):
+    eng = make_engine("llama", overlap_schedule=overlap)
     free = eng.generate([1, 50, 60, 70], {"max_new_tokens": 10, **GREEDY})
     target = free.token_ids[4]
     c = eng.generate([1, 50, 60, 70], {"max_new_tokens": 10, "stop_token_ids": [target], **GREEDY})
@@ -148,8 +150,9 @@ def test_stop_token_ids_and_eos(make_engine):
     assert c.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
 
 
-def test_n_samples_seed_and_logprobs(make_engine):
-    eng = make_engine("qwen3")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_n_samples_seed_and_logprobs(make_engine, overlap):
+    eng = make_engine("qwen3", overlap_schedule=overlap)
     p = {"max_new_tokens": 12, "temperature": 1.0, "seed": 1234, "n": 3, "logprobs": 2, "ignore_eos": True}
     a = eng.generate([1, 40, 41, 42], p)
     b = eng.generate([1, 40, 41, 42], p)
@@ -178,8 +181,9 @@ def test_top_k_1_is_greedy_and_penalties_change_output(make_engine):
     assert len(set(pres)) >= len(set(greedy))
 
 
-def test_streaming_and_async(make_engine):
-    eng = make_engine("llama")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_streaming_and_async(make_engine, overlap):
+    eng = make_engine("llama", overlap_schedule=overlap)
     p = {"max_new_tokens": 10, **GREEDY}
     want = eng.generate("The quick", p)
     chunks = list(eng.stream("The quick", p))
@@ -198,8 +202,9 @@ def test_streaming_and_async(make_engine):
     assert [t for c in got for t in c.token_ids] == want.token_ids
 
 
-def test_abort_midstream_releases_kv(make_engine):
-    eng = make_engine("llama")
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_midstream_releases_kv(make_engine, overlap):
+    eng = make_engine("llama", overlap_schedule=overlap)
     it = eng.stream([1, 5, 6, 7], {"max_new_tokens": 100, **GREEDY})
     next(it)
     it.close()  # closing the iterator aborts the request
@@ -254,15 +259,16 @@ def test_sampling_params_object_and_public_names():
     assert prefixrt.Engine.__name__ == "Engine"
 
 
-def test_abort_during_chunked_prefill_leaves_cache_exact(make_engine):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_abort_during_chunked_prefill_leaves_cache_exact(make_engine, overlap):
     """Aborts racing chunked prefill (published chunks, private tail) never leave freed slots in the tree:
     freed slots are poisoned with NaN (debug mode), so any stale reuse would change the greedy output."""
     import time
 
-    ref = make_engine("llama", radix_cache=False)
+    ref = make_engine("llama", overlap_schedule=overlap, radix_cache=False)
     prompt = [1] + [random.Random(3).randrange(3, 320) for _ in range(110)]
     want = ref.generate(prompt, {"max_new_tokens": 6, **GREEDY}).token_ids
-    eng = make_engine("llama", chunked_prefill_tokens=16, debug=True)
+    eng = make_engine("llama", overlap_schedule=overlap, chunked_prefill_tokens=16, debug=True)
     for i in range(8):
         rid = f"victim-{i}"
         it = eng.stream(prompt[: 40 + 9 * i], {"max_new_tokens": 50, "request_id": rid, **GREEDY})

@@ -31,12 +31,13 @@ def _hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
-def test_greedy_matches_transformers(arch, make_engine, tiny_checkpoints):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_matches_transformers(arch, make_engine, tiny_checkpoints, overlap):
     _, hf = tiny_checkpoints(arch)
     prompts = _prompts()
     want = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    eng = make_engine(arch, chunked_prefill_tokens=16)
+    eng = make_engine(arch, overlap_schedule=overlap, chunked_prefill_tokens=16)
     # First one by one (later prompts hit what earlier ones cached), then all at once.
     seq = [eng.generate(p, params) for p in prompts]
     assert [c.token_ids for c in seq] == want

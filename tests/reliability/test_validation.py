@@ -181,14 +181,14 @@ def test_post_processing_failure_aborts_only_that_request(make_engine, monkeypat
     eng = make_engine("llama")
     want = eng.generate([1, 9, 10, 11], GREEDY).token_ids
     core = eng.core
-    real = core._on_token
+    real = core._post_process
 
-    def poisoned(r, tok, lp):
+    def poisoned(r, tok, lp, now):
         if r.params.request_id == "bad" and len(r.output_ids) >= 3:
             raise ValueError("post-processing poison")
-        return real(r, tok, lp)
+        return real(r, tok, lp, now)
 
-    monkeypatch.setattr(core, "_on_token", poisoned)
+    monkeypatch.setattr(core, "_post_process", poisoned)
     out = _concurrent(eng, [("greedy", [1, 9, 10, 11], GREEDY), ("bad", [1, 30], {**GREEDY, "request_id": "bad"})])
     assert out["greedy"].token_ids == want
     assert out["bad"].finish_reason == "abort" and "post-processing poison" in out["bad"].error
