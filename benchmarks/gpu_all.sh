@@ -16,8 +16,8 @@ run() {  # run NAME LIMIT_S CMD...
   local name=$1 limit=$2; shift 2
   case ",$parts," in *",$name,"*) ;; *) return ;; esac
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1; local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s"; tail -n "${TAIL:-28}" "$work/$name.log"
+  timeout "$limit" "$@" > "$work/part-$name.log" 2>&1; local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"; tail -n "${TAIL:-28}" "$work/part-$name.log"
   tar czf "$dest/gpu_all.tgz" -C /tmp gpu-all
 }
 run engine "${T_ENGINE:-200}" python benchmarks/gpu_engine.py
