@@ -27,7 +27,9 @@ class EngineConfig:
     grammar_backend: str = "llguidance"  # "llguidance" | "xgrammar"
     grammar_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused (InvalidRequest)
     cuda_graph: bool = True  # capture decode batches (CUDA only)
-    overlap_schedule: bool = True  # schedule step N+1 and post-process step N while the device runs (core.py)
+    # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
+    # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
+    overlap_schedule: bool | None = None
     cache_audit_rate: float = 0.0  # fraction of cache hits whose K/V is recomputed and checked (cache_audit.py)
     debug: bool = False  # check KV accounting every idle step; poison freed slots with NaN
 

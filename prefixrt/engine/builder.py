@@ -164,7 +164,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         bitmask_ops = None
     core = EngineCore(
         runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size,
-        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops, overlap=config.overlap_schedule,
+        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
+        overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
     if CASCADE_DECODE and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
         from prefixrt.engine.prefix_groups import PrefixGrouper

@@ -109,7 +109,9 @@ class Scheduler:
                 batch.retracted.append(victim)
 
         # Leaders: requests whose prompt K/V is not in the cache yet (still prefilling, or a chunk in flight).
-        prefilling = [r for r, _ in plan if r.kv_len < len(r.prompt_ids) or r.chunk_step is not None]
+        # Taken over all running requests, not only those with tokens this step: with overlap, a request whose
+        # last prefill chunk is still on the device has nothing to plan now, yet its prefix is not published.
+        prefilling = [r for r in self.running if r.kv_len < len(r.prompt_ids) or r.chunk_step is not None]
         for req, n in plan:
             self._add_to_batch(batch, req, n)
             if n > 1:
