@@ -175,14 +175,14 @@ def test_engine_error_is_an_openai_error(make_engine, monkeypatch):
     from prefixrt.openai import OpenAI
 
     eng = make_engine("llama")
-    real = eng.core._on_token
+    real = eng.core._post_process
 
-    def poisoned(r, tok, lp):
+    def poisoned(r, tok, lp, now):
         if r.params.stop == ["POISON"] and len(r.output_ids) >= 2:
             raise ValueError("post-processing poison")
-        return real(r, tok, lp)
+        return real(r, tok, lp, now)
 
-    monkeypatch.setattr(eng.core, "_on_token", poisoned)
+    monkeypatch.setattr(eng.core, "_post_process", poisoned)
     client = OpenAI(engine=eng)
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model="m", prompt="hi", max_tokens=8, stop="POISON")
