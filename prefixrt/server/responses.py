@@ -177,7 +177,14 @@ def _chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletio
                   parallel_tool_calls=body.parallel_tool_calls, seed=body.seed, stop=body.stop, top_k=body.top_k,
                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt,
                   tool_prompt=body.tool_prompt)
-    return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    from pydantic import ValidationError
+
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:  # a Responses field the chat request cannot take: the client's mistake (400)
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ())[:1]) or None
+        raise InvalidRequest(f"{param or 'request'}: {err.get('msg', 'invalid value')}", param=param) from None
 
 
 # ---------------------------------------------------------------------------------------------- output
