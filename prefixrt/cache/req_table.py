@@ -40,9 +40,14 @@ class ReqToTokenTable:
             return
         rows, cols, vals = [], [], []
         for row, start, slots in self._pending:
-            rows.extend([row] * len(slots))
-            cols.extend(range(start, start + len(slots)))
-            vals.extend(slots)
+            if len(slots) == 1:  # a decode step's one new slot: the common case at large batches
+                rows.append(row)
+                cols.append(start)
+                vals.append(slots[0])
+            else:
+                rows.extend([row] * len(slots))
+                cols.extend(range(start, start + len(slots)))
+                vals.extend(slots)
         self._pending.clear()
         idx = torch.tensor([rows, cols, vals], dtype=torch.int64)
         if self.table.device.type == "cuda":

@@ -371,7 +371,9 @@ class EngineCore:
             return None
 
         def apply(logits: torch.Tensor) -> None:
-            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
+            # All ones (rows stay free); pinned on CUDA, so the copy below never waits for the forward in flight
+            # (torch's pinned allocator keeps the buffer alive until the copy has run).
+            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1], pinned=logits.is_cuda)
             if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
                 self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             else:
@@ -387,17 +389,18 @@ class EngineCore:
         step.fence.wait()
         out = step.result.read() if step.result is not None else None
         now = time.monotonic()
-        for i, r in enumerate(step.sampled):
-            if out is None or not step.live[i] or r.finish_reason is not None or r.epoch != step.epochs[i]:
-                continue  # stale or finished: the token is discarded
-            r.num_unresolved -= 1
-            if r.future is not None and r.future[0] is step:
-                r.future = None
-            try:
-                self._post_process(r, out.token_ids[i], out.logprobs[i], now)
-            except Exception as e:
-                log.error("post-processing failed: %s", traceback.format_exc())
-                self._finish(r, "abort", error=f"internal error in post-processing: {e}")
+        if out is not None:
+            for r, live, epoch, tok, lp in zip(step.sampled, step.live, step.epochs, out.token_ids, out.logprobs):
+                if not live or r.finish_reason is not None or r.epoch != epoch:
+                    continue  # stale or finished: the token is discarded
+                r.num_unresolved -= 1
+                if r.future is not None and r.future[0] is step:
+                    r.future = None
+                try:
+                    self._post_process(r, tok, lp, now)
+                except Exception as e:
+                    log.error("post-processing failed: %s", traceback.format_exc())
+                    self._finish(r, "abort", error=f"internal error in post-processing: {e}")
         b = step.batch
         for r, row, p, n, s in zip(b.reqs, step.rows, b.prefix_lens, b.num_tokens, b.sample):
             if r.chunk_step is step:

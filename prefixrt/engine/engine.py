@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
 import queue
@@ -78,6 +79,11 @@ class Engine(EngineFront):
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
+        if self.device.type == "cuda":
+            # Everything built so far (model, graphs, tokenizer) lives as long as the engine: keep it out of the
+            # cyclic collector, whose full passes over it would otherwise stall the loop thread at random steps.
+            gc.collect()
+            gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="prefixrt-scheduler", daemon=True)
         self._thread.start()
 
