@@ -107,6 +107,7 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
     for jf in (True, False):
         eng.flush_cache()
         s0 = eng.stats().forward_passes_total
+        replays0 = dict(eng.core.runner.replays)
         timer = PhaseTimer(eng).install() if not jf else None
         t0 = time.perf_counter()
         res = eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
@@ -119,7 +120,8 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
         toks = sum(c.completion_tokens for c in res)
         valid = sum(c.finish_reason == "stop" and bool(json.loads(c.text)) for c in res)
         out["jf_on" if jf else "jf_off"] = {"seconds": dt, "forward_passes": passes, "output_tokens": toks,
-                                           "tok_s": toks / dt, "valid": valid, "step_ms": dt / passes * 1000}
+                                           "tok_s": toks / dt, "valid": valid, "step_ms": dt / passes * 1000,
+                                           "replays": {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}}
     n = max(1, out["jf_off"]["output_tokens"] // batch)
     eng.flush_cache()
     s0 = eng.stats().forward_passes_total
@@ -129,6 +131,9 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
     passes = eng.stats().forward_passes_total - s0
     out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
     out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
+    if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
+        out["profile_jf_off"] = torch_profile(eng, prompts, "json_jf_off", {
+            "max_new_tokens": 24, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA, "jump_forward": False})
     out["constrained_step_over_unconstrained"] = out["jf_off"]["step_ms"] / out["unconstrained"]["step_ms"]
     return out
 
@@ -257,6 +262,32 @@ class PhaseTimer:
         out = {k: round(v / steps * 1000, 3) for k, v in self.acc.items()}
         out["host_ms"] = round(sum(self.acc[u] for u in self.UNITS) / steps * 1000 - out["wait"], 3)
         return out
+
+
+def torch_profile(eng, prompts, name: str, params: dict) -> dict:
+    """torch.profiler over one generate call: the top host ops and CUDA API calls by self CPU time (to
+    $OUT/profile_NAME.txt), GPU busy time against wall time, and how the forwards ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.generate(prompts, {"max_new_tokens": 0})
+    replays0 = dict(eng.core.runner.replays)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    with open(os.path.join(os.environ["OUT"], f"profile_{name}.txt"), "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45))
+        f.write("\n\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=25))
+    gpu_us = sum(e.self_device_time_total for e in ka)
+    sync = {e.key: (e.count, round(e.self_cpu_time_total / 1000, 2)) for e in ka
+            if any(w in e.key for w in ("Synchronize", "HostAlloc", "cudaMemcpy", "GraphLaunch", "cudaLaunchKernel"))}
+    replays = {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}
+    return {"wall_ms": round(wall * 1000, 2), "gpu_busy_ms": round(gpu_us / 1000, 2), "cuda_api": sync,
+            "replays": replays}
 
 
 def _compare(xs, ys) -> dict:
@@ -392,6 +423,10 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             eng.flush_cache()
             row["step_ms_overlap_on" if overlap else "step_ms_overlap_off"] = decode_step_ms(eng, prompts, 64 if not smoke else 4)
         set_overlap(eng, True)
+        if cuda and RESULTS["cuda_graphs"]:  # right after the timed runs: the static batch holds their contexts
+            row["replay_ms"] = replay_ms(eng, bs)
+            row["on_over_replay"] = row["step_ms_overlap_on"] / row["replay_ms"]
+            row["off_over_replay"] = row["step_ms_overlap_off"] / row["replay_ms"]
         # Where a step's time goes (overlap on): the units' wall time per step, the device wait inside process.
         eng.flush_cache()
         eng.generate(prompts, {"max_new_tokens": 0})
@@ -411,10 +446,9 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             time.sleep(1.0)
             eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": 240})
             proc.wait(timeout=30)
-        if cuda and RESULTS["cuda_graphs"]:
-            row["replay_ms"] = replay_ms(eng, bs)
-            row["on_over_replay"] = row["step_ms_overlap_on"] / row["replay_ms"]
-            row["off_over_replay"] = row["step_ms_overlap_off"] / row["replay_ms"]
+        if cuda and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
+            row["profile"] = torch_profile(eng, prompts, f"b{bs}", {"temperature": 0, "ignore_eos": True,
+                                                                    "detokenize": False, "max_new_tokens": 24})
         dec[f"b{bs}"] = row
         log(f"decode b{bs}", row)
         summary.append((f"decode b{bs} step (ctx ~1.1k)", f"on {row['step_ms_overlap_on']:.2f} / off {row['step_ms_overlap_off']:.2f} ms",

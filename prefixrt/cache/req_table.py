@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from prefixrt.cache.host_lists import int64_tensor
+
 
 class ReqToTokenTable:
     def __init__(self, max_requests: int, max_context: int, device: torch.device | str):
@@ -49,7 +51,7 @@ class ReqToTokenTable:
                 cols.extend(range(start, start + len(slots)))
                 vals.extend(slots)
         self._pending.clear()
-        idx = torch.tensor([rows, cols, vals], dtype=torch.int64)
+        idx = int64_tensor(rows, cols, vals).view(3, -1)
         if self.table.device.type == "cuda":
             idx = idx.pin_memory().to(self.table.device, non_blocking=True)
         self.table[idx[0], idx[1]] = idx[2].to(torch.int32)

@@ -17,6 +17,8 @@ from itertools import chain
 
 import torch
 
+from prefixrt.cache.host_lists import int64_tensor
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # any number of new tokens per sequence (prefill, chunked prefill, jump-forward)
@@ -104,7 +106,7 @@ class ForwardBatch:
         has_loc = isinstance(out_cache_loc, torch.Tensor)
         parts = [flat_ids, positions, [] if has_loc else out_cache_loc, req_pool_indices, seq_lens,
                  prefix_lens, extend_lens, starts, logits_indices]
-        packed = torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int64)
+        packed = int64_tensor(*parts)
         if dev.type == "cuda":
             packed = packed.pin_memory().to(dev, non_blocking=True)
         sizes = [len(part) for part in parts]
