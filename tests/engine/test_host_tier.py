@@ -59,14 +59,14 @@ def test_tree_workload_equals_unbounded_pool_in_race_mode(policy, make_engine):
     eng.check_integrity()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_multi_turn_equals_unbounded_pool_with_aborts_in_race_mode(policy, make_engine):
+@pytest.mark.parametrize("policy, overlap", [(p, False) for p in POLICIES] + [("write_back", True)])
+def test_multi_turn_equals_unbounded_pool_with_aborts_in_race_mode(policy, overlap, make_engine):
     """Turn t of every conversation runs together; between turns other conversations push the earlier turns'
     K/V out of the small pool, so turn t+1 finds its history in the host tier. Aborted streams are mixed in."""
     convs = _multi_turn(8, 4, seed=11)
     params = {"max_new_tokens": 6, **GREEDY}
     ref = make_engine("llama", radix_cache=False, kv_cache_tokens=8192)
-    eng = _tiered(make_engine, policy, host_kv_debug_delay_s=0.0005)
+    eng = _tiered(make_engine, policy, host_kv_debug_delay_s=0.0005, overlap_schedule=overlap)
     for t in range(4):
         prompts = [c[t] for c in convs]
         want = [c.token_ids for c in ref.generate(prompts, params)]
