@@ -81,7 +81,7 @@ def run_one(label: str, model: str, workload, concurrency: int, engine_kw: dict)
         acc = acc + turn.new_tokens
         probes.append(list(acc))
     outs = []
-    for i, p in enumerate(probes):
+    for p in probes:
         outs.append(eng.generate(p, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}).token_ids)
     log(f"{label}: {json.dumps({k: v for k, v in row.items() if k != 'result'})}")
     eng.shutdown()
