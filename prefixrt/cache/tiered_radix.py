@@ -304,7 +304,8 @@ class TieredRadixCache(RadixCache):
             self._evict_host((pages - self.host_alloc.free_pages) * ps)
         if not self.host_alloc.can_alloc(pages):
             return None
-        return pages_to_slots(self.host_alloc.alloc(pages), ps)
+        # Ascending: fresh pages then form long contiguous runs, so a copy is a few large DMA transfers.
+        return pages_to_slots(sorted(self.host_alloc.alloc(pages)), ps)
 
     def _free_host(self, slots: list[int]) -> None:
         if self.debug:
