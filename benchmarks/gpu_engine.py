@@ -131,6 +131,32 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
     passes = eng.stats().forward_passes_total - s0
     out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
     out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
+    backend = eng.core.grammar_backend
+    if hasattr(backend, "_mask_threads") and os.environ.get("MASK_THREADS"):
+        # The grammar mask fill per step with more executor threads (jump-forward off, same prompts).
+        out["mask_fill"] = {}
+        for threads in (int(x) for x in os.environ["MASK_THREADS"].split(",")):
+            backend._mask_threads, backend._executor = threads, None
+            spent = [0.0, 0]
+            orig = backend.fill_bitmasks
+
+            def timed(rows, bitmask, _orig=orig, spent=spent):
+                t = time.perf_counter()
+                try:
+                    return _orig(rows, bitmask)
+                finally:
+                    spent[0] += time.perf_counter() - t
+                    spent[1] += 1
+            backend.fill_bitmasks = timed
+            eng.flush_cache()
+            t0 = time.perf_counter()
+            s0 = eng.stats().forward_passes_total
+            eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
+                                   "jump_forward": False})
+            dt, passes = time.perf_counter() - t0, eng.stats().forward_passes_total - s0
+            del backend.fill_bitmasks
+            out["mask_fill"][threads] = {"fill_ms_per_call": spent[0] / max(1, spent[1]) * 1000,
+                                         "calls": spent[1], "step_ms": dt / passes * 1000}
     if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
         out["profile_jf_off"] = torch_profile(eng, prompts, "json_jf_off", {
             "max_new_tokens": 24, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA, "jump_forward": False})
@@ -277,6 +303,8 @@ def torch_profile(eng, prompts, name: str, params: dict) -> dict:
         eng.generate(prompts, params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    if os.environ.get("TORCH_TRACE"):
+        prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
     ka = prof.key_averages()
     with open(os.path.join(os.environ["OUT"], f"profile_{name}.txt"), "w") as f:
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45))
@@ -448,7 +476,7 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             proc.wait(timeout=30)
         if cuda and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
             row["profile"] = torch_profile(eng, prompts, f"b{bs}", {"temperature": 0, "ignore_eos": True,
-                                                                    "detokenize": False, "max_new_tokens": 24})
+                                                                    "detokenize": False, "max_new_tokens": 10})
         dec[f"b{bs}"] = row
         log(f"decode b{bs}", row)
         summary.append((f"decode b{bs} step (ctx ~1.1k)", f"on {row['step_ms_overlap_on']:.2f} / off {row['step_ms_overlap_off']:.2f} ms",
