@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -216,6 +217,32 @@ def replay_ms(eng, bs: int, iters: int = 20) -> float:
         graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters * 1000
+
+
+def in_loop_replay_ms(eng, prompts: list[list[int]], steps: int) -> float:
+    """Median device time of the decode graph replays of one timed decode run, measured with CUDA events
+    recorded around each replay in the loop (what the GPU spends on the forward itself)."""
+    graphs = eng.core.runner.graphs
+    pairs = []
+
+    def install():
+        orig = graphs.replay
+
+        def timed(batch, _orig=orig):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = _orig(batch)
+            b.record()
+            pairs.append((a, b))
+            return out
+        graphs.replay = timed
+    eng._run_on_loop(install)
+    eng.generate(prompts, {"max_new_tokens": 0})
+    eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": 1 + steps})
+    eng._run_on_loop(lambda: graphs.__dict__.pop("replay", None))
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in pairs[1:])
+    return times[len(times) // 2]
 
 
 def decode_step_ms(eng, prompts: list[list[int]], steps: int) -> float:
@@ -455,6 +482,11 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             row["replay_ms"] = replay_ms(eng, bs)
             row["on_over_replay"] = row["step_ms_overlap_on"] / row["replay_ms"]
             row["off_over_replay"] = row["step_ms_overlap_off"] / row["replay_ms"]
+        if cuda and RESULTS["cuda_graphs"]:
+            # The decode graph's device time inside the loop (events around each replay), for the same run.
+            row["step_ms_overlap_on_again"] = decode_step_ms(eng, prompts, 64)
+            row["in_loop_replay_ms"] = in_loop_replay_ms(eng, prompts, 64)
+            row["on_over_in_loop_replay"] = row["step_ms_overlap_on_again"] / row["in_loop_replay_ms"]
         # Where a step's time goes (overlap on): the units' wall time per step, the device wait inside process.
         eng.flush_cache()
         eng.generate(prompts, {"max_new_tokens": 0})
@@ -479,6 +511,9 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
                                                                     "detokenize": False, "max_new_tokens": 10})
         dec[f"b{bs}"] = row
         log(f"decode b{bs}", row)
+        if "in_loop_replay_ms" in row:
+            summary.append((f"decode b{bs}: step again / in-loop graph time", f"{row['step_ms_overlap_on_again']:.2f} / "
+                            f"{row['in_loop_replay_ms']:.2f} ms", f"{row['on_over_in_loop_replay']:.3f}x"))
         summary.append((f"decode b{bs} step (ctx ~1.1k)", f"on {row['step_ms_overlap_on']:.2f} / off {row['step_ms_overlap_off']:.2f} ms",
                         f"replay {row['replay_ms']:.2f} ms: {row['on_over_replay']:.3f}x / {row['off_over_replay']:.3f}x"
                         if "replay_ms" in row else "no graphs"))
@@ -533,6 +568,16 @@ def section_e(eng, vocab, smoke, summary) -> None:
         return
     RESULTS["json"] = js
     log("json", js)
+    for name in (b for b in os.environ.get("GRAMMAR_BACKENDS", "").split(",") if b and b != eng.config.grammar_backend):
+        # The next compile builds this backend (the config is frozen: replaced, as a restart would).
+        eng.config, eng._compiler = dataclasses.replace(eng.config, grammar_backend=name), None
+        other = json_bench(eng, vocab, 64 if not smoke else 4)
+        RESULTS[f"json_{name}"] = other
+        log(f"json {name}", other)
+        summary.append((f"  {name}: jump-forward on / off; constrained / unconstrained step",
+                        f"{other['jf_speedup']:.2f}x (valid {other['jf_on']['valid']}/{other['jf_off']['valid']})",
+                        f"{other['jf_off']['step_ms']:.2f} / {other['unconstrained']['step_ms']:.2f} ms = "
+                        f"{other['constrained_step_over_unconstrained']:.2f}x"))
     summary.append(("JSON long keys b64: jump-forward on / off", f"{js['jf_on']['tok_s']:.0f} / {js['jf_off']['tok_s']:.0f} tok/s",
                     f"{js['jf_speedup']:.2f}x; valid {js['jf_on']['valid']}/{js['jf_off']['valid']}"))
     summary.append(("constrained / unconstrained step (b64)", f"{js['jf_off']['step_ms']:.2f} / {js['unconstrained']['step_ms']:.2f} ms",

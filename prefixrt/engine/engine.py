@@ -166,8 +166,7 @@ class Engine(EngineFront):
 
                 from prefixrt.constrained import GrammarCompiler, make_backend
 
-                opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))} \
-                    if self.config.grammar_backend == "llguidance" else {}
+                opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))}
                 grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
                                        sorted(self.core.eos_token_ids), **opts)
                 self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
