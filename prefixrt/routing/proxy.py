@@ -3,7 +3,7 @@
 Each generation request (ROUTES) is keyed by its prompt's token ids (prompt.RoutingKeys), placed by the policy
 (policy.py: choose, then routed; finished when the reply ends, however it ends) and proxied to the chosen
 worker as it is: the worker's status, headers that matter (content-type, x-should-retry) and body bytes are
-passed through unchanged and unbuffered, so SSE streams arrive event by event and worker errors reach the
+passed through unchanged and unbuffered (plus `x-prefixrt-worker`, the worker's URL), so SSE streams arrive event by event and worker errors reach the
 client exactly as the worker wrote them. A client that disconnects closes the upstream stream, which the
 worker sees as a disconnect (it aborts the request).
 
@@ -38,8 +38,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prefixrt.routing.policy import NoReplicaError, RoutingPolicy
 from prefixrt.routing.prompt import ROUTES, RoutingKeys
 
-PASS_HEADERS = ("content-type", "x-should-retry", "cache-control", "x-request-id")
+PASS_HEADERS = ("content-type", "content-encoding", "x-should-retry", "cache-control", "x-request-id")
 FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "openai-organization")
+WORKER_HEADER = "x-prefixrt-worker"  # added to every proxied reply: the worker that answered
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
 _ID_SCAN_BYTES = 8192  # the response id comes first in the JSON body and in response.created
 
@@ -138,21 +139,22 @@ def create_router_app(worker_urls: Sequence[str], policy: RoutingPolicy, keys: R
 
     def relay(up: httpx.Response, url: str, on_close, learn_id: bool) -> StreamingResponse:
         async def body():
-            head = b""
+            head, scan = b"", learn_id
             try:
                 async for chunk in up.aiter_raw():
-                    if learn_id and len(head) < _ID_SCAN_BYTES:
+                    if scan and len(head) < _ID_SCAN_BYTES:
                         head += chunk
                         m = _RESPONSE_ID.search(head)
                         if m:
                             pool.remember(m.group(1).decode(), url)
-                            learn_id = False
+                            scan = False
                     yield chunk
             finally:
                 await up.aclose()
                 on_close()
 
         headers = {k: v for k, v in up.headers.items() if k.lower() in PASS_HEADERS}
+        headers[WORKER_HEADER] = url
         return StreamingResponse(body(), status_code=up.status_code, headers=headers)
 
     async def route_generation(request: Request, path: str) -> Response:
@@ -191,9 +193,14 @@ def create_router_app(worker_urls: Sequence[str], policy: RoutingPolicy, keys: R
             return relay(up, url, lambda u=url: policy.finished(u), learn_id=path == "/v1/responses")
         return _error(503, f"workers unreachable: {', '.join(tried)}", "worker_unreachable")
 
+    def endpoint(path: str):
+        async def generate(request: Request) -> Response:
+            return await route_generation(request, path)
+
+        return generate
+
     for route in ROUTES:
-        app.add_api_route(route, (lambda p: (lambda request: route_generation(request, p)))(route),
-                          methods=["POST"])
+        app.add_api_route(route, endpoint(route), methods=["POST"])
 
     async def forward_any(request: Request, path: str, urls: list[str]) -> Response:
         for url in urls:

@@ -14,10 +14,15 @@ report per request), and the load of a replica is the number of requests it serv
 from __future__ import annotations
 
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 GROUPS, PER_GROUP, REPLICAS = 32, 16, 4
 REPLICA_KV_TOKENS = 768
+# The smoke copy the HTTP router and Ray Serve tests run (each replica pool holds two groups' prefixes of ~85
+# tokens and the requests in flight): 8 groups x 16 requests, the same ratio of groups to pool capacity.
+SMOKE_GROUPS, SMOKE_PER_GROUP, SMOKE_KV_TOKENS = 8, 16, 256
 _WORDS = ("alpha beta gamma delta fox dog cache radix tree prefix token value shared prompt stitch nine Paris "
           "France answer question key items name quick brown lazy time saves").split()
 
@@ -65,3 +70,23 @@ def check_acceptance(cache_aware: Figures, single: Figures, round_robin: Figures
     assert cache_aware.hit_rate >= 0.9 * single.hit_rate, msg
     assert cache_aware.hit_rate >= 2.0 * round_robin.hit_rate, msg
     assert cache_aware.busiest_over_mean <= 1.5, msg
+
+
+def run_routed(engines: dict, policy, keys, reqs, concurrency: int = 4):
+    """Send every request through `policy` (choose, routed, finished) to its engine; usage per request."""
+    lock = threading.Lock()
+
+    def one(req):
+        ids = keys.chat_ids(req.messages)
+        with lock:
+            d = policy.choose(ids)
+            policy.routed(d.replica, ids)
+        try:
+            c = engines[d.replica].generate(req.messages, {"max_new_tokens": 1, "temperature": 0.0})
+        finally:
+            with lock:
+                policy.finished(d.replica)
+        return d.replica, c.prompt_tokens, c.cached_tokens
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, reqs))

@@ -3,37 +3,11 @@ the four pools' memory and against round robin (tests/helpers/routing_workload.p
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from prefixrt.routing.policy import CacheAwarePolicy, RoundRobinPolicy
 from prefixrt.routing.prompt import RoutingKeys
 from tests.helpers import routing_workload as wl
-
-PARAMS = {"max_new_tokens": 1, "temperature": 0.0}
-
-
-def run_routed(engines: dict, policy, keys: RoutingKeys, reqs, concurrency: int = 4):
-    """Send every request through `policy` (choose, routed, finished) to its engine; usage per request."""
-    import threading
-
-    lock = threading.Lock()
-
-    def one(req):
-        ids = keys.chat_ids(req.messages)
-        with lock:
-            d = policy.choose(ids)
-            policy.routed(d.replica, ids)
-        try:
-            c = engines[d.replica].generate(req.messages, PARAMS)
-        finally:
-            with lock:
-                policy.finished(d.replica)
-        return d.replica, c.prompt_tokens, c.cached_tokens
-
-    with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(one, reqs))
 
 
 @pytest.fixture
@@ -58,11 +32,11 @@ def test_acceptance_over_four_engines(make_engine, keys):
     names = [f"r{i}" for i in range(wl.REPLICAS)]
     single = make_engine("llama", debug=False, kv_cache_tokens=wl.REPLICAS * wl.REPLICA_KV_TOKENS)
     engines = {n: make_engine("llama", debug=False, kv_cache_tokens=wl.REPLICA_KV_TOKENS) for n in names}
-    one = wl.figures(run_routed({"single": single}, RoundRobinPolicy(["single"]), keys, reqs), ["single"])
-    rr = wl.figures(run_routed(engines, RoundRobinPolicy(names), keys, reqs), names)
+    one = wl.figures(wl.run_routed({"single": single}, RoundRobinPolicy(["single"]), keys, reqs), ["single"])
+    rr = wl.figures(wl.run_routed(engines, RoundRobinPolicy(names), keys, reqs), names)
     for e in engines.values():
         e.flush_cache()
-    ca = wl.figures(run_routed(engines, CacheAwarePolicy(names, max_tree_tokens=wl.REPLICA_KV_TOKENS), keys,
+    ca = wl.figures(wl.run_routed(engines, CacheAwarePolicy(names, max_tree_tokens=wl.REPLICA_KV_TOKENS), keys,
                                reqs), names)
     print(f"\nsingle: {one}\nround robin: {rr}\ncache-aware: {ca}")
     wl.check_acceptance(ca, one, rr)
