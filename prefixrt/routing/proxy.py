@@ -7,8 +7,8 @@ passed through unchanged and unbuffered (plus `x-prefixrt-worker`, the worker's 
 client exactly as the worker wrote them. A client that disconnects closes the upstream stream, which the
 worker sees as a disconnect (it aborts the request).
 
-Workers: a background task probes `GET /health` of every worker every `health_interval_s`; an unhealthy or
-unreachable worker gets no requests until it answers 200 again, and a worker's `/stats` kv_total, read when
+Workers: a background task probes `GET /health` of every worker every `health_interval_s`; a worker that
+fails PROBE_FAILURES probes in a row (unhealthy or unreachable) gets no requests until it answers 200 again, and a worker's `/stats` kv_total, read when
 it comes up, sizes its approximate tree. A request whose worker cannot be reached (connect error) is retried
 once on the policy's next choice, the failed worker marked unhealthy; once bytes have been sent nothing is
 retried. No healthy worker: 503.
@@ -42,7 +42,8 @@ PASS_HEADERS = ("content-type", "content-encoding", "x-should-retry", "cache-con
 FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "openai-organization")
 WORKER_HEADER = "x-prefixrt-worker"  # added to every proxied reply: the worker that answered
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_-]+)"')
-_ID_SCAN_BYTES = 8192  # the response id comes first in the JSON body and in response.created
+_ID_SCAN_BYTES = 8192
+PROBE_FAILURES = 2  # the response id comes first in the JSON body and in response.created
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
@@ -64,8 +65,10 @@ class WorkerPool:
         self.responses: OrderedDict[str, str] = OrderedDict()  # response id -> worker url
         self.max_tracked_responses = max_tracked_responses
         self.last_error: dict[str, str] = {}
+        self.failures: dict[str, int] = {}  # consecutive failed probes
         for u in self.urls:
             policy.add_replica(u)
+            policy.set_healthy(u, False)  # in rotation from its first good probe on
 
     def healthy(self) -> list[str]:
         return [u for u in self.urls if self.policy.healthy[u]]
@@ -79,9 +82,13 @@ class WorkerPool:
             ok, error = False, f"{type(e).__name__}: {e}"
         if error is None:
             self.last_error.pop(url, None)
+            self.failures[url] = 0
         else:
             self.last_error[url] = error
-        self.policy.set_healthy(url, ok)
+            self.failures[url] = self.failures.get(url, 0) + 1
+        # One slow probe on a loaded host is not a dead worker: out of rotation after PROBE_FAILURES in a row
+        # (a refused connection while sending a request takes it out at once).
+        self.policy.set_healthy(url, ok or 0 < self.failures[url] < PROBE_FAILURES and self.policy.healthy[url])
         if ok and url not in self.sized and hasattr(self.policy, "set_capacity"):
             with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
                 r = await self.client.get(url + "/stats", timeout=5.0)

@@ -13,6 +13,7 @@ report per request), and the load of a replica is the number of requests it serv
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +22,11 @@ from dataclasses import dataclass
 GROUPS, PER_GROUP, REPLICAS = 32, 16, 4
 REPLICA_KV_TOKENS = 768
 # The smoke copy the HTTP router and Ray Serve tests run (each replica pool holds two groups' prefixes of ~85
-# tokens and the requests in flight): 8 groups x 16 requests, the same ratio of groups to pool capacity.
+# tokens and the requests in flight): 8 groups x 16 requests. PREFIXRT_ROUTING_FULL=1 runs them on the full
+# workload instead (docs/serving.md reports both).
 SMOKE_GROUPS, SMOKE_PER_GROUP, SMOKE_KV_TOKENS = 8, 16, 256
+if os.environ.get("PREFIXRT_ROUTING_FULL") == "1":
+    SMOKE_GROUPS, SMOKE_PER_GROUP, SMOKE_KV_TOKENS = GROUPS, PER_GROUP, REPLICA_KV_TOKENS
 _WORDS = ("alpha beta gamma delta fox dog cache radix tree prefix token value shared prompt stitch nine Paris "
           "France answer question key items name quick brown lazy time saves").split()
 

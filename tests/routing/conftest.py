@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import _LIVE_GROUPS, ServeProcess, _die_with_parent, cli, cli_env, free_port
+from tests.helpers.serve import _LIVE_GROUPS, ServeProcess, _die_with_parent, cli, cli_env, free_port
 
 
 @pytest.fixture(scope="session")

@@ -170,7 +170,7 @@ def test_a_dead_worker_is_taken_out_of_rotation(cluster):
 def test_router_flag_mistakes_are_one_line(routing_model_dir):
     import subprocess
 
-    from tests.server.conftest import cli, cli_env
+    from tests.helpers.serve import cli, cli_env
 
     r = subprocess.run(cli("router", "--worker", "127.0.0.1:1", "--model", str(routing_model_dir)), env=cli_env(),
                        capture_output=True, text=True, timeout=120)

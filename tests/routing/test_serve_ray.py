@@ -25,7 +25,7 @@ def ray_app(routing_model_dir):
         from ray import serve
     except ImportError as e:
         pytest.skip(f"ray[serve] is not installed ({e}); pip install 'prefixrt[ray]'")
-    from tests.server.conftest import free_port
+    from tests.helpers.serve import free_port
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
