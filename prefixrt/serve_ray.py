@@ -31,9 +31,12 @@ import sys
 from collections import OrderedDict
 from typing import Any
 
-from ray import serve
-from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+try:
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+except ImportError as e:  # the optional extra
+    raise ImportError(f"prefixrt.serve_ray needs Ray Serve ({e}); install it with: pip install 'prefixrt[ray]'") from e
 
 from prefixrt.routing.policy import CacheAwarePolicy
 from prefixrt.routing.prompt import ROUTES, RoutingKeys
@@ -115,12 +118,6 @@ class EngineReplica:
                 yield chunk
         finally:
             await reply.aclose()
-
-    async def stats(self) -> dict:
-        return self.engine.stats().to_dict()
-
-    async def flush_cache(self) -> None:
-        self.engine.flush_cache()
 
     def __del__(self):
         engine = getattr(self, "engine", None)
