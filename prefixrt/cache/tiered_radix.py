@@ -417,8 +417,9 @@ class TieredRadixCache(RadixCache):
                 for s in node.host_slots:
                     assert s not in seen_host, f"host slot {s} owned twice in the tree"
                     seen_host.add(s)
-                assert any(e[2] is node and e[0] == node.last_access for e in self._host_heap), \
-                    "host copy missing from the host heap"
+                if node.lock_ref == 0 and (node.slots is not None or not node.children):  # host-evictable now
+                    assert any(e[2] is node and e[0] == node.last_access for e in self._host_heap), \
+                        "host copy missing from the host heap"
         assert count == self._num_nodes, f"node count {count} != {self._num_nodes}"
         assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
         assert locked == self._locked, f"locked {locked} != counter {self._locked}"
