@@ -259,11 +259,11 @@ def decode_step_ms(eng, prompts: list[list[int]], steps: int) -> float:
 
 
 class PhaseTimer:
-    """Wall time per step of each loop unit (schedule, forward, process, sample), the wait for the device inside
+    """Wall time per step of each loop unit (schedule, build, draw, launch, process, prepare_sample), the wait for the device inside
     process, and the host work left after removing that wait. Installed on the loop thread; the loop looks
     the methods up on every call, so instance attributes shadow them until uninstall()."""
 
-    UNITS = ("schedule", "forward", "process", "sample")
+    UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
 
     def __init__(self, eng):
         self.eng, self.acc, self.steps = eng, dict.fromkeys(self.UNITS + ("wait",), 0.0), 0

@@ -26,7 +26,7 @@ from prefixrt.hub.loader import load_model  # noqa: E402
 from tests.helpers.checkpoints import save_tiny_checkpoint  # noqa: E402
 from tests.helpers.engines import make_tiny_tokenizer  # noqa: E402
 
-UNITS = ("schedule", "forward", "process", "sample")
+UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
 
 
 def build(batch: int) -> Engine:
