@@ -16,7 +16,6 @@ from typing import Any
 from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.base import MatchResult, PrefixCache
 
-
 _ANY = object()  # _evict_lru: leaves of any namespace
 
 
