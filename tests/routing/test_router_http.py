@@ -90,6 +90,7 @@ def test_acceptance_through_the_router(cluster, make_engine):
     stats = httpx.get(routers["cache_aware"].url + "/router/stats").json()
     assert sum(stats["decisions"].values()) == len(reqs) and stats["decisions"]["hit"] > len(reqs) // 2, stats
     assert [stats["replicas"][u]["routed"] for u in urls] == ca.loads
+    assert all(stats["replicas"][u]["in_flight"] == 0 for u in urls), stats  # every reply ended its load
 
 
 def test_streaming_passes_through_event_by_event(cluster):
@@ -109,6 +110,25 @@ def test_streaming_passes_through_event_by_event(cluster):
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
     assert len(events) >= 3
+
+
+def test_a_client_leaving_a_stream_aborts_it_on_the_worker(cluster):
+    """Leaving a stream through the router closes the worker's stream: the worker aborts the request (its
+    aborted count goes up) and the router ends the request's load."""
+    workers, routers = cluster
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 115, "ignore_eos": True, "stream": True}
+    before = {w.url: w.wait_idle()["aborted_requests_total"] for w in workers}
+    with httpx.stream("POST", routers["cache_aware"].url + "/v1/completions", json=body, timeout=60) as r:
+        worker = next(w for w in workers if w.url == r.headers["x-prefixrt-worker"])
+        next(r.iter_lines())  # the first event, then leave
+    deadline = time.monotonic() + 20
+    while worker.stats()["aborted_requests_total"] == before[worker.url]:
+        assert time.monotonic() < deadline, worker.stats()
+        time.sleep(0.05)
+    assert worker.wait_idle()["aborted_requests_total"] == before[worker.url] + 1
+    while httpx.get(routers["cache_aware"].url + "/router/stats").json()["replicas"][worker.url]["in_flight"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_errors_pass_through_unchanged(cluster):
