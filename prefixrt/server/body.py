@@ -2,19 +2,19 @@
 
 `json.loads` of a 5 MB body holds the GIL for 5-10 ms of uninterrupted C (longer on a loaded machine), and a
 worker thread would hold the same GIL: every coroutine on the event loop, `/health` included, would wait.
-So every route is an `OffloadedBodyRoute`: its request's `json()` parses a body of at least
-`OFFLOAD_BYTES` in a parser process (one spawned worker, started on first use; bodies are independent, so a
-process pool's round trip of bytes in / objects out is the whole protocol). The server process only unpickles
-the result (about 1 ms for a 5 MB prompt: a memcpy-like UTF-8 decode). Smaller bodies parse inline, where the
-round trip would cost more than the parse.
+So every route is an `OffloadedBodyRoute`: its request's `json()` parses a body of at least `OFFLOAD_BYTES`
+in a parser process (under `prefixrt serve`; see BodyParser): one spawned worker, started on first use; bodies
+are independent, so a process pool's round trip of bytes in / objects out is the whole protocol. The server
+process only unpickles the result (about 1 ms for a 5 MB prompt: a memcpy-like UTF-8 decode). Smaller bodies
+parse inline, where the round trip would cost more than the parse.
 
 The result is exactly `json.loads(body)`'s, in either place, and so are the errors: a malformed body raises
 the same `json.JSONDecodeError` (message and offset) and FastAPI turns it into the same RequestValidationError
 as before; FastAPI's pydantic validation of the decoded value (cheap: it never copies the strings) is
 unchanged. If the parser process dies, a new one is started and the body that was in it is parsed inline.
 
-Invariants: FastAPI reads the body only through `request.json()` (fastapi.routing's request handler), so no
-JSON body of `OFFLOAD_BYTES` or more is decoded on the loop; Admission has already applied API keys and the
+Invariants: FastAPI reads the body only through `request.json()` (fastapi.routing's request handler), so with
+offloading on no JSON body of `OFFLOAD_BYTES` or more is decoded on the loop; Admission has already applied API keys and the
 body-size limit (413) before any byte reaches a parser.
 """
 
@@ -25,6 +25,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import signal
 import threading
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -36,10 +37,15 @@ OFFLOAD_BYTES = 256 * 1024  # json.loads of this much takes ~0.5 ms: below it, i
 
 
 class BodyParser:
-    """`await parser.loads(body)` == `json.loads(body)`, run in the parser process for large bodies.
-    Thread-safe; `close()` stops the parser process (a later large body starts a new one)."""
+    """`await parser.loads(body)` == `json.loads(body)`, run in the parser process for bodies of at least
+    `offload_bytes` (None: every body inline). Thread-safe; `close()` stops the parser process (a later large
+    body starts a new one).
 
-    def __init__(self, offload_bytes: int = OFFLOAD_BYTES):
+    The parser process is spawned, so it imports the server's `__main__` module: `prefixrt serve` (main module
+    prefixrt.cli) turns offloading on; create_app's default parses inline, because an in-process app (the
+    OpenAI shim in a user's script) cannot know that its main module is safe to import."""
+
+    def __init__(self, offload_bytes: int | None = None):
         self.offload_bytes = offload_bytes
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -54,7 +60,7 @@ class BodyParser:
             return self._pool
 
     async def loads(self, body: bytes) -> Any:
-        if len(body) < self.offload_bytes:
+        if self.offload_bytes is None or len(body) < self.offload_bytes:
             return json.loads(body)
         pool = self._executor()
         try:
@@ -75,7 +81,12 @@ class BodyParser:
 
 
 def _parser_init(parent_pid: int) -> None:
-    """In the parser process: exit when the server process is gone (a SIGKILLed server cannot stop it)."""
+    """In the parser process: ignore SIGINT/SIGTERM (Ctrl-C or a supervisor signals the whole process group; the
+    server stops the parser when it has drained), and exit when the server process is gone (a SIGKILLed server
+    cannot stop it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
     def watch():
         while os.getppid() == parent_pid:
             threading.Event().wait(1.0)

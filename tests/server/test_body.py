@@ -20,7 +20,7 @@ from prefixrt.server.app import create_app
 from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2}  # /generate's spelling
-PAD = "pad " * 80_000  # 320 KB: above OFFLOAD_BYTES, so the default app sends it to the parser process too
+PAD = "pad " * 80_000  # 320 KB: above OFFLOAD_BYTES, so `prefixrt serve` sends it to the parser process too
 
 BODIES = [
     json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0, "sampling_params": GREEDY}).encode(),
@@ -74,10 +74,10 @@ def test_offloaded_parsing_answers_exactly_as_inline_parsing(apps, path):
     assert offloaded.app.state.body_parser._pool is not None
 
 
-def test_default_threshold_sends_large_bodies_to_the_parser_process(engine):
+def test_serve_threshold_sends_large_bodies_to_the_parser_process(engine):
     app = create_app(engine)
-    parser = app.state.body_parser
-    assert parser.offload_bytes == OFFLOAD_BYTES
+    assert app.state.body_parser.offload_bytes is None  # in-process apps parse inline (see BodyParser)
+    app.state.body_parser = parser = BodyParser(OFFLOAD_BYTES)  # as `prefixrt serve` sets it
     with TestClient(app) as http:
         r = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and parser._pool is None  # small: parsed inline
