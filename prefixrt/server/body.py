@@ -14,8 +14,8 @@ as before; FastAPI's pydantic validation of the decoded value (cheap: it never c
 unchanged. If the parser process dies, a new one is started and the body that was in it is parsed inline.
 
 Invariants: FastAPI reads the body only through `request.json()` (fastapi.routing's request handler), so with
-offloading on no JSON body of `OFFLOAD_BYTES` or more is decoded on the loop; Admission has already applied API keys and the
-body-size limit (413) before any byte reaches a parser.
+offloading on no JSON body of `OFFLOAD_BYTES` or more is decoded on the loop; Admission has already applied API
+keys and the body-size limit (413) before any byte reaches a parser.
 """
 
 from __future__ import annotations
