@@ -45,7 +45,7 @@ def compute(kv: KVManager, r, n=None):
 
 
 def expected_kv(ids, layer):
-    return torch.tensor([[[t, p + 100 * layer]] for p, t in enumerate(ids)], dtype=torch.float32)
+    return torch.tensor([[[t, p + 100 * layer]] for p, t in enumerate(ids)], dtype=torch.float32).reshape(-1, 1, 2)
 
 
 def run(kv, ids, rid="r"):
@@ -62,7 +62,7 @@ def assert_row_holds(kv, r, ids):
     w = kv.load_waiter()
     if w is not None:
         w.wait_all()
-    slots = torch.tensor(kv.slots_of(r, 0, len(ids)))
+    slots = torch.tensor(kv.slots_of(r, 0, len(ids)), dtype=torch.int64)
     for layer in range(LAYERS):
         assert torch.equal(kv.pool.k_buffers[layer][slots], expected_kv(ids, layer))
         assert torch.equal(kv.pool.v_buffers[layer][slots], -expected_kv(ids, layer))
@@ -183,3 +183,35 @@ def test_flush_empties_both_tiers():
     assert kv.cache.host_cached_tokens == 0 and kv.evictable_tokens == 0
     assert kv.free_tokens == kv.total_tokens
     kv.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_random_requests_keep_both_tiers_exact_and_accounted(policy, page_size):
+    """Random prompts over a few shared stems through a 24-token pool and a 48-token host tier: after every
+    admission the request's row holds exactly its prefix's K/V (wherever it came from), and both tiers'
+    accounting holds after every step; some requests publish a chunk and leave midway (abort)."""
+    import random
+
+    rng = random.Random(hash((policy, page_size)) % 1000)
+    kv = make_kv(pool_tokens=24, host_tokens=48, page_size=page_size, policy=policy, threshold=2)
+    stems = [[rng.randrange(3, 50) for _ in range(rng.randint(4, 12))] for _ in range(5)]
+    hits = 0
+    for i in range(150):
+        ids = list(rng.choice(stems))[: rng.randint(1, 12)] + [rng.randrange(3, 50) for _ in range(rng.randint(1, 6))]
+        r = req(ids, rid=f"r{i}")
+        kv.admit(r)
+        hits += r.kv_len
+        assert_row_holds(kv, r, ids[: r.kv_len])
+        if rng.random() < 0.3 and r.num_pending > 2:  # publish a chunk, then leave (an abort midway)
+            compute(kv, r, r.num_pending // 2)
+            kv.cache_unfinished(r)
+        else:
+            compute(kv, r)
+        kv.release(r)
+        kv.check_integrity()
+        if rng.random() < 0.1:
+            kv.reclaim(wait=True)
+            assert kv.free_tokens + kv.evictable_tokens == kv.total_tokens
+    assert hits > 0 and kv.cache.host_hit_tokens_total > 0
+    kv.close()
