@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/policy.py implements each
+# host_kv_write_policy names (cache/tiered_radix.py): when a node's K/V is copied to the host tier.
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     cache_audit_rate: float = 0.0  # fraction of cache hits whose K/V is recomputed and checked (cache_audit.py)
     debug: bool = False  # check KV accounting every idle step; poison freed slots with NaN
+    # Host tier of the KV cache (cache/tiered_radix.py): tokens of K/V kept in (pinned) host memory under the
+    # radix tree. None or 0: off, the pool alone (as before).
+    host_kv_cache_tokens: int | None = None
+    host_kv_write_policy: str = "write_through"  # one of WRITE_POLICIES
+    host_kv_write_threshold: int = 2  # write_through_selective: hits before a node is copied to the host
+    host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
 
     def __post_init__(self):
         def bad(msg):
@@ -57,5 +65,15 @@ class EngineConfig:
             bad("max_running_requests must be >= 1")
         if not (isinstance(self.cache_audit_rate, (int, float)) and 0 <= self.cache_audit_rate <= 1):
             bad(f"cache_audit_rate must be in [0, 1], got {self.cache_audit_rate!r}")
+        if self.host_kv_cache_tokens is not None and self.host_kv_cache_tokens < 0:
+            bad("host_kv_cache_tokens must be >= 0")
+        if self.host_kv_cache_tokens and self.host_kv_cache_tokens < 2 * self.page_size:
+            bad("host_kv_cache_tokens must hold at least two pages")
+        if self.host_kv_write_policy not in WRITE_POLICIES:
+            bad(f"host_kv_write_policy must be one of {WRITE_POLICIES}, got {self.host_kv_write_policy!r}")
+        if self.host_kv_write_threshold < 1:
+            bad("host_kv_write_threshold must be >= 1")
+        if not self.host_kv_debug_delay_s >= 0:
+            bad("host_kv_debug_delay_s must be >= 0")
         if self.grammar_backend not in ("llguidance", "xgrammar"):
             bad("grammar_backend must be 'llguidance' or 'xgrammar'")

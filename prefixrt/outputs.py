@@ -73,6 +73,17 @@ class EngineStats:
     aborted_requests_total: int = 0
     cache_audits_total: int = 0  # cache hits whose K/V was recomputed and compared (cache_audit_rate)
     cache_audit_mismatches_total: int = 0  # audits that found cached K/V differing from the recomputation
+    # Host tier of the KV cache (host_kv_cache_tokens; all 0 when off). cached_tokens_total counts both tiers.
+    kv_host_total: int = 0  # host tier size in tokens
+    kv_host_free: int = 0
+    kv_host_cached: int = 0  # tokens with a host copy (host-only or both tiers)
+    host_hit_tokens_total: int = 0  # cached prompt tokens loaded back from the host tier at admission
+    host_load_bytes_total: int = 0  # host -> pool copies (completed)
+    host_load_seconds_total: float = 0.0
+    host_backup_bytes_total: int = 0  # pool -> host copies (completed)
+    host_backup_seconds_total: float = 0.0
+    host_evicted_tokens_total: int = 0  # host copies dropped (host LRU)
+    host_load_failures_total: int = 0  # admissions whose host part found no pool room (recomputed instead)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,6 +2,9 @@
 
 Every engine made through `make_engine` is checked at teardown: idle, kv_free + kv_evictable == kv_total,
 kv_locked == 0, and the internal accounting (free + cached + private == total) holds.
+
+The real Gemma-3-270M: `gemma_engine_session` (in-process) and `gemma_server_session` (`prefixrt serve`), one of
+each for the whole session; tests that only read from the model use these instead of building their own.
 """
 
 from __future__ import annotations
@@ -67,3 +70,99 @@ def make_engine(tiny_checkpoints, tiny_tokenizer):
     finally:
         for eng in engines:
             eng.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- Gemma-3-270M
+# One Gemma engine and one Gemma server for the whole session (each holds 2.5-3.3 GB): every test that only
+# reads from the real model shares them. Tests that need other engine options build their own.
+
+GEMMA = "gemma-3-270m"
+
+
+def skip_without_gemma() -> None:
+    """Skip the calling test when the embedded Gemma-3-270M's package is not installed."""
+    from prefixrt.hub.registry import list_models
+
+    row = next((r for r in list_models() if r["name"] == GEMMA), None)
+    if row is None or not row["available"]:
+        pytest.skip(f"{GEMMA} is unavailable: {row and row['unavailable_reason']}")
+
+
+@pytest.fixture(scope="session")
+def gemma_engine_session():
+    """THE in-process Gemma-3-270M of the test session, built on first use and shut down at session end.
+
+    Options: `Engine("gemma-3-270m", device="cpu", dtype="float32", debug=True)` (debug: KV accounting is checked
+    at every idle step and freed slots are poisoned with NaN), the default CPU KV pool. It is also the engine
+    that `prefixrt.LM("gemma-3-270m")`, `ChatPrefixRT(model="gemma-3-270m")` and
+    `prefixrt.adapters._lowering.shared_engine("gemma-3-270m")` return while the fixture is active, so adapter
+    tests that name the model reach this engine too.
+
+    Contract for users: only read from it. Do not shut it down or change its settings, and leave it idle (no
+    request running or waiting) when the test ends. The radix cache is shared, so assert lower bounds on
+    cached tokens (or `flush_cache()` first), never exact counts that depend on earlier tests. Skips the test
+    when the model's package is missing. At teardown the engine must be idle and clean (assert_idle_and_clean).
+    """
+    from prefixrt.adapters import _lowering
+
+    from prefixrt.engine.engine import Engine
+
+    skip_without_gemma()
+    eng = Engine(GEMMA, device="cpu", dtype="float32", debug=True, progress=False)
+    key = (GEMMA, ())  # shared_engine's key for the model with no engine kwargs (what LM(model) passes)
+    with _lowering._shared_lock:
+        _lowering._shared_engines[key] = eng
+    try:
+        assert _lowering.shared_engine(GEMMA) is eng, "adapters' shared_engine key changed: update this fixture"
+        yield eng
+        assert_idle_and_clean(eng)
+    finally:
+        with _lowering._shared_lock:
+            if _lowering._shared_engines.get(key) is eng:
+                del _lowering._shared_engines[key]
+        eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def gemma_server_session(tmp_path_factory):
+    """THE live `prefixrt serve --model gemma-3-270m --device cpu --debug` of the test session, a subprocess on
+    127.0.0.1 in its own process group (killed with the test process), started on first use and stopped at
+    session end. Yields a tests.helpers.serve.ServeProcess: `.url` (the base URL; the OpenAI API is under
+    `/v1`), `.stats()`, `.log()`.
+
+    Contract for users: the same as gemma_engine_session's (only read; leave it idle; cached-token counts depend
+    on earlier tests unless you flush the cache). At teardown its /stats must show it idle with every KV slot
+    free or evictable, and it must exit 0 on SIGTERM without a traceback in its log.
+    """
+    from tests.helpers.serve import ServeProcess, assert_clean
+
+    skip_without_gemma()
+    args = ["--model", GEMMA, "--device", "cpu", "--debug", "--log-level", "warning"]
+    with ServeProcess(args, tmp_path_factory.mktemp("gemma-serve") / "serve.log", ready_timeout=300) as live:
+        yield live
+        assert_clean(live.wait_idle())
+        assert live.stop() == 0, live.log()[-3000:]
+        assert "Traceback" not in live.log(), live.log()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def gemma_reference_session():
+    """transformers' greedy continuations on the converted Gemma-3-270M folder, computed once per session (the
+    model is loaded for this only, not kept): the oracle of the engine test and the subject of the
+    converted-folder test. A SimpleNamespace:
+
+    - folder: the converted folder (resolve_model("gemma-3-270m").path);
+    - continuations: greedy_reference(folder, PROMPTS), MAX_NEW_TOKENS new token ids per prompt of
+      tests.helpers.gemma_oracle.PROMPTS (fp32, eager attention);
+    - rerun_first: a second greedy run of PROMPTS[0] on the same loaded model (a determinism check).
+    """
+    from prefixrt.hub.registry import resolve_model
+    from tests.helpers.gemma_oracle import PROMPTS, greedy, load_reference
+
+    skip_without_gemma()
+    folder = str(resolve_model(GEMMA).path)
+    tokenizer, model = load_reference(folder)
+    continuations = greedy(tokenizer, model, PROMPTS)
+    rerun_first = greedy(tokenizer, model, PROMPTS[:1])[0]
+    del model
+    return SimpleNamespace(folder=folder, continuations=continuations, rerun_first=rerun_first)

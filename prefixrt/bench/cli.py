@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedule-policy", default="lpm")
     ap.add_argument("--chunked-prefill-tokens", type=int, default=8192)
     ap.add_argument("--max-running-requests", type=int, default=None)
+    ap.add_argument("--host-kv-cache-tokens", type=int, default=None, help="host tier of the KV cache (tokens)")
+    ap.add_argument("--host-kv-write-policy", default="write_through",
+                    choices=["write_through", "write_through_selective", "write_back"])
     return ap
 
 
@@ -108,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                              attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                              page_size=args.page_size, schedule_policy=args.schedule_policy,
                              chunked_prefill_tokens=args.chunked_prefill_tokens,
-                             max_running_requests=args.max_running_requests, seed=args.seed)
+                             max_running_requests=args.max_running_requests, seed=args.seed,
+                             host_kv_cache_tokens=args.host_kv_cache_tokens,
+                             host_kv_write_policy=args.host_kv_write_policy)
         baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
         w = None
         path = dtype = device = None

@@ -19,6 +19,11 @@ class MatchResult:
     handle: Any = None  # opaque: where the match ended (for lock)
     offset: int = 0  # tokens of the handle's node that matched (a partial node is split on lock)
     version: int = 0  # cache version at match time; a lock on a stale match is a bug
+    # Tiered caches only: tokens matched past `length` whose K/V is in the host tier alone (not in the pool),
+    # and where that part ended (for lock_host). length/slots/handle describe the pool-resident part.
+    host_length: int = 0
+    host_handle: Any = None
+    host_offset: int = 0
 
 
 class PrefixCache(ABC):

@@ -18,10 +18,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from prefixrt.cache.allocator import PageAllocator
+from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.req_table import ReqToTokenTable
+from prefixrt.cache.tiered_radix import TieredRadixCache
+from prefixrt.cache.transfer import LoadWaiter, Transfer
 from prefixrt.request import Req
 
 
@@ -48,6 +50,14 @@ class KVManager:
         self._deferred: deque = deque()  # (fence, _HeldKV | list of pages), fences in launch order
         self._deferred_pages = 0
         self._reclaiming = False
+        # Host tier: the cache's copies, and the pool pages they touch (page -> its latest copy: one FIFO, so the
+        # latest done means all done); pages out of the tree waiting for their copies.
+        self.tiered = cache if isinstance(cache, TieredRadixCache) else None
+        self._copying: dict[int, Transfer] = {}
+        self._copy_held: list[tuple[Transfer, list[int]]] = []
+        self.load_failures_total = 0  # admissions whose host part could not get pool pages (recomputed)
+        if self.tiered is not None:
+            self.tiered.tracker = self
 
     # ------------------------------------------------------------------ sizes (tokens)
     @property
@@ -81,9 +91,13 @@ class KVManager:
         return self.cache.match_prefix(req.all_ids, req.namespace, max_len=cap)
 
     def admit(self, req: Req) -> None:
-        """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale."""
+        """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale. With a host
+        tier, a host-resident part of the match gets pool pages and a load (its forward waits for it)."""
         m = self.match(req)
-        req.cache_handle = self.cache.lock(m)
+        if self.tiered is not None:
+            m, req.cache_handle = self._admit_tiered(req, m)
+        else:
+            req.cache_handle = self.cache.lock(m)
         req.row = self.table.alloc_row()
         self._running[req.row] = req
         ps = self.page_size
@@ -92,6 +106,79 @@ class KVManager:
         self.table.write(req.row, 0, m.slots)
         if req.num_cached_tokens is None:  # reported as prompt tokens reused (forced output is not prompt)
             req.num_cached_tokens = min(m.length, len(req.prompt_ids))
+
+    def _admit_tiered(self, req: Req, m: MatchResult):
+        cache, ps = self.tiered, self.page_size
+        if m.host_length:
+            end = m.length + m.host_length
+            handle = cache.lock_host(m)  # neither tier may evict the path while pages are found for it
+            ok = self.ensure_pages(cache.host_tokens_on_path(handle) // ps)
+            need = cache.host_tokens_on_path(handle) // ps  # a reclaim may have published part of it meanwhile
+            if ok and self.allocator.can_alloc(need):
+                pages = self.allocator.alloc(need)
+                if self.debug:
+                    self._check_no_copy_pending(pages)
+                slots = pages_to_slots(pages, ps)
+                if slots:
+                    self.track(cache.load_back(handle, slots), slots)
+                m = cache.match_prefix(req.all_ids, req.namespace, max_len=end)  # the locked path, now on the pool
+                assert m.length == end and m.handle is handle, "load_back did not make the locked path pool-resident"
+                cache.record_hit(handle)
+                return m, handle
+            cache.unlock(handle)
+            self.load_failures_total += 1
+            m = self.match(req)
+        handle = cache.lock(m)
+        cache.record_hit(handle)
+        return m, handle
+
+    # ------------------------------------------------------------------ host tier: copies and their pages
+    def track(self, transfer: Transfer, slots: list[int]) -> None:
+        """A copy into or out of these pool slots is in flight: their pages stay allocated until it is done."""
+        ps = self.page_size
+        for i in range(0, len(slots), ps):
+            self._copying[slots[i] // ps] = transfer
+
+    def free_cached(self, slots: list[int]) -> None:
+        """Pool slots leaving the tree: freed now, or once the copies touching them are done."""
+        ps = self.page_size
+        pages = [slots[i] // ps for i in range(0, len(slots), ps)]
+        pending = [self._copying[p] for p in pages if p in self._copying and not self._copying[p].query()]
+        if pending:
+            self._copy_held.append((pending[-1], pages))  # FIFO: the latest copy done means all done
+            self._deferred_pages += len(pages)
+            return
+        self._free_pages(pages)
+
+    def _reclaim_copies(self, wait: bool) -> None:
+        if not self._copy_held:
+            return
+        keep = []
+        for t, pages in self._copy_held:
+            if wait:
+                t.wait()
+            if t.query():
+                self._deferred_pages -= len(pages)
+                self._free_pages(pages)
+            else:
+                keep.append((t, pages))
+        self._copy_held = keep
+
+    def _check_no_copy_pending(self, pages: list[int]) -> None:
+        for p in pages:
+            t = self._copying.get(p)
+            assert t is None or t.query(), f"KV page {p} reused while a {t.kind} copy into/out of it is pending"
+
+    def load_waiter(self) -> LoadWaiter | None:
+        """What the next forward must wait on, layer by layer: every load in flight (None: nothing)."""
+        if self.tiered is None:
+            return None
+        loads = self.tiered.transfer.pending_loads()
+        return LoadWaiter(list(loads), self.pool.num_layers) if loads else None
+
+    def close(self) -> None:
+        if self.tiered is not None:
+            self.tiered.transfer.close()
 
     def ensure_pages(self, num_pages: int) -> bool:
         """Evict until num_pages are free. False if even full eviction cannot reach it (nothing evicted then
@@ -106,10 +193,22 @@ class KVManager:
             short = num_pages - self.allocator.free_pages
             if short <= 0:
                 return True
-        if short * self.page_size > self.cache.evictable_tokens:
-            return False
-        self.evicted_tokens_total += self.cache.evict(short * self.page_size)
+        if self._copy_held:  # pages out of the tree whose copies were pending
+            self._reclaim_copies(wait=False)
+            short = num_pages - self.allocator.free_pages
+            if short <= 0:
+                return True
+        held = self._held_copy_pages()
+        if short > held:
+            if (short - held) * self.page_size > self.cache.evictable_tokens:
+                return False
+            self.evicted_tokens_total += self.cache.evict((short - held) * self.page_size)
+        if self._copy_held and self.allocator.free_pages < num_pages:
+            self._reclaim_copies(wait=True)  # moved to the host: the pages come back once their backups are done
         return self.allocator.free_pages >= num_pages
+
+    def _held_copy_pages(self) -> int:
+        return sum(len(p) for _, p in self._copy_held)
 
     def extend(self, req: Req, num_new_tokens: int) -> list[int]:
         """Slots for positions [kv_len, kv_len + n) of req, allocating pages (call ensure_pages first) and
@@ -176,6 +275,8 @@ class KVManager:
 
     def reclaim(self, wait: bool = False) -> None:
         """Finish the releases and frees whose fence has passed (wait=True: wait for every fence first)."""
+        if self._copy_held:
+            self._reclaim_copies(wait)
         while self._deferred:
             fence, what = self._deferred[0]
             if not fence.query():
@@ -195,7 +296,7 @@ class KVManager:
 
     @property
     def has_deferred(self) -> bool:
-        return bool(self._deferred)
+        return bool(self._deferred or self._copy_held)
 
     def _release_now(self, req) -> None:
         ps = self.page_size
@@ -222,10 +323,12 @@ class KVManager:
     def _free_pages(self, pages: list[int]) -> None:
         if not pages:
             return
+        if self.tiered is not None:  # the checker: no page goes back while a copy into/out of it is pending
+            for p in pages:
+                t = self._copying.pop(p, None)
+                assert t is None or t.query(), f"KV page {p} freed while a {t.kind} copy into/out of it is pending"
         if self.debug:
             import torch
-
-            from prefixrt.cache.allocator import pages_to_slots
 
             self.pool.poison(torch.tensor(pages_to_slots(pages, self.page_size), device=self.pool.device))
         self.allocator.free(pages)
@@ -254,6 +357,7 @@ class KVManager:
         ps = self.page_size
         owned = [p for r in self._running.values() for p in r.pages[r.cached_len // ps :]]
         owned += [p for _, what in self._deferred if not isinstance(what, _HeldKV) for p in what]
+        owned += [p for _, what in self._copy_held for p in what]
         assert len(owned) == len(set(owned)), "a private page is owned by two requests"
 
 

@@ -107,8 +107,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB)")
     pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
     allocator = PageAllocator(num_slots, config.page_size)
-    cache = RadixCache(allocator) if config.radix_cache else NoReuseCache(allocator)
-    if config.debug and isinstance(cache, RadixCache):
+    if config.radix_cache and config.host_kv_cache_tokens:
+        cache = make_tiered_cache(config, pool, allocator, device, say)
+    else:
+        cache = RadixCache(allocator) if config.radix_cache else NoReuseCache(allocator)
+    if config.debug and type(cache) is RadixCache:  # (the tiered cache frees through KVManager, which poisons)
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
@@ -177,6 +180,21 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
                                     chunk_tokens=config.chunked_prefill_tokens)
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
+
+
+def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say):
+    """The radix tree over the pool and a host tier of host_kv_cache_tokens tokens (pinned on CUDA)."""
+    from prefixrt.cache.host_pool import HostKVPool
+    from prefixrt.cache.tiered_radix import TieredRadixCache
+    from prefixrt.cache.transfer import KVTransfer
+
+    host = HostKVPool(config.host_kv_cache_tokens, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype,
+                      config.page_size, pin=device.type == "cuda")
+    say(f"host KV tier: {host.total_tokens} tokens ({host.total_tokens * host.bytes_per_token / 2**30:.2f} GiB"
+        f"{', pinned' if host.pinned else ''}), {config.host_kv_write_policy}")
+    transfer = KVTransfer(pool, host, delay_s=config.host_kv_debug_delay_s, debug=config.debug)
+    return TieredRadixCache(allocator, host, transfer, policy=config.host_kv_write_policy,
+                            write_threshold=config.host_kv_write_threshold, debug=config.debug)
 
 
 def cascade_args(attention) -> dict | None:

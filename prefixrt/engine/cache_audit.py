@@ -85,8 +85,12 @@ class CacheAuditor:
     def run(self, idle: bool) -> None:
         """Run queued audits: all of them when the loop is idle, else the oldest while more than
         max_pending are queued (each holds a lock on its prefix)."""
+        ran = False
         while self.pending and (idle or len(self.pending) > self.max_pending):
             self._run_one(self.pending.popleft())
+            ran = True
+        if ran and idle:  # scratch pages may have moved cache to the host tier: nothing stays held when idle
+            self.kv.reclaim(wait=True)
 
     def drop_all(self) -> None:
         """Forget queued audits (shutdown, flush): unlock their prefixes."""
@@ -141,6 +145,9 @@ class CacheAuditor:
     def _compare(self, cached_slots: list[int], scratch: list[int]) -> tuple[int, int, float] | None:
         """(layer, token position, relative error) of the first mismatch, or None."""
         pool = self.kv.pool
+        ready = self.kv.load_waiter()  # host-tier loads into the cached slots may still be in flight
+        if ready is not None:
+            ready.wait_all()
         a_idx = torch.tensor(cached_slots, device=pool.device)
         b_idx = torch.tensor(scratch, device=pool.device)
         for layer in range(pool.num_layers):

@@ -304,12 +304,15 @@ class EngineCore:
                 prefix_groups=(self.prefix_grouper.groups(batch.reqs)
                                if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
             )
+            fb.kv_ready = self.kv.load_waiter()  # host-tier loads in flight (None without a host tier)
             if holes:
                 idx = torch.tensor([holes, hole_rows], dtype=torch.int64)
                 if self.device.type == "cuda":
                     idx = idx.pin_memory().to(self.device, non_blocking=True)
                 fb.input_ids[idx[0]] = prev.result.token_ids[idx[1]]
             logits = self.runner.forward(fb)
+            if self.debug and fb.kv_ready is not None:
+                fb.kv_ready.check()  # race mode: every layer waited for the loads in flight before reading
             if scored:
                 rows = torch.log_softmax(logits[len(ends):].float(), dim=-1)
                 k = 0
@@ -472,6 +475,18 @@ class EngineCore:
         s.kv_free = self.kv.free_tokens
         s.kv_evictable = self.kv.evictable_tokens
         s.kv_locked = s.kv_total - s.kv_free - s.kv_evictable
+        tiered = self.kv.tiered
+        if tiered is not None:
+            s.kv_host_total = tiered.host_alloc.total_tokens
+            s.kv_host_free = tiered.host_alloc.free_tokens
+            s.kv_host_cached = tiered.host_cached_tokens
+            s.host_hit_tokens_total = tiered.host_hit_tokens_total
+            s.host_evicted_tokens_total = tiered.host_evicted_tokens_total
+            s.host_load_failures_total = self.kv.load_failures_total
+            t = tiered.transfer.stats()
+            bpt = tiered.host.bytes_per_token
+            s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]
+            s.host_backup_bytes_total, s.host_backup_seconds_total = t["backup"][1] * bpt, t["backup"][2]
         if self.auditor is not None:
             s.cache_audits_total = self.auditor.audits_total
             s.cache_audit_mismatches_total = self.auditor.mismatches_total

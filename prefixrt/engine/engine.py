@@ -316,6 +316,7 @@ class Engine(EngineFront):
         self._inbox.put(None)
         self._thread.join(timeout=30)
         self.core.detokenizer.close()
+        self.core.kv.close()  # the host tier's copy worker, if any
         self._stopped = True
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
             from prefixrt.engine import builder

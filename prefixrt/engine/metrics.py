@@ -29,6 +29,14 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "cache_audits_total": ("prefixrt_cache_audits", "Cache hits whose K/V was recomputed and compared."),
     "cache_audit_mismatches_total": ("prefixrt_cache_audit_mismatch",
                                      "Cache audits whose cached K/V differed from the recomputation."),
+    "host_hit_tokens_total": ("prefixrt_host_hit_tokens", "Cached prompt tokens loaded back from the host KV tier."),
+    "host_load_bytes_total": ("prefixrt_host_load_bytes", "Bytes copied host KV tier -> KV pool."),
+    "host_load_seconds_total": ("prefixrt_host_load_seconds", "Time spent copying host KV tier -> KV pool."),
+    "host_backup_bytes_total": ("prefixrt_host_backup_bytes", "Bytes copied KV pool -> host KV tier."),
+    "host_backup_seconds_total": ("prefixrt_host_backup_seconds", "Time spent copying KV pool -> host KV tier."),
+    "host_evicted_tokens_total": ("prefixrt_host_evicted_tokens", "Host KV tier copies dropped by its LRU."),
+    "host_load_failures_total": ("prefixrt_host_load_failures",
+                                 "Admissions whose host-tier hit found no KV pool room (recomputed)."),
 }
 _GAUGES = {
     "kv_total": ("prefixrt_kv_total_tokens", "KV pool size in tokens."),
@@ -38,6 +46,9 @@ _GAUGES = {
     "requests_running": ("prefixrt_requests_running", "Requests in the running batch."),
     "requests_waiting": ("prefixrt_requests_waiting", "Requests waiting to be admitted."),
     "cache_hit_rate": ("prefixrt_cache_hit_rate", "cached_tokens_total / prompt_tokens_total."),
+    "kv_host_total": ("prefixrt_kv_host_total_tokens", "Host KV tier size in tokens (0: no host tier)."),
+    "kv_host_free": ("prefixrt_kv_host_free_tokens", "Free host KV tier slots in tokens."),
+    "kv_host_cached": ("prefixrt_kv_host_cached_tokens", "Tokens with a copy in the host KV tier."),
 }
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

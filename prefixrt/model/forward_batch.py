@@ -58,6 +58,9 @@ class ForwardBatch:
     # Optional cascade plan already on the device (decode CUDA graphs: static, padded to a fixed tile
     # count); None = the backend plans from prefix_groups itself.
     cascade_plan: object | None = None
+    # Optional: K/V loads into the pool still in flight (cache/transfer.py LoadWaiter). The model calls
+    # kv_ready.wait(i) before layer i reads the pool; a graph replay calls kv_ready.wait_all() first.
+    kv_ready: object | None = None
 
     @property
     def batch_size(self) -> int:

@@ -207,7 +207,10 @@ class Gemma3ForCausalLM(CausalLM):
         local_cos, local_sin = self.local_rotary(batch.positions)  # [T, head_dim] each
         global_cos, global_sin = self.global_rotary(batch.positions)
         residual = None
-        for layer in self.model.layers:
+        ready = batch.kv_ready
+        for i, layer in enumerate(self.model.layers):
+            if ready is not None:
+                ready.wait(i)  # layer i's K/V loads (host tier) are done before its attention reads the pool
             if layer.self_attn.is_sliding:
                 x, residual = layer(x, residual, local_cos, local_sin, batch, attn)
             else:

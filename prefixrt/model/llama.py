@@ -181,7 +181,10 @@ class LlamaForCausalLM(CausalLM):
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = self.rotary(batch.positions)  # [T, head_dim] each
         residual = None
-        for layer in self.model.layers:
+        ready = batch.kv_ready
+        for i, layer in enumerate(self.model.layers):
+            if ready is not None:
+                ready.wait(i)  # layer i's K/V loads (host tier) are done before its attention reads the pool
             x, residual = layer(x, residual, cos, sin, batch, attn)
         idx = batch.logits_indices  # norm is per token, so select first
         x, _ = self.model.norm.add_norm(x[idx], residual[idx] if residual is not None else None)  # [L, hidden]

@@ -35,10 +35,14 @@ class ModelRunner:
         [len(batch.logits_indices), vocab_size]. A graph's logits are valid until the next forward."""
         with torch.inference_mode():
             if self.graphs is not None and self.graphs.can_run(batch):
+                if batch.kv_ready is not None:  # a replay cannot wait per layer: the loads in flight finish first
+                    batch.kv_ready.wait_all()
                 logits = self.graphs.replay(batch)
                 self.replays["cascade" if isinstance(self.graphs.last_key, tuple) else "decode"] += 1
                 return logits
             if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+                if batch.kv_ready is not None:
+                    batch.kv_ready.wait_all()
                 self.replays["extend"] += 1
                 return self.extend_graphs.replay(batch)
             self.replays["eager"] += 1

@@ -21,7 +21,7 @@ from typing import Any
 
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
-                "cache_audit_rate")
+                "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -45,6 +45,13 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug", action="store_true", help="check KV accounting whenever the scheduler is idle (slow)")
+    p.add_argument("--host-kv-cache-tokens", type=int, default=None,
+                   help="host tier of the KV cache, in tokens (pinned host memory on CUDA): prefixes evicted from "
+                        "the GPU pool move there and load back on a hit (docs/serving.md); default off")
+    p.add_argument("--host-kv-write-policy", choices=["write_through", "write_through_selective", "write_back"],
+                   default="write_through", help="when a prefix is copied to the host tier (docs/serving.md)")
+    p.add_argument("--host-kv-write-threshold", type=int, default=2,
+                   help="write_through_selective: hits before a prefix is copied to the host tier")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")

@@ -3,10 +3,11 @@
 Two models, each reachable two ways (the `*_target` fixtures are parametrized "engine" / "remote"):
 - a tiny llama with random weights (fast; its schemas in the tests carry bounds so it always stops), in-process
   and behind a live `prefixrt serve` started from the command line on its checkpoint folder;
-- the real Gemma-3-270M, in-process (`prefixrt.LM("gemma-3-270m")` / `ChatPrefixRT(model="gemma-3-270m")`,
-  one engine per session) and behind a live `prefixrt serve --model gemma-3-270m`.
+- the real Gemma-3-270M, in-process (`prefixrt.LM("gemma-3-270m")` / `ChatPrefixRT(model="gemma-3-270m")`)
+  and behind a live `prefixrt serve --model gemma-3-270m`: the session's one Gemma engine and one Gemma server
+  (`gemma_engine_session`, `gemma_server_session` in tests/conftest.py), shared with every other Gemma test.
 
-Servers are real subprocesses on 127.0.0.1, one per session, reached through `prefixrt.RemoteEngine`
+Servers are real subprocesses on 127.0.0.1, one per model and session, reached through `prefixrt.RemoteEngine`
 (`base_url=`). DSPy's response cache is off, so every call reaches the engine.
 """
 
@@ -203,41 +204,17 @@ def tiny_target(request) -> Target:
 # ---------------------------------------------------------------------------------------------- Gemma
 
 
-def _skip_without_gemma() -> None:
-    from prefixrt.hub.registry import list_models
-
-    row = next((r for r in list_models() if r["name"] == GEMMA), None)
-    if row is None or not row["available"]:
-        pytest.skip(f"{GEMMA} is unavailable: {row and row['unavailable_reason']}")
+@pytest.fixture(scope="session")
+def gemma_engine(gemma_engine_session):
+    """Gemma-3-270M in-process: the session's one Gemma engine (tests/conftest.py), which is also what
+    `prefixrt.LM("gemma-3-270m")` and `ChatPrefixRT(model=...)` share."""
+    return gemma_engine_session
 
 
 @pytest.fixture(scope="session")
-def gemma_engine():
-    """Gemma-3-270M in-process: the engine `prefixrt.LM("gemma-3-270m")` and `ChatPrefixRT(model=...)` share."""
-    from prefixrt.adapters import _lowering
-
-    _skip_without_gemma()
-    eng = _lowering.shared_engine(GEMMA)
-    yield eng
-    try:
-        assert_idle_and_clean(eng)
-    finally:
-        with _lowering._shared_lock:
-            _lowering._shared_engines.clear()
-        eng.shutdown()
-
-
-@pytest.fixture(scope="session")
-def gemma_server():
-    """A live `prefixrt serve --model gemma-3-270m` on 127.0.0.1; yields its base URL."""
-    _skip_without_gemma()
-    server = Server("--model", GEMMA)
-    try:
-        url = server.wait_healthy(240)
-        yield url
-        _check_server_clean(url)
-    finally:
-        server.stop()
+def gemma_server(gemma_server_session) -> str:
+    """The session's one live `prefixrt serve --model gemma-3-270m` (tests/conftest.py); yields its base URL."""
+    return gemma_server_session.url
 
 
 @pytest.fixture(scope="session", params=["engine", "remote"])

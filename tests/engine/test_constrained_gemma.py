@@ -34,12 +34,10 @@ EXTRA_SCHEMAS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def gemma():
-    import prefixrt
-
-    with prefixrt.Engine("gemma-3-270m", device="cpu", dtype="float32", debug=True) as eng:
-        yield eng
+@pytest.fixture
+def gemma(gemma_engine_session):
+    """The session's one Gemma-3-270M engine (tests/conftest.py: CPU, fp32, debug=True)."""
+    return gemma_engine_session
 
 
 def test_gemma_json_jump_forward_canonical_and_equal(gemma):

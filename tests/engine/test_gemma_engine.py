@@ -12,18 +12,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_gemma_greedy_equals_transformers():
-    import prefixrt
-    from prefixrt.hub.registry import resolve_model
-    from tests.helpers.gemma_oracle import MAX_NEW_TOKENS, PROMPTS, greedy_reference
+def test_gemma_greedy_equals_transformers(gemma_engine_session, gemma_reference_session):
+    """On the session's Gemma engine (CPU, fp32, debug) against the session's transformers reference."""
+    from tests.helpers.gemma_oracle import MAX_NEW_TOKENS, PROMPTS
 
-    want = greedy_reference(resolve_model("gemma-3-270m").path, PROMPTS)
-    with prefixrt.Engine("gemma-3-270m", device="cpu", dtype="float32", debug=True) as eng:
-        params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}
-        got = [eng.generate(p, params).token_ids for p in PROMPTS]
-        # Batched, with the first prompt repeated so that one request hits the cache.
-        again = eng.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], params)
-        s = eng.stats()
+    eng = gemma_engine_session
+    want = gemma_reference_session.continuations
+    params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0}
+    got = [eng.generate(p, params).token_ids for p in PROMPTS]
+    # Batched, with the first prompt repeated so that one request hits the cache.
+    again = eng.generate([PROMPTS[0], PROMPTS[1], PROMPTS[0]], params)
+    eng.wait_idle()
+    s = eng.stats()
     assert got == want
     assert [c.token_ids for c in again] == [want[0], want[1], want[0]]
     assert again[2].cached_tokens > 0

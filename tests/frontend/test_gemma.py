@@ -1,24 +1,18 @@
-"""The real Gemma-3-270M, once per module: an in-process Engine and a `prefixrt serve` subprocess of the same
-model (the black box). The docs/api.md judge example gives the same greedy results on Engine and RemoteEngine;
-the forks' first requests reuse the committed prefix; a 3-field extraction on the server's OpenAI API makes
+"""The real Gemma-3-270M: the session's in-process Engine and its `prefixrt serve` subprocess of the same model
+(the black box; both from tests/conftest.py). The docs/api.md judge example gives the same greedy results on
+Engine and RemoteEngine; the forks' first requests reuse the committed prefix; a 3-field extraction on the server's OpenAI API makes
 one call instead of three with speculation (counted by the server's /stats), and when the guess fails the
 fallback gives the fields of non-speculative execution."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-import prefixrt
 from prefixrt.frontend import OpenAIBackend, ProviderBackend, function, gen
 from prefixrt.remote import RemoteEngine
 
@@ -39,44 +33,9 @@ extraction_example = _example("openai_extraction")
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    """(engine, server url): the server starts first and loads while the engine loads here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "prefixrt.cli", "serve", "--model", "gemma-3-270m", "--port",
-                             str(port), "--device", "cpu", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        try:
-            eng = prefixrt.Engine("gemma-3-270m", device="cpu")
-        except Exception as e:  # not cached on this machine
-            pytest.skip(f"gemma-3-270m unavailable: {e}")
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                eng.shutdown()
-                pytest.fail(f"prefixrt serve exited: {proc.stdout.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                eng.shutdown()
-                pytest.fail("prefixrt serve did not come up")
-            time.sleep(0.2)
-        yield eng, url
-        eng.shutdown()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def gemma(gemma_engine_session, gemma_server_session):
+    """(engine, server url): the session's one Gemma engine and one Gemma server (tests/conftest.py)."""
+    return gemma_engine_session, gemma_server_session.url
 
 
 def _stats(url: str) -> dict:

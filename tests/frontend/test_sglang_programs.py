@@ -1,7 +1,7 @@
 """SGLang's nineteen frontend program shapes (tests/frontend/sglang_programs.py) with their assertions, except
 those on answer quality, on three default backends: an in-process Engine (tiny 1k-context llama), a
 RemoteEngine (`prefixrt.RuntimeEndpoint`) on a `prefixrt serve` subprocess of the same checkpoint, and
-Gemma-3-270M (one engine for the module). Oracles: the provider's own generate() on the program's prompt,
+Gemma-3-270M (the session's one Gemma engine). Oracles: the provider's own generate() on the program's prompt,
 Engine vs RemoteEngine on the same weights, the tokenizer, json/re parsers; speculation is counted on an
 OpenAI-compatible endpoint (the real openai client over tests/frontend/fake_openai.py).
 """
@@ -62,17 +62,10 @@ def served(long_checkpoint, tiny_tokenizer, tmp_path_factory):
         yield live
 
 
-@pytest.fixture(scope="module")
-def gemma_engine():
-    try:
-        eng = pr.Engine("gemma-3-270m", device="cpu")
-    except Exception as e:  # not cached on this machine
-        pytest.skip(f"gemma-3-270m unavailable: {e}")
-    yield eng
-    try:
-        assert_idle_and_clean(eng)
-    finally:
-        eng.shutdown()
+@pytest.fixture
+def gemma_engine(gemma_engine_session):
+    """The session's one Gemma-3-270M engine (tests/conftest.py)."""
+    return gemma_engine_session
 
 
 @pytest.fixture(params=["engine", "remote", "gemma"])

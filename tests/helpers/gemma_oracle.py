@@ -13,13 +13,8 @@ PROMPTS = [
 ]
 
 
-def greedy_reference(model_path: str, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
-    """Greedy continuations (new token ids only) from transformers, fp32 on CPU with eager attention.
-
-    A string prompt is encoded with the tokenizer's BOS; a message list is rendered with the chat template
-    (which already starts with BOS). Generation stops early on a generation_config eos (<eos>,
-    <end_of_turn>).
-    """
+def load_reference(model_path: str):
+    """(tokenizer, model): transformers' tokenizer and fp32 CPU model with eager attention, from the folder only."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,6 +22,18 @@ def greedy_reference(model_path: str, prompts, max_new_tokens: int = MAX_NEW_TOK
     model = AutoModelForCausalLM.from_pretrained(
         model_path, dtype=torch.float32, attn_implementation="eager", local_files_only=True
     ).eval()
+    return tokenizer, model
+
+
+def greedy(tokenizer, model, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+    """Greedy continuations (new token ids only) of a loaded reference (load_reference).
+
+    A string prompt is encoded with the tokenizer's BOS; a message list is rendered with the chat template
+    (which already starts with BOS). Generation stops early on a generation_config eos (<eos>,
+    <end_of_turn>).
+    """
+    import torch
+
     outputs = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -42,3 +49,8 @@ def greedy_reference(model_path: str, prompts, max_new_tokens: int = MAX_NEW_TOK
             )
         outputs.append(generated[0, len(input_ids) :].tolist())
     return outputs
+
+
+def greedy_reference(model_path: str, prompts, max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+    """Greedy continuations (new token ids only) from transformers, fp32 on CPU with eager attention (see greedy)."""
+    return greedy(*load_reference(model_path), prompts, max_new_tokens)

@@ -12,11 +12,11 @@ from tests.server.conftest import needs_constrained_decoding
 
 
 @pytest.fixture(scope="module")
-def gemma_client():
-    """The real default model through the in-process shim (loads in ~10-20 s on the CPU)."""
+def gemma_client(gemma_engine_session):
+    """Gemma-3-270M through the in-process shim, on the session's one Gemma engine (tests/conftest.py)."""
     from prefixrt.openai import OpenAI
 
-    client = OpenAI(model="gemma-3-270m", device="cpu", kv_cache_tokens=4096)
+    client = OpenAI(engine=gemma_engine_session)
     yield client
     client.close()
 

@@ -1,0 +1,428 @@
+"""TieredRadixCache: the radix tree over two tiers of K/V memory, the device pool and the host pool.
+
+Each node's K/V lives in the pool (`slots`), in the host tier (`host_slots`), or both; the node records which.
+Invariants, on top of RadixCache's (docs/design.md):
+- Pool residency is prefix-closed: a node with pool slots has a parent with pool slots (or the root). So a
+  match is a pool-resident part followed by a host-only part, and loading the host part makes the whole path
+  pool-resident.
+- Every node holds its K/V somewhere; a node whose pool copy is dropped without a host copy is deleted with its
+  (host-only) subtree.
+- The pool counters (evictable, locked) count pool-resident tokens only, so KVManager's free + cached + private
+  == total is unchanged; the host tier has its own: host free + host cached == host total.
+- Two LRUs: pool eviction takes unlocked nodes without pool-resident children, oldest first, and moves them to
+  the host tier (copying them there first if they have no host copy and the policy says so); host eviction takes
+  the oldest host copies: a copy of a pool-resident node is dropped, a host-only node is deleted once it has no
+  children and no lock.
+- Write policies (when a node gets its host copy): write_through, at insert; write_through_selective, once the
+  node has been hit `write_threshold` times (a node evicted before that is dropped); write_back, on eviction.
+- Copies go through KVTransfer (one FIFO: host slots are reusable at once, see transfer.py); pool slots being
+  copied into or out of are handed to `tracker` (KVManager), which frees them only once the copy is done.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from prefixrt.cache.allocator import PageAllocator, pages_to_slots
+from prefixrt.cache.base import MatchResult
+from prefixrt.cache.host_pool import HostKVPool
+from prefixrt.cache.radix import RadixCache, _common_prefix_len, _Node
+from prefixrt.cache.transfer import KVTransfer, Transfer
+from prefixrt.config import WRITE_POLICIES
+
+
+class _TNode(_Node):
+    __slots__ = ("host_slots", "hits")
+
+    def __init__(self, key, slots, parent, last_access, host_slots=None):
+        super().__init__(key, slots, parent, last_access)
+        self.host_slots = host_slots  # None: no host copy
+        self.hits = 0  # admissions that used this node (write_through_selective)
+
+
+class TieredRadixCache(RadixCache):
+    def __init__(self, allocator: PageAllocator, host: HostKVPool, transfer: KVTransfer,
+                 policy: str = "write_through", write_threshold: int = 2, debug: bool = False):
+        super().__init__(allocator)
+        if policy not in WRITE_POLICIES:
+            raise ValueError(f"write policy must be one of {WRITE_POLICIES}")
+        self.host = host
+        self.host_alloc = host.allocator
+        self.transfer = transfer
+        self.policy = policy
+        self.write_threshold = write_threshold
+        self.debug = debug
+        self.tracker = None  # KVManager: track(transfer, pool_slots) and free_cached(pool_slots)
+        self._host_heap: list[tuple[int, int, _TNode]] = []
+        self._host_cached = 0
+        self._dropping = False  # flush(): pool eviction deletes instead of moving to the host
+        self.host_hit_tokens_total = 0  # tokens loaded back at admission
+        self.backed_up_tokens_total = 0
+        self.host_evicted_tokens_total = 0
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _on_pool(node) -> bool:
+        return node.slots is not None
+
+    def _pool_leaf(self, node) -> bool:
+        return not any(c.slots is not None for c in node.children.values())
+
+    def _push_if_evictable_leaf(self, node) -> None:
+        if node.parent is not None and node.lock_ref == 0 and node.slots is not None and self._pool_leaf(node):
+            heapq.heappush(self._heap, (node.last_access, node.id, node))
+
+    def _push_host(self, node) -> None:
+        if node.parent is not None and node.host_slots is not None:
+            heapq.heappush(self._host_heap, (node.last_access, node.id, node))
+
+    def _touch(self, node, tick: int) -> None:
+        node.last_access = tick
+        self._push_if_evictable_leaf(node)
+        self._push_host(node)
+
+    def _split(self, node, offset: int):
+        parent = node.parent
+        upper = _TNode(node.key[:offset], None if node.slots is None else node.slots[:offset], parent,
+                       node.last_access, None if node.host_slots is None else node.host_slots[:offset])
+        upper.lock_ref = node.lock_ref
+        upper.hits = node.hits
+        parent.children[self._page_key(upper.key, 0)] = upper
+        node.key = node.key[offset:]
+        if node.slots is not None:
+            node.slots = node.slots[offset:]
+        if node.host_slots is not None:
+            node.host_slots = node.host_slots[offset:]
+        node.parent = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        self._num_nodes += 1
+        self.version += 1
+        self._push_host(upper)
+        return upper
+
+    # ------------------------------------------------------------------ contract
+    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
+        root = self._roots.get(namespace)
+        limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
+        if root is None or limit == 0:
+            return MatchResult(0, [], None, 0, self.version)
+        tick = next(self._clock)
+        node, pos, slots = root, 0, []
+        gpu_end, gpu_handle, gpu_off = 0, None, 0
+        host_handle, host_off = None, 0
+        while pos < limit:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                break
+            n = self._align(_common_prefix_len(child.key, tokens[pos:limit]))
+            if n == 0:
+                break
+            self._touch(child, tick)
+            if child.slots is not None:
+                slots.extend(child.slots[:n])
+                gpu_end, gpu_handle, gpu_off = pos + n, child, n
+            else:
+                host_handle, host_off = child, n
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return MatchResult(gpu_end, slots, gpu_handle, gpu_off, self.version,
+                           host_length=pos - gpu_end, host_handle=host_handle, host_offset=host_off)
+
+    def _lock_path(self, node):
+        handle = node
+        while node.parent is not None:
+            if node.lock_ref == 0 and node.slots is not None:
+                self._evictable -= len(node.key)
+                self._locked += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+        return handle
+
+    def lock(self, match: MatchResult):
+        if match.handle is None or match.length == 0:
+            return None
+        if match.version != self.version:
+            raise RuntimeError("lock() on a stale match: the tree changed since match_prefix()")
+        node = match.handle
+        if match.offset < len(node.key):
+            node = self._split(node, match.offset)
+        return self._lock_path(node)
+
+    def lock_host(self, match: MatchResult):
+        """Lock the whole matched path, host-only part included (so neither tier evicts it); for load_back."""
+        if match.host_length == 0:
+            return self.lock(match)
+        if match.version != self.version:
+            raise RuntimeError("lock_host() on a stale match: the tree changed since match_prefix()")
+        node = match.host_handle
+        if match.host_offset < len(node.key):
+            node = self._split(node, match.host_offset)
+        return self._lock_path(node)
+
+    def unlock(self, handle) -> None:
+        node = handle
+        while node is not None and node.parent is not None:
+            if node.lock_ref <= 0:
+                raise RuntimeError("unlock of an unlocked radix node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                if node.slots is not None:
+                    self._evictable += len(node.key)
+                    self._locked -= len(node.key)
+                    self._push_if_evictable_leaf(node)
+                self._push_host(node)
+            node = node.parent
+
+    def host_tokens_on_path(self, handle) -> int:
+        """Tokens of the host-only nodes at the end of the path to handle (what load_back needs slots for)."""
+        n, node = 0, handle
+        while node is not None and node.parent is not None and node.slots is None:
+            n += len(node.key)
+            node = node.parent
+        return n
+
+    def load_back(self, handle, slots: list[int]) -> Transfer:
+        """Give the host-only nodes at the end of the (locked) path to handle the pool slots `slots`, in path
+        order, and start copying their K/V there. The caller tracks the returned Transfer for those slots."""
+        path, node = [], handle
+        while node.parent is not None and node.slots is None:
+            assert node.lock_ref > 0, "load_back on an unlocked path"
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        assert sum(len(n.key) for n in path) == len(slots), "load_back: slots do not cover the host part"
+        src, off = [], 0
+        for n in path:
+            k = len(n.key)
+            n.slots = list(slots[off: off + k])
+            src.extend(n.host_slots)
+            self._locked += k
+            off += k
+        self.version += 1
+        self.host_hit_tokens_total += len(slots)
+        return self.transfer.load(src, list(slots))
+
+    def record_hit(self, handle) -> None:
+        """An admission used the path to handle: count a hit on each node; the policy may back nodes up now."""
+        node = handle
+        while node is not None and node.parent is not None:
+            node.hits += 1
+            if node.slots is not None and node.host_slots is None and (
+                    self.policy == "write_through"
+                    or (self.policy == "write_through_selective" and node.hits >= self.write_threshold)):
+                self._backup(node)
+            node = node.parent
+
+    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
+        n_total = self._align(len(tokens))
+        if n_total == 0:
+            return 0
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _TNode([], [], None, 0)
+        tick = next(self._clock)
+        node, pos, existing = root, 0, None
+        while pos < n_total:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                new = _TNode(list(tokens[pos:n_total]), list(slots[pos:n_total]), node, tick)
+                node.children[self._page_key(new.key, 0)] = new
+                self._num_nodes += 1
+                self._evictable += n_total - pos
+                self.version += 1
+                self._push_if_evictable_leaf(new)
+                if self.policy == "write_through":
+                    self._backup(new)
+                return pos if existing is None else existing
+            n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
+            if n < len(child.key):
+                child = self._split(child, n)
+            if child.slots is None:  # host-only: adopt the caller's freshly computed K/V (prefix-closed)
+                if existing is None:
+                    existing = pos
+                child.slots = list(slots[pos: pos + n])
+                if child.lock_ref:
+                    self._locked += n
+                else:
+                    self._evictable += n
+                self.version += 1
+            self._touch(child, tick)
+            pos += n
+            node = child
+        return pos if existing is None else existing
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens pool tokens: LRU pool leaves move to the host tier (or are dropped)."""
+        freed = 0
+        while freed < num_tokens and self._heap:
+            tick, _, node = heapq.heappop(self._heap)
+            if (node.parent is None or node.slots is None or node.lock_ref > 0 or node.last_access != tick
+                    or not self._pool_leaf(node)):
+                continue
+            n = len(node.key)
+            keep = not self._dropping and (node.host_slots is not None or (
+                (self.policy != "write_through_selective" or node.hits >= self.write_threshold)
+                and self._backup(node)))
+            if keep:
+                self._evictable -= n
+                slots, node.slots = node.slots, None
+                self.tracker.free_cached(slots)
+                self.version += 1
+                self._push_if_evictable_leaf(node.parent)
+                self._push_host(node)
+            else:
+                self._delete_subtree(node)
+            freed += n
+        if len(self._heap) > 4 * self._num_nodes + 64:
+            self._compact_heap()
+        return freed
+
+    def flush(self) -> int:
+        """Drop every unlocked entry of both tiers; returns pool tokens freed."""
+        self._dropping = True
+        try:
+            freed = self.evict(self._evictable)
+        finally:
+            self._dropping = False
+        self._evict_host(self._host_cached)
+        return freed
+
+    def _compact_heap(self) -> None:
+        live = [(n.last_access, n.id, n) for n in self._iter_nodes()
+                if n.lock_ref == 0 and n.slots is not None and self._pool_leaf(n)]
+        heapq.heapify(live)
+        self._heap = live
+
+    # ------------------------------------------------------------------ the host tier
+    def _alloc_host(self, num_tokens: int) -> list[int] | None:
+        ps = self.page_size
+        pages = num_tokens // ps
+        if not self.host_alloc.can_alloc(pages):
+            self._evict_host((pages - self.host_alloc.free_pages) * ps)
+        if not self.host_alloc.can_alloc(pages):
+            return None
+        # Ascending: fresh pages then form long contiguous runs, so a copy is a few large DMA transfers.
+        return pages_to_slots(sorted(self.host_alloc.alloc(pages)), ps)
+
+    def _free_host(self, slots: list[int]) -> None:
+        if self.debug:
+            self.transfer.poison_host(slots)  # queued behind the copies that may still read them
+        self.host_alloc.free_slots(slots)
+        self._host_cached -= len(slots)
+
+    def _backup(self, node) -> bool:
+        """Copy a pool-resident node to the host tier. False if the host tier cannot make room."""
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            return False
+        node.host_slots = host
+        self._host_cached += len(host)
+        self.tracker.track(self.transfer.backup(node.slots, host), node.slots)
+        self.backed_up_tokens_total += len(host)
+        self._push_host(node)
+        return True
+
+    def _evict_host(self, num_tokens: int) -> int:
+        freed = 0
+        while freed < num_tokens and self._host_heap:
+            tick, _, node = heapq.heappop(self._host_heap)
+            if node.parent is None or node.host_slots is None or node.last_access != tick:
+                continue
+            n = len(node.key)
+            if node.slots is not None:  # pool-resident: only the host copy goes
+                host, node.host_slots = node.host_slots, None
+                self._free_host(host)
+            elif node.lock_ref > 0 or node.children:
+                continue  # pushed again once unlocked or childless
+            else:
+                self._delete_subtree(node)
+            freed += n
+            self.host_evicted_tokens_total += n
+        if len(self._host_heap) > 4 * self._num_nodes + 64:
+            live = [(n.last_access, n.id, n) for n in self._iter_nodes() if n.host_slots is not None]
+            heapq.heapify(live)
+            self._host_heap = live
+        return freed
+
+    def _delete_subtree(self, node) -> None:
+        """Remove node and its descendants (which hold no pool slots: prefix-closure) from the tree."""
+        stack, order = [node], []
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # children first
+            assert n.lock_ref == 0, "deleting a locked radix node"
+            n.children = {}
+            if n.slots is not None:
+                self._evictable -= len(n.key)
+                self.tracker.free_cached(n.slots)
+                n.slots = None
+            if n.host_slots is not None:
+                self._free_host(n.host_slots)
+                n.host_slots = None
+            if n is not node:
+                n.parent = None
+                self._num_nodes -= 1
+        parent = node.parent
+        del parent.children[self._page_key(node.key, 0)]
+        node.parent = None
+        self._num_nodes -= 1
+        self.version += 1
+        if parent.parent is None:
+            if not parent.children:
+                self._roots = {k: r for k, r in self._roots.items() if r is not parent}
+        else:
+            self._push_if_evictable_leaf(parent)
+            self._push_host(parent)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def host_cached_tokens(self) -> int:
+        return self._host_cached
+
+    def cached_slots(self) -> list[int]:
+        return [s for n in self._iter_nodes() if n.slots is not None for s in n.slots]
+
+    def check_integrity(self) -> None:
+        evictable = locked = count = host = 0
+        seen: set[int] = set()
+        seen_host: set[int] = set()
+        for node in self._iter_nodes():
+            count += 1
+            k = len(node.key)
+            assert k > 0 and k % self.page_size == 0, "empty or ragged node"
+            assert node.slots is not None or node.host_slots is not None, "a node with its K/V nowhere"
+            assert node.slots is None or len(node.slots) == k, "ragged pool slots"
+            assert node.host_slots is None or len(node.host_slots) == k, "ragged host slots"
+            child_lock = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= child_lock, "a child is locked more than its parent"
+            if node.slots is not None:
+                assert node.parent.parent is None or node.parent.slots is not None, "pool residency not prefix-closed"
+                for s in node.slots:
+                    assert s not in seen, f"pool slot {s} owned twice in the tree"
+                    seen.add(s)
+                if node.lock_ref:
+                    locked += k
+                else:
+                    evictable += k
+                    if self._pool_leaf(node):
+                        assert any(e[2] is node and e[0] == node.last_access for e in self._heap), \
+                            "pool leaf missing from heap"
+            if node.host_slots is not None:
+                host += k
+                for s in node.host_slots:
+                    assert s not in seen_host, f"host slot {s} owned twice in the tree"
+                    seen_host.add(s)
+                if node.lock_ref == 0 and (node.slots is not None or not node.children):  # host-evictable now
+                    assert any(e[2] is node and e[0] == node.last_access for e in self._host_heap), \
+                        "host copy missing from the host heap"
+        assert count == self._num_nodes, f"node count {count} != {self._num_nodes}"
+        assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
+        assert locked == self._locked, f"locked {locked} != counter {self._locked}"
+        assert host == self._host_cached, f"host cached {host} != counter {self._host_cached}"
+        assert self.host_alloc.free_tokens + host == self.host_alloc.total_tokens, (
+            f"host KV leak: free {self.host_alloc.free_tokens} + cached {host} != total {self.host_alloc.total_tokens}")
