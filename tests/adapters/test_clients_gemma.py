@@ -152,9 +152,9 @@ def test_langchain_structured_output_typeddict(url):
     assert valid == 20, failures
 
 
-@pytest.mark.xfail(strict=True, reason="measured 0/20 (2026-12-01): json_object carries no schema to close, and "
-                   "the base Gemma keeps adding invented keys to the open object until max_tokens (LangChain then "
-                   "raises LengthFinishReasonError); see docs/adapters.md")
+@pytest.mark.skip(reason="measured 0/20 (2026-12-01; 3 minutes of CI time): json_object carries no schema to "
+                  "close, and the base Gemma keeps adding invented keys to the open object until max_tokens "
+                  "(LangChain then raises LengthFinishReasonError); see docs/adapters.md")
 def test_langchain_structured_output_json_mode(url):
     """method="json_mode": response_format json_object (LangChain sends no schema); LangChain parses the reply as
     a JSON object."""
@@ -276,8 +276,8 @@ class Sum(BaseModel):
 
 def test_openai_agents_default_model_runs_a_function_tool_agent(url):
     """The agent's model is a name, so openai-agents uses its default: OpenAIResponsesModel on the default
-    client, which points at `prefixrt serve`. The first turn must call the tool (tool_choice "required"; the
-    agent resets it to "auto" after the call), the run ends with the structured final output (`output_type`,
+    client, which points at `prefixrt serve`. The first turn must call the tool (tool_choice "required", one
+    call per turn: see test_tool_calls_have_no_keys_outside_the_schema; the agent resets it to "auto" after the call), the run ends with the structured final output (`output_type`,
     sent as text.format json_schema: the base Gemma's free text rarely reaches end-of-turn, so a free-text final
     answer would run to max_output_tokens and the agent would stop on `response.incomplete`)."""
     agents = pytest.importorskip("agents")
@@ -295,7 +295,8 @@ def test_openai_agents_default_model_runs_a_function_tool_agent(url):
                                      use_for_tracing=False)
     agent = agents.Agent(name="calculator", instructions="Use the add tool, then give the result.",
                          tools=[add], model=GEMMA, output_type=Sum,
-                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=40, temperature=0))
+                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                             max_tokens=40, temperature=0))
     result = agents.Runner.run_sync(agent, "What is 2 + 3?", max_turns=6)
     kinds = [type(item).__name__ for item in result.new_items]
     assert "ToolCallItem" in kinds and "ToolCallOutputItem" in kinds and kinds[-1] == "MessageOutputItem", kinds
