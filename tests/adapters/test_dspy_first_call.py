@@ -103,8 +103,9 @@ def test_responses_through_the_shim(gemma_engine):
                                                                              "response.incomplete")
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
         assert events[-1].response.output_text == r.output_text
+        # instructions do not carry over (as in OpenAI's API): the same ones again keep the prompt's start
         follow = client.responses.create(model="gemma-3-270m", input="And of Italy?", previous_response_id=r.id,
-                                         max_output_tokens=8, temperature=0)
+                                         instructions="Answer in one word.", max_output_tokens=8, temperature=0)
         assert follow.output_text.strip()
         assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 1
     finally:
