@@ -1,4 +1,4 @@
-"""The `prefixrt` command: serve, generate, models, bench."""
+"""The `prefixrt` command: serve, router, generate, chat, models, bench."""
 
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prefixrt.chat_cli import add_chat_args
 
     add_chat_args(c)
+    from prefixrt.routing.launch import add_router_args
+
+    add_router_args(sub.add_parser("router", help="cache-aware HTTP router over `prefixrt serve` workers"))
     m = sub.add_parser("models", help="list the built-in model registry")
     m.add_argument("--json", action="store_true")
     sub.add_parser("bench", help="benchmarks (see `prefixrt bench --help`)", add_help=False)
@@ -119,6 +122,10 @@ def _run(args: argparse.Namespace) -> int:
         from prefixrt.chat_cli import run_chat
 
         return run_chat(args)
+    if args.command == "router":
+        from prefixrt.routing.launch import run_router
+
+        return run_router(args)
     return _models(args)
 
 

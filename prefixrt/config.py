@@ -40,6 +40,9 @@ class EngineConfig:
     host_kv_write_policy: str = "write_through"  # one of WRITE_POLICIES
     host_kv_write_threshold: int = 2  # write_through_selective: hits before a node is copied to the host
     host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
+    # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
+    # pool loses its own LRU prefixes first. None: one LRU for everyone.
+    max_cached_fraction_per_salt: float | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -75,5 +78,7 @@ class EngineConfig:
             bad("host_kv_write_threshold must be >= 1")
         if not self.host_kv_debug_delay_s >= 0:
             bad("host_kv_debug_delay_s must be >= 0")
+        if self.max_cached_fraction_per_salt is not None and not 0 < self.max_cached_fraction_per_salt <= 1:
+            bad("max_cached_fraction_per_salt must be in (0, 1]")
         if self.grammar_backend not in ("llguidance", "xgrammar"):
             bad("grammar_backend must be 'llguidance' or 'xgrammar'")

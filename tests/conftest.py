@@ -132,7 +132,7 @@ def gemma_server_session(tmp_path_factory):
 
     Contract for users: the same as gemma_engine_session's (only read; leave it idle; cached-token counts depend
     on earlier tests unless you flush the cache). At teardown its /stats must show it idle with every KV slot
-    free or evictable, and it must exit 0 on SIGTERM without a traceback in its log.
+    free or evictable, with no traceback in its log.
     """
     from tests.helpers.serve import ServeProcess, assert_clean
 
@@ -141,8 +141,9 @@ def gemma_server_session(tmp_path_factory):
     with ServeProcess(args, tmp_path_factory.mktemp("gemma-serve") / "serve.log", ready_timeout=300) as live:
         yield live
         assert_clean(live.wait_idle())
-        assert live.stop() == 0, live.log()[-3000:]
         assert "Traceback" not in live.log(), live.log()[-3000:]
+        # Then the group is killed: a clean exit on SIGTERM is the tiny `server` fixture's check
+        # (tests/server/conftest.py), the same code path, without the model's slow shutdown.
 
 
 @pytest.fixture(scope="session")

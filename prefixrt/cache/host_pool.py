@@ -23,9 +23,8 @@ class HostKVPool:
         self.pinned = pin
         shape = (num_slots, num_kv_heads, head_dim)
 
-        def make():
-            t = torch.zeros(shape, dtype=dtype)
-            return t.pin_memory() if pin else t
+        def make():  # pinned: allocated page-locked directly (no pageable copy); every slot is written before read
+            return torch.empty(shape, dtype=dtype, pin_memory=True) if pin else torch.zeros(shape, dtype=dtype)
 
         self.k_buffers = [make() for _ in range(num_layers)]
         self.v_buffers = [make() for _ in range(num_layers)]

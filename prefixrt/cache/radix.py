@@ -16,6 +16,8 @@ from typing import Any
 from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.base import MatchResult, PrefixCache
 
+_ANY = object()  # _evict_lru: leaves of any namespace
+
 
 class _Node:
     __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access", "id")
@@ -55,6 +57,8 @@ class RadixCache(PrefixCache):
         self._locked = 0
         self.version = 0
         self.on_evict = on_evict  # optional callback(slots) before slots are freed (debug poisoning)
+        self.salt_quota: int | None = None  # set_salt_quota
+        self._ns_tokens: dict = {}
 
     # ------------------------------------------------------------------ helpers
     def _page_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
@@ -158,6 +162,7 @@ class RadixCache(PrefixCache):
                 node.children[self._page_key(new.key, 0)] = new
                 self._num_nodes += 1
                 self._evictable += n_total - pos
+                self._count(node, n_total - pos)
                 self.version += 1
                 self._push_if_evictable_leaf(new)
                 return pos
@@ -171,28 +176,94 @@ class RadixCache(PrefixCache):
 
     def evict(self, num_tokens: int) -> int:
         freed = 0
-        while freed < num_tokens and self._heap:
-            tick, _, node = heapq.heappop(self._heap)
-            if node.parent is None or node.children or node.lock_ref > 0 or node.last_access != tick:
-                continue  # stale entry: the node was touched, locked, grew children, or is gone
-            parent = node.parent
-            del parent.children[self._page_key(node.key, 0)]
-            node.parent = None
-            self._num_nodes -= 1
-            self._evictable -= len(node.key)
-            freed += len(node.key)
-            if self.on_evict is not None:
-                self.on_evict(node.slots)
-            self.allocator.free_slots(node.slots)
-            self.version += 1
-            if self._is_root(parent):
-                if not parent.children:
-                    self._roots = {k: r for k, r in self._roots.items() if r is not parent}
-            else:
-                self._push_if_evictable_leaf(parent)
+        if self.salt_quota is not None:  # namespaces over their quota give up their own LRU leaves first
+            for ns, used in list(self._ns_tokens.items()):
+                if used > self.salt_quota and freed < num_tokens:
+                    freed += self._evict_lru(min(used - self.salt_quota, num_tokens - freed), ns)
+        freed += self._evict_lru(num_tokens - freed, _ANY)
         if len(self._heap) > 4 * self._num_nodes + 64:
             self._compact_heap()
         return freed
+
+    def _evict_lru(self, num_tokens: int, namespace) -> int:
+        """Evict LRU leaves (of `namespace` only, unless _ANY) until num_tokens are freed or none is left."""
+        freed, others = 0, []
+        while freed < num_tokens and self._heap:
+            entry = heapq.heappop(self._heap)
+            tick, _, node = entry
+            if not self._evictable_entry(node, tick):
+                continue  # stale entry: the node was touched, locked, grew children, or is gone
+            if namespace is not _ANY and self._ns_of(node) != namespace:
+                others.append(entry)
+                continue
+            freed += self._evict_node(node)
+        for entry in others:
+            heapq.heappush(self._heap, entry)
+        return freed
+
+    def _evictable_entry(self, node: _Node, tick: int) -> bool:
+        return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == tick
+
+    def _evict_node(self, node: _Node) -> int:
+        parent = node.parent
+        del parent.children[self._page_key(node.key, 0)]
+        node.parent = None
+        self._num_nodes -= 1
+        self._evictable -= len(node.key)
+        self._count(parent, -len(node.key))
+        if self.on_evict is not None:
+            self.on_evict(node.slots)
+        self.allocator.free_slots(node.slots)
+        self.version += 1
+        if self._is_root(parent):
+            if not parent.children:
+                self._roots = {k: r for k, r in self._roots.items() if r is not parent}
+        else:
+            self._push_if_evictable_leaf(parent)
+        return len(node.key)
+
+    # ------------------------------------------------------------------ per-namespace quota
+    def set_salt_quota(self, tokens: int | None) -> None:
+        """Cap on the pool tokens one namespace (cache_salt) keeps once memory is short: when eviction is
+        needed, namespaces over it lose their own LRU leaves first (max_cached_fraction_per_salt)."""
+        self.salt_quota = tokens
+        self._ns_tokens = {}
+        for ns, root in self._roots.items():
+            self._ns_tokens[ns] = sum(len(n.key) for n in self._subtree(root) if n is not root and n.slots is not None)
+
+    def _subtree(self, node: _Node):
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def _ns_of(self, node: _Node):
+        while node.parent is not None:
+            node = node.parent
+        for ns, root in self._roots.items():
+            if root is node:
+                return ns
+        return _ANY
+
+    def _count(self, node: _Node, delta: int) -> None:
+        """Pool tokens of node's namespace change by delta (kept only while a quota is set)."""
+        if self.salt_quota is not None and delta:
+            ns = self._ns_of(node)
+            self._ns_tokens[ns] = self._ns_tokens.get(ns, 0) + delta
+
+    def _check_salt_counts(self) -> None:
+        if self.salt_quota is None:
+            return
+        for ns, root in self._roots.items():
+            want = sum(len(n.key) for n in self._subtree(root) if n is not root and n.slots is not None)
+            assert self._ns_tokens.get(ns, 0) == want, f"namespace count {self._ns_tokens.get(ns)} != {want}"
+        for ns, used in self._ns_tokens.items():
+            assert ns in self._roots or used == 0, "a namespace without a tree still counts tokens"
+
+    def salt_usage(self) -> dict:
+        """Pool tokens cached per namespace (only tracked while a quota is set)."""
+        return dict(self._ns_tokens)
 
     def _compact_heap(self) -> None:
         live = [(n.last_access, n.id, n) for n in self._iter_nodes() if n.lock_ref == 0 and not n.children]
@@ -272,5 +343,6 @@ class RadixCache(PrefixCache):
                 if not node.children:
                     assert any(e[2] is node and e[0] == node.last_access for e in self._heap), "leaf missing from heap"
         assert count == self._num_nodes, f"node count {count} != {self._num_nodes}"
+        self._check_salt_counts()
         assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
         assert locked == self._locked, f"locked {locked} != counter {self._locked}"

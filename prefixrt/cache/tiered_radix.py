@@ -201,6 +201,7 @@ class TieredRadixCache(RadixCache):
             src.extend(n.host_slots)
             self._locked += k
             off += k
+        self._count(handle, len(slots))
         self.version += 1
         self.host_hit_tokens_total += len(slots)
         return self.transfer.load(src, list(slots))
@@ -232,6 +233,7 @@ class TieredRadixCache(RadixCache):
                 node.children[self._page_key(new.key, 0)] = new
                 self._num_nodes += 1
                 self._evictable += n_total - pos
+                self._count(node, n_total - pos)
                 self.version += 1
                 self._push_if_evictable_leaf(new)
                 if self.policy == "write_through":
@@ -248,37 +250,35 @@ class TieredRadixCache(RadixCache):
                     self._locked += n
                 else:
                     self._evictable += n
+                self._count(child, n)
                 self.version += 1
             self._touch(child, tick)
             pos += n
             node = child
         return pos if existing is None else existing
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens pool tokens: LRU pool leaves move to the host tier (or are dropped)."""
-        freed = 0
-        while freed < num_tokens and self._heap:
-            tick, _, node = heapq.heappop(self._heap)
-            if (node.parent is None or node.slots is None or node.lock_ref > 0 or node.last_access != tick
-                    or not self._pool_leaf(node)):
-                continue
-            n = len(node.key)
-            keep = not self._dropping and (node.host_slots is not None or (
-                (self.policy != "write_through_selective" or node.hits >= self.write_threshold)
-                and self._backup(node)))
-            if keep:
-                self._evictable -= n
-                slots, node.slots = node.slots, None
-                self.tracker.free_cached(slots)
-                self.version += 1
-                self._push_if_evictable_leaf(node.parent)
-                self._push_host(node)
-            else:
-                self._delete_subtree(node)
-            freed += n
-        if len(self._heap) > 4 * self._num_nodes + 64:
-            self._compact_heap()
-        return freed
+    def _evictable_entry(self, node, tick: int) -> bool:
+        return (node.parent is not None and node.slots is not None and node.lock_ref == 0
+                and node.last_access == tick and self._pool_leaf(node))
+
+    def _evict_node(self, node) -> int:
+        """Pool eviction of one LRU pool leaf: it moves to the host tier (copied first if it has no host copy
+        and the policy allows), or it is dropped with its host-only subtree."""
+        n = len(node.key)
+        keep = not self._dropping and (node.host_slots is not None or (
+            (self.policy != "write_through_selective" or node.hits >= self.write_threshold)
+            and self._backup(node)))
+        if keep:
+            self._evictable -= n
+            self._count(node, -n)
+            slots, node.slots = node.slots, None
+            self.tracker.free_cached(slots)
+            self.version += 1
+            self._push_if_evictable_leaf(node.parent)
+            self._push_host(node)
+        else:
+            self._delete_subtree(node)
+        return n
 
     def flush(self) -> int:
         """Drop every unlocked entry of both tiers; returns pool tokens freed."""
@@ -359,6 +359,7 @@ class TieredRadixCache(RadixCache):
             n.children = {}
             if n.slots is not None:
                 self._evictable -= len(n.key)
+                self._count(node, -len(n.key))
                 self.tracker.free_cached(n.slots)
                 n.slots = None
             if n.host_slots is not None:
@@ -421,6 +422,7 @@ class TieredRadixCache(RadixCache):
                     assert any(e[2] is node and e[0] == node.last_access for e in self._host_heap), \
                         "host copy missing from the host heap"
         assert count == self._num_nodes, f"node count {count} != {self._num_nodes}"
+        self._check_salt_counts()
         assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
         assert locked == self._locked, f"locked {locked} != counter {self._locked}"
         assert host == self._host_cached, f"host cached {host} != counter {self._host_cached}"

@@ -130,15 +130,20 @@ class KVTransfer:
         t = Transfer("load", self.num_layers, len(gpu_slots), self.cuda)
         self._issue(t, host_slots, gpu_slots)
         self._loads.append(t)
-        self._unaccounted.append(t)
+        self._account(t)
         return t
 
     def backup(self, gpu_slots: list[int], host_slots: list[int]) -> Transfer:
         assert len(host_slots) == len(gpu_slots)
         t = Transfer("backup", self.num_layers, len(gpu_slots), self.cuda)
         self._issue(t, host_slots, gpu_slots)
-        self._unaccounted.append(t)
+        self._account(t)
         return t
+
+    def _account(self, t: Transfer) -> None:
+        self._unaccounted.append(t)
+        if len(self._unaccounted) > 256:  # fold the finished ones into the totals (bounded memory)
+            self.stats()
 
     def poison_host(self, host_slots: list[int]) -> None:
         """Debug: NaN into freed host slots, in FIFO order after the copies that may still read them (CPU)."""

@@ -111,6 +111,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         cache = make_tiered_cache(config, pool, allocator, device, say)
     else:
         cache = RadixCache(allocator) if config.radix_cache else NoReuseCache(allocator)
+    if config.max_cached_fraction_per_salt is not None and isinstance(cache, RadixCache):
+        cache.set_salt_quota(int(config.max_cached_fraction_per_salt * allocator.total_tokens))
     if config.debug and type(cache) is RadixCache:  # (the tiered cache frees through KVManager, which poisons)
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)

@@ -21,7 +21,8 @@ from typing import Any
 
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
-                "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold")
+                "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
+                "max_cached_fraction_per_salt")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -52,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    default="write_through", help="when a prefix is copied to the host tier (docs/serving.md)")
     p.add_argument("--host-kv-write-threshold", type=int, default=2,
                    help="write_through_selective: hits before a prefix is copied to the host tier")
+    p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
+                   help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
+                        "its own LRU prefixes first (tenant fairness); default off")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")

@@ -183,7 +183,7 @@ def tiny_server(tiny_checkpoint):
     server = Server("--model", str(tiny_checkpoint), "--served-model-name", TINY_NAME, "--device", "cpu",
                     "--kv-cache-tokens", "16384")
     try:
-        url = server.wait_healthy(60)
+        url = server.wait_healthy(180)  # a busy 2-core machine: start-up alone can take a minute
         yield url
         _check_server_clean(url)
     finally:

@@ -81,21 +81,26 @@ class ServeProcess:
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          preexec_fn=_die_with_parent)
         _LIVE_GROUPS.add(self.proc.pid)
-        if not self.wait_healthy:
-            return self
+        if self.wait_healthy:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        """Wait until /health answers 200 (the server exiting or `ready_timeout` passing fails the test). On
+        failure the server's group is killed at once."""
         deadline = time.monotonic() + self.ready_timeout
         try:
             while True:
                 try:
                     if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return self
+                        return
                 except httpx.HTTPError:
                     pass
                 assert self.proc.poll() is None, self.log()
                 assert time.monotonic() < deadline, "server did not come up:\n" + self.log()
                 time.sleep(0.1)
         except BaseException:
-            self.__exit__(None, None, None)  # __exit__ does not run when __enter__ raises
+            self.__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc):

@@ -54,25 +54,28 @@ def test_engine_process_death(model_dirs, tmp_path):
     server exits non-zero (fail fast). The server process dies: the engine process follows it."""
     args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "2048",
             "--log-level", "warning"]
-    with ServeProcess(args, tmp_path / "serve.log") as live:
-        engine_pid = max(_children(live.proc.pid))  # the resource tracker, if any, started first
-        body = {"model": "x", "prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as resp:
-            lines = resp.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))
-            os.kill(engine_pid, signal.SIGKILL)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]", rest
-        error = json.loads(rest[-2][len("data: "):])["error"]
-        assert error["code"] == "engine_dead" and "engine process died" in error["message"], error
-        assert '"finish_reason":"abort"' not in "".join(rest).replace(" ", "")
-        assert live.proc.wait(timeout=30) == 1, live.log()
+    # The second case's server starts at once and loads while the first case runs (on two cores the two
+    # start-ups overlap; one after the other they were most of this test's time).
+    with ServeProcess(args, tmp_path / "serve2.log", wait_healthy=False) as second:
+        with ServeProcess(args, tmp_path / "serve.log") as live:
+            engine_pid = max(_children(live.proc.pid))  # the resource tracker, if any, started first
+            body = {"model": "x", "prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as resp:
+                lines = resp.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))
+                os.kill(engine_pid, signal.SIGKILL)
+                rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]", rest
+            error = json.loads(rest[-2][len("data: "):])["error"]
+            assert error["code"] == "engine_dead" and "engine process died" in error["message"], error
+            assert '"finish_reason":"abort"' not in "".join(rest).replace(" ", "")
+            assert live.proc.wait(timeout=30) == 1, live.log()
 
-    with ServeProcess(args, tmp_path / "serve2.log") as live:
-        children = _children(live.proc.pid)
-        assert _complete(live.url).status_code == 200
-        live.proc.kill()
-        live.proc.wait()
+        second.wait_ready()
+        children = _children(second.proc.pid)
+        assert _complete(second.url).status_code == 200
+        second.proc.kill()
+        second.proc.wait()
         deadline = time.monotonic() + 30
         while any(_alive(c) for c in children):
             assert time.monotonic() < deadline, "the engine process outlived the server"
