@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -107,15 +108,21 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
     for jf in (True, False):
         eng.flush_cache()
         s0 = eng.stats().forward_passes_total
+        replays0 = dict(eng.core.runner.replays)
+        timer = PhaseTimer(eng).install() if not jf else None
         t0 = time.perf_counter()
         res = eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
                                      "jump_forward": jf})
         dt = time.perf_counter() - t0
         passes = eng.stats().forward_passes_total - s0
+        if timer is not None:
+            timer.uninstall()
+            out["jf_off_phases_ms_per_step"] = timer.per_step_ms(passes)
         toks = sum(c.completion_tokens for c in res)
         valid = sum(c.finish_reason == "stop" and bool(json.loads(c.text)) for c in res)
         out["jf_on" if jf else "jf_off"] = {"seconds": dt, "forward_passes": passes, "output_tokens": toks,
-                                           "tok_s": toks / dt, "valid": valid, "step_ms": dt / passes * 1000}
+                                           "tok_s": toks / dt, "valid": valid, "step_ms": dt / passes * 1000,
+                                           "replays": {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}}
     n = max(1, out["jf_off"]["output_tokens"] // batch)
     eng.flush_cache()
     s0 = eng.stats().forward_passes_total
@@ -125,6 +132,35 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
     passes = eng.stats().forward_passes_total - s0
     out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
     out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
+    backend = eng.core.grammar_backend
+    if hasattr(backend, "_mask_threads") and os.environ.get("MASK_THREADS"):
+        # The grammar mask fill per step with more executor threads (jump-forward off, same prompts).
+        out["mask_fill"] = {}
+        for threads in (int(x) for x in os.environ["MASK_THREADS"].split(",")):
+            backend._mask_threads, backend._executor = threads, None
+            spent = [0.0, 0]
+            orig = backend.fill_bitmasks
+
+            def timed(rows, bitmask, _orig=orig, spent=spent):
+                t = time.perf_counter()
+                try:
+                    return _orig(rows, bitmask)
+                finally:
+                    spent[0] += time.perf_counter() - t
+                    spent[1] += 1
+            backend.fill_bitmasks = timed
+            eng.flush_cache()
+            t0 = time.perf_counter()
+            s0 = eng.stats().forward_passes_total
+            eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
+                                   "jump_forward": False})
+            dt, passes = time.perf_counter() - t0, eng.stats().forward_passes_total - s0
+            del backend.fill_bitmasks
+            out["mask_fill"][threads] = {"fill_ms_per_call": spent[0] / max(1, spent[1]) * 1000,
+                                         "calls": spent[1], "step_ms": dt / passes * 1000}
+    if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
+        out["profile_jf_off"] = torch_profile(eng, prompts, "json_jf_off", {
+            "max_new_tokens": 24, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA, "jump_forward": False})
     out["constrained_step_over_unconstrained"] = out["jf_off"]["step_ms"] / out["unconstrained"]["step_ms"]
     return out
 
@@ -183,6 +219,32 @@ def replay_ms(eng, bs: int, iters: int = 20) -> float:
     return (time.perf_counter() - t0) / iters * 1000
 
 
+def in_loop_replay_ms(eng, prompts: list[list[int]], steps: int) -> float:
+    """Median device time of the decode graph replays of one timed decode run, measured with CUDA events
+    recorded around each replay in the loop (what the GPU spends on the forward itself)."""
+    graphs = eng.core.runner.graphs
+    pairs = []
+
+    def install():
+        orig = graphs.replay
+
+        def timed(batch, _orig=orig):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = _orig(batch)
+            b.record()
+            pairs.append((a, b))
+            return out
+        graphs.replay = timed
+    eng._run_on_loop(install)
+    eng.generate(prompts, {"max_new_tokens": 0})
+    eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": 1 + steps})
+    eng._run_on_loop(lambda: graphs.__dict__.pop("replay", None))
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in pairs[1:])
+    return times[len(times) // 2]
+
+
 def decode_step_ms(eng, prompts: list[list[int]], steps: int) -> float:
     """Wall time per decode step at batch len(prompts): prompts cached first, then (1 + steps) tokens minus
     1 token, over `steps` steps."""
@@ -194,6 +256,93 @@ def decode_step_ms(eng, prompts: list[list[int]], steps: int) -> float:
     eng.generate(prompts, {**p, "max_new_tokens": 1 + steps})
     t2 = time.perf_counter()
     return ((t2 - t1) - (t1 - t0)) / steps * 1000
+
+
+class PhaseTimer:
+    """Wall time per step of each loop unit (schedule, build, draw, launch, process, prepare_sample), the wait for the device inside
+    process, and the host work left after removing that wait. Installed on the loop thread; the loop looks
+    the methods up on every call, so instance attributes shadow them until uninstall()."""
+
+    UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
+
+    def __init__(self, eng):
+        self.eng, self.acc, self.steps = eng, dict.fromkeys(self.UNITS + ("wait",), 0.0), 0
+
+    def _wrap(self, core, name):
+        f = getattr(core, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.acc[name] += time.perf_counter() - t
+        setattr(core, name, timed)
+
+    def install(self):
+        core = self.eng.core
+
+        def go():
+            for n in self.UNITS:
+                self._wrap(core, n)
+            from prefixrt.engine import core as core_mod
+            orig = core_mod.StepFence.wait
+            acc = self.acc
+
+            def timed_wait(fence):
+                t = time.perf_counter()
+                try:
+                    return orig(fence)
+                finally:
+                    acc["wait"] += time.perf_counter() - t
+            core_mod.StepFence.wait = timed_wait
+            self._restore = (core_mod, orig)
+        self.eng._run_on_loop(go)
+        return self
+
+    def uninstall(self) -> dict:
+        core = self.eng.core
+
+        def go():
+            for n in self.UNITS:
+                core.__dict__.pop(n, None)
+            mod, orig = self._restore
+            mod.StepFence.wait = orig
+        self.eng._run_on_loop(go)
+        return self.acc
+
+    def per_step_ms(self, steps: int) -> dict:
+        out = {k: round(v / steps * 1000, 3) for k, v in self.acc.items()}
+        out["host_ms"] = round(sum(self.acc[u] for u in self.UNITS) / steps * 1000 - out["wait"], 3)
+        return out
+
+
+def torch_profile(eng, prompts, name: str, params: dict) -> dict:
+    """torch.profiler over one generate call: the top host ops and CUDA API calls by self CPU time (to
+    $OUT/profile_NAME.txt), GPU busy time against wall time, and how the forwards ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.generate(prompts, {"max_new_tokens": 0})
+    replays0 = dict(eng.core.runner.replays)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if os.environ.get("TORCH_TRACE"):
+        prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
+    ka = prof.key_averages()
+    with open(os.path.join(os.environ["OUT"], f"profile_{name}.txt"), "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45))
+        f.write("\n\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=25))
+    gpu_us = sum(e.self_device_time_total for e in ka)
+    sync = {e.key: (e.count, round(e.self_cpu_time_total / 1000, 2)) for e in ka
+            if any(w in e.key for w in ("Synchronize", "HostAlloc", "cudaMemcpy", "GraphLaunch", "cudaLaunchKernel"))}
+    replays = {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}
+    return {"wall_ms": round(wall * 1000, 2), "gpu_busy_ms": round(gpu_us / 1000, 2), "cuda_api": sync,
+            "replays": replays}
 
 
 def _compare(xs, ys) -> dict:
@@ -214,13 +363,13 @@ def _compare(xs, ys) -> dict:
             "max_rel_logprob_err": rel_err}
 
 
-def overlap_exactness(eng, vocab: int, n: int, new_tokens: int) -> dict:
+def overlap_exactness(eng, vocab: int, n: int, new_tokens: int, scale: int = 1) -> dict:
     """Greedy outputs with overlap on vs off (same engine, cache flushed between runs). Baseline in the same
     run: overlap off against overlap off with the prompts submitted in reverse order (other batch
     compositions), which is what bf16 batch-shape noise alone does."""
     rng = random.Random(21)
-    shared = [rng.randrange(16, vocab) for _ in range(256)]
-    prompts = [shared[: rng.randint(8, 256)] + [rng.randrange(16, vocab) for _ in range(rng.randint(4, 200))]
+    shared = [rng.randrange(16, vocab) for _ in range(256 // scale)]
+    prompts = [shared[: rng.randint(8, 256 // scale)] + [rng.randrange(16, vocab) for _ in range(rng.randint(4, 200 // scale))]
                for _ in range(n)]
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 20}
     outs = {}
@@ -229,9 +378,18 @@ def overlap_exactness(eng, vocab: int, n: int, new_tokens: int) -> dict:
         eng.flush_cache()
         res = eng.generate(prompts[::order], params)
         outs[key] = res[::order]
+    # Prompts that share nothing: both loops then run the same batch compositions (with shared prefixes the
+    # overlapped loop publishes a prefill chunk one step later, so followers join other batches), which
+    # isolates the loop itself from bf16 batch-shape noise.
+    unique = [[rng.randrange(16, vocab) for _ in range(rng.randint(12, 456 // scale))] for _ in range(n)]
+    for key, overlap in (("unique_on", True), ("unique_off", False)):
+        set_overlap(eng, overlap)
+        eng.flush_cache()
+        outs[key] = eng.generate(unique, params)
     set_overlap(eng, True)
     return {"prompts": n, "on_vs_off": _compare(outs["on"], outs["off"]),
-            "baseline_off_vs_off_reversed": _compare(outs["off_reversed"], outs["off"])}
+            "baseline_off_vs_off_reversed": _compare(outs["off_reversed"], outs["off"]),
+            "unique_prompts_on_vs_off": _compare(outs["unique_on"], outs["unique_off"])}
 
 
 def main():
@@ -239,7 +397,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to test the script")
     ap.add_argument("--legacy", action="store_true",
                     help="also the earlier sections: backend check, TTFT, batch-1 decode, JSON, HF generate")
-    ap.add_argument("--only", default="abcd", help="sections to run (default all: abcd)")
+    ap.add_argument("--only", default="abcde", help="sections to run (default all: abcde)")
     args = ap.parse_args()
     smoke = args.smoke
     big = "llama-3-8b" if not smoke else "qwen3-0.6b"
@@ -266,6 +424,8 @@ def main():
         section_b(eng, vocab, smoke, cuda, summary)
     if "c" in args.only:
         section_c(eng, vocab, smoke, summary)
+    if "e" in args.only:
+        section_e(eng, vocab, smoke, summary)
     if "d" in args.only:
         section_d(eng, vocab, smoke, big, kw, summary)
 
@@ -318,12 +478,42 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             eng.flush_cache()
             row["step_ms_overlap_on" if overlap else "step_ms_overlap_off"] = decode_step_ms(eng, prompts, 64 if not smoke else 4)
         set_overlap(eng, True)
-        if cuda and RESULTS["cuda_graphs"]:
+        if cuda and RESULTS["cuda_graphs"]:  # right after the timed runs: the static batch holds their contexts
             row["replay_ms"] = replay_ms(eng, bs)
             row["on_over_replay"] = row["step_ms_overlap_on"] / row["replay_ms"]
             row["off_over_replay"] = row["step_ms_overlap_off"] / row["replay_ms"]
+        if cuda and RESULTS["cuda_graphs"]:
+            # The decode graph's device time inside the loop (events around each replay), for the same run.
+            row["step_ms_overlap_on_again"] = decode_step_ms(eng, prompts, 64)
+            row["in_loop_replay_ms"] = in_loop_replay_ms(eng, prompts, 64)
+            row["on_over_in_loop_replay"] = row["step_ms_overlap_on_again"] / row["in_loop_replay_ms"]
+        # Where a step's time goes (overlap on): the units' wall time per step, the device wait inside process.
+        eng.flush_cache()
+        eng.generate(prompts, {"max_new_tokens": 0})
+        steps = 64 if not smoke else 4
+        timer = PhaseTimer(eng).install()
+        eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": steps})
+        timer.uninstall()
+        row["phases_ms_per_step"] = timer.per_step_ms(steps)
+        spy = os.environ.get("PYSPY")  # a py-spy binary: sample the thread holding the GIL over 240 steps
+        if spy and bs == 256 and os.environ.get("OUT"):
+            import subprocess
+            path = os.path.join(os.environ["OUT"], f"pyspy_b{bs}.txt")
+            eng.generate(prompts, {"max_new_tokens": 0})
+            proc = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--gil", "--rate", "250",
+                                     "--duration", "5", "--format", "raw", "--output", path],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            time.sleep(1.0)
+            eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": 240})
+            proc.wait(timeout=30)
+        if cuda and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
+            row["profile"] = torch_profile(eng, prompts, f"b{bs}", {"temperature": 0, "ignore_eos": True,
+                                                                    "detokenize": False, "max_new_tokens": 10})
         dec[f"b{bs}"] = row
         log(f"decode b{bs}", row)
+        if "in_loop_replay_ms" in row:
+            summary.append((f"decode b{bs}: step again / in-loop graph time", f"{row['step_ms_overlap_on_again']:.2f} / "
+                            f"{row['in_loop_replay_ms']:.2f} ms", f"{row['on_over_in_loop_replay']:.3f}x"))
         summary.append((f"decode b{bs} step (ctx ~1.1k)", f"on {row['step_ms_overlap_on']:.2f} / off {row['step_ms_overlap_off']:.2f} ms",
                         f"replay {row['replay_ms']:.2f} ms: {row['on_over_replay']:.3f}x / {row['off_over_replay']:.3f}x"
                         if "replay_ms" in row else "no graphs"))
@@ -334,14 +524,64 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
 
 def section_c(eng, vocab, smoke, summary) -> None:
     """Greedy outputs overlap on vs off (bf16)."""
-    ex = overlap_exactness(eng, vocab, 64 if not smoke else 4, 32 if not smoke else 4)
+    ex = overlap_exactness(eng, vocab, 64 if not smoke else 4, 32 if not smoke else 4, 1 if not smoke else 8)
     RESULTS["overlap_exactness"] = ex
     log("overlap exactness", ex)
-    for label, key in (("greedy on vs off (64 prompts)", "on_vs_off"),
-                       ("  baseline: off vs off, reversed", "baseline_off_vs_off_reversed")):
+    for label, key in (("greedy on vs off (64 prompts, shared-prefix tree)", "on_vs_off"),
+                       ("  baseline: off vs off, reversed", "baseline_off_vs_off_reversed"),
+                       ("greedy on vs off (64 prompts sharing nothing)", "unique_prompts_on_vs_off")):
         c = ex[key]
         summary.append((label, f"{c['identical']}/{ex['prompts']} identical",
                         f"top-20 logprobs: max abs {c['max_abs_logprob_diff']:.4f}, max rel {c['max_rel_logprob_err']:.2e}"))
+
+
+def section_e(eng, vocab, smoke, summary) -> None:
+    """Hot-prefix TTFT over 20 requests (p50/p99, with the loop units of those steps), cold TTFT, and the
+    constrained JSON step against the unconstrained one at batch 64 (jump-forward on/off)."""
+    rng = random.Random(5)
+    shared = [rng.randrange(16, vocab) for _ in range(3500 if not smoke else 40)]
+    new = 80 if not smoke else 8
+    eng.flush_cache()
+    eng.cache_prefix(shared)
+    for _ in range(3):
+        ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)])
+    timer = PhaseTimer(eng).install()
+    s0 = eng.stats().forward_passes_total
+    hot = sorted(ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20))
+    timer.uninstall()
+    phases = timer.per_step_ms(max(1, eng.stats().forward_passes_total - s0))
+    cold = []
+    for _ in range(3):
+        eng.flush_cache()
+        cold.append(ttft_once(eng, [rng.randrange(16, vocab) for _ in range(len(shared) + new)]))
+    RESULTS["ttft"] = {"hot_ms": [round(x * 1000, 3) for x in hot], "hot_p50_ms": statistics.median(hot) * 1000,
+                       "hot_p99_ms": hot[-1] * 1000, "cold_p50_ms": statistics.median(cold) * 1000,
+                       "hot_phases_ms_per_forward": phases}
+    log("ttft", RESULTS["ttft"])
+    summary.append(("hot-prefix TTFT p50 / p99 (3500 cached + 80, 20 req)",
+                    f"{RESULTS['ttft']['hot_p50_ms']:.2f} / {RESULTS['ttft']['hot_p99_ms']:.2f} ms",
+                    f"cold p50 {RESULTS['ttft']['cold_p50_ms']:.1f} ms; per forward {phases}"))
+    try:
+        js = json_bench(eng, vocab, 64 if not smoke else 4)
+    except ImportError as e:
+        summary.append(("JSON", f"skipped: {e}", ""))
+        return
+    RESULTS["json"] = js
+    log("json", js)
+    for name in (b for b in os.environ.get("GRAMMAR_BACKENDS", "").split(",") if b and b != eng.config.grammar_backend):
+        # The next compile builds this backend (the config is frozen: replaced, as a restart would).
+        eng.config, eng._compiler = dataclasses.replace(eng.config, grammar_backend=name), None
+        other = json_bench(eng, vocab, 64 if not smoke else 4)
+        RESULTS[f"json_{name}"] = other
+        log(f"json {name}", other)
+        summary.append((f"  {name}: jump-forward on / off; constrained / unconstrained step",
+                        f"{other['jf_speedup']:.2f}x (valid {other['jf_on']['valid']}/{other['jf_off']['valid']})",
+                        f"{other['jf_off']['step_ms']:.2f} / {other['unconstrained']['step_ms']:.2f} ms = "
+                        f"{other['constrained_step_over_unconstrained']:.2f}x"))
+    summary.append(("JSON long keys b64: jump-forward on / off", f"{js['jf_on']['tok_s']:.0f} / {js['jf_off']['tok_s']:.0f} tok/s",
+                    f"{js['jf_speedup']:.2f}x; valid {js['jf_on']['valid']}/{js['jf_off']['valid']}"))
+    summary.append(("constrained / unconstrained step (b64)", f"{js['jf_off']['step_ms']:.2f} / {js['unconstrained']['step_ms']:.2f} ms",
+                    f"{js['constrained_step_over_unconstrained']:.2f}x"))
 
 
 def section_d(eng, vocab, smoke, big, kw, summary) -> None:

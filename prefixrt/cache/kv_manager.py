@@ -213,11 +213,13 @@ class KVManager:
     def extend(self, req: Req, num_new_tokens: int) -> list[int]:
         """Slots for positions [kv_len, kv_len + n) of req, allocating pages (call ensure_pages first) and
         writing them into req's table row. kv_len is advanced by the caller once the forward is issued."""
+        start = req.kv_len
         need = self.pages_for(req, num_new_tokens)
         if need:
             req.pages.extend(self.allocator.alloc(need))
-        slots = self.slots_of(req, req.kv_len, req.kv_len + num_new_tokens)
-        self.table.write(req.row, req.kv_len, slots)
+        slots = req.pages[start:start + num_new_tokens] if self.page_size == 1 else \
+            self.slots_of(req, start, start + num_new_tokens)
+        self.table.write(req.row, start, slots)
         return slots
 
     def slots_of(self, req: Req, start: int, end: int) -> list[int]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from prefixrt.cache.host_lists import int64_tensor
+
 
 class ReqToTokenTable:
     def __init__(self, max_requests: int, max_context: int, device: torch.device | str):
@@ -40,11 +42,16 @@ class ReqToTokenTable:
             return
         rows, cols, vals = [], [], []
         for row, start, slots in self._pending:
-            rows.extend([row] * len(slots))
-            cols.extend(range(start, start + len(slots)))
-            vals.extend(slots)
+            if len(slots) == 1:  # a decode step's one new slot: the common case at large batches
+                rows.append(row)
+                cols.append(start)
+                vals.append(slots[0])
+            else:
+                rows.extend([row] * len(slots))
+                cols.extend(range(start, start + len(slots)))
+                vals.extend(slots)
         self._pending.clear()
-        idx = torch.tensor([rows, cols, vals], dtype=torch.int64)
+        idx = int64_tensor(rows, cols, vals).view(3, -1)
         if self.table.device.type == "cuda":
             idx = idx.pin_memory().to(self.table.device, non_blocking=True)
         self.table[idx[0], idx[1]] = idx[2].to(torch.int32)

@@ -16,13 +16,15 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def allocate_bitmask(batch_size: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def allocate_bitmask(batch_size: int, vocab_size: int, device: torch.device | str = "cpu",
+                     pinned: bool = False) -> torch.Tensor:
     """An all-ones (everything allowed) int32 bitmask [batch_size, ceil(vocab_size / 32)].
 
-    Matchers fill CPU bitmasks; copy to the logits' device before `apply_token_bitmask`
-    (pin it with `.pin_memory()` to make that copy asynchronous).
+    Matchers fill CPU bitmasks; copy to the logits' device before `apply_token_bitmask`. pinned: in page-locked
+    host memory, so that copy is asynchronous (a copy from pageable memory waits for the stream's prior work).
     """
-    return torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32, device=device)
+    return torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32, device=device,
+                      pin_memory=pinned)
 
 
 def _to_int32(bit_word: int) -> int:

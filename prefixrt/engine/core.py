@@ -6,21 +6,27 @@
     process(step)       wait for the step's tokens, post-process each row, stream outputs (postprocess.py)
 
     synchronous  (overlap_schedule=False)   schedule(N) -> forward(N) -> sample(N) -> process(N)
-    overlapped   (overlap_schedule=True)    schedule(N+1) -> forward(N+1) -> process(N) -> sample(N+1)
+    overlapped   (overlap_schedule=True)    schedule(N+1) -> build(N+1) -> draw(N) -> launch(N+1) -> process(N)
+                                            -> prepare_sample(N+1)
 
-In the overlapped loop the host schedules step N+1 and builds its batch while the device runs step N, then
-post-processes step N while the device runs step N+1's forward. Contracts:
+forward = build (host lists, host->device copies) + launch (the model); sample = prepare_sample (which rows
+are live, grammar masks filled on a worker thread) + draw (wait for the masks, draw on the device). In the
+overlapped loop the host schedules step N+1 and builds its batch while the device runs step N and while the
+grammar masks of step N are filled in the background, then post-processes step N while the device runs step
+N+1's forward. Contracts:
 - Input ids: a token sampled at step N is unknown to the host when step N+1 is built. The request counts it
   (Req.num_unresolved) and step N+1 reads it from step N's device tensor (`future`); at most one such token
   per request, always from the step just before.
-- Sampling needs the host state through the previous token (a grammar mask, penalties): sample(N+1) runs after
-  process(N), so it sees exactly what the synchronous loop sees.
+- Sampling needs the host state through the previous token (a grammar mask, penalties): prepare_sample(N+1)
+  runs after process(N), so it sees exactly what the synchronous loop sees; nothing touches the matchers
+  between it and draw(N+1) (schedule and build read no grammar state).
 - A request finished (or rewritten by jump-forward) at process(N) was already scheduled into N+1: its row of
   N+1 is stale and discarded (taken greedily, drawing nothing, so a seeded request's generator is untouched).
   After jump-forward the forced tokens follow the sampled one in the next forward, as in the synchronous loop.
-- KV lifetimes: KVManager.write_fence is the fence of the latest launched forward; a release or free while it
+- KV lifetimes: KVManager.write_fence is the fence of the latest built forward; a release or free while it
   is pending waits for it (see cache/kv_manager.py). On CUDA a fence is an event recorded after the step's
-  sample; on the CPU it passes when the step is processed (the same ordering, so the CPU tests exercise it).
+  forward (sampling reads no K/V); on the CPU it passes when the step is processed (the same ordering, so the
+  CPU tests exercise it).
 Greedy outputs are identical in both loops. Per-request failures (a grammar error, a bad token) abort that
 request alone; a failing forward aborts the requests of that batch and the loop goes on.
 Runs on one thread (the loop thread); everything it owns (scheduler, KV, requests) is touched only there. The
@@ -34,6 +40,7 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -87,6 +94,21 @@ class _HostSample:
         return self.out
 
 
+class _Done:
+    """A Future-like result computed at once (an exception is raised by result(), as a Future's would be)."""
+
+    def __init__(self, fn, *args):
+        try:
+            self._value, self._error = fn(*args), None
+        except Exception as e:
+            self._value, self._error = None, e
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 @dataclass
 class Step:
     """One launched forward and what the host needs to finish it."""
@@ -96,9 +118,15 @@ class Step:
     sampled: list[Req]  # requests with a sampled row, in row order
     epochs: list[int]  # their Req.epoch at launch: a later change marks the row stale
     fence: StepFence
-    logits: torch.Tensor | None = None  # [len(sampled), V] until sample()
+    logits: torch.Tensor | None = None  # [len(sampled), V] until drawn
     result: DeviceSample | _HostSample | None = None
     live: list[bool] = field(default_factory=list)  # rows sampled for real (not stale, not finished)
+    fb: ForwardBatch | None = None  # built, until launched
+    holes: list[int] = field(default_factory=list)  # flat positions of fb whose token is prev's device token
+    hole_idx: torch.Tensor | None = None  # [2, len(holes)]: those positions, and the rows of prev's tokens
+    scored: list = field(default_factory=list)  # (request, positions) wanting prompt logprobs
+    num_ends: int = 0  # logits rows of sampled requests (the scored rows follow)
+    masks: Any = None  # a Future of the filled host bitmask (prepare_sample), or None
 
 
 class EngineCore:
@@ -140,6 +168,7 @@ class EngineCore:
         self._inflight: Step | None = None  # overlapped loop: the step launched last, not processed yet
         self._stop_hits: queue.SimpleQueue = queue.SimpleQueue()  # requests a stop string ended (worker thread)
         self.auditor = None  # CacheAuditor when cache_audit_rate > 0 (set by the builder)
+        self._masks_pool = None  # the mask worker (a one-thread executor), started on first use
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -211,14 +240,18 @@ class EngineCore:
         return True
 
     def _step_overlapped(self) -> bool:
-        prev = self._inflight
+        prev = self._inflight  # launched, its masks being filled, not drawn yet
         batch = self.schedule()
-        step = self.forward(batch, prev) if batch is not None else None
+        step = self.build(batch) if batch is not None else None
         self._inflight = None
+        if prev is not None:
+            self.draw(prev)
+        if step is not None:
+            step = self.launch(step, prev)
         if prev is not None:
             self.process(prev)
         if step is not None:
-            self.sample(step)
+            self.prepare_sample(step)
             self._inflight = step
         return batch is not None or prev is not None
 
@@ -251,9 +284,14 @@ class EngineCore:
 
     # ------------------------------------------------------------------ unit 2: forward
     def forward(self, batch: ScheduledBatch, prev: Step | None) -> Step | None:
-        """Build the batch's ForwardBatch and launch the model. Unresolved tokens come from prev's device
-        tokens. Marks the sampled requests' new tokens unresolved. None if the forward failed (its requests are
-        aborted)."""
+        """Build the batch's ForwardBatch and launch the model (build + launch). None if it failed."""
+        step = self.build(batch)
+        return self.launch(step, prev) if step is not None else None
+
+    def build(self, batch: ScheduledBatch) -> Step | None:
+        """The batch's ForwardBatch on the device (host lists, one copy), not launched; marks the sampled
+        requests' new tokens unresolved. Tokens still on the device are holes, filled from the previous step's
+        tokens at launch. None if building failed (its requests are aborted)."""
         ends, acc = [], 0
         sampled: list[Req] = []
         scored: list[tuple[Req, list[int]]] = []  # (request, positions whose next-token logprob it wants)
@@ -266,7 +304,7 @@ class EngineCore:
             toks = r.all_ids[p: min(p + n, known)]
             if p + n > known:
                 step, row = r.future
-                assert step is prev and p + n == known + 1, "an unresolved token must come from the last step"
+                assert step is self._inflight and p + n == known + 1, "an unresolved token must come from the last step"
                 holes.append(acc + n - 1)
                 hole_rows.append(row)
                 toks = toks + [0]
@@ -291,6 +329,7 @@ class EngineCore:
             if n > 1:
                 r.chunk_step = step
         self.kv.write_fence = step.fence
+        step.holes, step.scored, step.num_ends = holes, scored, len(ends)
         try:
             self.kv.table.flush()
             fb = ForwardBatch.build(
@@ -307,50 +346,113 @@ class EngineCore:
             fb.kv_ready = self.kv.load_waiter()  # host-tier loads in flight (None without a host tier)
             if holes:
                 idx = torch.tensor([holes, hole_rows], dtype=torch.int64)
-                if self.device.type == "cuda":
-                    idx = idx.pin_memory().to(self.device, non_blocking=True)
-                fb.input_ids[idx[0]] = prev.result.token_ids[idx[1]]
-            logits = self.runner.forward(fb)
-            if self.debug and fb.kv_ready is not None:
-                fb.kv_ready.check()  # race mode: every layer waited for the loads in flight before reading
-            if scored:
-                rows = torch.log_softmax(logits[len(ends):].float(), dim=-1)
-                k = 0
-                for r, pos in scored:
-                    targets = torch.tensor([r.all_ids[j + 1] for j in pos], device=rows.device)
-                    r.input_logprobs.extend(rows[k: k + len(pos)].gather(1, targets[:, None]).squeeze(1).tolist())
-                    k += len(pos)
-        except Exception as e:  # a failing forward takes down its batch, not the engine
-            log.error("forward failed: %s", traceback.format_exc())
-            step.fence.record()
-            step.fence.wait()
-            for r in list(batch.reqs):
-                self._finish(r, "abort", error=f"internal error in forward: {e}")
+                step.hole_idx = idx.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
+                    else idx
+            step.fb = fb
+        except Exception as e:  # a failing batch takes down its requests, not the engine
+            self._fail_step(step, e)
             return None
-        self.stats.forward_passes_total += 1
-        step.logits = logits[: len(sampled)]
         for i, r in enumerate(sampled):
             r.num_unresolved += 1
             r.future = (step, i)
         return step
 
+    def launch(self, step: Step, prev: Step | None) -> Step | None:
+        """Fill the holes from prev's device tokens (prev is drawn already) and run the model; the step's fence
+        is recorded after the forward. None if the forward failed (its requests are aborted)."""
+        fb, step.fb = step.fb, None
+        try:
+            if step.holes:
+                fb.input_ids[step.hole_idx[0]] = prev.result.token_ids[step.hole_idx[1]]
+            logits = self.runner.forward(fb)
+            step.fence.record()
+            if self.debug and fb.kv_ready is not None:
+                fb.kv_ready.check()  # race mode: every layer waited for the loads in flight before reading
+            if step.scored:
+                rows = torch.log_softmax(logits[step.num_ends:].float(), dim=-1)
+                k = 0
+                for r, pos in step.scored:
+                    targets = torch.tensor([r.all_ids[j + 1] for j in pos], device=rows.device)
+                    r.input_logprobs.extend(rows[k: k + len(pos)].gather(1, targets[:, None]).squeeze(1).tolist())
+                    k += len(pos)
+        except Exception as e:  # a failing forward takes down its batch, not the engine
+            self._fail_step(step, e)
+            return None
+        self.stats.forward_passes_total += 1
+        step.logits = logits[: len(step.sampled)]
+        return step
+
+    def _fail_step(self, step: Step, e: Exception) -> None:
+        """A batch that could not be built or run: its requests are aborted; their tokens never come."""
+        log.error("forward failed: %s", traceback.format_exc())
+        if not step.fence.recorded:
+            step.fence.record()
+        step.fence.wait()
+        for r in step.sampled:
+            if r.future is not None and r.future[0] is step:
+                r.num_unresolved -= 1
+                r.future = None
+        for r in list(step.batch.reqs):
+            self._finish(r, "abort", error=f"internal error in forward: {e}")
+
     # ------------------------------------------------------------------ unit 3: sample
     def sample(self, step: Step) -> None:
-        """Masks and penalties from the host state (current through the previous step), draw on the device,
-        start the host copies, record the step's fence."""
-        if step.sampled:
-            step.live = [r.finish_reason is None and r.epoch == e for r, e in zip(step.sampled, step.epochs)]
-            step.result = self._sample(step.logits, step.sampled, step.live)
-        step.logits = None
-        step.fence.record()
+        """prepare_sample + draw (the masks filled on the loop thread: nothing to overlap them with)."""
+        self.prepare_sample(step, background=False)
+        self.draw(step)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req], live: list[bool]) -> DeviceSample | _HostSample:
-        """Sample the batch on the device. If that raises, its rows are sampled one by one (synchronously): the
-        failing request(s) are aborted with the error, their neighbours go on. Rows of an aborted request and
-        stale rows are marked not live."""
+    def prepare_sample(self, step: Step, background: bool = True) -> None:
+        """Which rows are live, from the host state (current through the previous step); their grammar masks
+        are filled, in the background on the mask worker thread (the grammar libraries fill outside the GIL)."""
+        if not step.sampled:
+            return
+        step.live = [r.finish_reason is None and r.epoch == e for r, e in zip(step.sampled, step.epochs)]
+        rows = [i for i, r in enumerate(step.sampled) if r.matcher is not None and step.live[i]]
+        if rows and self.bitmask_ops is not None:
+            args = (step.sampled, rows, step.logits.shape[1], step.logits.is_cuda)
+            if background:
+                step.masks = self._mask_worker().submit(self._fill_masks, *args)
+            else:
+                step.masks = _Done(self._fill_masks, *args)
+
+    def _mask_worker(self):
+        if self._masks_pool is None:
+            import concurrent.futures
+
+            self._masks_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-masks")
+        return self._masks_pool
+
+    def _fill_masks(self, reqs: list[Req], rows: list[int], width: int, pinned: bool) -> torch.Tensor:
+        """(On the mask worker.) All ones, the given rows filled; pinned on CUDA, so the copy to the device never
+        waits for the forward in flight (torch's pinned allocator keeps the buffer until the copy has run)."""
+        bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), width, pinned=pinned)
+        if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
+            self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
+        else:
+            for i in rows:
+                reqs[i].matcher.fill_bitmask(bitmask, i)
+        return bitmask
+
+    def draw(self, step: Step) -> None:
+        """Wait for the step's masks, then penalties, masks and the draw on the device; host copies start."""
+        if step.sampled:
+            step.result = self._sample(step.logits, step.sampled, step.live, step.masks)
+        step.logits = step.masks = None
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req], live: list[bool], masks=None
+                ) -> DeviceSample | _HostSample:
+        """Sample the batch on the device. If that raises (a mask fill included), its rows are sampled one by
+        one (synchronously): the failing request(s) are aborted with the error, their neighbours go on. Rows
+        of an aborted request and stale rows are marked not live."""
         seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
-            return self.sampler.sample_on_device(logits, reqs, self._mask_fn(reqs, live), self.eos_token_ids, live)
+            apply = None
+            if masks is not None:
+                bitmask = masks.result()
+
+                def apply(logits: torch.Tensor) -> None:
+                    self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+            return self.sampler.sample_on_device(logits, reqs, apply, self.eos_token_ids, live)
         except Exception:
             log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
         for g, state in seeded:  # seeded rows draw what they would have, from before the failed attempt
@@ -374,7 +476,9 @@ class EngineCore:
             return None
 
         def apply(logits: torch.Tensor) -> None:
-            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1])  # all-ones: rows stay free
+            # All ones (rows stay free); pinned on CUDA, so the copy below never waits for the forward in flight
+            # (torch's pinned allocator keeps the buffer alive until the copy has run).
+            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1], pinned=logits.is_cuda)
             if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
                 self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             else:
@@ -390,17 +494,18 @@ class EngineCore:
         step.fence.wait()
         out = step.result.read() if step.result is not None else None
         now = time.monotonic()
-        for i, r in enumerate(step.sampled):
-            if out is None or not step.live[i] or r.finish_reason is not None or r.epoch != step.epochs[i]:
-                continue  # stale or finished: the token is discarded
-            r.num_unresolved -= 1
-            if r.future is not None and r.future[0] is step:
-                r.future = None
-            try:
-                self._post_process(r, out.token_ids[i], out.logprobs[i], now)
-            except Exception as e:
-                log.error("post-processing failed: %s", traceback.format_exc())
-                self._finish(r, "abort", error=f"internal error in post-processing: {e}")
+        if out is not None:
+            for r, live, epoch, tok, lp in zip(step.sampled, step.live, step.epochs, out.token_ids, out.logprobs):
+                if not live or r.finish_reason is not None or r.epoch != epoch:
+                    continue  # stale or finished: the token is discarded
+                r.num_unresolved -= 1
+                if r.future is not None and r.future[0] is step:
+                    r.future = None
+                try:
+                    self._post_process(r, tok, lp, now)
+                except Exception as e:
+                    log.error("post-processing failed: %s", traceback.format_exc())
+                    self._finish(r, "abort", error=f"internal error in post-processing: {e}")
         b = step.batch
         for r, row, p, n, s in zip(b.reqs, step.rows, b.prefix_lens, b.num_tokens, b.sample):
             if r.chunk_step is step:
@@ -456,10 +561,17 @@ class EngineCore:
         if self.metrics_hook is not None:
             self.metrics_hook("finished", req=r, now=time.monotonic())
 
+    def close(self) -> None:
+        """Stop the mask worker (after drain: nothing is in flight)."""
+        if self._masks_pool is not None:
+            self._masks_pool.shutdown(wait=True)
+            self._masks_pool = None
+
     def drain(self) -> None:
         """Finish the step in flight and every held release (shutdown, or before inspecting KV state)."""
         if self._inflight is not None:
             prev, self._inflight = self._inflight, None
+            self.draw(prev)
             self.process(prev)
             self.flush_outputs()
         self.kv.reclaim(wait=True)

@@ -13,7 +13,6 @@ difference, so a multi-byte character or a word-piece merge is never split.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -188,16 +187,21 @@ class DetokenizerWorker:
         """Text, stop strings and logprob token strings for a batch of outputs (in order). Mutates the states;
         returns the outputs to deliver (those after a request's final one are dropped). Several steps of one
         request in the batch are taken in rounds, one output per request per round, in order."""
+        # Requests without a text state (token ids only) pass straight through, in order.
+        plain = [(sink, out) for st, sink, out in items if st is None]
+        if len(plain) == len(items):
+            return plain
         rounds: list[list] = []
         seen: dict[int, int] = {}
         for item in items:
-            k = seen.get(id(item[0]), 0) if item[0] is not None else 0
-            if item[0] is not None:
-                seen[id(item[0])] = k + 1
+            if item[0] is None:
+                continue
+            k = seen.get(id(item[0]), 0)
+            seen[id(item[0])] = k + 1
             if k == len(rounds):
                 rounds.append([])
             rounds[k].append(item)
-        return [pair for rnd in rounds for pair in self._process_round(rnd)]
+        return plain + [pair for rnd in rounds for pair in self._process_round(rnd)]
 
     def _process_round(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> list[tuple[Any, StepOutput]]:
         live = []
@@ -242,20 +246,22 @@ class DetokenizerWorker:
             if st is None:
                 result.append((sink, out))
                 continue
+            # The outputs are this pipeline's own (the loop never reads them again): fields are set in place,
+            # which costs far less per request and step than dataclasses.replace.
             if out.logprobs:
-                out = dataclasses.replace(out, logprobs=[_with_strings(e, strings) for e in out.logprobs])
+                out.logprobs = [_with_strings(e, strings) for e in out.logprobs]
             if st.detokenize:
                 before = len(st.text)
                 st.text += deltas.get(k, "")
                 hit = find_stop(st.text, st.stops, before) if st.stops else None
                 if hit is not None:
                     st.text = st.text[: hit[0]]
-                    out = dataclasses.replace(out, finished=True, finish_reason="stop", matched_stop=hit[1])
+                    out.finished, out.finish_reason, out.matched_stop = True, "stop", hit[1]
                     self.on_stop(st.req)
                 upto = len(st.text) if out.finished else len(st.text) - stop_holdback(st.text, st.stops)
                 text = st.text[st.emitted:upto] if upto > st.emitted else ""
                 st.emitted = max(st.emitted, upto)
-                out = dataclasses.replace(out, text=text, final_text=st.text if out.finished else None)
+                out.text, out.final_text = text, (st.text if out.finished else None)
             st.done = out.finished
             result.append((sink, out))
         return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import itertools
 import logging
 import queue
@@ -78,6 +79,11 @@ class Engine(EngineFront):
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
+        if self.device.type == "cuda":
+            # Everything built so far (model, graphs, tokenizer) lives as long as the engine: keep it out of the
+            # cyclic collector, whose full passes over it would otherwise stall the loop thread at random steps.
+            gc.collect()
+            gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="prefixrt-scheduler", daemon=True)
         self._thread.start()
 
@@ -160,8 +166,7 @@ class Engine(EngineFront):
 
                 from prefixrt.constrained import GrammarCompiler, make_backend
 
-                opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))} \
-                    if self.config.grammar_backend == "llguidance" else {}
+                opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))}
                 grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
                                        sorted(self.core.eos_token_ids), **opts)
                 self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
@@ -316,6 +321,7 @@ class Engine(EngineFront):
         self._inbox.put(None)
         self._thread.join(timeout=30)
         self.core.detokenizer.close()
+        self.core.close()  # the mask worker, if started
         self.core.kv.close()  # the host tier's copy worker, if any
         self._stopped = True
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection

@@ -155,7 +155,7 @@ class EngineFront:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(type(t) is int for t in prompt):  # (bool, an int subclass, is no token id)
                 raise InvalidRequest("a token-id prompt must be a list of integers", param="prompt")
             return list(prompt)
         raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
@@ -213,8 +213,8 @@ class EngineFront:
     def _validate_ids(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise InvalidRequest("prompt is empty", param="prompt")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-        if bad:
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C-speed scans: prompts run to 100k+ tokens)
+            bad = [t for t in ids if t < 0 or t >= self.vocab_size]
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  param="prompt")
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]

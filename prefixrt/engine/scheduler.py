@@ -84,19 +84,21 @@ class Scheduler:
         budget = self.config.chunked_prefill_tokens
 
         # 1. Running requests: plan their tokens, retract until their pages fit.
+        pages_for = self.kv.pages_for
         while True:
-            plan, left = [], budget
-            for req in self.running:
-                if req.finishes_on_resolve:  # its token in flight is its last: another step would be discarded
-                    continue
-                n = req.num_pending
+            plan, left, pages = [], budget, 0
+            for req in self.running:  # (hot: Req.finishes_on_resolve and Req.num_pending, inlined)
+                unresolved = req.num_unresolved
+                if unresolved and len(req.output_ids) + unresolved >= req.params.max_new_tokens:
+                    continue  # its token in flight is its last: another step would be discarded
+                n = len(req.all_ids) + unresolved - req.kv_len
                 if n <= 0:
                     continue
                 if n > 1:  # a prefill chunk or a jump-forward run: bounded by the token budget
                     n = min(n, max(left, 1))
                     left -= n
                 plan.append((req, n))
-            pages = sum(self.kv.pages_for(r, n) for r, n in plan)
+                pages += pages_for(req, n)
             if self.kv.ensure_pages(pages):
                 break
             victim = self._pick_victim()
@@ -124,12 +126,13 @@ class Scheduler:
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         slots = self.kv.extend(req, n)
+        kv_len = req.kv_len
         batch.reqs.append(req)
         batch.num_tokens.append(n)
-        batch.prefix_lens.append(req.kv_len)
+        batch.prefix_lens.append(kv_len)
         batch.slots.append(slots)
-        batch.sample.append(req.kv_len + n == req.seq_len)
-        req.kv_len += n
+        batch.sample.append(kv_len + n == len(req.all_ids) + req.num_unresolved)  # reaches seq_len
+        req.kv_len = kv_len + n
 
     def _admit(self, batch: ScheduledBatch, budget: int, prefilling: list[Req]) -> None:
         kv = self.kv

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
+
+from prefixrt.cache.host_lists import int64_tensor
 
 
 class ForwardMode(enum.Enum):
@@ -85,21 +88,28 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Build a batch from host lists (one entry per sequence). The only host→device copies of a step."""
         extend_lens = [len(t) for t in extend_tokens]
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        starts, acc = [], 0
-        for e in extend_lens:
-            starts.append(acc)
-            acc += e
-        flat_ids = [tok for toks in extend_tokens for tok in toks]
-        positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
-        mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+        B = len(extend_lens)
+        flat_ids = list(chain.from_iterable(extend_tokens))
+        if len(flat_ids) == B:  # decode: one token per sequence
+            mode = ForwardMode.DECODE
+            positions = list(prefix_lens)
+            seq_lens = [p + 1 for p in prefix_lens]
+            starts = list(range(B))
+        else:
+            mode = ForwardMode.EXTEND
+            seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+            starts, acc = [], 0
+            for e in extend_lens:
+                starts.append(acc)
+                acc += e
+            positions = [p + j for p, e in zip(prefix_lens, extend_lens) for j in range(e)]
         dev = torch.device(device)
         # One host->device copy for all index arrays (a copy per array costs ~10 us of launch each).
-        B, T = len(extend_lens), len(flat_ids)
+        T = len(flat_ids)
         has_loc = isinstance(out_cache_loc, torch.Tensor)
-        parts = [flat_ids, positions, [] if has_loc else list(out_cache_loc), list(req_pool_indices), seq_lens,
-                 list(prefix_lens), extend_lens, starts, list(logits_indices)]
-        packed = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+        parts = [flat_ids, positions, [] if has_loc else out_cache_loc, req_pool_indices, seq_lens,
+                 prefix_lens, extend_lens, starts, logits_indices]
+        packed = int64_tensor(*parts)
         if dev.type == "cuda":
             packed = packed.pin_memory().to(dev, non_blocking=True)
         sizes = [len(part) for part in parts]

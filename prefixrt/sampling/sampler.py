@@ -49,6 +49,15 @@ class DeviceSample:
         return SampleOutput(toks, lps)
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small host list as a device tensor without synchronising: on CUDA through pinned memory with a
+    non-blocking copy (a copy from pageable memory waits for the stream, i.e. for the forward in flight;
+    torch's pinned allocator keeps the buffer until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], object]:
     if not tensors or tensors[0].device.type != "cuda":
         return [t.cpu() for t in tensors], None
@@ -92,7 +101,8 @@ class Sampler:
         for i in held:
             V = logits.shape[1]  # stop ids past the vocabulary can never be sampled: nothing to hold
             ids = sorted(t for t in set(eos_token_ids) | set(reqs[i].params.stop_token_ids or ()) if t < V)
-            logits[i, ids] = float("-inf")
+            if ids:
+                logits[i, to_device(ids, logits.device)] = float("-inf")
         if bitmask_fn is not None:
             bitmask_fn(logits)
         return logits
@@ -124,16 +134,16 @@ class Sampler:
             g_rows = [i for i, g in enumerate(greedy) if g]
             s_rows = [i for i, g in enumerate(greedy) if not g]
             if g_rows:
-                gi = torch.tensor(g_rows, device=logits.device)
+                gi = to_device(g_rows, logits.device)
                 tokens[gi] = logits[gi].argmax(dim=-1)
-            si = torch.tensor(s_rows, device=logits.device)
+            si = to_device(s_rows, logits.device)
             tokens[si] = self._sample_rows(logits[si], [reqs[i] for i in s_rows])
 
         want = [i for i, r in enumerate(reqs) if live[i] and r.params.logprobs is not None]
         parts = [tokens]
         ks: list[int] = []
         if want:
-            wi = torch.tensor(want, device=logits.device)
+            wi = to_device(want, logits.device)
             rows = torch.log_softmax(raw[wi].float(), dim=-1)  # [W, V]
             ks = [reqs[i].params.logprobs for i in want]
             tok_lp = rows.gather(1, tokens[wi].unsqueeze(1)).squeeze(1)  # [W]
@@ -147,19 +157,19 @@ class Sampler:
         p = r.params
         dev = row.device
         if p.repetition_penalty != 1.0 and r.all_ids:
-            ids = torch.tensor(sorted(set(r.all_ids)), device=dev)
+            ids = to_device(sorted(set(r.all_ids)), dev)
             vals = row[ids]
             row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-            out = torch.tensor(r.output_ids, device=dev)
+            out = to_device(r.output_ids, dev)
             counts = torch.bincount(out, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     @staticmethod
     def _apply_logit_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
         """row[V] += bias at its token ids (ids were checked against the vocabulary at submission)."""
-        ids = torch.tensor(list(bias), device=row.device)
-        row[ids] += torch.tensor(list(bias.values()), device=row.device, dtype=row.dtype)
+        ids = to_device(list(bias), row.device)
+        row[ids] += to_device(list(bias.values()), row.device, row.dtype)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         return self._draw(sampling_probs(logits, [r.params for r in reqs]), reqs)
@@ -170,7 +180,7 @@ class Sampler:
         out = torch.empty(len(reqs), dtype=torch.int64, device=probs.device)
         shared = [i for i, r in enumerate(reqs) if r.generator is None]
         if shared:
-            si = torch.tensor(shared, device=probs.device)
+            si = to_device(shared, probs.device)
             out[si] = torch.multinomial(probs[si], 1, generator=self.generator).squeeze(1)
         for i, r in enumerate(reqs):
             if r.generator is not None:
@@ -189,7 +199,7 @@ def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     """
     dev = logits.device
     B, V = logits.shape
-    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    temps = to_device([p.temperature for p in params], dev, logits.dtype)
     scaled = logits / temps.unsqueeze(1)  # [B, V]
     probs = torch.softmax(scaled, dim=-1)
     topk = [p.top_k if 0 < p.top_k < V else V for p in params]
@@ -200,14 +210,14 @@ def sampling_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     drop = torch.zeros(B, V, dtype=torch.bool, device=dev)
     if use_sort:
         sorted_probs, idx = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
-        ks = torch.tensor(topk, device=dev)
-        ps = torch.tensor([p.top_p for p in params], device=dev, dtype=probs.dtype)
+        ks = to_device(topk, dev)
+        ps = to_device([p.top_p for p in params], dev, probs.dtype)
         rank = torch.arange(V, device=dev).unsqueeze(0)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the higher-ranked tokens
         drop_sorted = (rank >= ks.unsqueeze(1)) | ((mass_before > ps.unsqueeze(1)) & (ps < 1).unsqueeze(1))
         drop_sorted[:, 0] = False  # the most likely token always survives
         drop.scatter_(1, idx, drop_sorted)
     if use_min_p:
-        mps = torch.tensor([p.min_p for p in params], device=dev, dtype=probs.dtype)
+        mps = to_device([p.min_p for p in params], dev, probs.dtype)
         drop |= probs < mps.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [B, V] < [B, 1]
     return torch.softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)

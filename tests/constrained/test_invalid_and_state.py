@@ -146,11 +146,13 @@ def test_compiled_grammar_shared_across_matchers(small_backends, small_tokenizer
 def test_fill_bitmasks_batch_matches_single(small_backends, small_tokenizer):
     for backend in small_backends.values():
         compiled = backend.compile("regex", r"[a-c]{2}[0-9]")
-        matchers = [backend.matcher(compiled) for _ in range(3)]
+        schema = backend.compile("json_schema", {"type": "object", "properties": {"a": {"type": "string"}}})
+        matchers = [backend.matcher(compiled) for _ in range(3)] + [backend.matcher(schema) for _ in range(2)]
         matchers[1].accept_tokens(small_tokenizer.encode("a", add_special_tokens=False))
+        matchers[4].accept_tokens(small_tokenizer.encode('{"', add_special_tokens=False))
         from prefixrt.constrained.logits import allocate_bitmask
-        batch = allocate_bitmask(4, backend.vocab_size)
+        batch = allocate_bitmask(6, backend.vocab_size)
         backend.fill_bitmasks([(m, i) for i, m in enumerate(matchers)], batch)
         for i, m in enumerate(matchers):
             assert torch.equal(batch[i], mask_row(m, backend.vocab_size))
-        assert torch.all(batch[3] == -1)  # an unconstrained row is left alone
+        assert torch.all(batch[5] == -1)  # an unconstrained row is left alone
