@@ -127,15 +127,31 @@ def _is_object(schema: dict) -> bool:
     return t == "object" or (isinstance(t, list) and "object" in t)
 
 
+# RFC 8259 section 6: integers in [-(2**53 - 1), 2**53 - 1] are the ones JSON implementations agree on.
+SAFE_INTEGER = 2**53 - 1
+_BOUND_KEYS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "enum", "const"})
+
+
+def _is_integer(schema: dict) -> bool:
+    t = schema.get("type")
+    return t == "integer" or (isinstance(t, list) and "integer" in t)
+
+
 def strict_schema(schema: Any, strict: bool | None = True) -> Any:
     """A copy of `schema` with the strict-mode rule applied to every object that lists `properties` and does
     not say whether others are allowed: closed (`additionalProperties: false`) unless `strict` is False, then
-    marked open (`additionalProperties: true`). Objects that say, and objects without `properties`, are kept."""
+    marked open (`additionalProperties: true`). Objects that say, and objects without `properties`, are kept.
+
+    Unless `strict` is False, an integer with no bound, enum or const gets RFC 8259's interoperable range
+    (|n| <= 2**53 - 1): without it a model that keeps choosing digits never ends the number (a small model
+    writes `"a": 1000000000...` until max_tokens); any integer a JSON parser keeps exactly stays allowed."""
     if isinstance(schema, list):
         return [strict_schema(s, strict) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = _map_subschemas(schema, lambda s: strict_schema(s, strict))
+    if strict is not False and _is_integer(out) and not _BOUND_KEYS.intersection(out):
+        out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
     if (_is_object(out) and "properties" in out and "additionalProperties" not in out
             and "patternProperties" not in out and "unevaluatedProperties" not in out):
         out["additionalProperties"] = strict is False

@@ -23,6 +23,8 @@ def check_text(text: str, param: str) -> None:
     """Raise InvalidRequest unless text is valid Unicode for UTF-8 (no lone surrogates) without NUL."""
     if "\x00" in text:
         raise InvalidRequest(f"{param} contains a NUL character (at index {text.index(chr(0))})", param=param)
+    if text.isascii():  # O(1) (a flag of the str): no surrogates; spares a 5 MB prompt a 5 MB encode
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -3,13 +3,15 @@
 Errors always have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}` (errors.py). Bad input is
 a 400 (InvalidRequest from the engine, and request-body validation errors too, where FastAPI would say 422);
 `x-should-retry: false` marks errors a retry cannot fix, so OpenAI clients do not retry them. Every request
-first passes admission (admission.py: API keys, draining, body size); routes check the body's text
-(validate.py) and tokenize off the event loop (EngineFront.aencode), so `/health` always answers at once.
+first passes admission (admission.py: API keys, draining, body size); a large JSON body is then decoded in a
+parser process (body.py), and routes check the body's text (validate.py) and tokenize off the event loop
+(EngineFront.aencode), so `/health` always answers at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -25,6 +27,7 @@ from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.params import SamplingParams
 from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
+from prefixrt.server.body import BodyParser, OffloadedBodyRoute
 from prefixrt.server.dashboard import router as dashboard_router
 from prefixrt.server.errors import RequestFailed, error_response
 from prefixrt.server.lifecycle import Lifecycle
@@ -128,7 +131,14 @@ def create_app(engine, served_model_name: str | None = None, *, api_key: str | N
     """An ASGI app serving `engine` (a prefixrt.Engine, or a ProcessEngine: the engine in its own process).
     The engine's lifetime is the caller's. `api_key` / `admin_api_key` / `max_request_bytes`: see
     admission.py; `lifecycle`: drain and engine-death state (the launcher passes its own)."""
-    app = FastAPI(title="prefixrt", version="0.1.0", docs_url=None, redoc_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        app.state.body_parser.close()
+
+    app = FastAPI(title="prefixrt", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.router.route_class = OffloadedBodyRoute  # large JSON bodies are decoded off the event loop (body.py)
+    app.state.body_parser = BodyParser()
     lc = lifecycle or Lifecycle()
     app.state.engine = engine
     app.state.lifecycle = lc

@@ -169,6 +169,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from prefixrt.server.app import create_app
+    from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
     from prefixrt.server.lifecycle import Lifecycle
 
     try:
@@ -183,6 +184,7 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(eng, served_model_name=args.served_model_name, api_key=args.api_key,
                          admin_api_key=args.admin_api_key, max_request_bytes=args.max_request_bytes,
                          lifecycle=lifecycle)
+        app.state.body_parser = BodyParser(OFFLOAD_BYTES)  # large JSON bodies decoded in a parser process
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=UVICORN_GRACE_S)
         server = _make_server(config, lifecycle)

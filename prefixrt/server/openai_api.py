@@ -21,13 +21,14 @@ from starlette.exceptions import HTTPException
 
 from prefixrt.lowering import ToolPlan
 from prefixrt.server import convert
+from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
 from prefixrt.server.validate import check_body
 
-router = APIRouter()
+router = APIRouter(route_class=OffloadedBodyRoute)
 router.include_router(responses_router)
 
 

@@ -31,12 +31,13 @@ from starlette.exceptions import HTTPException
 from prefixrt.errors import InvalidRequest
 from prefixrt.lowering import ToolCall, ToolPlan, content_text, new_call_id
 from prefixrt.server import convert
+from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed
 from prefixrt.server.protocol import ChatCompletionRequest, _Body
 from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
 from prefixrt.server.validate import check_body
 
-router = APIRouter()
+router = APIRouter(route_class=OffloadedBodyRoute)
 
 
 class TextFormat(_Body):

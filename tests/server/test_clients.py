@@ -2,7 +2,7 @@
 openai SDK's helpers, LangChain's ChatOpenAI, instructor and openai-agents, each used as its documentation
 says, with nothing prefixrt-specific. Constrained decoding makes every structured result schema-valid even
 from random weights (the schemas carry bounds so that decoding always ends); whether the *content* is right
-is a question for a trained model (tests/server/test_clients_gemma.py)."""
+is a question for a trained model (tests/adapters/test_clients_gemma.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,115 @@
+"""Large JSON bodies are decoded in the parser process (server/body.py), with json.loads' exact results and errors.
+
+The oracle is the inline path (`json.loads` on the loop, what Starlette's Request.json does): an app whose
+parser sends every body to the parser process must answer every request, good or malformed, exactly as an
+app that parses every body inline. Admission (API keys, the 413 limit) still comes first: a refused body
+never starts the parser process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+from starlette.testclient import TestClient
+
+from prefixrt.server.app import create_app
+from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
+
+GREEDY = {"temperature": 0, "max_new_tokens": 2}  # /generate's spelling
+PAD = "pad " * 80_000  # 320 KB: above OFFLOAD_BYTES, so `prefixrt serve` sends it to the parser process too
+
+BODIES = [
+    json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0, "sampling_params": GREEDY}).encode(),
+    json.dumps({"model": "m", "prompt": "Ünïcode 🎉 " + PAD, "max_tokens": 2}, ensure_ascii=False).encode(),
+    json.dumps({"model": "m", "prompt": PAD, "max_tokens": 2}).encode(),  # over the 128-token context: a 400
+    json.dumps({"model": "m", "max_tokens": 2, "temperature": 0, "sampling_params": GREEDY,
+                "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": PAD}]}).encode(),
+    json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "nobody", "content": PAD}]}).encode(),
+    json.dumps({"model": "m", "max_tokens": "two", "prompt": PAD}).encode(),
+    json.dumps({"model": "m", "max_tokens": 2, "prompt": "a\ud800" + PAD}).encode(),  # a lone surrogate
+    json.dumps({"model": "m", "max_tokens": 2, "prompt": "hi", "temperature": float("nan"),
+                "sampling_params": {"temperature": float("nan")}}).encode(),
+    b'{"model": "m", "prompt": "' + PAD.encode() + b'", "max_tokens": 2',  # truncated
+    b'{"model": "m", "prompt": "' + PAD.encode() + b'"} trailing',
+    b'{"model": "m", "prompt": "\xff\xfe' + PAD.encode() + b'"}',  # not UTF-8
+    b"[" * 200_000 + b"]" * 200_000,  # deeper than the recursion limit
+    b"",
+]
+
+
+def _stable(value):
+    """value without what differs between any two requests: ids, timestamps, prefix-cache hits."""
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in ("id", "created", "request_id", "cached_tokens")}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+@pytest.fixture(scope="module")
+def apps(engine):
+    """(inline, offloaded): the same engine behind an app that parses every body on the loop and one that
+    parses every body in the parser process."""
+    inline, offloaded = create_app(engine), create_app(engine)
+    inline.state.body_parser = BodyParser(offload_bytes=2**62)
+    offloaded.state.body_parser = BodyParser(offload_bytes=0)
+    with TestClient(inline) as a, TestClient(offloaded) as b:
+        yield a, b
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+def test_offloaded_parsing_answers_exactly_as_inline_parsing(apps, path):
+    inline, offloaded = apps
+    for body in BODIES:
+        a = inline.post(path, content=body, headers={"content-type": "application/json"})
+        b = offloaded.post(path, content=body, headers={"content-type": "application/json"})
+        assert a.status_code < 500, (body[:80], a.text[:300])
+        assert (a.status_code, _stable(a.json())) == (b.status_code, _stable(b.json())), body[:80]
+    assert inline.app.state.body_parser._pool is None  # never started: every body parsed inline
+    assert offloaded.app.state.body_parser._pool is not None
+
+
+def test_serve_threshold_sends_large_bodies_to_the_parser_process(engine):
+    app = create_app(engine)
+    assert app.state.body_parser.offload_bytes is None  # in-process apps parse inline (see BodyParser)
+    app.state.body_parser = parser = BodyParser(OFFLOAD_BYTES)  # as `prefixrt serve` sets it
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and parser._pool is None  # small: parsed inline
+        r = http.post("/v1/completions", json={"model": "m", "prompt": PAD, "max_tokens": 2})
+        assert r.status_code == 400 and "context is 128" in r.json()["error"]["message"], r.text
+        assert parser._pool is not None
+    assert parser._pool is None  # the app's shutdown stopped it
+
+
+def test_refused_bodies_never_reach_the_parser(engine):
+    """API keys and the body-size limit are applied by Admission before any parsing."""
+    app = create_app(engine, api_key="k", max_request_bytes=2 * len(PAD))
+    app.state.body_parser = BodyParser(offload_bytes=0)
+    body = json.dumps({"model": "m", "prompt": PAD, "max_tokens": 2})
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = http.post("/v1/completions", content=body * 3, headers={"authorization": "Bearer k"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert app.state.body_parser._pool is None
+
+
+def test_a_dead_parser_process_is_replaced():
+    parser = BodyParser(offload_bytes=0)
+    body = json.dumps({"a": [1, 2.5, None, "é"]}).encode()
+    try:
+        assert asyncio.run(parser.loads(body)) == json.loads(body)
+        pool = parser._pool
+        for pid in list(pool._processes):  # the worker dies (killed, out of memory)
+            os.kill(pid, signal.SIGKILL)
+        assert asyncio.run(parser.loads(body)) == json.loads(body)  # parsed inline this once
+        assert asyncio.run(parser.loads(body)) == json.loads(body)
+        assert parser._pool is not None and parser._pool is not pool
+    finally:
+        parser.close()
