@@ -1,4 +1,4 @@
-"""One H200 run for the host tier of the KV cache (issue 17) on the Llama-3-8B shape with dummy weights (bf16).
+"""One H200 run for the host tier of the KV cache (issue 17) on the Llama-3.1-8B shape (128k context) with dummy weights (bf16).
 
 A long-context multi-turn workload (bench/workloads.long_context: S sessions, each turn appends A tokens to the
 whole history; C requests in flight, so a session's history waits in the cache while the others run) whose
@@ -94,11 +94,11 @@ def run_one(label: str, model: str, workload, concurrency: int, engine_kw: dict)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--smoke", default=None, metavar="MODEL_DIR", help="tiny CPU run on a local HF folder")
     ap.add_argument("--sessions", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--append-len", type=int, default=6000)
+    ap.add_argument("--turns", type=int, default=14)
+    ap.add_argument("--append-len", type=int, default=2500)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--ratio", type=float, default=3.0, help="working set / GPU pool")
