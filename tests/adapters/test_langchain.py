@@ -16,6 +16,8 @@ from prefixrt.adapters._lowering import Tool, plan_tools, strict_schema, tools_p
 from prefixrt.adapters.langchain import to_chat_messages
 from pydantic import BaseModel, Field
 
+from prefixrt.json_schema import SAFE_INTEGER
+
 SYSTEM = "You answer questions about the city library's opening hours and loan rules. " * 8
 
 
@@ -209,6 +211,8 @@ def test_closed_schema_keeps_explicit_choices():
                                                "o": {"type": "object", "properties": {}, "additionalProperties": True}}}
     closed = strict_schema(schema)
     assert closed["additionalProperties"] is False
-    assert closed["properties"]["m"]["additionalProperties"] == {"type": "integer"}
+    # (the explicit value schema is kept; an unbounded integer gets JSON's interoperable range, json_schema.py)
+    assert closed["properties"]["m"]["additionalProperties"] == {"type": "integer", "minimum": -SAFE_INTEGER,
+                                                                 "maximum": SAFE_INTEGER}
     assert closed["properties"]["o"]["additionalProperties"] is True
     assert "additionalProperties" not in schema  # the input is not modified
