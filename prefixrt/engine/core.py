@@ -449,9 +449,7 @@ class EngineCore:
             apply = None
             if masks is not None:
                 bitmask = masks.result()
-
-                def apply(logits: torch.Tensor) -> None:
-                    self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+                apply = lambda logits: self._apply_masks(logits, bitmask)  # noqa: E731
             return self.sampler.sample_on_device(logits, reqs, apply, self.eos_token_ids, live)
         except Exception:
             log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
@@ -471,22 +469,14 @@ class EngineCore:
         return _HostSample(torch.tensor(toks, dtype=torch.int64, device=logits.device), SampleOutput(toks, lps))
 
     def _mask_fn(self, reqs: list[Req], live: list[bool]):
+        """The row-by-row fallback's masks: filled on the loop thread when the sampler applies them."""
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and live[i]]
         if not rows or self.bitmask_ops is None:
             return None
+        return lambda logits: self._apply_masks(logits, self._fill_masks(reqs, rows, logits.shape[1], logits.is_cuda))
 
-        def apply(logits: torch.Tensor) -> None:
-            # All ones (rows stay free); pinned on CUDA, so the copy below never waits for the forward in flight
-            # (torch's pinned allocator keeps the buffer alive until the copy has run).
-            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1], pinned=logits.is_cuda)
-            if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
-                self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
-            else:
-                for i in rows:
-                    reqs[i].matcher.fill_bitmask(bitmask, i)
-            self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
-
-        return apply
+    def _apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
     # ------------------------------------------------------------------ unit 4: post-process
     def process(self, step: Step) -> None:
