@@ -589,6 +589,15 @@ class EngineCore:
             bpt = tiered.host.bytes_per_token
             s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]
             s.host_backup_bytes_total, s.host_backup_seconds_total = t["backup"][1] * bpt, t["backup"][2]
+        disk = self.kv.disk
+        if disk is not None:
+            s.kv_disk_total_bytes, s.kv_disk_used_bytes = disk.max_bytes, disk.used_bytes
+            s.kv_disk_cached_tokens, s.kv_disk_files = disk.cached_tokens, disk.num_files
+            s.disk_hit_tokens_total = disk.hit_tokens_total
+            s.disk_load_bytes_total, s.disk_load_seconds_total = disk.load_bytes_total, disk.load_seconds_total
+            s.disk_write_bytes_total, s.disk_write_seconds_total = disk.write_bytes_total, disk.write_seconds_total
+            s.disk_write_skipped_total, s.disk_evicted_bytes_total = disk.write_skipped_total, disk.evicted_bytes_total
+            s.disk_rejected_files_total = disk.rejected_files_total
         if self.auditor is not None:
             s.cache_audits_total = self.auditor.audits_total
             s.cache_audit_mismatches_total = self.auditor.mismatches_total
