@@ -22,6 +22,7 @@ from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.req_table import ReqToTokenTable
+from prefixrt.cache.salt_stats import SaltCounters
 from prefixrt.cache.tiered_radix import TieredRadixCache
 from prefixrt.cache.transfer import LoadWaiter, Transfer
 from prefixrt.request import Req
@@ -58,6 +59,9 @@ class KVManager:
         self.load_failures_total = 0  # admissions whose host part could not get pool pages (recomputed)
         if self.tiered is not None:
             self.tiered.tracker = self
+        self.salts = SaltCounters()  # per cache_salt: prompt, hit and evicted tokens (bounded labels)
+        if hasattr(cache, "salt_counters"):
+            cache.salt_counters = self.salts
         # Disk tier (disk_radix.py): reads in flight for waiting requests.
         self.disk = getattr(self.tiered, "disk", None)
         self._fetches: list = []
@@ -378,6 +382,11 @@ class KVManager:
 
             self.pool.poison(torch.tensor(pages_to_slots(pages, self.page_size), device=self.pool.device))
         self.allocator.free(pages)
+
+    def salt_stats(self) -> dict:
+        """Per-salt counters and pool tokens cached now, by bounded label (EngineStats.salts)."""
+        usage = getattr(self.cache, "salt_usage", None)
+        return self.salts.snapshot(usage() if usage is not None else {})
 
     def flush(self) -> int:
         freed = self.cache.flush()

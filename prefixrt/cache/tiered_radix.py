@@ -265,6 +265,7 @@ class TieredRadixCache(RadixCache):
         """Pool eviction of one LRU pool leaf: it moves to the host tier (copied first if it has no host copy
         and the policy allows), or it is dropped with its host-only subtree."""
         n = len(node.key)
+        self._count_eviction(node, n)
         keep = not self._dropping and (node.host_slots is not None or (
             (self.policy != "write_through_selective" or node.hits >= self.write_threshold)
             and self._backup(node)))

@@ -198,7 +198,7 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
             if f.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
                 st = f.stat()
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    weights = "dummy-seed-%d" % config.seed if config.load_format == "dummy" else h.hexdigest()[:16]
+    weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}")
 

@@ -180,3 +180,39 @@ def test_other_model_revision_or_cache_salt_never_hits(engines, tmp_path, monkey
     got = [salted.generate(p + [5], {"cache_salt": "tenant-b", **GREEDY}) for p in prompts]
     assert [c.token_ids for c in got] == want and [c.cached_tokens for c in got] == [0, 1]
     assert salted.stats().disk_hit_tokens_total == 0
+
+
+def test_metrics_per_salt_and_disk_tier_agree_with_stats(engines, tmp_path):
+    """/metrics (prometheus-client) and stats(): per-salt hit, prompt and evicted tokens under hashed labels
+    (the salt never appears), and the disk tier's counters, against the completions' own cached_tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixrt.engine.metrics import Metrics
+
+    eng = engines(**_disk(tmp_path))
+    prompts = _prompts(5, n=3)
+    hits = {"alice@example.com": 0, None: 0}
+    for rnd in range(2):  # the second round hits (pool, host or disk: the pool holds about two prompts)
+        for p in prompts:
+            for salt in hits:
+                c = eng.generate(p + [rnd + 3], {"cache_salt": salt, **GREEDY} if salt else GREEDY)
+                hits[salt] += c.cached_tokens
+    s = eng.stats()
+    text = Metrics.for_engine(eng).render().decode()
+    assert "alice" not in text
+    series = {(m.name, tuple(sorted(x.labels.items()))): x.value
+              for fam in text_string_to_metric_families(text) for x in fam.samples for m in [x]}
+    labels = {salt: eng.core.kv.salts.label(salt) for salt in hits}
+    assert set(s.salts) == set(labels.values())
+    for salt, label in labels.items():
+        key = (("salt", label),)
+        assert series[("prefixrt_salt_hit_tokens_total", key)] == s.salts[label]["cached_tokens_total"] == hits[salt]
+        assert series[("prefixrt_salt_prompt_tokens_total", key)] == 3 * (2 * 42)
+        assert series[("prefixrt_salt_evicted_tokens_total", key)] == s.salts[label]["evicted_tokens_total"] > 0
+        assert series[("prefixrt_salt_cached_tokens", key)] == s.salts[label]["kv_cached_tokens"]
+    assert sum(hits.values()) == s.cached_tokens_total > 0
+    assert sum(c["evicted_tokens_total"] for c in s.salts.values()) == s.evicted_tokens_total
+    for fld in ("disk_hit_tokens_total", "disk_write_bytes_total", "disk_load_bytes_total"):
+        assert series[(f"prefixrt_{fld}", ())] == getattr(s, fld) > 0, fld
+    assert series[("prefixrt_kv_disk_used_bytes", ())] == s.kv_disk_used_bytes > 0
+    assert series[("prefixrt_kv_disk_files", ())] == s.kv_disk_files > 0
