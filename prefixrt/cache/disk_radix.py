@@ -37,7 +37,6 @@ class DiskTieredRadixCache(TieredRadixCache):
         self._held: list = []  # (marker, host slots, namespace, path tokens [0, end), start), FIFO order
         self._held_tokens = 0
         self._spill_off = False  # flush(): copies leaving the host tier are dropped, not written
-        self.disk_hit_tokens_total = 0  # tokens attached from disk (then loaded like any host hit)
 
     # ------------------------------------------------------------------ host -> disk
     def _path_tokens(self, node) -> list[int]:
@@ -147,8 +146,7 @@ class DiskTieredRadixCache(TieredRadixCache):
             self.version += 1
             self._push_host(new)
             attached += end - pos
-        self.disk_hit_tokens_total += attached
-        self.disk.hit_tokens_total += attached
+        self.disk.hit_tokens_total += attached  # (then loaded like any host hit)
         return attached
 
     # ------------------------------------------------------------------ whole-cache operations

@@ -327,6 +327,8 @@ class KVManager:
             self._reclaim_copies(wait)
         if self.disk is not None:  # host copies on their way to the disk
             self.tiered.spill(wait)
+            if self._fetches:  # reads whose request left (aborted) hold staged K/V: let it go
+                self._fetches = [f for f in self._fetches if not f.done.is_set()]
         while self._deferred:
             fence, what = self._deferred[0]
             if not fence.query():

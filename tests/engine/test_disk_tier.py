@@ -64,12 +64,15 @@ def _reference(engines, prompts):
     return [c.token_ids for c in ref.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_restart_comes_up_warm_and_equals_no_disk_run(policy, engines, tmp_path):
+@pytest.mark.parametrize("policy, page_size", [("write_through", 1), ("write_back", 1), ("write_back", 16)])
+def test_restart_comes_up_warm_and_equals_no_disk_run(policy, page_size, engines, tmp_path):
     prefixes = _prompts(1)
     suffix = [7, 8, 9]
     want = _reference(engines, [p + suffix for p in prefixes] + prefixes + [p + [10, 11] for p in prefixes])
-    eng = engines(host_kv_write_policy=policy, **_disk(tmp_path))
+    # Race mode: every copy delayed, freed slots poisoned (debug), so a lifetime mistake changes the output.
+    race = {"host_kv_debug_delay_s": 0.0005, "page_size": page_size}
+    hit = 41 // page_size * page_size
+    eng = engines(host_kv_write_policy=policy, **race, **_disk(tmp_path))
     # One by one: each 41-token prompt pushes the earlier ones out of the 96-token pool and the 64-token host
     # tier, so they reach the disk during the run; the second pass reads them back through host and pool.
     got = [eng.generate(p, GREEDY).token_ids for p in prefixes]
@@ -78,16 +81,16 @@ def test_restart_comes_up_warm_and_equals_no_disk_run(policy, engines, tmp_path)
     assert [c.token_ids for c in again] == want[:4]
     s = eng.stats()
     assert s.disk_write_bytes_total > 0 and s.disk_hit_tokens_total > 0, s
-    assert all(c.cached_tokens == 41 for c in again[:2]), [c.cached_tokens for c in again]
+    assert all(c.cached_tokens == hit for c in again[:2]), [c.cached_tokens for c in again]
     close(eng)  # writes what the disk lacks
 
-    eng = engines(host_kv_write_policy=policy, **_disk(tmp_path))
+    eng = engines(host_kv_write_policy=policy, **race, **_disk(tmp_path))
     assert eng.stats().kv_disk_files > 0
     first = [eng.generate(p + [10, 11], GREEDY) for p in prefixes]
-    assert [c.cached_tokens for c in first] == [41] * 4  # every prefix warm on its first request
+    assert [c.cached_tokens for c in first] == [hit] * 4  # every prefix warm on its first request
     assert [c.token_ids for c in first] == want[8:]
     s = eng.stats()
-    assert s.disk_hit_tokens_total >= 4 * 40 and s.cached_tokens_total == 4 * 41  # (token 1 is shared)
+    assert s.disk_hit_tokens_total >= 4 * (hit - page_size) and s.cached_tokens_total == 4 * hit  # (token 1 is shared)
     assert s.disk_load_bytes_total > 0 and s.disk_rejected_files_total == 0
 
 
@@ -216,3 +219,5 @@ def test_metrics_per_salt_and_disk_tier_agree_with_stats(engines, tmp_path):
         assert series[(f"prefixrt_{fld}", ())] == getattr(s, fld) > 0, fld
     assert series[("prefixrt_kv_disk_used_bytes", ())] == s.kv_disk_used_bytes > 0
     assert series[("prefixrt_kv_disk_files", ())] == s.kv_disk_files > 0
+    eng.flush_cache()  # every tier, the disk's files included
+    assert eng.stats().kv_disk_files == 0 and not list((tmp_path / "kv").glob("*.kv"))
