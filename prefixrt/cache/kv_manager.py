@@ -123,6 +123,9 @@ class KVManager:
         if not entries:
             req.disk_lookup = end
             return True
+        for f in self._fetches:  # another request reads the same file for the same position: wait for it to attach
+            if f.namespace == req.namespace and f.start == end and f.entries[0].name == entries[0].name:
+                return False
         req.disk_lookup = self.disk.fetch(req.namespace, req.all_ids, end, self._reuse_cap(req), entries)
         self._fetches.append(req.disk_lookup)
         return False

@@ -221,3 +221,28 @@ def test_metrics_per_salt_and_disk_tier_agree_with_stats(engines, tmp_path):
     assert series[("prefixrt_kv_disk_files", ())] == s.kv_disk_files > 0
     eng.flush_cache()  # every tier, the disk's files included
     assert eng.stats().kv_disk_files == 0 and not list((tmp_path / "kv").glob("*.kv"))
+
+
+def test_requests_sharing_a_disk_prefix_read_it_once(engines, tmp_path, monkeypatch):
+    """After a restart, requests arriving together with the same prefix on disk: one read, every one a hit. (Reads
+    are slowed down, so every request is waiting while the first read is in flight.)"""
+    import time
+
+    from prefixrt.cache.disk_store import DiskKVStore
+
+    read = DiskKVStore._read_segment
+    monkeypatch.setattr(DiskKVStore, "_read_segment", lambda self, *a: (time.sleep(0.1), read(self, *a))[1])
+    prefix = _prompts(6, n=1)[0]
+    tails = [[3 + i, 4 + i] for i in range(4)]
+    want = _reference(engines, [prefix + t for t in tails])
+    kw = _disk(tmp_path, kv_cache_tokens=256, host_kv_cache_tokens=256)
+    eng = engines(**kw)
+    eng.generate(prefix, GREEDY)
+    close(eng)
+    eng = engines(**kw)
+    got = eng.generate([prefix + t for t in tails], GREEDY)
+    assert [c.token_ids for c in got] == want and [c.cached_tokens for c in got] == [41] * 4
+    s = eng.stats()
+    prefix_files = [f for (_, end), files in _segments(tmp_path).items() if end <= 41 for f in files]
+    assert s.disk_hit_tokens_total == 41
+    assert s.disk_load_bytes_total == sum(f.stat().st_size for f in prefix_files)  # each file read once
