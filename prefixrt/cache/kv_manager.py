@@ -329,7 +329,7 @@ class KVManager:
             if (short - held) * self.page_size > self.cache.evictable_tokens:
                 return False
             self.evicted_tokens_total += self.cache.evict((short - held) * self.page_size)
-        if held and self.allocator.free_pages < num_pages:
+        if self.allocator.free_pages < num_pages and self._held_copy_pages():
             self._reclaim_copies(wait=True)  # moved to the host: the pages come back once their backups are done
         return self.allocator.free_pages >= num_pages
 
