@@ -22,7 +22,7 @@ from typing import Any
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "max_cached_fraction_per_salt")
+                "max_cached_fraction_per_salt", "tp_size", "nnodes", "node_rank", "dist_init_addr")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -56,6 +56,15 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
                    help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
                         "its own LRU prefixes first (tenant fairness); default off")
+    p.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1,
+                   help="tensor parallelism: split the model over this many ranks (GPUs; processes on the CPU), "
+                        "one process each; rank 0 schedules (docs/serving.md)")
+    p.add_argument("--nnodes", type=int, default=1, help="tensor parallelism over this many machines (--tp per all)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; node 0 serves, the others run their ranks only")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="host:port of node 0 for the torch.distributed rendezvous (needed with --nnodes > 1; "
+                        "default: a free port on 127.0.0.1)")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
@@ -172,6 +181,14 @@ def serve(args: argparse.Namespace) -> int:
     from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
     from prefixrt.server.lifecycle import Lifecycle
 
+    if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
+        from prefixrt.config import EngineConfig
+        from prefixrt.engine.tp_worker import run_node
+
+        config = EngineConfig(model=args.model, **engine_kwargs(args))
+        print(f"[prefixrt] node {config.node_rank}: running tensor-parallel ranks of {args.model!r}, rendezvous "
+              f"at {config.dist_init_addr}", file=sys.stderr, flush=True)
+        return run_node(config)
     try:
         eng = build_engine(args, own_process=not args.engine_in_process)
     except RuntimeError as e:  # the engine failed to start (e.g. its process died); other mistakes reach cli.main
