@@ -40,6 +40,10 @@ class EngineConfig:
     host_kv_write_policy: str = "write_through"  # one of WRITE_POLICIES
     host_kv_write_threshold: int = 2  # write_through_selective: hits before a node is copied to the host
     host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
+    # Disk tier below the host tier (cache/disk_radix.py): host evictions are written to files in this directory
+    # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
+    kv_disk_dir: str | None = None
+    kv_disk_max_gb: float = 64.0  # size cap of the directory's KV files (LRU files deleted beyond it)
     # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
@@ -86,6 +90,11 @@ class EngineConfig:
             bad("host_kv_write_threshold must be >= 1")
         if not self.host_kv_debug_delay_s >= 0:
             bad("host_kv_debug_delay_s must be >= 0")
+        if self.kv_disk_dir is not None and not (self.host_kv_cache_tokens and self.radix_cache):
+            bad("kv_disk_dir needs the host tier (host_kv_cache_tokens > 0) and radix_cache=True: disk hits load "
+                "through host memory")
+        if not self.kv_disk_max_gb > 0:
+            bad("kv_disk_max_gb must be > 0")
         if self.max_cached_fraction_per_salt is not None and not 0 < self.max_cached_fraction_per_salt <= 1:
             bad("max_cached_fraction_per_salt must be in (0, 1]")
         if self.tp_size < 1:

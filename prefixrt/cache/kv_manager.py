@@ -22,6 +22,7 @@ from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.req_table import ReqToTokenTable
+from prefixrt.cache.salt_stats import SaltCounters
 from prefixrt.cache.tiered_radix import TieredRadixCache
 from prefixrt.cache.transfer import LoadWaiter, Transfer
 from prefixrt.request import Req
@@ -58,6 +59,12 @@ class KVManager:
         self.load_failures_total = 0  # admissions whose host part could not get pool pages (recomputed)
         if self.tiered is not None:
             self.tiered.tracker = self
+        self.salts = SaltCounters()  # per cache_salt: prompt, hit and evicted tokens (bounded labels)
+        if hasattr(cache, "salt_counters"):
+            cache.salt_counters = self.salts
+        # Disk tier (disk_radix.py): reads in flight for waiting requests.
+        self.disk = getattr(self.tiered, "disk", None)
+        self._fetches: list = []
 
     # ------------------------------------------------------------------ sizes (tokens)
     @property
@@ -83,12 +90,51 @@ class KVManager:
         return max(0, -(-(req.kv_len + num_new_tokens) // ps) - len(req.pages))
 
     # ------------------------------------------------------------------ admission
-    def match(self, req: Req) -> MatchResult:
-        """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
-        cap = req.seq_len - 1
+    @staticmethod
+    def _reuse_cap(req: Req) -> int:
+        cap = req.seq_len - 1  # at least the last token is recomputed
         if req.input_logprobs_from is not None:  # the logits of the token before the first scored one
             cap = min(cap, req.input_logprobs_from - 1)
-        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=cap)
+        return cap
+
+    def match(self, req: Req) -> MatchResult:
+        """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
+        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=self._reuse_cap(req))
+
+    def disk_ready(self, req: Req, m: MatchResult) -> bool:
+        """Admission check of the disk tier (True without one). If the disk holds the continuation of req's match
+        m, start reading it off the loop and return False (req keeps waiting); once read, attach it to the tree
+        as host-only nodes and return True (admit() then loads it like any host hit)."""
+        if self.disk is None:
+            return True
+        look = req.disk_lookup
+        if look is not None and not isinstance(look, int):  # a read in flight
+            if not look.done.is_set():
+                return False
+            self.disk.finish_fetch(look)
+            self.tiered.attach_from_disk(req.namespace, req.all_ids, look)
+            m = self.match(req)
+            req.disk_lookup = m.length + m.host_length  # (a segment only partly read: the rest is recomputed)
+            return True
+        end = m.length + m.host_length
+        if look == end:
+            return True
+        entries = self.disk.lookup(req.namespace, req.all_ids, end, self._reuse_cap(req))
+        if not entries:
+            req.disk_lookup = end
+            return True
+        for f in self._fetches:  # another request reads the same file for the same position: wait for it to attach
+            if f.namespace == req.namespace and f.start == end and f.entries[0].name == entries[0].name:
+                return False
+        req.disk_lookup = self.disk.fetch(req.namespace, req.all_ids, end, self._reuse_cap(req), entries)
+        self._fetches.append(req.disk_lookup)
+        return False
+
+    def wait_disk(self, timeout_s: float) -> None:
+        """Nothing else to run: wait (up to timeout_s) for a disk read in flight, instead of spinning."""
+        self._fetches = [f for f in self._fetches if not f.done.is_set()]
+        if self._fetches:
+            self._fetches[0].done.wait(timeout_s)
 
     def admit(self, req: Req) -> None:
         """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale. With a host
@@ -177,6 +223,9 @@ class KVManager:
         return LoadWaiter(list(loads), self.pool.num_layers) if loads else None
 
     def close(self) -> None:
+        """Shutdown (the loop has stopped): a disk tier writes what it lacks, then the workers stop."""
+        if self.disk is not None:
+            self.tiered.close()
         if self.tiered is not None:
             self.tiered.transfer.close()
 
@@ -279,6 +328,10 @@ class KVManager:
         """Finish the releases and frees whose fence has passed (wait=True: wait for every fence first)."""
         if self._copy_held:
             self._reclaim_copies(wait)
+        if self.disk is not None:  # host copies on their way to the disk
+            self.tiered.spill(wait)
+            if self._fetches:  # reads whose request left (aborted) hold staged K/V: let it go
+                self._fetches = [f for f in self._fetches if not f.done.is_set()]
         while self._deferred:
             fence, what = self._deferred[0]
             if not fence.query():
@@ -334,6 +387,11 @@ class KVManager:
 
             self.pool.poison(torch.tensor(pages_to_slots(pages, self.page_size), device=self.pool.device))
         self.allocator.free(pages)
+
+    def salt_stats(self) -> dict:
+        """Per-salt counters and pool tokens cached now, by bounded label (EngineStats.salts)."""
+        usage = getattr(self.cache, "salt_usage", None)
+        return self.salts.snapshot(usage() if usage is not None else {})
 
     def flush(self) -> int:
         freed = self.cache.flush()

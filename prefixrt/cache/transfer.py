@@ -93,6 +93,20 @@ class LoadWaiter:
         assert not missing, f"layers {missing} read the pool without waiting for the loads in flight"
 
 
+class _Mark:
+    def __init__(self, cuda: bool):
+        self.event = torch.cuda.Event() if cuda else threading.Event()
+
+    def query(self) -> bool:
+        return self.event.query() if isinstance(self.event, torch.cuda.Event) else self.event.is_set()
+
+    def wait(self) -> None:
+        if isinstance(self.event, torch.cuda.Event):
+            self.event.synchronize()
+        else:
+            self.event.wait()
+
+
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """Contiguous runs of slots: (first, end, offset into slots)."""
     out, i = [], 0
@@ -150,6 +164,20 @@ class KVTransfer:
         if self.cuda or not host_slots:
             return
         self._queue.put(("poison", list(host_slots)))
+
+    def marker(self) -> _Mark:
+        """A mark in the FIFO: passed once every copy issued before it is done (query/wait)."""
+        m = _Mark(self.cuda)
+        if self.cuda:
+            m.event.record(self.stream)
+        else:
+            self._queue.put(("mark", m.event))
+        return m
+
+    def barrier(self) -> None:
+        """Wait until every copy (and debug poisoning) issued so far is done: host slots then touched from the
+        calling thread cannot race a copy still reading or writing them."""
+        self.marker().wait()
 
     def pending_loads(self) -> list[Transfer]:
         """Loads not known to be complete (a forward must wait for these)."""
@@ -217,6 +245,9 @@ class KVTransfer:
                 return
             if job[0] == "poison":
                 self.host.poison(job[1])
+                continue
+            if job[0] == "mark":
+                job[1].set()
                 continue
             _, t, host_slots, gpu_slots = job
             t0 = time.perf_counter()

@@ -118,7 +118,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
-        cache = make_tiered_cache(config, pool, allocator, device, say)
+        cache = make_tiered_cache(config, pool, allocator, device, say, resolved)
     else:
         cache = RadixCache(allocator) if config.radix_cache else NoReuseCache(allocator)
     if config.max_cached_fraction_per_salt is not None and isinstance(cache, RadixCache):
@@ -187,8 +187,29 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks)
 
 
-def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say):
-    """The radix tree over the pool and a host tier of host_kv_cache_tokens tokens (pinned on CUDA)."""
+def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
+    """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
+    size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
+    digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    folder = Path(str(getattr(resolved, "path", "") or ""))
+    if folder.is_dir():
+        for f in sorted(folder.iterdir()):
+            if f.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
+    return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
+            f"x{pool.head_dim}")
+
+
+def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say,
+                      resolved=None):
+    """The radix tree over the pool and a host tier of host_kv_cache_tokens tokens (pinned on CUDA); with
+    kv_disk_dir, a disk tier below it."""
     from prefixrt.cache.host_pool import HostKVPool
     from prefixrt.cache.tiered_radix import TieredRadixCache
     from prefixrt.cache.transfer import KVTransfer
@@ -198,6 +219,16 @@ def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocat
     say(f"host KV tier: {host.total_tokens} tokens ({host.total_tokens * host.bytes_per_token / 2**30:.2f} GiB"
         f"{', pinned' if host.pinned else ''}), {config.host_kv_write_policy}")
     transfer = KVTransfer(pool, host, delay_s=config.host_kv_debug_delay_s, debug=config.debug)
+    if config.kv_disk_dir is not None:
+        from prefixrt.cache.disk_radix import DiskTieredRadixCache
+        from prefixrt.cache.disk_store import DiskKVStore
+
+        disk = DiskKVStore(config.kv_disk_dir, kv_identity(config, resolved, pool), int(config.kv_disk_max_gb * 2**30),
+                           pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, config.page_size)
+        say(f"disk KV tier: {config.kv_disk_dir} (cap {config.kv_disk_max_gb:g} GiB), {disk.cached_tokens} tokens "
+            f"in {disk.num_files} files found")
+        return DiskTieredRadixCache(allocator, host, transfer, policy=config.host_kv_write_policy,
+                                    write_threshold=config.host_kv_write_threshold, debug=config.debug, disk=disk)
     return TieredRadixCache(allocator, host, transfer, policy=config.host_kv_write_policy,
                             write_threshold=config.host_kv_write_threshold, debug=config.debug)
 

@@ -22,7 +22,8 @@ from typing import Any
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "max_cached_fraction_per_salt", "tp_size", "nnodes", "node_rank", "dist_init_addr")
+                "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
+                "dist_init_addr")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -53,6 +54,12 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    default="write_through", help="when a prefix is copied to the host tier (docs/serving.md)")
     p.add_argument("--host-kv-write-threshold", type=int, default=2,
                    help="write_through_selective: hits before a prefix is copied to the host tier")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
+                        "evicted from host memory are written there and read back on a hit; they outlive the "
+                        "server, so a restart comes up warm (docs/serving.md); default off")
+    p.add_argument("--kv-disk-max-gb", type=float, default=64.0,
+                   help="size cap of --kv-disk-dir's KV files in GiB (least recently used files deleted first)")
     p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
                    help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
                         "its own LRU prefixes first (tenant fairness); default off")
