@@ -156,6 +156,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
+                if ranks is not None:  # the other ranks captured (or failed) on their own: no common retry
+                    raise RuntimeError(f"CUDA graph capture failed with tensor parallelism: {e}; start with "
+                                       "cuda_graph=False to run eagerly") from e
                 runner.release_graphs()
                 what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
                 log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -185,9 +186,23 @@ def run_node(config: EngineConfig) -> int:
     return 0
 
 
+def _detach_signals() -> None:
+    """A rank's lifetime is rank 0's to end (SHUTDOWN, or its connections closing when it dies). torch's spawn
+    wrapper asks Linux for SIGINT when the *thread* that started the rank exits (an Engine built on a thread that
+    then ends would lose its ranks): cancel that. Ctrl-C reaches the whole process group: ignored, as the engine
+    process ignores it (rank 0 shuts the ranks down)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0)
+
+
 def _worker_main(index: int, config: EngineConfig, model_path: str | None, spec) -> None:
     """Entry point of a spawned rank. index: its number among the processes this node started; model_path and
     spec: see start() (None: resolved and read here)."""
+    _detach_signals()
     local_rank = index + (1 if config.node_rank == 0 else 0)  # node 0's local rank 0 is the engine
     rank = config.node_rank * ranks_per_node(config) + local_rank
     device = rank_device(config, local_rank)
@@ -198,6 +213,9 @@ def _worker_main(index: int, config: EngineConfig, model_path: str | None, spec)
 
     try:
         run_rank(config, tp, device, model_path, spec)
+    except BaseException:
+        print(f"tensor-parallel rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
     # Nothing is left to clean up, and the interpreter's teardown of torch takes seconds that rank 0's shutdown

@@ -130,6 +130,7 @@ class TPDriverRunner(ModelRunner):
                        max_extend_tokens: int = 0, emulate: bool = False, cascade: dict | None = None) -> list[str]:
         if self.broken is not None:
             raise RuntimeError(f"tensor-parallel ranks are out of step ({self.broken})")
+        self.release_graphs()  # announced now (ModelRunner.capture_graphs releases too, silently: none are left)
         c = cascade or {}
         args = [pad_row, max_batch_size, max_context, max_extend_tokens, int(emulate), int(cascade is not None),
                 c.get("queries_per_tile", 0), c.get("min_prefix_len", 0), c.get("min_group_size", 0)]

@@ -9,6 +9,7 @@ the TP=1 engine's (fp32); an abort mid-stream leaves the ranks in step; shutdown
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import random
 
@@ -93,12 +94,18 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
     checkpoint, hf = tiny_checkpoints(arch)
     folder = _folder_with_tokenizer(tmp_path, checkpoint, tiny_tokenizer)
     oracle_prompts, tree_prompts = _prompts(), _tree_prompts(24, seed=7)
-    want_oracle = _hf_greedy(hf, oracle_prompts, 8)
-    want_tree = _hf_greedy(hf, tree_prompts, 16)
-    one = make_engine(arch, **POOL)
-
     # The overlapped loop on rank 0 (CUDA's default): step N+1's input ids come from step N's device tokens.
-    tp = Engine(str(folder), device="cpu", tp_size=2, overlap_schedule=True, **POOL)
+    # The TP engine starts on a thread (rank 0 mostly waits for rank 1 to import torch) while the oracle runs.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(Engine, str(folder), device="cpu", tp_size=2, overlap_schedule=True, **POOL)
+        try:
+            want_oracle = _hf_greedy(hf, oracle_prompts, 8)
+            want_tree = _hf_greedy(hf, tree_prompts, 16)
+            one = make_engine(arch, **POOL)
+        except BaseException:
+            starting.result().shutdown()
+            raise
+        tp = starting.result()
     try:
         assert tp.core.runner.model.attention_layers[0].num_heads == hf.config.num_attention_heads // 2
         rank1 = tp._built.ranks.workers.processes[0]
