@@ -118,7 +118,8 @@ class DiskTieredRadixCache(TieredRadixCache):
         """Insert a finished fetch's verified segments as host-only nodes where the tree holds exactly the
         tokens before them. Returns the tokens attached (counted as disk hits)."""
         attached = 0
-        for start, end, k, v in fetch.segments:
+        for seg in fetch.segments:
+            start, end, k, v = seg.start, seg.end, seg.k, seg.v
             pos, node, off = self._walk(namespace, ids, end)
             if pos < start:
                 break  # the path to the segment left the tree meanwhile

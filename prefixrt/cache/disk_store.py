@@ -1,32 +1,26 @@
 """DiskKVStore: the disk tier of the KV cache, one file per radix segment, with its index and its own LRU.
 
-A file holds one segment [start, end) of a cached prefix: the prefix's token ids [0, end), the K/V of
-positions [start, end) for every layer, and a checksum over all of it. Its name is a hash of (engine identity,
-namespace, token ids [0, end)); the index finds segments by the hash of the tokens *before* them plus their
-first page of tokens, so a chain of segments rebuilds a long prefix. Invariants:
-- A hit never trusts a hash: the reader checks magic, sizes, checksum, identity (model revision, dtype, K/V
-  shape), namespace (cache_salt) and the stored token ids [0, start) against the request's, and uses only the
-  page-aligned part of [start, end) whose tokens equal the request's. A file failing a check is never used; a
-  damaged one (checksum, size, header) is deleted.
+A file (disk_format.py) holds one segment [start, end) of a cached prefix: the prefix's token ids [0, end), the
+K/V of positions [start, end), a checksum. Its name is a hash of (engine identity, namespace, token ids [0, end));
+the index finds segments by the hash of the tokens *before* them plus their first page of tokens, so a chain of
+segments rebuilds a long prefix. Invariants:
+- A hit never trusts a hash: the lookup only proposes files; the reader (KVFileFormat.read) verifies size,
+  checksum, identity, namespace and every token id before anything is used. A damaged file is deleted.
 - The index and the LRU belong to the loop thread. File I/O (writes, reads, deletes) runs on one worker thread;
   its results come back through a queue that `poll()` applies on the loop thread.
-- Writes are atomic: a temporary file in the directory, renamed into place once complete. A crash leaves at
-  most a temporary file (removed by the next start-up scan once stale), never a partial `.kv`.
 - Start-up scans the directory and rebuilds the index from the files' headers (the K/V is not read), so a
-  restarted engine finds what an earlier one wrote. Files of another identity are left alone (not indexed).
+  restarted engine finds what an earlier one wrote. Files of another identity are left alone (not indexed);
+  temporary files older than an hour (a crashed writer's) are removed.
 - Size cap: the indexed files' bytes stay <= max_bytes, least recently used deleted first.
 """
 
 from __future__ import annotations
 
-import array
 import hashlib
-import io
 import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -36,22 +30,16 @@ from typing import Any
 
 import torch
 
+from prefixrt.cache.disk_format import SUFFIX, TMP_PREFIX, Damaged, KVFileFormat, Segment, token_bytes
+
 log = logging.getLogger(__name__)
 
-MAGIC = b"PRXKV001"
-_SUFFIX = ".kv"
-_TMP_PREFIX = ".tmp-"
-_SUM_BYTES = 16
 _STALE_TMP_S = 3600.0
 
 
 def _digest(h) -> str:
     """The hex key of a hasher state (a module function: tests force collisions through it)."""
     return h.hexdigest()
-
-
-def _token_bytes(ids) -> bytes:
-    return array.array("q", ids).tobytes()
 
 
 @dataclass
@@ -68,15 +56,15 @@ class _Entry:
 @dataclass
 class Fetch:
     """A disk read for one request: the chain of segments to read from position `start`. Filled by the worker:
-    `segments` [(start, end, k, v)] with k, v [layers, end - start, kv_heads, head_dim], the usable, verified
-    part only; `rejected` [(entry, reason, damaged)]. `done` is set when the worker is through."""
+    `segments` (disk_format.Segment: the usable, verified part of each file, in order); `rejected`
+    [(entry, reason, damaged)]. `done` is set when the worker is through."""
 
     namespace: Any
     ids: list[int]
     start: int
     cap: int
     entries: list[_Entry]
-    segments: list = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
     rejected: list = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
@@ -91,10 +79,9 @@ class DiskKVStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.identity = identity
         self.max_bytes = max_bytes
-        self.shape = (num_layers, num_kv_heads, head_dim)
-        self.dtype = dtype
+        self.format = KVFileFormat(identity, num_layers, num_kv_heads, head_dim, dtype, page_size)
         self.page_size = page_size
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = self.format.bytes_per_token
         self.max_pending_bytes = max_pending_bytes
         # Index (loop thread): name -> entry in LRU order (oldest first); (start_key, head) -> names; key -> name.
         self._lru: OrderedDict[str, _Entry] = OrderedDict()
@@ -132,7 +119,7 @@ class DiskKVStore:
 
     def key_of(self, namespace, tokens) -> str:
         h = self._base(namespace)
-        h.update(_token_bytes(tokens))
+        h.update(token_bytes(tokens))
         return _digest(h)
 
     @staticmethod
@@ -172,7 +159,7 @@ class DiskKVStore:
         with self._lock:
             self._pending_bytes += nbytes
         self._pending_keys.add(key)
-        self._jobs.put(("write", _Entry(f"{key}{_SUFFIX}", key, start_key, tuple(tokens[start:start + self.page_size]),
+        self._jobs.put(("write", _Entry(f"{key}{SUFFIX}", key, start_key, tuple(tokens[start:start + self.page_size]),
                                         start, len(tokens), 0), namespace, list(tokens), k, v, nbytes))
         return True
 
@@ -183,7 +170,7 @@ class DiskKVStore:
             return []
         ps = self.page_size
         h = self._base(namespace)
-        h.update(_token_bytes(ids[:start]))
+        h.update(token_bytes(ids[:start]))
         chain, pos = [], start
         while pos + ps <= cap:
             names = self._by_start.get((_digest(h), tuple(ids[pos:pos + ps])))
@@ -194,7 +181,7 @@ class DiskKVStore:
                 e = self._lru[name]
                 if e.end <= cap:
                     h2 = h.copy()
-                    h2.update(_token_bytes(ids[pos:e.end]))
+                    h2.update(token_bytes(ids[pos:e.end]))
                     if _digest(h2) == e.key and (best is None or e.end > best.end):
                         best, best_h = e, h2
                 partial = e if partial is None or e.end > partial.end else partial
@@ -300,25 +287,26 @@ class DiskKVStore:
             name = path.name
             try:
                 st = path.stat()
-                if name.startswith(_TMP_PREFIX):
+                if name.startswith(TMP_PREFIX):
                     if now - st.st_mtime > _STALE_TMP_S:  # left by a crashed writer
                         path.unlink(missing_ok=True)
                     continue
-                if not name.endswith(_SUFFIX):
+                if not name.endswith(SUFFIX):
                     continue
                 with open(path, "rb") as f:
-                    hdr, tokens, _ = self._read_header(f, st.st_size)
+                    parsed = self.format.read_header(f, st.st_size)
             except OSError as e:
                 log.warning("KV disk tier: skipping %s at start-up: %s", name, e)
                 skipped += 1
                 continue
-            except ValueError as e:  # damaged: never used
-                log.warning("KV disk tier: %s is damaged (%s): deleted", name, e)
+            except Damaged as e:  # never used
+                log.warning("KV disk tier: %s is damaged (%s): deleted", name, e.reason)
                 self.rejected_files_total += 1
                 path.unlink(missing_ok=True)
                 continue
-            if hdr is None:  # another identity's file, or a page size this engine cannot use
+            if parsed is None:  # another identity's file, or a page size this engine cannot use
                 continue
+            hdr, tokens, _ = parsed
             ns, start, end = hdr["namespace"], hdr["start"], hdr["end"]
             e = _Entry(name, self.key_of(ns, tokens), self.key_of(ns, tokens[:start]),
                        tuple(tokens[start:start + self.page_size]), start, end, st.st_size)
@@ -331,90 +319,9 @@ class DiskKVStore:
                      self.cached_tokens, self.used_bytes / 2**30, self.dir, time.perf_counter() - t0,
                      f", {skipped} unreadable" if skipped else "")
 
-    # ------------------------------------------------------------------ file format
-    def _header(self, namespace, start: int, end: int) -> dict:
-        layers, heads, dim = self.shape
-        return {"identity": self.identity, "namespace": namespace, "start": start, "end": end, "layers": layers,
-                "kv_heads": heads, "head_dim": dim, "dtype": str(self.dtype).removeprefix("torch.")}
-
-    def _read_header(self, f, size: int):
-        """(header, token ids, offset of the K/V) of an open file; header None: not this engine's file.
-        ValueError: damaged (bad magic, header or size)."""
-        if f.read(len(MAGIC)) != MAGIC:
-            raise ValueError("not a KV file (bad magic)")
-        (hlen,) = struct.unpack("<I", f.read(4))
-        if hlen > 1 << 20:
-            raise ValueError("header too long")
-        try:
-            hdr = json.loads(f.read(hlen).decode())
-            start, end = int(hdr["start"]), int(hdr["end"])
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"damaged header: {e}") from None
-        if not 0 <= start < end:
-            raise ValueError("damaged header: bad segment bounds")
-        if hdr != self._header(hdr.get("namespace"), start, end) or start % self.page_size or end % self.page_size:
-            return None, None, None  # another model revision, dtype or K/V shape, or a page size we cannot use
-        kv_off = len(MAGIC) + 4 + hlen + 8 * end
-        if size != kv_off + (end - start) * self.bytes_per_token + _SUM_BYTES:
-            raise ValueError(f"size {size} does not match its header (truncated?)")
-        raw = f.read(8 * end)
-        if len(raw) != 8 * end:
-            raise ValueError("truncated token ids")
-        return hdr, array.array("q", raw).tolist(), kv_off
-
-    def _write_file(self, entry: _Entry, namespace, tokens, k, v) -> None:
-        hdr = json.dumps(self._header(namespace, entry.start, entry.end)).encode()
-        parts = [MAGIC, struct.pack("<I", len(hdr)), hdr, _token_bytes(tokens),
-                 k.contiguous().view(-1).view(torch.uint8).numpy().data,
-                 v.contiguous().view(-1).view(torch.uint8).numpy().data]
-        h = hashlib.blake2b(digest_size=_SUM_BYTES)
-        tmp = self.dir / f"{_TMP_PREFIX}{entry.name}-{os.getpid()}-{threading.get_ident()}"
-        with open(tmp, "wb") as f:
-            for p in parts:
-                h.update(p)
-                f.write(p)
-            f.write(h.digest())
-        # No fsync: a file lost or damaged by a power cut fails its checksum or size and is recomputed.
-        os.replace(tmp, self.dir / entry.name)
-        entry.nbytes = (self.dir / entry.name).stat().st_size
-
     def _read_segment(self, f: Fetch, e: _Entry, pos: int):
-        """Read and verify one segment for fetch f at position pos. Returns (end used, k, v) or a rejection
-        (reason, damaged); (None, None) when the file is gone (deleted meanwhile)."""
-        path = self.dir / e.name
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as fh:
-                data = bytearray(size)
-                got = fh.readinto(data)
-        except FileNotFoundError:
-            return None, None
-        f.bytes_read += size
-        if got != size or size < len(MAGIC) + 4 + _SUM_BYTES:
-            return ("truncated", True), None
-        if hashlib.blake2b(memoryview(data)[:-_SUM_BYTES], digest_size=_SUM_BYTES).digest() != data[-_SUM_BYTES:]:
-            return ("failed its checksum", True), None
-        try:
-            hdr, tokens, kv_off = self._read_header(io.BytesIO(data), size)
-        except ValueError as err:
-            return (str(err), True), None
-        if hdr is None or hdr["namespace"] != f.namespace:
-            return ("belongs to another model revision or namespace", False), None
-        start, end = hdr["start"], hdr["end"]
-        if start != pos or tokens[:start] != f.ids[:start]:
-            return ("stores different token ids than the request's prefix (hash collision)", False), None
-        ps, n = self.page_size, 0
-        limit = min(end, f.cap)
-        while pos + n < limit and tokens[pos + n] == f.ids[pos + n]:
-            n += 1
-        n = n // ps * ps
-        if n == 0:  # the head page matched but not a whole page more: nothing to use (not a failure)
-            return None, None
-        layers, heads, dim = self.shape
-        count = layers * (end - start) * heads * dim
-        kv = torch.frombuffer(data, dtype=self.dtype, count=2 * count, offset=kv_off).view(2, layers, end - start,
-                                                                                              heads, dim)
-        return (pos + n, kv[0, :, :n], kv[1, :, :n]), True
+        """One file of a fetch (worker thread): KVFileFormat.read (tests wrap this to slow reads down)."""
+        return self.format.read(self.dir / e.name, f.namespace, f.ids, f.cap, pos)
 
     # ------------------------------------------------------------------ the worker
     def _work(self) -> None:
@@ -428,7 +335,7 @@ class DiskKVStore:
                     _, entry, namespace, tokens, k, v, nbytes = job
                     t0 = time.perf_counter()
                     try:
-                        self._write_file(entry, namespace, tokens, k, v)
+                        entry.nbytes = self.format.write(self.dir, entry.name, namespace, tokens, entry.start, k, v)
                         self._done.put(("written", entry, time.perf_counter() - t0))
                     except OSError as e:
                         log.warning("KV disk tier: writing %s failed: %s", entry.name, e)
@@ -442,18 +349,22 @@ class DiskKVStore:
                     pos = f.start
                     try:
                         for e in f.entries:
-                            out, ok = self._read_segment(f, e, pos)
-                            if out is None:
+                            try:
+                                seg, nbytes = self._read_segment(f, e, pos)
+                            except Damaged as err:
+                                f.rejected.append((e, err.reason, True))
                                 break
-                            if not ok:
-                                f.rejected.append((e, *out))
+                            f.bytes_read += nbytes
+                            if isinstance(seg, str):
+                                f.rejected.append((e, seg, False))
                                 break
-                            end, k, v = out
-                            f.segments.append((pos, end, k, v))
+                            if seg is None:
+                                break
+                            f.segments.append(seg)
                             os.utime(self.dir / e.name)  # recency survives a restart
-                            if end < e.end:
+                            if seg.end < e.end:
                                 break
-                            pos = end
+                            pos = seg.end
                     except Exception as e:  # never leave the fetch hanging: what was read stays usable
                         log.warning("KV disk tier: reading failed: %s", e)
                     finally:

@@ -31,7 +31,7 @@ class Transfer:
     """One batched copy of num_tokens tokens' K/V, all layers."""
 
     def __init__(self, kind: str, num_layers: int, num_tokens: int, cuda: bool):
-        self.kind = kind  # "load" | "backup"
+        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: cache/kv_transport.py)
         self.num_tokens = num_tokens
         self.cuda = cuda
         self.error: BaseException | None = None
@@ -52,6 +52,12 @@ class Transfer:
         self.events[layer].wait()
         if self.error is not None:
             raise RuntimeError(f"KV {self.kind} failed: {self.error}")
+
+    def mark_all(self, error: BaseException | None = None) -> None:
+        """(CPU marks) Every layer is done: written, or never to be written (a cancelled or failed receive)."""
+        self.error = error
+        for ev in self.events:
+            ev.set()
 
     def query(self) -> bool:
         if not self._done:

@@ -191,6 +191,13 @@ class EngineCore:
             if r.finish_reason is None:
                 self._finish(r, reason, error=error)
 
+    def finish_unscheduled(self, reqs: list[Req], reason: str = "abort") -> None:
+        """Finish requests that never reached the scheduler (disaggregation: aborted while their K/V was on its
+        way): their streams end with `reason`."""
+        for r in reqs:
+            if r.finish_reason is None:
+                self._finish(r, reason)
+
     def stop_hit(self, req: Req) -> None:
         """A stop string ended req's stream (called on the detokenizer thread); the loop finishes it next."""
         self._stop_hits.put(req)

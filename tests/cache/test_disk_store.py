@@ -43,15 +43,15 @@ def test_segments_survive_a_restart_and_chain_exactly(tmp_path):
     s = store(tmp_path)
     assert s.num_files == 3 and s.cached_tokens == 12 + 8 + 12
     f = read(s, b + [99, 98])
-    assert [(st, end) for st, end, _, _ in f.segments] == [(0, 12), (12, 20)]
-    for st, end, k, v in f.segments:
-        want_k, want_v = kv_of(b[:end], st)
-        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert [(g.start, g.end) for g in f.segments] == [(0, 12), (12, 20)]
+    for g in f.segments:
+        want_k, want_v = kv_of(b[:g.end], g.start)
+        assert torch.equal(g.k, want_k) and torch.equal(g.v, want_v)
     # A request sharing only part of the second segment uses exactly that part.
     c = a + [40, 41, 42, 7, 7]
     f = read(s, c)
-    assert [(st, end) for st, end, _, _ in f.segments] == [(0, 12), (12, 15)]
-    assert torch.equal(f.segments[1][2], kv_of(c[:15], 12)[0])
+    assert [(g.start, g.end) for g in f.segments] == [(0, 12), (12, 15)]
+    assert torch.equal(f.segments[1].k, kv_of(c[:15], 12)[0])
     # Another namespace or identity sees nothing of it.
     assert read(s, b, ns="other").segments == []
     s.close()
@@ -66,7 +66,7 @@ def test_pages_align_the_part_used(tmp_path):
     s.write(None, a, 0, *kv_of(a, 0))
     s.flush()
     f = read(s, a[:10] + [1, 2, 3, 4, 5, 6])  # 10 tokens match: 2 whole pages
-    assert [(st, end) for st, end, _, _ in f.segments] == [(0, 8)]
+    assert [(g.start, g.end) for g in f.segments] == [(0, 8)]
     s.close()
 
 

@@ -234,15 +234,24 @@ def test_requests_sharing_a_disk_prefix_read_it_once(engines, tmp_path, monkeypa
     monkeypatch.setattr(DiskKVStore, "_read_segment", lambda self, *a: (time.sleep(0.1), read(self, *a))[1])
     prefix = _prompts(6, n=1)[0]
     tails = [[3 + i, 4 + i] for i in range(4)]
-    want = _reference(engines, [prefix + t for t in tails])
+    want = _reference(engines, [prefix + t for t in tails] + [prefix + [9, 9]])
     kw = _disk(tmp_path, kv_cache_tokens=256, host_kv_cache_tokens=256)
     eng = engines(**kw)
     eng.generate(prefix, GREEDY)
     close(eng)
     eng = engines(**kw)
     got = eng.generate([prefix + t for t in tails], GREEDY)
-    assert [c.token_ids for c in got] == want and [c.cached_tokens for c in got] == [41] * 4
+    assert [c.token_ids for c in got] == want[:4] and [c.cached_tokens for c in got] == [41] * 4
     s = eng.stats()
     prefix_files = [f for (_, end), files in _segments(tmp_path).items() if end <= 41 for f in files]
     assert s.disk_hit_tokens_total == 41
     assert s.disk_load_bytes_total == sum(f.stat().st_size for f in prefix_files)  # each file read once
+    close(eng)
+    # Aborted while its read is in flight: nothing leaks (the teardown checks), and the next request still hits.
+    eng = engines(**kw)
+    it = eng.stream(prefix + [9, 9], {"request_id": "gone", **GREEDY})
+    time.sleep(0.03)
+    eng.abort("gone")
+    assert [c.finish_reason for c in it][-1] == "abort"
+    c = eng.generate(prefix + [9, 9], GREEDY)
+    assert c.cached_tokens == 41 and c.token_ids == want[4]
