@@ -147,7 +147,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
         # On failure: plain decode graphs alone, then eager.
-        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention)), (0, None)):
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention, config)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
@@ -172,7 +172,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
         overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
-    if CASCADE_DECODE and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
+    if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
         from prefixrt.engine.prefix_groups import PrefixGrouper
 
         core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
@@ -199,9 +199,13 @@ def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocat
                             write_threshold=config.host_kv_write_threshold, debug=config.debug)
 
 
-def cascade_args(attention) -> dict | None:
+def cascade_enabled(config: EngineConfig) -> bool:
+    return CASCADE_DECODE if config.cascade_decode is None else config.cascade_decode
+
+
+def cascade_args(attention, config: EngineConfig) -> dict | None:
     """DecodeGraphs.enable_cascade arguments for this backend, or None (no cascade decode graphs)."""
-    if not CASCADE_DECODE or not getattr(attention, "use_cascade", False):
+    if not cascade_enabled(config) or not getattr(attention, "use_cascade", False):
         return None
     return {"queries_per_tile": attention.cascade_queries_per_tile, "min_prefix_len": CASCADE_MIN_PREFIX,
             "min_group_size": attention.cascade_min_group_size}
