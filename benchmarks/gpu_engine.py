@@ -510,6 +510,35 @@ def section_f(eng, rag, smoke, summary) -> None:
                         f"top-20 logprobs max abs {c['max_abs_logprob_diff']:.4f}, max rel {c['max_rel_logprob_err']:.2e}"))
     if smoke or not torch.cuda.is_available():
         return
+    if os.environ.get("CASCADE_TORCH_BASELINE") == "1":
+        # Two correct implementations of plain attention, same weights: the Triton backend (cascade off) and the
+        # torch backend. How often they agree is the bf16 noise floor for the cascade-vs-plain figure.
+        params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 20}
+        set_cascade(eng, False)
+        eng.flush_cache()
+        plain = eng.generate(prompts, params)
+        set_cascade(eng, True)
+        eng.flush_cache()
+        casc = eng.generate(prompts, params)
+        eng.flush_cache()
+        ref = prefixrt.Engine(eng.model_name, load_format="dummy", attention_backend="torch", cuda_graph=False,
+                              kv_cache_tokens=len(prompts) * 3900)
+        try:
+            same_weights = all(torch.equal(a, b) for a, b in zip(list(eng._built.model.parameters())[:3],
+                                                                 list(ref._built.model.parameters())[:3]))
+            torch_out = ref.generate(prompts, params)
+        finally:
+            ref.shutdown()
+        RESULTS["cascade"]["torch_backend"] = {"same_weights": same_weights,
+                                               "triton_plain_vs_torch": _compare(plain, torch_out),
+                                               "triton_cascade_vs_torch": _compare(casc, torch_out)}
+        for label, key in (("  plain Triton vs torch backend, bf16", "triton_plain_vs_torch"),
+                           ("  cascade Triton vs torch backend, bf16", "triton_cascade_vs_torch")):
+            c = RESULTS["cascade"]["torch_backend"][key]
+            summary.append((label, f"{c['identical']}/{len(prompts)} identical",
+                            f"max rel {c['max_rel_logprob_err']:.2e} (same weights: {same_weights})"))
+    if os.environ.get("CASCADE_FP32") == "0":
+        return
     small = prefixrt.Engine("llama-3.2-1b", load_format="dummy", dtype="float32", cascade_decode=True,
                             kv_cache_tokens=300_000)
     try:

@@ -22,7 +22,7 @@ from typing import Any
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "max_cached_fraction_per_salt")
+                "max_cached_fraction_per_salt", "cascade_decode")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
                    help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
                         "its own LRU prefixes first (tenant fairness); default off")
+    p.add_argument("--cascade-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="shared-prefix (cascade) decode in the CUDA decode graphs: requests sharing a cached prefix "
+                        "read its K/V once (default: on with CUDA graphs and the Triton backend)")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
