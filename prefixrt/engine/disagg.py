@@ -16,14 +16,16 @@ writing them): the decode side frees a transfer's slots only after the prefill s
 ordered stream, that the transfer never started (header "cancelled") or has completed (every layer delivered),
 or has closed the stream (bye: nothing more comes). An abort therefore unlocks the prefix, sends Cancel, and
 hands the pages to KVManager's hold (abandon_receive); they return to the allocator at the first reclaim after
-the confirmation. A transfer that started always completes (bounded by its size); a queued one is cancelled.
+the confirmation. A transfer starts when its header is sent: a Cancel before that is answered "cancelled"; one
+that started always completes (bounded by its size).
 Checked in debug mode: freed slots are poisoned, the receiver verifies before every layer that its slots are
 still its own, and the allocator side refuses pages whose transfer is pending (KVManager.lifetime_violations).
 Race mode (delay_s > 0 on the prefill side) delays each layer so aborts land mid-transfer.
 
 Threads: the decode loop owns every KVManager call; per peer, one sender thread (records out) and one receiver
 thread (headers, layers, bye in; it writes the pool and marks Transfers, nothing else), which hands completions
-to the loop through the engine's inbox. On the prefill side, per peer one listener and one sender/worker thread.
+to the loop through the engine's inbox. On the prefill side, per peer one listener thread and a pool of transfer
+threads (prompts prefill concurrently, in the engine's batches; one transfer sends at a time).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,6 @@ from prefixrt.cache.kv_transport import (
     Channel,
     local_groups,
     sleep_s,
-    write_layer,
 )
 from prefixrt.engine.engine import Engine
 
@@ -91,56 +91,56 @@ class Bye:
 class PrefillWorker:
     """Serves KVRequests from decode engines with `engine` (which keeps serving its own requests too).
 
-    Per decode peer: a listener thread (requests queue up, a Cancel of a queued one is answered "cancelled" at
-    once) and a worker thread (one transfer at a time: prefill, lock, send, unlock). delay_s (race mode) sleeps
-    before each layer is sent."""
+    Per decode peer: a listener thread, and up to `max_inflight` transfers computing at once on a thread pool (their
+    prompts prefill together in the engine's batches); sending is one transfer at a time per peer, in the order
+    they finish computing. A transfer starts when its header is sent: a Cancel before that is answered
+    "cancelled" (its K/V, if computed, just stays in this engine's cache); after it, the transfer completes.
+    delay_s (race mode) sleeps before each layer is sent."""
 
-    def __init__(self, engine: Engine, group, decode_ranks=(0,), backend: str = "gloo", delay_s: float = 0.0):
+    def __init__(self, engine: Engine, group, decode_ranks=(0,), backend: str = "gloo", delay_s: float = 0.0,
+                 max_inflight: int = 16):
         if not engine.config.radix_cache:
             raise ValueError("a prefill worker needs radix_cache=True (it sends K/V from its radix cache)")
         self.engine = engine
         self.delay_s = delay_s
         self.transfers_total = 0
         self.cancelled_total = 0
-        self._peers = [_PrefillPeer(self, Channel(group, r, TAG_TO_DECODE, TAG_TO_PREFILL, backend))
+        self._peers = [_PrefillPeer(self, Channel(group, r, TAG_TO_DECODE, TAG_TO_PREFILL, backend), max_inflight)
                        for r in decode_ranks]
         for p in self._peers:
             p.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Say bye to every peer (after the transfer in flight) and wait for theirs."""
+        """Finish the transfers in flight, say bye to every peer and wait for theirs."""
         for p in self._peers:
-            p.say_bye()
-        for p in self._peers:
-            p.join(timeout)
+            p.close(timeout)
 
-    # ------------------------------------------------------------------ one transfer (worker thread)
-    def serve(self, ch: Channel, req: KVRequest) -> None:
+    # ------------------------------------------------------------------ one transfer (a pool thread)
+    def compute(self, req: KVRequest):
+        """Prefill req.tokens in the engine and lock their cached path: (handle, slots). Raises if it cannot."""
         eng = self.engine
         n = len(req.tokens)
-        try:
-            locked = None
-            for _ in range(3):  # the path may be evicted between the prefill and the lock: prefill again
-                eng.cache_prefix(req.tokens, req.namespace)
-                locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.namespace, n))
-                if locked is not None:
-                    break
-            if locked is None:
-                raise RuntimeError("the prompt's K/V could not be kept in the prefill engine's cache")
-        except Exception as e:  # noqa: BLE001 - the decode side computes the prompt itself
-            ch.send_obj(KVHeader(req.xfer_id, "failed", error=str(e)))
-            return
-        handle, slots = locked
-        try:
-            pool = eng.core.kv.pool
-            idx = torch.tensor(slots[req.start:n], dtype=torch.int64, device=pool.device)
-            ch.send_obj(KVHeader(req.xfer_id, "sending", num_tokens=n - req.start))
-            for layer in range(pool.num_layers):  # started: always completes (the decode side holds its slots)
-                sleep_s(self.delay_s)
-                ch.send_layer(pool, layer, idx)
-            self.transfers_total += 1
-        finally:
-            eng._run_on_loop(lambda: eng.core.kv.cache.unlock(handle))
+        for _ in range(3):  # the path may be evicted between the prefill and the lock: prefill again
+            eng.cache_prefix(req.tokens, req.namespace)
+            locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.namespace, n))
+            if locked is not None:
+                return locked
+        raise RuntimeError("the prompt's K/V could not be kept in the prefill engine's cache")
+
+    def send(self, ch: Channel, req: KVRequest, slots: list[int]) -> None:
+        """(Holding ch.send_lock.) The header, then every layer's K/V of positions [start, n)."""
+        pool = self.engine.core.kv.pool
+        n = len(req.tokens)
+        idx = torch.tensor(slots[req.start:n], dtype=torch.int64, device=pool.device)
+        ch.send_obj(KVHeader(req.xfer_id, "sending", num_tokens=n - req.start))
+        for layer in range(pool.num_layers):  # started: always completes (the decode side holds its slots)
+            sleep_s(self.delay_s)
+            ch.send_layer(pool, layer, idx)
+        self.transfers_total += 1
+
+    def unlock(self, handle) -> None:
+        eng = self.engine
+        eng._run_on_loop(lambda: eng.core.kv.cache.unlock(handle))
 
 
 def _lock_path(eng: Engine, tokens: list[int], namespace, n: int):
@@ -153,66 +153,91 @@ def _lock_path(eng: Engine, tokens: list[int], namespace, n: int):
 
 
 class _PrefillPeer:
-    """The prefill side of one decode peer: listener + worker threads over one channel."""
+    """The prefill side of one decode peer. Transfer states (under _lock): queued -> computing -> sending -> done,
+    or cancelled (answered) from queued, or cancel_requested from computing (answered before any header)."""
 
-    def __init__(self, worker: PrefillWorker, ch: Channel):
+    def __init__(self, worker: PrefillWorker, ch: Channel, max_inflight: int):
         self.worker, self.ch = worker, ch
         self._lock = threading.Lock()
-        self._queue: deque[KVRequest] = deque()
-        self._wake = threading.Condition(self._lock)
-        self._closing = False  # bye sent or received: the worker drains and stops
+        self._state: dict[int, str] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_inflight, thread_name_prefix=f"prefixrt-prefill-{ch.peer}")
+        self._closing = False
         self._bye_sent = False
-        self._threads = [threading.Thread(target=self._listen, name=f"prefixrt-prefill-listen-{ch.peer}", daemon=True),
-                         threading.Thread(target=self._work, name=f"prefixrt-prefill-send-{ch.peer}", daemon=True)]
+        self._listener = threading.Thread(target=self._listen, name=f"prefixrt-prefill-listen-{ch.peer}", daemon=True)
 
     def start(self) -> None:
-        for t in self._threads:
-            t.start()
+        self._listener.start()
 
-    def join(self, timeout: float) -> None:
-        for t in self._threads:
-            t.join(timeout)
+    def close(self, timeout: float) -> None:
+        self._say_bye()
+        self._listener.join(timeout)
 
-    def say_bye(self) -> None:
+    def _say_bye(self) -> None:
+        """Once: no new transfers; those in flight finish (or are answered); then bye."""
         with self._lock:
+            if self._closing:
+                return
             self._closing = True
-            self._wake.notify_all()
+        self._pool.shutdown(wait=True)
+        with self.ch.send_lock:
+            self.ch.send_obj(Bye())
 
     def _listen(self) -> None:
         while True:
             msg = self.ch.recv_obj()
             if isinstance(msg, Bye):
-                self.say_bye()
+                self._say_bye()
                 return
-            with self._lock:
-                if isinstance(msg, KVRequest):
-                    self._queue.append(msg)
-                    self._wake.notify_all()
-                    continue
-                queued = next((r for r in self._queue if r.xfer_id == msg.xfer_id), None)
-                if queued is None:
-                    continue  # started (it completes) or already answered
-                self._queue.remove(queued)
-            self.worker.cancelled_total += 1
-            with self.ch.send_lock:
-                self.ch.send_obj(KVHeader(msg.xfer_id, "cancelled"))
+            if isinstance(msg, KVRequest):
+                with self._lock:
+                    if self._closing:
+                        continue  # after our bye: the decode side treats it as failed
+                    self._state[msg.xfer_id] = "queued"
+                    self._pool.submit(self._run, msg)
+                continue
+            with self._lock:  # a Cancel
+                state = self._state.get(msg.xfer_id)
+                if state == "computing":
+                    self._state[msg.xfer_id] = "cancel_requested"
+                if state != "queued":
+                    continue  # being computed (answered before any header), sending (it completes), or done
+                self._state[msg.xfer_id] = "cancelled"
+            self._answer_cancelled(msg.xfer_id)
 
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._wake.wait()
-                if not self._queue:  # closing and drained
-                    break
-                req = self._queue.popleft()
-            with self.ch.send_lock:
-                self.worker.serve(self.ch, req)
+    def _answer_cancelled(self, xfer_id: int) -> None:
+        self.worker.cancelled_total += 1
         with self.ch.send_lock:
-            with self._lock:  # anything queued after the drain is answered: nothing will be sent for it
-                rest, self._queue = list(self._queue), deque()
-            for r in rest:
-                self.ch.send_obj(KVHeader(r.xfer_id, "cancelled"))
-            self.ch.send_obj(Bye())
+            self.ch.send_obj(KVHeader(xfer_id, "cancelled"))
+        with self._lock:
+            self._state.pop(xfer_id, None)
+
+    def _run(self, req: KVRequest) -> None:
+        with self._lock:
+            if self._state.get(req.xfer_id) != "queued":
+                return  # cancelled while queued: answered already
+            self._state[req.xfer_id] = "computing"
+        try:
+            handle, slots = self.worker.compute(req)
+        except Exception as e:  # noqa: BLE001 - the decode side computes the prompt itself
+            with self.ch.send_lock:
+                self.ch.send_obj(KVHeader(req.xfer_id, "failed", error=str(e)))
+            with self._lock:
+                self._state.pop(req.xfer_id, None)
+            return
+        try:
+            with self.ch.send_lock:
+                with self._lock:
+                    cancelled = self._state[req.xfer_id] == "cancel_requested"
+                    self._state[req.xfer_id] = "sending"
+                if cancelled:
+                    self.worker.cancelled_total += 1
+                    self.ch.send_obj(KVHeader(req.xfer_id, "cancelled"))
+                else:
+                    self.worker.send(self.ch, req, slots)
+        finally:
+            with self._lock:
+                self._state.pop(req.xfer_id, None)
+            self.worker.unlock(handle)
 
 
 # ---------------------------------------------------------------------------------------------- decode side
@@ -312,8 +337,10 @@ class DecodeEngine(Engine):
     def _done(self, xfer_id: int, status: str) -> None:
         """(Loop thread.) A transfer is confirmed: complete, cancelled, or failed/closed."""
         with self._xfers_lock:
-            inc = self._xfers.pop(xfer_id)
+            inc = self._xfers.pop(xfer_id, None)
         kv = self.core.kv
+        if inc is None:  # confirmed twice (completed, then the peer closed): the first one counted
+            return
         rid = next((r for r, p in self._pending.items() if p.inc is inc), None)
         if rid is None:  # aborted meanwhile: its pages were held for this confirmation
             kv.reclaim()
@@ -355,7 +382,7 @@ class DecodeEngine(Engine):
             data = link.ch.recv_layer(pool, hdr.num_tokens)
             if kv.debug and not kv.receive_target_ok(inc):
                 log.error("KV transfer %d: its slots were freed or reused while it was writing", hdr.xfer_id)
-            write_layer(pool, layer, idx, data)
+            link.ch.write_layer(pool, layer, idx, data)
             t.events[layer].set()
         inc.meta["seconds"] = time.perf_counter() - t0
         inc.meta["bytes"] = link.ch.bytes_received - before
@@ -365,7 +392,8 @@ class DecodeEngine(Engine):
         """(Receiver thread.) The peer said bye: nothing more will be written for its transfers."""
         with self._xfers_lock:
             link.alive = False
-            mine = [(x, inc) for x, inc in self._xfers.items() if inc.meta.get("peer") is link]
+            mine = [(x, inc) for x, inc in self._xfers.items()
+                    if inc.meta.get("peer") is link and not inc.transfer.query()]  # (done ones are confirmed)
         for x, inc in mine:
             inc.transfer.mark_all(RuntimeError("the prefill worker closed its stream"))
             self._post(lambda x=x: self._done(x, "failed"))

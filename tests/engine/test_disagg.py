@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefixrt.engine import disagg
+from prefixrt.cache import kv_transport
 from tests.engine.test_engine import _tree_workload
 from tests.helpers.engines import assert_idle_and_clean
 
@@ -89,12 +89,12 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
     queued = set(rids[-6:])  # aborted right after submission: still queued behind the others
     at_random = set(rng.sample(rids[1:-6], 6)) - mid_transfer
     by_first_slot = {}  # a transfer's first destination slot -> its request id
-    write = disagg.write_layer
+    write = kv_transport.Channel.write_layer
 
     aborted_mid_write = []
 
-    def write_and_abort(pool, layer, slots, kv):
-        write(pool, layer, slots, kv)
+    def write_and_abort(ch, pool, layer, slots, kv):
+        write(ch, pool, layer, slots, kv)
         rid = by_first_slot.pop(int(slots[0]), None) if layer == 0 else None
         if rid in mid_transfer:
             dec.abort(rid)  # taken by the loop while the next layer is still to be written
@@ -103,7 +103,7 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
                 time.sleep(0.001)
             aborted_mid_write.append(rid)
 
-    monkeypatch.setattr(disagg, "write_layer", write_and_abort)
+    monkeypatch.setattr(kv_transport.Channel, "write_layer", write_and_abort)
     start = dec._start
 
     def start_and_note(prepared):
