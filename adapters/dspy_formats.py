@@ -25,6 +25,7 @@ enough to rebuild the format as a grammar (llguidance Lark):
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
@@ -37,6 +38,9 @@ _CHAT_FIELD = re.compile(r"`\[\[ ## (\w+) ## \]\]`")
 _XML_REQUEST = re.compile(r"Respond with the corresponding output fields wrapped in XML tags ((?:`<\w+>`(?:, then )?)+)")
 _XML_FIELD = re.compile(r"`<(\w+)>`")
 _NOTE = "# note: the value you produce "
+# dspy.ReAct lists its tools in the instructions, one a line, as `str(dspy.Tool)` writes them.
+_REACT_TOOL = re.compile(r"^\s*\(\d+\) (\S+?)(?:, whose description is <desc>.*</desc>)?\. It takes arguments (\{.*\})\.\s*$",
+                         re.M)
 
 # A text value: starts with a visible character, has no blank line (a paragraph break ends the field) and no
 # "[[" (a small model that starts writing a field header inside a value is steered to the real one).
@@ -61,6 +65,40 @@ def _notes(system: str) -> dict[str, str]:
     return notes
 
 
+def _react_tools(system: str) -> dict[str, dict]:
+    """dspy.ReAct's tools from its instructions: name -> the JSON schema of its arguments (an object of the
+    tool's `args`, required unless they have a default, as `dspy.Tool` describes them)."""
+    tools = {}
+    for m in _REACT_TOOL.finditer(system):
+        try:
+            args = ast.literal_eval(m.group(2))  # a Python dict repr (str(dict)), not JSON
+        except (ValueError, SyntaxError):
+            continue
+        if isinstance(args, dict) and all(isinstance(v, dict) for v in args.values()):
+            tools[m.group(1)] = {"type": "object", "properties": args,
+                                 "required": [k for k, v in args.items() if "default" not in v]}
+    return tools
+
+
+def _json_rule(rule: str, schema: dict, suffix: str, rules: list[str]) -> str:
+    schema = {**strict_schema(schema), "x-guidance": {
+        "whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR, "key_separator": JSON_KEY_SEPARATOR}}
+    rules.append(f"{rule}: %json {json.dumps(schema, ensure_ascii=False)} {_lit(suffix)}")
+    return rule
+
+
+def _tool_call_rule(options: list[str], tools: dict[str, dict], between: str, suffix: str,
+                    rules: list[str]) -> str:
+    """ReAct's `next_tool_name` then `next_tool_args` as one rule: each tool name followed by arguments under
+    that tool's schema (an open object was closed `{}` at once by a small model, and the call failed)."""
+    alts = []
+    for k, name in enumerate(options):
+        args = _json_rule(f"args_{k}", tools[name], suffix, rules)
+        alts.append(f"{_lit(name + between)} {args}")
+    rules.append("v_next_tool_name: " + " | ".join(alts))
+    return "v_next_tool_name"
+
+
 def _value_rule(name: str, note: str, suffix: str, rules: list[str]) -> str:
     """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned."""
     rule = f"v_{name}"
@@ -70,11 +108,7 @@ def _value_rule(name: str, note: str, suffix: str, rules: list[str]) -> str:
         except ValueError:
             schema = None
         if isinstance(schema, dict):
-            schema = {**strict_schema(schema), "x-guidance": {
-                "whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR,
-                "key_separator": JSON_KEY_SEPARATOR}}
-            rules.append(f"{rule}: %json {json.dumps(schema, ensure_ascii=False)} {_lit(suffix)}")
-            return rule
+            return _json_rule(rule, schema, suffix, rules)
     if note == "must be True or False":
         body = "/True|False/"
     elif note in ("must be a single int value",):
@@ -92,24 +126,44 @@ def _value_rule(name: str, note: str, suffix: str, rules: list[str]) -> str:
     return rule
 
 
-def chat_adapter_grammar(fields: list[str], notes: dict[str, str]) -> str:
-    rules: list[str] = []
-    seq = []
-    for k, name in enumerate(fields):
-        after = f"\n\n[[ ## {fields[k + 1]} ## ]]\n" if k + 1 < len(fields) else "\n\n[[ ## completed ## ]]"
-        seq.append(_value_rule(name, notes.get(name, ""), after, rules))
-    start = f"start: {_lit(f'[[ ## {fields[0]} ## ]]' + chr(10))} " + " ".join(seq)
-    return "\n".join([start, *rules])
+def _options(note: str) -> list[str] | None:
+    for lead in ("must exactly match (no extra characters) one of: ", "must be one of: "):
+        if note.startswith(lead):
+            return note[len(lead):].split("; ")
+    return None
 
 
-def xml_adapter_grammar(fields: list[str], notes: dict[str, str]) -> str:
+def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict], first: str, after) -> str:
+    """`first` then each field's value followed by `after(k)` (the text between field k and the next, or the
+    end). dspy.ReAct's next_tool_name + next_tool_args pair becomes one rule when every option is a known tool."""
     rules: list[str] = []
     seq = []
-    for k, name in enumerate(fields):
-        after = f"\n</{name}>" + (f"\n<{fields[k + 1]}>\n" if k + 1 < len(fields) else "")
-        seq.append(_value_rule(name, notes.get(name, ""), after, rules))
-    start = f"start: {_lit(f'<{fields[0]}>' + chr(10))} " + " ".join(seq)
-    return "\n".join([start, *rules])
+    k = 0
+    while k < len(fields):
+        name = fields[k]
+        options = _options(notes.get(name, ""))
+        if (name == "next_tool_name" and fields[k + 1:k + 2] == ["next_tool_args"] and options
+                and all(o in tools for o in options)):
+            seq.append(_tool_call_rule(options, tools, after(k), after(k + 1), rules))
+            k += 2
+            continue
+        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules))
+        k += 1
+    return "\n".join([f"start: {_lit(first)} " + " ".join(seq), *rules])
+
+
+def chat_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None) -> str:
+    def after(k: int) -> str:
+        return f"\n\n[[ ## {fields[k + 1]} ## ]]\n" if k + 1 < len(fields) else "\n\n[[ ## completed ## ]]"
+
+    return _fields_grammar(fields, notes, tools or {}, f"[[ ## {fields[0]} ## ]]\n", after)
+
+
+def xml_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None) -> str:
+    def after(k: int) -> str:
+        return f"\n</{fields[k]}>" + (f"\n<{fields[k + 1]}>\n" if k + 1 < len(fields) else "")
+
+    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after)
 
 
 def output_format_constraint(messages: list[dict]) -> dict:
@@ -123,10 +177,10 @@ def output_format_constraint(messages: list[dict]) -> dict:
     if m:
         fields = _CHAT_FIELD.findall(m.group(1))
         if fields:
-            return {"grammar": chat_adapter_grammar(fields, _notes(system))}
+            return {"grammar": chat_adapter_grammar(fields, _notes(system), _react_tools(system))}
     m = _XML_REQUEST.search(last)
     if m:
         fields = _XML_FIELD.findall(m.group(1))
         if fields:
-            return {"grammar": xml_adapter_grammar(fields, _notes(system))}
+            return {"grammar": xml_adapter_grammar(fields, _notes(system), _react_tools(system))}
     return {}

@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             from prefixrt.server.launch import check_serve_args
 
             check_serve_args(args)  # port free and in range, before the model loads
+            from prefixrt.server.launch import check_role_args
+
+            check_role_args(args)
         from prefixrt.server.launch import check_engine_args
 
         if hasattr(args, "device"):

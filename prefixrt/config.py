@@ -43,9 +43,21 @@ class EngineConfig:
     host_kv_write_policy: str = "write_through"  # one of WRITE_POLICIES
     host_kv_write_threshold: int = 2  # write_through_selective: hits before a node is copied to the host
     host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
+    # Disk tier below the host tier (cache/disk_radix.py): host evictions are written to files in this directory
+    # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
+    kv_disk_dir: str | None = None
+    kv_disk_max_gb: float = 64.0  # size cap of the directory's KV files (LRU files deleted beyond it)
     # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
+    # Tensor parallelism (model/parallel.py, engine/tp_worker.py): the model split over tp_size ranks, one process
+    # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
+    # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"
+    # is the torch.distributed rendezvous (None: a free port on 127.0.0.1, one node only).
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -81,7 +93,29 @@ class EngineConfig:
             bad("host_kv_write_threshold must be >= 1")
         if not self.host_kv_debug_delay_s >= 0:
             bad("host_kv_debug_delay_s must be >= 0")
+        if self.kv_disk_dir is not None and not (self.host_kv_cache_tokens and self.radix_cache):
+            bad("kv_disk_dir needs the host tier (host_kv_cache_tokens > 0) and radix_cache=True: disk hits load "
+                "through host memory")
+        if not self.kv_disk_max_gb > 0:
+            bad("kv_disk_max_gb must be > 0")
         if self.max_cached_fraction_per_salt is not None and not 0 < self.max_cached_fraction_per_salt <= 1:
             bad("max_cached_fraction_per_salt must be in (0, 1]")
+        if self.tp_size < 1:
+            bad("tp_size must be >= 1")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            bad(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} (the same ranks on every node)")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad(f"node_rank must be in [0, nnodes), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            bad("nnodes > 1 needs dist_init_addr (host:port of node 0, reachable from every node)")
+        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
+            bad(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.tp_size > 1 and self.host_kv_cache_tokens:
+            bad("the host KV tier is not supported with tp_size > 1")
         if self.grammar_backend not in ("llguidance", "xgrammar"):
             bad("grammar_backend must be 'llguidance' or 'xgrammar'")
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

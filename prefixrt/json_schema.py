@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import unquote
 
 from prefixrt.errors import InvalidRequest
 
@@ -142,20 +143,156 @@ def strict_schema(schema: Any, strict: bool | None = True) -> Any:
     not say whether others are allowed: closed (`additionalProperties: false`) unless `strict` is False, then
     marked open (`additionalProperties: true`). Objects that say, and objects without `properties`, are kept.
 
-    Unless `strict` is False, an integer with no bound, enum or const gets RFC 8259's interoperable range
-    (|n| <= 2**53 - 1): without it a model that keeps choosing digits never ends the number (a small model
-    writes `"a": 1000000000...` until max_tokens); any integer a JSON parser keeps exactly stays allowed."""
+    Unless `strict` is False, as in OpenAI's strict structured outputs:
+    - every listed property is required (a property with a default, or `Optional[...] = None`, is written out,
+      as its default or null): left optional, a small model closes `{}` at once (instructor's `Iterable[...]`
+      came back empty). A constrained reply is then still an instance of the schema as given. Properties that
+      admit nothing (`false`, `{"not": {}}`) stay optional, and so does a property whose requirement would leave
+      the schema with no finite instance (a linked list's `next: Node`): properties that contain no `$ref`
+      are then required, the others kept as given;
+    - an integer with no bound, enum or const gets RFC 8259's interoperable range (|n| <= 2**53 - 1): without
+      it a model that keeps choosing digits never ends the number (a small model writes `"a": 1000000000...`
+      until max_tokens); any integer a JSON parser keeps exactly stays allowed."""
+    if strict is False:
+        return _strict(schema, False, "none")
+    for promote in ("all", "plain"):
+        out = _strict(schema, True, promote)
+        try:
+            if unproductive_refs(out) is None:
+                return out
+        except LookupError:  # a $ref that resolves nowhere: the constraint compiler reports it
+            return out
+    return _strict(schema, True, "none")
+
+
+def _promoted(name: str, sub: Any, promote: str) -> bool:
+    if sub is False or (isinstance(sub, dict) and sub.get("not") in ({}, True)):
+        return False
+    if promote == "plain":
+        refs: set[str] = set()
+        _local_refs(sub, refs)
+        return not refs
+    return promote == "all"
+
+
+def _strict(schema: Any, strict: bool, promote: str) -> Any:
     if isinstance(schema, list):
-        return [strict_schema(s, strict) for s in schema]
+        return [_strict(s, strict, promote) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = _map_subschemas(schema, lambda s: strict_schema(s, strict))
-    if strict is not False and _is_integer(out) and not _BOUND_KEYS.intersection(out):
+    out = _map_subschemas(schema, lambda s: _strict(s, strict, promote))
+    if strict and _is_integer(out) and not _BOUND_KEYS.intersection(out):
         out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
-    if (_is_object(out) and "properties" in out and "additionalProperties" not in out
-            and "patternProperties" not in out and "unevaluatedProperties" not in out):
-        out["additionalProperties"] = strict is False
+    props = out.get("properties")
+    if _is_object(out) and isinstance(props, dict):
+        if ("additionalProperties" not in out and "patternProperties" not in out
+                and "unevaluatedProperties" not in out):
+            out["additionalProperties"] = not strict
+        required = list(out.get("required") or [])
+        extra = [k for k, sub in props.items() if k not in required and _promoted(k, sub, promote)]
+        if extra:
+            out["required"] = [k for k in props if k in required or k in extra] + \
+                [k for k in required if k not in props]
     return out
+
+
+# ---------------------------------------------------------------------------------------------- finite instances
+def _resolve_pointer(root: Any, ref: str) -> Any:
+    """The subschema a local `#/...` JSON pointer names; KeyError if it does not exist."""
+    node = root
+    for raw in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else []:
+        part = unquote(raw).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node[part]
+        else:
+            raise KeyError(part)
+    return node
+
+
+def _local_refs(node: Any, out: set[str]) -> None:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out.add(ref)
+        for value in node.values():
+            _local_refs(value, out)
+    elif isinstance(node, list):
+        for value in node:
+            _local_refs(value, out)
+
+
+def _has_finite_instance(schema: Any, productive: dict[str, bool]) -> bool:
+    """Whether some finite JSON value satisfies `schema`, assuming `productive` for $ref targets.
+
+    Deliberately optimistic: anything not understood counts as satisfiable, so this can only reject
+    schemas whose every instance must contain itself (a required self-reference with no base case).
+    """
+    if schema is False:
+        return False
+    if not isinstance(schema, dict):
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref in productive and not productive[ref]:
+        return False
+    if not all(_has_finite_instance(s, productive) for s in schema.get("allOf", []) or []):
+        return False
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list) and options and not any(_has_finite_instance(s, productive) for s in options):
+            return False
+    if "const" in schema or "enum" in schema:
+        return True
+    types = schema.get("type")
+    if types is None:
+        return True  # an untyped schema also admits scalars
+    types = [types] if isinstance(types, str) else list(types)
+    for t in types:
+        if t == "object":
+            props = schema.get("properties") or {}
+            required = schema.get("required") or []
+            if all(_has_finite_instance(props[name], productive) for name in required if name in props):
+                return True
+        elif t == "array":
+            min_items = schema.get("minItems", 0) or 0
+            prefix = schema.get("prefixItems") or []
+            needed = prefix[:min_items]
+            items = schema.get("items", True)
+            ok = all(_has_finite_instance(s, productive) for s in needed)
+            if min_items > len(prefix) and not isinstance(items, list):
+                ok = ok and _has_finite_instance(items, productive)
+            if ok:
+                return True
+        else:
+            return True
+    return False
+
+
+def unproductive_refs(schema: Any) -> list[str] | None:
+    """None when some finite JSON value satisfies `schema`; else the local `$ref`s that refer to themselves with
+    no base case (sorted; [] when the schema is unsatisfiable without recursion). Raises LookupError(ref) for a
+    local `$ref` that resolves to nothing. Deliberately optimistic (anything not understood counts as
+    satisfiable), so it only flags schemas whose every instance must contain itself."""
+    refs: set[str] = set()
+    _local_refs(schema, refs)
+    targets: dict[str, Any] = {}
+    for ref in sorted(refs):
+        try:
+            targets[ref] = _resolve_pointer(schema, ref)
+        except (KeyError, IndexError, ValueError):
+            raise LookupError(ref) from None
+    # Least fixpoint: a ref target is productive once it has a finite instance given the ones known so far.
+    productive = dict.fromkeys(targets, False)
+    changed = True
+    while changed:
+        changed = False
+        for ref, target in targets.items():
+            if not productive[ref] and _has_finite_instance(target, productive):
+                productive[ref] = changed = True
+    if _has_finite_instance(schema, productive):
+        return None
+    return sorted(r for r, ok in productive.items() if not ok)
 
 
 def _rewrite_refs(node: Any, base: str) -> Any:

@@ -84,6 +84,23 @@ class EngineStats:
     host_backup_seconds_total: float = 0.0
     host_evicted_tokens_total: int = 0  # host copies dropped (host LRU)
     host_load_failures_total: int = 0  # admissions whose host part found no pool room (recomputed instead)
+    # Disk tier (kv_disk_dir; all 0 when off). Disk hits are loaded disk -> host -> pool, so they are in
+    # host_hit_tokens_total and cached_tokens_total too.
+    kv_disk_total_bytes: int = 0  # the size cap
+    kv_disk_used_bytes: int = 0
+    kv_disk_cached_tokens: int = 0  # tokens of K/V in the directory's (indexed) files
+    kv_disk_files: int = 0
+    disk_hit_tokens_total: int = 0  # cached prompt tokens read from the disk tier
+    disk_load_bytes_total: int = 0  # bytes of files read
+    disk_load_seconds_total: float = 0.0
+    disk_write_bytes_total: int = 0  # bytes of files written
+    disk_write_seconds_total: float = 0.0
+    disk_write_skipped_total: int = 0  # host evictions not written (the write queue was full)
+    disk_evicted_bytes_total: int = 0  # files deleted by the size cap
+    disk_rejected_files_total: int = 0  # files that failed a check (checksum, size, token ids): never used
+    # Per cache_salt (bounded label -> counters; see cache/salt_stats.py): prompt_tokens_total,
+    # cached_tokens_total (hits, all tiers), evicted_tokens_total (pool), kv_cached_tokens (now, pool).
+    salts: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

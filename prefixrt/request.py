@@ -46,6 +46,7 @@ class Req:
     kv_len: int = 0  # tokens of all_ids with K/V in the pool
     cached_len: int = 0  # leading tokens whose pages belong to the radix tree (locked via cache_handle)
     cache_handle: Any = None
+    disk_lookup: Any = None  # disk tier: the read in flight for its prefix, or the match end last looked up
     # Reporting
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission (None: not admitted yet)
     prompt_counted: bool = False  # its prompt/cached tokens are in EngineStats (counted once, at first forward)

@@ -38,6 +38,9 @@ class PageAllocator:
     def free_pages(self) -> int:
         return len(self._free)
 
+    def is_free(self, page: int) -> bool:
+        return bool(self._is_free[page])
+
     def can_alloc(self, num_pages: int) -> bool:
         return num_pages <= len(self._free)
 

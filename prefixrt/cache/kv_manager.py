@@ -10,18 +10,26 @@ fence of the latest forward it launched; while that fence is pending, release() 
 (row, pages, lock) into a held record, and page frees wait in a queue; reclaim() finishes them once their fence
 has passed. Held and queued pages count as private, so free + cached + private == total at all times; when
 the loop is idle nothing is held (it calls reclaim(wait=True)).
+
+Pending writes from outside the forward (the host tier's loads and backups, K/V received from a prefill engine
+under disaggregation) are Transfers (cache/transfer.py): `track` maps each pool page to the latest Transfer
+touching it, and a page goes back to the allocator only once that Transfer is done (`free_cached` holds it until
+then). A receive (`begin_receive`) owns its pages until `finish_receive` publishes them or `abandon_receive` hands
+them to that hold: an aborted request's pages are never reused while the sender may still write them. The
+checker: freeing or reallocating a page whose Transfer is pending raises (and counts `lifetime_violations`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.req_table import ReqToTokenTable
+from prefixrt.cache.salt_stats import SaltCounters
 from prefixrt.cache.tiered_radix import TieredRadixCache
 from prefixrt.cache.transfer import LoadWaiter, Transfer
 from prefixrt.request import Req
@@ -56,8 +64,16 @@ class KVManager:
         self._copying: dict[int, Transfer] = {}
         self._copy_held: list[tuple[Transfer, list[int]]] = []
         self.load_failures_total = 0  # admissions whose host part could not get pool pages (recomputed)
+        self._incoming: dict[int, IncomingKV] = {}  # id -> a receive whose pages it owns (not yet published)
+        self.lifetime_violations = 0  # the checker's count: pages freed or reused while a write was pending
         if self.tiered is not None:
             self.tiered.tracker = self
+        self.salts = SaltCounters()  # per cache_salt: prompt, hit and evicted tokens (bounded labels)
+        if hasattr(cache, "salt_counters"):
+            cache.salt_counters = self.salts
+        # Disk tier (disk_radix.py): reads in flight for waiting requests.
+        self.disk = getattr(self.tiered, "disk", None)
+        self._fetches: list = []
 
     # ------------------------------------------------------------------ sizes (tokens)
     @property
@@ -83,12 +99,51 @@ class KVManager:
         return max(0, -(-(req.kv_len + num_new_tokens) // ps) - len(req.pages))
 
     # ------------------------------------------------------------------ admission
-    def match(self, req: Req) -> MatchResult:
-        """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
-        cap = req.seq_len - 1
+    @staticmethod
+    def _reuse_cap(req: Req) -> int:
+        cap = req.seq_len - 1  # at least the last token is recomputed
         if req.input_logprobs_from is not None:  # the logits of the token before the first scored one
             cap = min(cap, req.input_logprobs_from - 1)
-        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=cap)
+        return cap
+
+    def match(self, req: Req) -> MatchResult:
+        """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
+        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=self._reuse_cap(req))
+
+    def disk_ready(self, req: Req, m: MatchResult) -> bool:
+        """Admission check of the disk tier (True without one). If the disk holds the continuation of req's match
+        m, start reading it off the loop and return False (req keeps waiting); once read, attach it to the tree
+        as host-only nodes and return True (admit() then loads it like any host hit)."""
+        if self.disk is None:
+            return True
+        look = req.disk_lookup
+        if look is not None and not isinstance(look, int):  # a read in flight
+            if not look.done.is_set():
+                return False
+            self.disk.finish_fetch(look)
+            self.tiered.attach_from_disk(req.namespace, req.all_ids, look)
+            m = self.match(req)
+            req.disk_lookup = m.length + m.host_length  # (a segment only partly read: the rest is recomputed)
+            return True
+        end = m.length + m.host_length
+        if look == end:
+            return True
+        entries = self.disk.lookup(req.namespace, req.all_ids, end, self._reuse_cap(req))
+        if not entries:
+            req.disk_lookup = end
+            return True
+        for f in self._fetches:  # another request reads the same file for the same position: wait for it to attach
+            if f.namespace == req.namespace and f.start == end and f.entries[0].name == entries[0].name:
+                return False
+        req.disk_lookup = self.disk.fetch(req.namespace, req.all_ids, end, self._reuse_cap(req), entries)
+        self._fetches.append(req.disk_lookup)
+        return False
+
+    def wait_disk(self, timeout_s: float) -> None:
+        """Nothing else to run: wait (up to timeout_s) for a disk read in flight, instead of spinning."""
+        self._fetches = [f for f in self._fetches if not f.done.is_set()]
+        if self._fetches:
+            self._fetches[0].done.wait(timeout_s)
 
     def admit(self, req: Req) -> None:
         """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale. With a host
@@ -155,7 +210,7 @@ class KVManager:
             return
         keep = []
         for t, pages in self._copy_held:
-            if wait:
+            if wait and t.kind != "receive":  # a receive is confirmed by another engine: never block the loop on it
                 t.wait()
             if t.query():
                 self._deferred_pages -= len(pages)
@@ -167,7 +222,75 @@ class KVManager:
     def _check_no_copy_pending(self, pages: list[int]) -> None:
         for p in pages:
             t = self._copying.get(p)
-            assert t is None or t.query(), f"KV page {p} reused while a {t.kind} copy into/out of it is pending"
+            if t is not None and not t.query():
+                self.lifetime_violations += 1
+                raise AssertionError(f"KV page {p} reused while a {t.kind} copy into/out of it is pending")
+
+    # ------------------------------------------------------------------ K/V written by another engine
+    def begin_receive(self, tokens: list[int], namespace: Any) -> IncomingKV | None:
+        """Pages for K/V another engine will write into this pool: positions [start, n) of tokens, n = len(tokens)
+        rounded down to a page, start = what the prefix cache already holds (that path stays locked until the
+        receive ends). The pages are private to the receive and tracked by its Transfer (kind "receive"), whose
+        per-layer marks the receiving thread sets. None when nothing is missing, the cache keeps nothing, or the
+        pages cannot be had (the caller then computes the prompt itself). Mutates: the lock, the allocator."""
+        ps = self.page_size
+        n = len(tokens) // ps * ps
+        if not self.cache.retains or n == 0:
+            return None
+        m = self.cache.match_prefix(tokens, namespace, max_len=n)
+        if m.length >= n:
+            return None
+        handle = self.cache.lock(m)
+        need = (n - m.length) // ps
+        if not self.ensure_pages(need):
+            self.cache.unlock(handle)
+            return None
+        pages = self.allocator.alloc(need)
+        if self.debug:
+            self._check_no_copy_pending(pages)
+        slots = pages_to_slots(pages, ps)
+        inc = IncomingKV(tokens=list(tokens[:n]), namespace=namespace, start=m.length, prefix_slots=list(m.slots),
+                         pages=pages, slots=slots, handle=handle,
+                         transfer=Transfer("receive", self.pool.num_layers, len(slots), cuda=False))
+        self.track(inc.transfer, slots)
+        self._incoming[id(inc)] = inc
+        return inc
+
+    def finish_receive(self, inc: IncomingKV) -> int:
+        """The receive is complete (every layer written): publish tokens[:n] to the prefix cache with the received
+        slots, free the ones that duplicate what the cache gained meanwhile, unlock. Returns tokens now cached."""
+        assert inc.transfer.query(), "finish_receive before the transfer completed"
+        del self._incoming[id(inc)]
+        for p in inc.pages:
+            if self._copying.get(p) is inc.transfer:
+                del self._copying[p]
+        existing = self.cache.insert(inc.tokens, inc.prefix_slots + inc.slots, inc.namespace)
+        ps = self.page_size
+        dup = max(0, existing - inc.start) // ps
+        self._free_pages(inc.pages[:dup])
+        self.cache.unlock(inc.handle)
+        return len(inc.tokens)
+
+    def abandon_receive(self, inc: IncomingKV) -> None:
+        """The receive's request is gone (aborted) or its sender failed: unlock the prefix; the pages return to the
+        allocator only once the transfer is done (the sender confirmed it never started or has finished), at a
+        later reclaim() if it is still pending now."""
+        del self._incoming[id(inc)]
+        self.cache.unlock(inc.handle)
+        self.free_cached(inc.slots)
+
+    def receive_target_ok(self, inc: IncomingKV) -> bool:
+        """Debug check, from the receiving thread before it writes a layer: every destination page still belongs
+        to this receive (not freed, not handed to anyone else). A False is counted as a lifetime violation."""
+        ok = all(self._copying.get(p) is inc.transfer and not self.allocator.is_free(p) for p in inc.pages)
+        if not ok:
+            self.lifetime_violations += 1
+        return ok
+
+    @property
+    def pending_receives(self) -> int:
+        """Receives not yet published or abandoned, plus abandoned ones whose transfer is still pending."""
+        return len(self._incoming) + sum(1 for t, _ in self._copy_held if t.kind == "receive")
 
     def load_waiter(self) -> LoadWaiter | None:
         """What the next forward must wait on, layer by layer: every load in flight (None: nothing)."""
@@ -177,6 +300,9 @@ class KVManager:
         return LoadWaiter(list(loads), self.pool.num_layers) if loads else None
 
     def close(self) -> None:
+        """Shutdown (the loop has stopped): a disk tier writes what it lacks, then the workers stop."""
+        if self.disk is not None:
+            self.tiered.close()
         if self.tiered is not None:
             self.tiered.transfer.close()
 
@@ -203,12 +329,13 @@ class KVManager:
             if (short - held) * self.page_size > self.cache.evictable_tokens:
                 return False
             self.evicted_tokens_total += self.cache.evict((short - held) * self.page_size)
-        if self._copy_held and self.allocator.free_pages < num_pages:
+        if self.allocator.free_pages < num_pages and self._held_copy_pages():
             self._reclaim_copies(wait=True)  # moved to the host: the pages come back once their backups are done
         return self.allocator.free_pages >= num_pages
 
     def _held_copy_pages(self) -> int:
-        return sum(len(p) for _, p in self._copy_held)
+        """Held pages that a wait brings back (a receive's come back when its sender confirms, not on a wait)."""
+        return sum(len(p) for t, p in self._copy_held if t.kind != "receive")
 
     def extend(self, req: Req, num_new_tokens: int) -> list[int]:
         """Slots for positions [kv_len, kv_len + n) of req, allocating pages (call ensure_pages first) and
@@ -216,7 +343,10 @@ class KVManager:
         start = req.kv_len
         need = self.pages_for(req, num_new_tokens)
         if need:
-            req.pages.extend(self.allocator.alloc(need))
+            new = self.allocator.alloc(need)
+            if self.debug and self._copying:
+                self._check_no_copy_pending(new)
+            req.pages.extend(new)
         slots = req.pages[start:start + num_new_tokens] if self.page_size == 1 else \
             self.slots_of(req, start, start + num_new_tokens)
         self.table.write(req.row, start, slots)
@@ -279,6 +409,10 @@ class KVManager:
         """Finish the releases and frees whose fence has passed (wait=True: wait for every fence first)."""
         if self._copy_held:
             self._reclaim_copies(wait)
+        if self.disk is not None:  # host copies on their way to the disk
+            self.tiered.spill(wait)
+            if self._fetches:  # reads whose request left (aborted) hold staged K/V: let it go
+                self._fetches = [f for f in self._fetches if not f.done.is_set()]
         while self._deferred:
             fence, what = self._deferred[0]
             if not fence.query():
@@ -325,15 +459,22 @@ class KVManager:
     def _free_pages(self, pages: list[int]) -> None:
         if not pages:
             return
-        if self.tiered is not None:  # the checker: no page goes back while a copy into/out of it is pending
+        if self._copying:  # the checker: no page goes back while a copy into/out of it is pending
             for p in pages:
                 t = self._copying.pop(p, None)
-                assert t is None or t.query(), f"KV page {p} freed while a {t.kind} copy into/out of it is pending"
+                if t is not None and not t.query():
+                    self.lifetime_violations += 1
+                    raise AssertionError(f"KV page {p} freed while a {t.kind} copy into/out of it is pending")
         if self.debug:
             import torch
 
             self.pool.poison(torch.tensor(pages_to_slots(pages, self.page_size), device=self.pool.device))
         self.allocator.free(pages)
+
+    def salt_stats(self) -> dict:
+        """Per-salt counters and pool tokens cached now, by bounded label (EngineStats.salts)."""
+        usage = getattr(self.cache, "salt_usage", None)
+        return self.salts.snapshot(usage() if usage is not None else {})
 
     def flush(self) -> int:
         freed = self.cache.flush()
@@ -345,7 +486,8 @@ class KVManager:
     def private_tokens(self) -> int:
         ps = self.page_size
         held = sum((len(r.pages) - r.cached_len // ps) * ps for r in self._running.values())
-        return held + self._deferred_pages * ps
+        incoming = sum(len(inc.pages) for inc in self._incoming.values()) * ps
+        return held + incoming + self._deferred_pages * ps
 
     def check_integrity(self) -> None:
         """free + cached (evictable + locked) + private == total, and no page owned twice."""
@@ -360,6 +502,7 @@ class KVManager:
         owned = [p for r in self._running.values() for p in r.pages[r.cached_len // ps :]]
         owned += [p for _, what in self._deferred if not isinstance(what, _HeldKV) for p in what]
         owned += [p for _, what in self._copy_held for p in what]
+        owned += [p for inc in self._incoming.values() for p in inc.pages]
         assert len(owned) == len(set(owned)), "a private page is owned by two requests"
 
 
@@ -375,3 +518,19 @@ class _HeldKV:
     kv_len: int
     cached_len: int
     cache_handle: Any
+
+
+@dataclass(eq=False)
+class IncomingKV:
+    """K/V another engine writes into this pool (KVManager.begin_receive): positions [start, len(tokens)) of
+    tokens go to `slots`; positions [0, start) were already cached here (prefix_slots, locked by handle)."""
+
+    tokens: list[int]
+    namespace: Any
+    start: int
+    prefix_slots: list[int]
+    pages: list[int]
+    slots: list[int]
+    handle: Any
+    transfer: Transfer
+    meta: dict = field(default_factory=dict)  # the receiver's bookkeeping (peer, transfer id, timings)

@@ -58,7 +58,8 @@ class RadixCache(PrefixCache):
         self.version = 0
         self.on_evict = on_evict  # optional callback(slots) before slots are freed (debug poisoning)
         self.salt_quota: int | None = None  # set_salt_quota
-        self._ns_tokens: dict = {}
+        self._ns_tokens: dict = {}  # namespace -> its pool tokens in the tree (namespaces holding none left out)
+        self.salt_counters = None  # SaltCounters (KVManager's): pool evictions per namespace
 
     # ------------------------------------------------------------------ helpers
     def _page_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
@@ -205,6 +206,7 @@ class RadixCache(PrefixCache):
         return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == tick
 
     def _evict_node(self, node: _Node) -> int:
+        self._count_eviction(node, len(node.key))
         parent = node.parent
         del parent.children[self._page_key(node.key, 0)]
         node.parent = None
@@ -247,14 +249,20 @@ class RadixCache(PrefixCache):
         return _ANY
 
     def _count(self, node: _Node, delta: int) -> None:
-        """Pool tokens of node's namespace change by delta (kept only while a quota is set)."""
-        if self.salt_quota is not None and delta:
+        """Pool tokens of node's namespace change by delta."""
+        if delta:
             ns = self._ns_of(node)
-            self._ns_tokens[ns] = self._ns_tokens.get(ns, 0) + delta
+            left = self._ns_tokens.get(ns, 0) + delta
+            if left:
+                self._ns_tokens[ns] = left
+            else:
+                self._ns_tokens.pop(ns, None)
+
+    def _count_eviction(self, node: _Node, num_tokens: int) -> None:
+        if self.salt_counters is not None:
+            self.salt_counters.add(self._ns_of(node), "evicted_tokens_total", num_tokens)
 
     def _check_salt_counts(self) -> None:
-        if self.salt_quota is None:
-            return
         for ns, root in self._roots.items():
             want = sum(len(n.key) for n in self._subtree(root) if n is not root and n.slots is not None)
             assert self._ns_tokens.get(ns, 0) == want, f"namespace count {self._ns_tokens.get(ns)} != {want}"
@@ -262,7 +270,7 @@ class RadixCache(PrefixCache):
             assert ns in self._roots or used == 0, "a namespace without a tree still counts tokens"
 
     def salt_usage(self) -> dict:
-        """Pool tokens cached per namespace (only tracked while a quota is set)."""
+        """Pool tokens cached per namespace (namespaces holding none are left out)."""
         return dict(self._ns_tokens)
 
     def _compact_heap(self) -> None:

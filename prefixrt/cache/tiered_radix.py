@@ -265,6 +265,7 @@ class TieredRadixCache(RadixCache):
         """Pool eviction of one LRU pool leaf: it moves to the host tier (copied first if it has no host copy
         and the policy allows), or it is dropped with its host-only subtree."""
         n = len(node.key)
+        self._count_eviction(node, n)
         keep = not self._dropping and (node.host_slots is not None or (
             (self.policy != "write_through_selective" or node.hits >= self.write_threshold)
             and self._backup(node)))
@@ -308,10 +309,24 @@ class TieredRadixCache(RadixCache):
         return pages_to_slots(sorted(self.host_alloc.alloc(pages)), ps)
 
     def _free_host(self, slots: list[int]) -> None:
+        """Cached host slots back to the host allocator."""
+        self._return_host_slots(slots)
+        self._host_cached -= len(slots)
+
+    def _return_host_slots(self, slots: list[int]) -> None:
         if self.debug:
             self.transfer.poison_host(slots)  # queued behind the copies that may still read them
         self.host_alloc.free_slots(slots)
-        self._host_cached -= len(slots)
+
+    def _host_copy_dropped(self, node, slots: list[int]) -> None:
+        """node's host copy leaves the tier (node is still linked to the tree). Here: freed at once; the disk tier
+        (disk_radix.py) may write it out first."""
+        self._free_host(slots)
+
+    @property
+    def host_held_tokens(self) -> int:
+        """Host slots out of the tree but not yet free (a disk tier's writes; 0 here)."""
+        return 0
 
     def _backup(self, node) -> bool:
         """Copy a pool-resident node to the host tier. False if the host tier cannot make room."""
@@ -334,7 +349,7 @@ class TieredRadixCache(RadixCache):
             n = len(node.key)
             if node.slots is not None:  # pool-resident: only the host copy goes
                 host, node.host_slots = node.host_slots, None
-                self._free_host(host)
+                self._host_copy_dropped(node, host)
             elif node.lock_ref > 0 or node.children:
                 continue  # pushed again once unlocked or childless
             else:
@@ -363,7 +378,7 @@ class TieredRadixCache(RadixCache):
                 self.tracker.free_cached(n.slots)
                 n.slots = None
             if n.host_slots is not None:
-                self._free_host(n.host_slots)
+                self._host_copy_dropped(n, n.host_slots)
                 n.host_slots = None
             if n is not node:
                 n.parent = None
@@ -426,5 +441,7 @@ class TieredRadixCache(RadixCache):
         assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
         assert locked == self._locked, f"locked {locked} != counter {self._locked}"
         assert host == self._host_cached, f"host cached {host} != counter {self._host_cached}"
-        assert self.host_alloc.free_tokens + host == self.host_alloc.total_tokens, (
-            f"host KV leak: free {self.host_alloc.free_tokens} + cached {host} != total {self.host_alloc.total_tokens}")
+        held = self.host_held_tokens
+        assert self.host_alloc.free_tokens + host + held == self.host_alloc.total_tokens, (
+            f"host KV leak: free {self.host_alloc.free_tokens} + cached {host} + held {held} != total "
+            f"{self.host_alloc.total_tokens}")

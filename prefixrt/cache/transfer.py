@@ -31,7 +31,7 @@ class Transfer:
     """One batched copy of num_tokens tokens' K/V, all layers."""
 
     def __init__(self, kind: str, num_layers: int, num_tokens: int, cuda: bool):
-        self.kind = kind  # "load" | "backup"
+        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: cache/kv_transport.py)
         self.num_tokens = num_tokens
         self.cuda = cuda
         self.error: BaseException | None = None
@@ -52,6 +52,12 @@ class Transfer:
         self.events[layer].wait()
         if self.error is not None:
             raise RuntimeError(f"KV {self.kind} failed: {self.error}")
+
+    def mark_all(self, error: BaseException | None = None) -> None:
+        """(CPU marks) Every layer is done: written, or never to be written (a cancelled or failed receive)."""
+        self.error = error
+        for ev in self.events:
+            ev.set()
 
     def query(self) -> bool:
         if not self._done:
@@ -91,6 +97,20 @@ class LoadWaiter:
     def check(self) -> None:
         missing = [i for i, w in enumerate(self.waited) if not w]
         assert not missing, f"layers {missing} read the pool without waiting for the loads in flight"
+
+
+class _Mark:
+    def __init__(self, cuda: bool):
+        self.event = torch.cuda.Event() if cuda else threading.Event()
+
+    def query(self) -> bool:
+        return self.event.query() if isinstance(self.event, torch.cuda.Event) else self.event.is_set()
+
+    def wait(self) -> None:
+        if isinstance(self.event, torch.cuda.Event):
+            self.event.synchronize()
+        else:
+            self.event.wait()
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -150,6 +170,20 @@ class KVTransfer:
         if self.cuda or not host_slots:
             return
         self._queue.put(("poison", list(host_slots)))
+
+    def marker(self) -> _Mark:
+        """A mark in the FIFO: passed once every copy issued before it is done (query/wait)."""
+        m = _Mark(self.cuda)
+        if self.cuda:
+            m.event.record(self.stream)
+        else:
+            self._queue.put(("mark", m.event))
+        return m
+
+    def barrier(self) -> None:
+        """Wait until every copy (and debug poisoning) issued so far is done: host slots then touched from the
+        calling thread cannot race a copy still reading or writing them."""
+        self.marker().wait()
 
     def pending_loads(self) -> list[Transfer]:
         """Loads not known to be complete (a forward must wait for these)."""
@@ -217,6 +251,9 @@ class KVTransfer:
                 return
             if job[0] == "poison":
                 self.host.poison(job[1])
+                continue
+            if job[0] == "mark":
+                job[1].set()
                 continue
             _, t, host_slots, gpu_slots = job
             t0 = time.perf_counter()

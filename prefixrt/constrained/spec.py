@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 from typing import Any
-from urllib.parse import unquote
 
 from prefixrt.constrained.base import CONSTRAINT_KINDS
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import strict_schema, to_json_schema
+from prefixrt.json_schema import strict_schema, to_json_schema, unproductive_refs
 
 # The OpenAI `json_object` response format: any JSON object.
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
@@ -70,79 +69,6 @@ def canonical_spec(kind: str, spec: Any) -> str:
     return check_text(kind, spec)
 
 
-# ---------------------------------------------------------------------------------------------- $ref checks
-def _resolve_pointer(root: Any, ref: str) -> Any:
-    """The subschema a local `#/...` JSON pointer names; KeyError if it does not exist."""
-    node = root
-    for raw in ref[1:].lstrip("/").split("/") if ref not in ("#", "#/") else []:
-        part = unquote(raw).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, list):
-            node = node[int(part)]
-        elif isinstance(node, dict):
-            node = node[part]
-        else:
-            raise KeyError(part)
-    return node
-
-
-def _local_refs(node: Any, out: set[str]) -> None:
-    if isinstance(node, dict):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-            out.add(ref)
-        for value in node.values():
-            _local_refs(value, out)
-    elif isinstance(node, list):
-        for value in node:
-            _local_refs(value, out)
-
-
-def _has_finite_instance(schema: Any, productive: dict[str, bool]) -> bool:
-    """Whether some finite JSON value satisfies `schema`, assuming `productive` for $ref targets.
-
-    Deliberately optimistic: anything not understood counts as satisfiable, so this can only reject
-    schemas whose every instance must contain itself (a required self-reference with no base case).
-    """
-    if schema is False:
-        return False
-    if not isinstance(schema, dict):
-        return True
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref in productive and not productive[ref]:
-        return False
-    if not all(_has_finite_instance(s, productive) for s in schema.get("allOf", []) or []):
-        return False
-    for key in ("anyOf", "oneOf"):
-        options = schema.get(key)
-        if isinstance(options, list) and options and not any(_has_finite_instance(s, productive) for s in options):
-            return False
-    if "const" in schema or "enum" in schema:
-        return True
-    types = schema.get("type")
-    if types is None:
-        return True  # an untyped schema also admits scalars
-    types = [types] if isinstance(types, str) else list(types)
-    for t in types:
-        if t == "object":
-            props = schema.get("properties") or {}
-            required = schema.get("required") or []
-            if all(_has_finite_instance(props[name], productive) for name in required if name in props):
-                return True
-        elif t == "array":
-            min_items = schema.get("minItems", 0) or 0
-            prefix = schema.get("prefixItems") or []
-            needed = prefix[:min_items]
-            items = schema.get("items", True)
-            ok = all(_has_finite_instance(s, productive) for s in needed)
-            if min_items > len(prefix) and not isinstance(items, list):
-                ok = ok and _has_finite_instance(items, productive)
-            if ok:
-                return True
-        else:
-            return True
-    return False
-
-
 def check_json_schema_refs(schema: Any) -> None:
     """Reject local `$ref`s that point nowhere, and recursion with no base case.
 
@@ -151,26 +77,11 @@ def check_json_schema_refs(schema: Any) -> None:
     max_new_tokens, never a valid document. Legitimate recursion (a tree whose children list may be empty,
     a linked list whose `next` is optional) passes. Non-local refs are left to the backend.
     """
-    refs: set[str] = set()
-    _local_refs(schema, refs)
-    if not refs and not isinstance(schema, bool):
-        return
-    targets: dict[str, Any] = {}
-    for ref in sorted(refs):
-        try:
-            targets[ref] = _resolve_pointer(schema, ref)
-        except (KeyError, IndexError, ValueError):
-            raise InvalidRequest(f"json_schema $ref {ref!r} does not resolve to anything", param="json_schema") from None
-    # Least fixpoint: a ref target is productive once it has a finite instance given the ones known so far.
-    productive = dict.fromkeys(targets, False)
-    changed = True
-    while changed:
-        changed = False
-        for ref, target in targets.items():
-            if not productive[ref] and _has_finite_instance(target, productive):
-                productive[ref] = changed = True
-    if not _has_finite_instance(schema, productive):
-        stuck = sorted(r for r, ok in productive.items() if not ok)
+    try:
+        stuck = unproductive_refs(schema)
+    except LookupError as e:
+        raise InvalidRequest(f"json_schema $ref {e.args[0]!r} does not resolve to anything", param="json_schema") from None
+    if stuck is not None:
         raise InvalidRequest(
             "json_schema has no finite instance: "
             + (f"$ref {', '.join(stuck)} refers to itself with no base case" if stuck else "it is unsatisfiable"),

@@ -20,12 +20,17 @@ from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
 from prefixrt.engine.core import EngineCore
+from prefixrt.engine.rank_setup import (
+    kv_pool_slots,
+    make_runner,
+    resolve_device,
+    resolve_dtype,
+)
 from prefixrt.engine.scheduler import Scheduler, SchedulerConfig
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
 
-CPU_DEFAULT_KV_TOKENS = 16384
 EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
 # Shared-prefix (cascade) decode inside the decode graphs, for groups of >= 2 running requests sharing
 # >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
@@ -35,8 +40,7 @@ EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA 
 # between any two correct attention kernels (see the torch-backend baseline there).
 CASCADE_DECODE = True
 CASCADE_MIN_PREFIX = 256
-ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept out of the KV pool for activations and graphs
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 
 @dataclass
@@ -50,18 +54,7 @@ class Built:
     device: torch.device
     dtype: torch.dtype
     owns_model: bool = False  # the builder loaded the weights (release() frees them); False when injected
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    ranks: object = None  # engine/tp_worker.Ranks with tensor parallelism (stop_ranks() ends them), else None
 
 
 def build(config: EngineConfig, progress=None) -> Built:
@@ -79,10 +72,28 @@ def build(config: EngineConfig, progress=None) -> Built:
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
     tokenizer = load_tokenizer(resolved)
-    say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {device}")
-    model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device)
-    load_s = time.perf_counter() - t0
-    built = assemble(config, model, tokenizer, resolved, device, dtype, say)
+    ranks = spec = None
+    if config.tp_size > 1:
+        from prefixrt.engine import tp_worker
+        from prefixrt.hub.loader import read_model_spec
+
+        say(f"starting {config.tp_size} tensor-parallel ranks ({config.nnodes} node(s))")
+        spec = read_model_spec(resolved.path)
+        ranks = tp_worker.start(config, str(resolved.path), spec)
+        device = ranks.device
+    try:
+        say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {device}"
+            + (f" (rank 0 of {config.tp_size})" if ranks is not None else ""))
+        model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device,
+                           tp=ranks.tp if ranks is not None else None, spec=spec)
+        load_s = time.perf_counter() - t0
+        built = assemble(config, model, tokenizer, resolved, device, dtype, say, ranks=ranks)
+    except BaseException:
+        if ranks is not None:
+            from prefixrt.engine import tp_worker
+
+            tp_worker.stop(ranks)
+        raise
     built.owns_model = True
     built.startup["load_s"] = load_s
     built.startup["total_s"] = time.perf_counter() - t0
@@ -90,26 +101,25 @@ def build(config: EngineConfig, progress=None) -> Built:
     return built
 
 
-def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None) -> Built:
-    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here."""
+def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None) -> Built:
+    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here.
+    ranks: tensor parallelism (engine/tp_worker.Ranks, this is rank 0): the pool size is agreed with the other
+    ranks, which get the table shape, and the runner drives them."""
     say = say or (lambda msg: log.info(msg))
     startup: dict = {"graphs": []}
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    if config.kv_cache_tokens is not None:
-        num_slots = config.kv_cache_tokens + config.page_size  # + the reserved padding page
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.mem_fraction - (total - free) - ACTIVATION_RESERVE_BYTES
-        num_slots = max(int(budget // bytes_per_token), 4 * config.page_size)
-    else:
-        num_slots = CPU_DEFAULT_KV_TOKENS + config.page_size
-    num_slots = num_slots // config.page_size * config.page_size
-    say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB)")
+    num_slots = kv_pool_slots(config, bytes_per_token, device)
+    if ranks is not None:
+        from prefixrt.engine import tp_worker
+
+        num_slots = tp_worker.agree_num_slots(ranks.tp, num_slots)
+    say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
+        f"{' per rank' if ranks is not None else ''})")
     pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
-        cache = make_tiered_cache(config, pool, allocator, device, say)
+        cache = make_tiered_cache(config, pool, allocator, device, say, resolved)
     else:
         cache = RadixCache(allocator) if config.radix_cache else NoReuseCache(allocator)
     if config.max_cached_fraction_per_salt is not None and isinstance(cache, RadixCache):
@@ -118,6 +128,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
+    if ranks is not None:
+        tp_worker.send_setup(ranks.tp, num_slots, table.max_requests, table.max_context, max_running)
     kv = KVManager(pool, allocator, table, cache, debug=config.debug)
     scheduler = Scheduler(kv, SchedulerConfig(
         policy=config.schedule_policy,
@@ -125,17 +137,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_running_requests=max_running,
         aging_s=config.aging_s,
     ))
-    attention = make_attention_backend(config.attention_backend, pool, device, max_running)
-    if device.type == "cuda" and type(attention).__name__ == "TritonAttentionBackend":
-        from prefixrt.model.layers import use_fused_kernels
-
-        t = time.perf_counter()
-        use_fused_kernels(model)  # before warm-up and capture: the graphs record the fused kernels
-        startup["fused_kernels_s"] = time.perf_counter() - t
-        say(f"fused Triton layer kernels on (small-batch GEMV layouts from the measured table) in {startup['fused_kernels_s']:.1f}s")
-    from prefixrt.model.runner import ModelRunner
-
-    runner = ModelRunner(model, pool, attention)
+    runner = make_runner(config, model, pool, device, max_running, startup, say, ranks, table)
+    attention = runner.attn_backend
     triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
     pad_row = table.alloc_row() if triton_on_gpu else None  # never freed: stays all zeros (padding reads it)
     if triton_on_gpu:
@@ -154,6 +157,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
+                if ranks is not None:  # the other ranks captured (or failed) on their own: no common retry
+                    raise RuntimeError(f"CUDA graph capture failed with tensor parallelism: {e}; start with "
+                                       "cuda_graph=False to run eagerly") from e
                 runner.release_graphs()
                 what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
                 log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
@@ -182,11 +188,32 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
 
         core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
                                     chunk_tokens=config.chunked_prefill_tokens)
-    return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
+    return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks)
 
 
-def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say):
-    """The radix tree over the pool and a host tier of host_kv_cache_tokens tokens (pinned on CUDA)."""
+def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
+    """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
+    size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
+    digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    folder = Path(str(getattr(resolved, "path", "") or ""))
+    if folder.is_dir():
+        for f in sorted(folder.iterdir()):
+            if f.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+                st = f.stat()
+                h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
+    return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
+            f"x{pool.head_dim}")
+
+
+def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say,
+                      resolved=None):
+    """The radix tree over the pool and a host tier of host_kv_cache_tokens tokens (pinned on CUDA); with
+    kv_disk_dir, a disk tier below it."""
     from prefixrt.cache.host_pool import HostKVPool
     from prefixrt.cache.tiered_radix import TieredRadixCache
     from prefixrt.cache.transfer import KVTransfer
@@ -196,6 +223,16 @@ def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocat
     say(f"host KV tier: {host.total_tokens} tokens ({host.total_tokens * host.bytes_per_token / 2**30:.2f} GiB"
         f"{', pinned' if host.pinned else ''}), {config.host_kv_write_policy}")
     transfer = KVTransfer(pool, host, delay_s=config.host_kv_debug_delay_s, debug=config.debug)
+    if config.kv_disk_dir is not None:
+        from prefixrt.cache.disk_radix import DiskTieredRadixCache
+        from prefixrt.cache.disk_store import DiskKVStore
+
+        disk = DiskKVStore(config.kv_disk_dir, kv_identity(config, resolved, pool), int(config.kv_disk_max_gb * 2**30),
+                           pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, config.page_size)
+        say(f"disk KV tier: {config.kv_disk_dir} (cap {config.kv_disk_max_gb:g} GiB), {disk.cached_tokens} tokens "
+            f"in {disk.num_files} files found")
+        return DiskTieredRadixCache(allocator, host, transfer, policy=config.host_kv_write_policy,
+                                    write_threshold=config.host_kv_write_threshold, debug=config.debug, disk=disk)
     return TieredRadixCache(allocator, host, transfer, policy=config.host_kv_write_policy,
                             write_threshold=config.host_kv_write_threshold, debug=config.debug)
 
@@ -238,6 +275,14 @@ def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, 
             out_cache_loc=[0] * (n * e), req_to_token=req_to_token, logits_indices=ends, device=device,
         ))
     return out
+
+
+def stop_ranks(built: Built) -> None:
+    """Tensor parallelism: end the other ranks and leave the group (after the loop has stopped). No-op otherwise."""
+    if built.ranks is not None:
+        from prefixrt.engine import tp_worker
+
+        tp_worker.stop(built.ranks, built.core.runner if built.core is not None else None)
 
 
 def release(built: Built) -> None:
@@ -301,17 +346,3 @@ def _drop_device_tensors(obj, seen: set[int], depth: int = 0) -> None:
                     pass
         elif isinstance(value, (dict, list)) or hasattr(value, "__dict__"):
             _drop_device_tensors(value, seen, depth + 1)
-
-
-def make_attention_backend(name: str, pool: KVPool, device: torch.device, max_batch: int):
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("attention_backend='triton' needs a CUDA device (use 'torch' on the CPU)")
-        from prefixrt.model.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(pool, max_batch_size=max_batch)
-    from prefixrt.model.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend(pool)

@@ -206,6 +206,13 @@ class EngineCore:
             if r.finish_reason is None:
                 self._finish(r, reason, error=error)
 
+    def finish_unscheduled(self, reqs: list[Req], reason: str = "abort") -> None:
+        """Finish requests that never reached the scheduler (disaggregation: aborted while their K/V was on its
+        way): their streams end with `reason`."""
+        for r in reqs:
+            if r.finish_reason is None:
+                self._finish(r, reason)
+
     def stop_hit(self, req: Req) -> None:
         """A stop string ended req's stream (called on the detokenizer thread); the loop finishes it next."""
         self._stop_hits.put(req)
@@ -338,6 +345,8 @@ class EngineCore:
                 r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
+                self.kv.salts.add(r.namespace, "prompt_tokens_total", len(r.prompt_ids))
+                self.kv.salts.add(r.namespace, "cached_tokens_total", r.num_cached_tokens)
                 if self.auditor is not None:
                     self.auditor.on_hit(r)
         step = Step(batch, [r.row for r in batch.reqs], sampled, [r.epoch for r in sampled], StepFence(self.device))
@@ -655,6 +664,16 @@ class EngineCore:
             bpt = tiered.host.bytes_per_token
             s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]
             s.host_backup_bytes_total, s.host_backup_seconds_total = t["backup"][1] * bpt, t["backup"][2]
+        disk = self.kv.disk
+        if disk is not None:
+            s.kv_disk_total_bytes, s.kv_disk_used_bytes = disk.max_bytes, disk.used_bytes
+            s.kv_disk_cached_tokens, s.kv_disk_files = disk.cached_tokens, disk.num_files
+            s.disk_hit_tokens_total = disk.hit_tokens_total
+            s.disk_load_bytes_total, s.disk_load_seconds_total = disk.load_bytes_total, disk.load_seconds_total
+            s.disk_write_bytes_total, s.disk_write_seconds_total = disk.write_bytes_total, disk.write_seconds_total
+            s.disk_write_skipped_total, s.disk_evicted_bytes_total = disk.write_skipped_total, disk.evicted_bytes_total
+            s.disk_rejected_files_total = disk.rejected_files_total
+        s.salts = self.kv.salt_stats()
         if self.auditor is not None:
             s.cache_audits_total = self.auditor.audits_total
             s.cache_audit_mismatches_total = self.auditor.mismatches_total

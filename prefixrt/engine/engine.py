@@ -56,6 +56,8 @@ class Engine(EngineFront):
 
         if parts is None:
             built = builder.build(self.config, progress)
+        elif self.config.tp_size > 1:
+            raise ValueError("tp_size > 1 loads each rank's shard itself: pass a model name or folder, not a model")
         else:
             dev = builder.resolve_device(self.config.device)
             built = builder.assemble(self.config, *parts, dev, builder.resolve_dtype(self.config.dtype, dev))
@@ -329,6 +331,7 @@ class Engine(EngineFront):
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
             from prefixrt.engine import builder
 
+            builder.stop_ranks(self._built)  # tensor parallelism: the other ranks return (after the loop: in step)
             builder.release(self._built)
 
     def __enter__(self):

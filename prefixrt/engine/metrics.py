@@ -37,6 +37,22 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "host_evicted_tokens_total": ("prefixrt_host_evicted_tokens", "Host KV tier copies dropped by its LRU."),
     "host_load_failures_total": ("prefixrt_host_load_failures",
                                  "Admissions whose host-tier hit found no KV pool room (recomputed)."),
+    "disk_hit_tokens_total": ("prefixrt_disk_hit_tokens", "Cached prompt tokens read from the disk KV tier."),
+    "disk_load_bytes_total": ("prefixrt_disk_load_bytes", "Bytes of disk KV tier files read."),
+    "disk_load_seconds_total": ("prefixrt_disk_load_seconds", "Time spent reading disk KV tier files."),
+    "disk_write_bytes_total": ("prefixrt_disk_write_bytes", "Bytes of disk KV tier files written."),
+    "disk_write_seconds_total": ("prefixrt_disk_write_seconds", "Time spent writing disk KV tier files."),
+    "disk_write_skipped_total": ("prefixrt_disk_write_skipped",
+                                 "Host KV tier evictions not written to disk (the write queue was full)."),
+    "disk_evicted_bytes_total": ("prefixrt_disk_evicted_bytes", "Disk KV tier files deleted by its size cap."),
+    "disk_rejected_files_total": ("prefixrt_disk_rejected_files",
+                                  "Disk KV tier files that failed a check (checksum, size, token ids); never used."),
+}
+_SALT_COUNTERS = {  # EngineStats.salts[label] key -> (metric name without _total, help); labelled by `salt`
+    "prompt_tokens_total": ("prefixrt_salt_prompt_tokens", "Prompt tokens of admitted requests, per cache_salt."),
+    "cached_tokens_total": ("prefixrt_salt_hit_tokens", "Prompt tokens reused from the KV cache (all tiers), "
+                                                        "per cache_salt."),
+    "evicted_tokens_total": ("prefixrt_salt_evicted_tokens", "Cached tokens evicted from the KV pool, per cache_salt."),
 }
 _GAUGES = {
     "kv_total": ("prefixrt_kv_total_tokens", "KV pool size in tokens."),
@@ -49,6 +65,10 @@ _GAUGES = {
     "kv_host_total": ("prefixrt_kv_host_total_tokens", "Host KV tier size in tokens (0: no host tier)."),
     "kv_host_free": ("prefixrt_kv_host_free_tokens", "Free host KV tier slots in tokens."),
     "kv_host_cached": ("prefixrt_kv_host_cached_tokens", "Tokens with a copy in the host KV tier."),
+    "kv_disk_total_bytes": ("prefixrt_kv_disk_total_bytes", "Disk KV tier size cap in bytes (0: no disk tier)."),
+    "kv_disk_used_bytes": ("prefixrt_kv_disk_used_bytes", "Bytes of the disk KV tier's files."),
+    "kv_disk_cached_tokens": ("prefixrt_kv_disk_cached_tokens", "Tokens of K/V in the disk KV tier's files."),
+    "kv_disk_files": ("prefixrt_kv_disk_files", "Files in the disk KV tier."),
 }
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -65,6 +85,17 @@ class _StatsCollector:
             yield GaugeMetricFamily(name, doc, value=getattr(s, fld))
         yield GaugeMetricFamily("prefixrt_kv_used_tokens", "KV in use (total - free), in tokens.",
                                 value=s.kv_total - s.kv_free)
+        # Per cache_salt, under bounded labels (a hash prefix, at most MAX_LABELS of them, then "other").
+        for key, (name, doc) in _SALT_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=["salt"])
+            for label, c in sorted(s.salts.items()):
+                fam.add_metric([label], c[key])
+            yield fam
+        fam = GaugeMetricFamily("prefixrt_salt_cached_tokens", "KV pool tokens cached now, per cache_salt.",
+                                labels=["salt"])
+        for label, c in sorted(s.salts.items()):
+            fam.add_metric([label], c["kv_cached_tokens"])
+        yield fam
 
 
 class Metrics:

@@ -122,6 +122,8 @@ class Scheduler:
         # 2. Admit waiting requests.
         if self.waiting and budget > 0:
             self._admit(batch, budget, prefilling)
+            if batch.is_empty and not self.running:
+                self.kv.wait_disk(0.002)
         return batch
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
@@ -153,6 +155,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_running_requests or kv.table.free_rows == 0 or budget <= 0:
                 break
             m = match(req)
+            if not kv.disk_ready(req, m):  # its prefix is being read from the disk tier
+                continue
             if (self.config.dedup_shared_prefill and kv.cache.retains
                     and self._shares_uncached_prefix(req, m.length, leaders)):
                 continue

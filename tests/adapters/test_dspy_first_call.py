@@ -2,7 +2,8 @@
 is a constraint (adapters/dspy_formats.py), so Predict and ChainOfThought parse on the first call — one LM call
 each, no JSONAdapter fallback — for at least 19 of 20 inputs (issue 14; measured counts in docs/adapters.md), and
 streamify with a StreamListener runs. The Responses API through the in-process OpenAI shim runs on the same
-engine. (ReAct and Refine on Gemma do not pass yet: docs/adapters.md.) Gemma in-process only: the one
+engine, and dspy.ReAct with a Python tool runs its loop (the tool called with arguments under its schema) to a
+final answer. (Refine on Gemma is not run here: docs/adapters.md.) Gemma in-process only: the one
 session engine `gemma_engine` (shared with tests/adapters/test_dspy.py)."""
 
 from __future__ import annotations
@@ -84,6 +85,31 @@ def test_streamify_with_a_stream_listener(lm):
     assert isinstance(final, dspy.Prediction) and final.answer
     assert chunks and all(c.signature_field_name == "answer" for c in chunks)
     assert "".join(c.chunk for c in chunks).strip() == final.answer.strip()
+
+
+def test_react_runs_its_tool_loop_to_a_final_answer(lm):
+    """dspy.ReAct on the default ChatAdapter: every step parses on the first call, the chosen tool's arguments
+    follow its schema (ReAct's own `dict[str, Any]` field lets a small model close `{}`, and every call failed),
+    so the tool runs, and the extraction step gives a typed answer. What the model computes is not asserted."""
+    calls = []
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    n_calls = len(lm.history)
+    react = dspy.ReAct("question -> answer: int", tools=[add], max_iters=2)
+    out = react(question="What is 2 + 3? Use the add tool.")
+    assert isinstance(out.answer, int)
+    steps = [out.trajectory[k] for k in out.trajectory if k.startswith("tool_name_")]
+    assert steps and set(steps) <= {"add", "finish"}, out.trajectory
+    assert len(calls) == steps.count("add"), out.trajectory  # every add step ran the tool
+    for i, _ in enumerate(steps):
+        assert "Execution error" not in str(out.trajectory[f"observation_{i}"]), out.trajectory
+    print(f"ReAct: steps {steps}, tool calls {calls}, answer {out.answer}")
+    # One LM call per step and one for the answer: no parse failure, no adapter fallback.
+    assert len(lm.history) - n_calls == len(steps) + 1
 
 
 def test_responses_through_the_shim(gemma_engine):

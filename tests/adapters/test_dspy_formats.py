@@ -67,3 +67,37 @@ def test_plain_prompts_are_left_alone():
     assert output_format_constraint([{"role": "user", "content": "hello"}]) == {}
     json_messages = dspy.JSONAdapter().format(dspy.Signature("question -> answer"), demos=[], inputs={"question": "q"})
     assert output_format_constraint(json_messages) == {}  # JSONAdapter sends response_format itself
+
+
+def _react_signature():
+    def add(a: int, b: int = 1) -> int:
+        """Add two integers.
+        A second line."""
+        return a + b
+
+    return dspy.ReAct("question -> answer: int", tools=[add], max_iters=2).react.signature
+
+
+@pytest.mark.parametrize("adapter", [dspy.ChatAdapter(), dspy.XMLAdapter()])
+def test_react_tool_arguments_follow_the_chosen_tool(backend, adapter):
+    """dspy.ReAct's next_tool_args is `dict[str, Any]` (any object, so a small model closed `{}` and the tool call
+    failed): the grammar ties the arguments to the tool named in next_tool_name, from the tools ReAct lists."""
+    sig = _react_signature()
+    grammar = output_format_constraint(adapter.format(sig, demos=[], inputs={"question": "2+3?", "trajectory": ""}))[
+        "grammar"]
+
+    def reply(name, args):
+        if isinstance(adapter, dspy.XMLAdapter):
+            return (f"<next_thought>\nAdd them.\n</next_thought>\n<next_tool_name>\n{name}\n</next_tool_name>\n"
+                    f"<next_tool_args>\n{args}\n</next_tool_args>")
+        return (f"[[ ## next_thought ## ]]\nAdd them.\n\n[[ ## next_tool_name ## ]]\n{name}\n\n"
+                f"[[ ## next_tool_args ## ]]\n{args}\n\n[[ ## completed ## ]]")
+
+    assert _accepts(backend, grammar, reply("add", '{"a": 2, "b": 3}'))
+    assert _accepts(backend, grammar, reply("finish", "{}"))
+    assert not _accepts(backend, grammar, reply("add", "{}"))  # a tool's arguments are required (strict rule)
+    assert not _accepts(backend, grammar, reply("add", '{"a": 2}'))  # a default is written out too
+    assert not _accepts(backend, grammar, reply("add", '{"a": 2, "b": 3, "c": 4}'))  # closed
+    assert not _accepts(backend, grammar, reply("finish", '{"a": 2, "b": 3}'))  # finish takes nothing
+    assert not _accepts(backend, grammar, reply("add", '{"a": "two", "b": 3}'))
+    assert adapter.parse(sig, reply("add", '{"a": 2, "b": 3}'))["next_tool_args"] == {"a": 2, "b": 3}

@@ -45,6 +45,25 @@ def test_strict_rule_closes_listed_objects_only():
         to_json_schema(object())
 
 
+def test_strict_rule_requires_every_listed_property():
+    """OpenAI strict mode: every listed property is required (a default is written out, not skipped), unless
+    requiring it leaves no finite instance or the property admits nothing."""
+    s = strict_schema(to_json_schema(Person))
+    assert s["required"] == ["name", "home", "past"]  # `past` has a default
+    assert strict_schema(to_json_schema(Person), strict=False)["required"] == ["name", "home"]
+    iterable = {"type": "object", "required": [], "properties": {"tasks": {"type": "array", "items": {"$ref": "#/$defs/C"}}},
+                "$defs": {"C": {"type": "object", "properties": {"n": {"type": "string"}}}}}
+    out = strict_schema(iterable)
+    assert out["required"] == ["tasks"] and out["$defs"]["C"]["required"] == ["n"]
+    jsonschema.validate({"tasks": []}, out)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({}, out)
+    node = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}, "gone": False}}
+    assert strict_schema(node)["required"] == ["v"]  # `next` required would have no finite instance
+    nullable = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
+    assert strict_schema(nullable)["required"] == ["v", "next"]  # null ends the list
+
+
 def test_embedded_schema_refs_resolve():
     inner = to_json_schema(Person)
     ref, defs = embed(inner, "save.arguments")

@@ -1,0 +1,151 @@
+"""KVFileFormat: one disk-tier file, a segment [start, end) of a cached prefix — how it is written and verified.
+
+Layout (little-endian):
+    MAGIC (8 bytes) | header length (u32) | header JSON, space-padded so the K/V starts 64-byte aligned |
+    token ids [0, end) (int64) | K [layers, end - start, kv_heads, head_dim] | V (same) | checksum (16 bytes,
+    BLAKE2b of everything before it)
+The header names the engine identity (model revision and weights, dtype, K/V shape), the namespace
+(cache_salt), start and end. Invariants:
+- Written atomically: a temporary file in the same directory, renamed into place once complete.
+- A read is usable only if the size, the checksum and the header all check out, the header is this engine's
+  (identity, namespace), and the stored token ids [0, start) equal the request's; then exactly the page-aligned
+  part of [start, end) whose tokens equal the request's is returned. Nothing here trusts a hash.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import io
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAGIC = b"PRXKV001"
+SUFFIX = ".kv"
+TMP_PREFIX = ".tmp-"
+_SUM_BYTES = 16
+_ALIGN = 64
+
+
+def token_bytes(ids) -> bytes:
+    return array.array("q", ids).tobytes()
+
+
+@dataclass
+class Damaged(Exception):
+    """The file is damaged (checksum, size, header): never used, to be deleted."""
+
+    reason: str
+
+
+@dataclass
+class Segment:
+    """The usable part of a file for one request: positions [start, end), k/v [layers, end - start, heads, dim]."""
+
+    start: int
+    end: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class KVFileFormat:
+    def __init__(self, identity: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 page_size: int):
+        self.identity = identity
+        self.shape = (num_layers, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.page_size = page_size
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def header(self, namespace: Any, start: int, end: int) -> dict:
+        layers, heads, dim = self.shape
+        return {"identity": self.identity, "namespace": namespace, "start": start, "end": end, "layers": layers,
+                "kv_heads": heads, "head_dim": dim, "dtype": str(self.dtype).removeprefix("torch.")}
+
+    def read_header(self, f, size: int) -> tuple[dict, list[int], int] | None:
+        """(header, token ids, offset of the K/V) of an open file; None: not this engine's file (another
+        identity, or a page size this engine cannot use). Raises Damaged (bad magic, header or size)."""
+        if f.read(len(MAGIC)) != MAGIC:
+            raise Damaged("not a KV file (bad magic)")
+        raw_len = f.read(4)
+        if len(raw_len) != 4:
+            raise Damaged("truncated header")
+        (hlen,) = struct.unpack("<I", raw_len)
+        if hlen > 1 << 20:
+            raise Damaged("header too long")
+        try:
+            hdr = json.loads(f.read(hlen).decode())
+            start, end = int(hdr["start"]), int(hdr["end"])
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise Damaged(f"damaged header: {e}") from None
+        if not 0 <= start < end:
+            raise Damaged("damaged header: bad segment bounds")
+        if hdr != self.header(hdr.get("namespace"), start, end) or start % self.page_size or end % self.page_size:
+            return None
+        kv_off = len(MAGIC) + 4 + hlen + 8 * end
+        if size != kv_off + (end - start) * self.bytes_per_token + _SUM_BYTES:
+            raise Damaged(f"size {size} does not match its header (truncated?)")
+        raw = f.read(8 * end)
+        if len(raw) != 8 * end:
+            raise Damaged("truncated token ids")
+        return hdr, array.array("q", raw).tolist(), kv_off
+
+    def write(self, directory: Path, name: str, namespace: Any, tokens: list[int], start: int, k: torch.Tensor,
+              v: torch.Tensor) -> int:
+        """Write the segment [start, len(tokens)) atomically as directory/name; returns the file's size."""
+        hdr = json.dumps(self.header(namespace, start, len(tokens))).encode()
+        pad = -(len(MAGIC) + 4 + len(hdr)) % _ALIGN  # tokens are 8 bytes each: the K/V starts aligned too
+        hdr += b" " * pad
+        parts = [MAGIC, struct.pack("<I", len(hdr)), hdr, token_bytes(tokens),
+                 k.contiguous().view(-1).view(torch.uint8).numpy().data,
+                 v.contiguous().view(-1).view(torch.uint8).numpy().data]
+        h = hashlib.blake2b(digest_size=_SUM_BYTES)
+        tmp = directory / f"{TMP_PREFIX}{name}-{os.getpid()}-{threading.get_ident()}"
+        with open(tmp, "wb") as f:
+            for p in parts:
+                h.update(p)
+                f.write(p)
+            f.write(h.digest())
+        # No fsync: a file lost or damaged by a power cut fails its checksum or size check and is recomputed.
+        os.replace(tmp, directory / name)
+        return (directory / name).stat().st_size
+
+    def read(self, path: Path, namespace: Any, ids: list[int], cap: int, pos: int) -> tuple[Segment | str | None, int]:
+        """Read and verify the file at path for a request (ids, namespace) whose match ends at pos; use at most
+        ids[:cap]. Returns (what, bytes read): a Segment; a reason string (never used, not damaged); None (gone,
+        or no whole page in common). Raises Damaged."""
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as fh:
+                data = bytearray(size)
+                got = fh.readinto(data)
+        except FileNotFoundError:
+            return None, 0
+        if got != size or size < len(MAGIC) + 4 + _SUM_BYTES:
+            raise Damaged("truncated")
+        if hashlib.blake2b(memoryview(data)[:-_SUM_BYTES], digest_size=_SUM_BYTES).digest() != data[-_SUM_BYTES:]:
+            raise Damaged("failed its checksum")
+        parsed = self.read_header(io.BytesIO(data), size)
+        if parsed is None or parsed[0]["namespace"] != namespace:
+            return "belongs to another model revision or namespace (hash collision)", size
+        hdr, tokens, kv_off = parsed
+        start, end = hdr["start"], hdr["end"]
+        if start != pos or tokens[:start] != ids[:start]:
+            return "stores different token ids than the request's prefix (hash collision)", size
+        n, limit = 0, min(end, cap)
+        while pos + n < limit and tokens[pos + n] == ids[pos + n]:
+            n += 1
+        n = n // self.page_size * self.page_size
+        if n == 0:
+            return None, size
+        layers, heads, dim = self.shape
+        kv = torch.frombuffer(data, dtype=self.dtype, count=2 * layers * (end - start) * heads * dim,
+                              offset=kv_off).view(2, layers, end - start, heads, dim)
+        return Segment(start, start + n, kv[0, :, :n], kv[1, :, :n]), size

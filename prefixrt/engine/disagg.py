@@ -1,0 +1,512 @@
+"""Prefill/decode disaggregation: prefill engines compute prompts' K/V and send it to a decode engine, which
+publishes it in its own radix cache and decodes. Each side is a full Engine with its own pool and radix cache.
+
+Data flow for one request on the decode engine (DecodeEngine):
+  1. prepare (caller's thread, as usual), then on the loop thread: KVManager.begin_receive locks what the decode
+     cache already holds of prompt[:-1] and allocates pages for the rest; a KVRequest(start, tokens) goes to a
+     prefill peer (round robin). The last prompt token is always computed here (it samples the first token).
+  2. The prefill side (PrefillWorker) runs the prompt through its Engine (cache_prefix: its radix cache reuses
+     what it has), locks the path, sends a header and then K/V layer by layer, and unlocks.
+  3. The decode side's receiving thread writes each layer into the reserved slots and marks it; after the last
+     one the loop publishes the pages in the radix cache (finish_receive) and admits the request, which matches
+     the whole prefix and decodes. A failed or missing peer falls back to computing the prompt locally.
+
+Abort contract (the production bug: a decode engine reused an aborted request's slots while a transfer was still
+writing them): the decode side frees a transfer's slots only after the prefill side has confirmed, on the same
+ordered stream, that the transfer never started (header "cancelled") or has completed (every layer delivered),
+or has closed the stream (bye: nothing more comes). An abort therefore unlocks the prefix, sends Cancel, and
+hands the pages to KVManager's hold (abandon_receive); they return to the allocator at the first reclaim after
+the confirmation. A transfer starts when its header is sent: a Cancel before that is answered "cancelled"; one
+that started always completes (bounded by its size).
+Checked in debug mode: freed slots are poisoned, the receiver verifies before every layer that its slots are
+still its own, and the allocator side refuses pages whose transfer is pending (KVManager.lifetime_violations).
+Race mode (delay_s > 0 on the prefill side) delays each layer so aborts land mid-transfer.
+
+Threads: the decode loop owns every KVManager call; per peer, one sender thread (records out) and one receiver
+thread (headers, layers, bye in; it writes the pool and marks Transfers, nothing else), which hands completions
+to the loop through the engine's inbox. On the prefill side, per peer one listener thread and a pool of transfer
+threads (prompts prefill concurrently, in the engine's batches; one transfer sends at a time).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefixrt.cache.kv_transport import (
+    TAG_TO_DECODE,
+    TAG_TO_PREFILL,
+    Channel,
+    local_groups,
+    sleep_s,
+)
+from prefixrt.engine.engine import Engine
+
+log = logging.getLogger("prefixrt")
+
+
+# ---------------------------------------------------------------------------------------------- wire records
+@dataclass(frozen=True)
+class KVRequest:
+    """decode -> prefill: send K/V of positions [start, len(tokens)) of tokens (namespace = cache_salt)."""
+
+    xfer_id: int
+    tokens: list[int]
+    namespace: Any
+    start: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """decode -> prefill: the request is gone; answer "cancelled" if the transfer has not started."""
+
+    xfer_id: int
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    """prefill -> decode: "sending" (num_layers K/V tensors of num_tokens follow), "cancelled" (never started,
+    nothing follows) or "failed" (nothing follows; error says why)."""
+
+    xfer_id: int
+    status: str
+    num_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Bye:
+    """Either way: nothing more comes on this stream (the receiver answers with its own Bye)."""
+
+
+# ---------------------------------------------------------------------------------------------- prefill side
+class PrefillWorker:
+    """Serves KVRequests from decode engines with `engine` (which keeps serving its own requests too).
+
+    Per decode peer: a listener thread, and up to `max_inflight` transfers computing at once on a thread pool (their
+    prompts prefill together in the engine's batches); sending is one transfer at a time per peer, in the order
+    they finish computing. A transfer starts when its header is sent: a Cancel before that is answered
+    "cancelled" (its K/V, if computed, just stays in this engine's cache); after it, the transfer completes.
+    delay_s (race mode) sleeps before each layer is sent."""
+
+    def __init__(self, engine: Engine, group, decode_ranks=(0,), backend: str = "gloo", delay_s: float = 0.0,
+                 max_inflight: int = 16):
+        if not engine.config.radix_cache:
+            raise ValueError("a prefill worker needs radix_cache=True (it sends K/V from its radix cache)")
+        self.engine = engine
+        self.delay_s = delay_s
+        self.transfers_total = 0
+        self.cancelled_total = 0
+        self._peers = [_PrefillPeer(self, Channel(group, r, TAG_TO_DECODE, TAG_TO_PREFILL, backend), max_inflight)
+                       for r in decode_ranks]
+        for p in self._peers:
+            p.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the transfers in flight, say bye to every peer and wait for theirs."""
+        for p in self._peers:
+            p.close(timeout)
+
+    # ------------------------------------------------------------------ one transfer (a pool thread)
+    def compute(self, req: KVRequest):
+        """Prefill req.tokens in the engine and lock their cached path: (handle, slots). Raises if it cannot."""
+        eng = self.engine
+        n = len(req.tokens)
+        for _ in range(3):  # the path may be evicted between the prefill and the lock: prefill again
+            eng.cache_prefix(req.tokens, req.namespace)
+            locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.namespace, n))
+            if locked is not None:
+                return locked
+        raise RuntimeError("the prompt's K/V could not be kept in the prefill engine's cache")
+
+    def send(self, ch: Channel, req: KVRequest, slots: list[int]) -> None:
+        """(Holding ch.send_lock.) The header, then every layer's K/V of positions [start, n)."""
+        pool = self.engine.core.kv.pool
+        n = len(req.tokens)
+        idx = torch.tensor(slots[req.start:n], dtype=torch.int64, device=pool.device)
+        ch.send_obj(KVHeader(req.xfer_id, "sending", num_tokens=n - req.start))
+        for layer in range(pool.num_layers):  # started: always completes (the decode side holds its slots)
+            sleep_s(self.delay_s)
+            ch.send_layer(pool, layer, idx)
+        self.transfers_total += 1
+
+    def unlock(self, handle) -> None:
+        eng = self.engine
+        eng._run_on_loop(lambda: eng.core.kv.cache.unlock(handle))
+
+
+def _lock_path(eng: Engine, tokens: list[int], namespace, n: int):
+    """(Loop thread.) Lock the cached path of tokens[:n]: (handle, its slots), or None if not all cached."""
+    cache = eng.core.kv.cache
+    m = cache.match_prefix(tokens, namespace, max_len=n)
+    if m.length < n:
+        return None
+    return cache.lock(m), list(m.slots)
+
+
+class _PrefillPeer:
+    """The prefill side of one decode peer. Transfer states (under _lock): queued -> computing -> sending -> done,
+    or cancelled (answered) from queued, or cancel_requested from computing (answered before any header)."""
+
+    def __init__(self, worker: PrefillWorker, ch: Channel, max_inflight: int):
+        self.worker, self.ch = worker, ch
+        self._lock = threading.Lock()
+        self._state: dict[int, str] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_inflight, thread_name_prefix=f"prefixrt-prefill-{ch.peer}")
+        self._closing = False
+        self._bye_sent = False
+        self._listener = threading.Thread(target=self._listen, name=f"prefixrt-prefill-listen-{ch.peer}", daemon=True)
+
+    def start(self) -> None:
+        self._listener.start()
+
+    def close(self, timeout: float) -> None:
+        self._say_bye()
+        self._listener.join(timeout)
+
+    def _say_bye(self) -> None:
+        """Once: no new transfers; those in flight finish (or are answered); then bye."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._pool.shutdown(wait=True)
+        with self.ch.send_lock:
+            self.ch.send_obj(Bye())
+
+    def _listen(self) -> None:
+        while True:
+            msg = self.ch.recv_obj()
+            if isinstance(msg, Bye):
+                self._say_bye()
+                return
+            if isinstance(msg, KVRequest):
+                with self._lock:
+                    if self._closing:
+                        continue  # after our bye: the decode side treats it as failed
+                    self._state[msg.xfer_id] = "queued"
+                    self._pool.submit(self._run, msg)
+                continue
+            with self._lock:  # a Cancel
+                state = self._state.get(msg.xfer_id)
+                if state == "computing":
+                    self._state[msg.xfer_id] = "cancel_requested"
+                if state != "queued":
+                    continue  # being computed (answered before any header), sending (it completes), or done
+                self._state[msg.xfer_id] = "cancelled"
+            self._answer_cancelled(msg.xfer_id)
+
+    def _answer_cancelled(self, xfer_id: int) -> None:
+        self.worker.cancelled_total += 1
+        with self.ch.send_lock:
+            self.ch.send_obj(KVHeader(xfer_id, "cancelled"))
+        with self._lock:
+            self._state.pop(xfer_id, None)
+
+    def _run(self, req: KVRequest) -> None:
+        with self._lock:
+            if self._state.get(req.xfer_id) != "queued":
+                return  # cancelled while queued: answered already
+            self._state[req.xfer_id] = "computing"
+        try:
+            handle, slots = self.worker.compute(req)
+        except Exception as e:  # noqa: BLE001 - the decode side computes the prompt itself
+            with self.ch.send_lock:
+                self.ch.send_obj(KVHeader(req.xfer_id, "failed", error=str(e)))
+            with self._lock:
+                self._state.pop(req.xfer_id, None)
+            return
+        try:
+            with self.ch.send_lock:
+                with self._lock:
+                    cancelled = self._state[req.xfer_id] == "cancel_requested"
+                    self._state[req.xfer_id] = "sending"
+                if cancelled:
+                    self.worker.cancelled_total += 1
+                    self.ch.send_obj(KVHeader(req.xfer_id, "cancelled"))
+                else:
+                    self.worker.send(self.ch, req, slots)
+        finally:
+            with self._lock:
+                self._state.pop(req.xfer_id, None)
+            self.worker.unlock(handle)
+
+
+# ---------------------------------------------------------------------------------------------- decode side
+@dataclass
+class _Pending:
+    prepared: Any  # engine.PreparedRequest
+    inc: Any  # cache.kv_manager.IncomingKV
+    peer: int
+
+
+class DecodeEngine(Engine):
+    """An Engine whose prompts' K/V comes from prefill workers (see the module docstring). Until `connect` is
+    called (or with no live peer) it computes prompts itself, like a plain Engine.
+
+    transfer_stats(): transfers completed (their tokens, bytes, seconds from header to last layer), transfers
+    cancelled before they started, failed ones (computed here instead), requests aborted during their transfer,
+    requests not fetched (already cached here, one-token prompt, no live peer or no free pages); of the aborted,
+    those whose K/V was being written at the abort."""
+
+    def __init__(self, model: str = "gemma-3-270m", **kwargs: Any):
+        super().__init__(model, **kwargs)
+        self._links: list[_DecodeLink] = []
+        self._rr = itertools.count()
+        self._xfer_ids = itertools.count(1)
+        self._pending: dict[str, _Pending] = {}  # request id -> its transfer (loop thread only)
+        self._xfers: dict[int, Any] = {}  # transfer id -> IncomingKV (receivers read it)
+        self._xfers_lock = threading.Lock()
+        self._stats = {"transfers": 0, "tokens": 0, "bytes": 0, "seconds": 0.0, "cancelled": 0, "failed": 0, "not_fetched": 0,
+                       "aborted_during_transfer": 0, "aborted_while_writing": 0}
+
+    def connect(self, group, prefill_ranks, backend: str = "gloo") -> None:
+        """Start streams to the prefill workers at these ranks of `group` (call once, before serving)."""
+        for r in prefill_ranks:
+            link = _DecodeLink(self, Channel(group, r, TAG_TO_PREFILL, TAG_TO_DECODE, backend))
+            self._links.append(link)
+            link.start()
+
+    # ------------------------------------------------------------------ submission (caller's thread)
+    def enqueue(self, prepared, sink) -> None:
+        from prefixrt.errors import EngineDeadError
+
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        for r in prepared.reqs:
+            if r.sink is not None:
+                raise RuntimeError(f"request {prepared.request_id!r} was already enqueued")
+            r.sink = sink
+        self._post(lambda: self._start(prepared))
+
+    def abort(self, request_id: str) -> None:
+        if not self._stopped:
+            self._post(lambda: self._abort(request_id))
+
+    def _post(self, fn) -> None:
+        """Run fn on the loop thread, in inbox order (after everything enqueued before it)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.add_done_callback(lambda f: f.exception() and log.error("disaggregation step failed: %r", f.exception()))
+        self._inbox.put(("call", fn, fut))
+
+    # ------------------------------------------------------------------ the loop thread
+    def _start(self, prepared) -> None:
+        core, kv = self.core, self.core.kv
+        ids = prepared.prompt_ids
+        live = [link for link in self._links if link.alive]
+        inc = None
+        if live and len(ids) > 1:
+            inc = kv.begin_receive(ids[:-1], prepared.params.cache_salt)
+        if inc is not None:
+            link = live[next(self._rr) % len(live)]
+            xfer_id = next(self._xfer_ids)
+            inc.meta.update(peer=link, xfer_id=xfer_id)
+            with self._xfers_lock:  # (the receiver marks a closed peer's transfers under this lock)
+                if link.alive:
+                    self._xfers[xfer_id] = inc
+                    self._pending[prepared.request_id] = _Pending(prepared, inc, link.ch.peer)
+                    link.send(KVRequest(xfer_id, inc.tokens, inc.namespace, inc.start))
+                    return
+            inc.transfer.mark_all()  # never sent: nothing will write its pages
+            kv.abandon_receive(inc)
+        # Nothing to fetch (already cached here, or a one-token prompt), no live peer, or no pages: computed here.
+        self._stats["not_fetched"] += 1
+        core.add(prepared.reqs)
+
+    def _abort(self, rid: str) -> None:
+        p = self._pending.pop(rid, None)
+        if p is None:
+            self.core.abort(rid)
+            return
+        inc = p.inc
+        self._stats["aborted_during_transfer"] += 1
+        if inc.meta.get("writing") and not inc.transfer.query():
+            self._stats["aborted_while_writing"] += 1
+        self.core.kv.abandon_receive(inc)  # the pages wait for the prefill side's confirmation
+        inc.meta["peer"].send(Cancel(inc.meta["xfer_id"]))
+        self.core.finish_unscheduled(p.prepared.reqs, "abort")
+
+    def _done(self, xfer_id: int, status: str) -> None:
+        """(Loop thread.) A transfer is confirmed: complete, cancelled, or failed/closed."""
+        with self._xfers_lock:
+            inc = self._xfers.pop(xfer_id, None)
+        kv = self.core.kv
+        if inc is None:  # confirmed twice (completed, then the peer closed): the first one counted
+            return
+        rid = next((r for r, p in self._pending.items() if p.inc is inc), None)
+        if rid is None:  # aborted meanwhile: its pages were held for this confirmation
+            kv.reclaim()
+            return
+        p = self._pending.pop(rid)
+        if status == "complete":
+            kv.finish_receive(inc)
+            s = self._stats
+            s["transfers"] += 1
+            s["tokens"] += len(inc.slots)
+            s["bytes"] += inc.meta.get("bytes", 0)
+            s["seconds"] += inc.meta.get("seconds", 0.0)
+        else:
+            if status == "failed":
+                log.warning("KV transfer %d failed (%s): computing the prompt locally", xfer_id, inc.transfer.error)
+                self._stats["failed"] += 1
+            kv.abandon_receive(inc)
+        self.core.add(p.prepared.reqs)
+
+    # ------------------------------------------------------------------ receiving (receiver threads)
+    def _receive(self, link: _DecodeLink, hdr: KVHeader) -> None:
+        with self._xfers_lock:
+            inc = self._xfers[hdr.xfer_id]
+        t = inc.transfer
+        if hdr.status != "sending":
+            if hdr.status == "cancelled":
+                self._stats["cancelled"] += 1
+            t.mark_all(None if hdr.status == "cancelled" else RuntimeError(hdr.error or "failed"))
+            self._post(lambda: self._done(hdr.xfer_id, "cancelled" if hdr.status == "cancelled" else "failed"))
+            return
+        assert hdr.num_tokens == len(inc.slots), f"sender has {hdr.num_tokens} tokens, {len(inc.slots)} slots reserved"
+        kv = self.core.kv
+        pool = kv.pool
+        t0 = time.perf_counter()
+        before = link.ch.bytes_received
+        idx = torch.tensor(inc.slots, dtype=torch.int64, device=pool.device)
+        inc.meta["writing"] = True
+        for layer in range(pool.num_layers):
+            data = link.ch.recv_layer(pool, hdr.num_tokens)
+            if kv.debug and not kv.receive_target_ok(inc):
+                log.error("KV transfer %d: its slots were freed or reused while it was writing", hdr.xfer_id)
+            link.ch.write_layer(pool, layer, idx, data)
+            t.events[layer].set()
+        inc.meta["seconds"] = time.perf_counter() - t0
+        inc.meta["bytes"] = link.ch.bytes_received - before
+        self._post(lambda: self._done(hdr.xfer_id, "complete"))
+
+    def _peer_closed(self, link: _DecodeLink) -> None:
+        """(Receiver thread.) The peer said bye: nothing more will be written for its transfers."""
+        with self._xfers_lock:
+            link.alive = False
+            mine = [(x, inc) for x, inc in self._xfers.items()
+                    if inc.meta.get("peer") is link and not inc.transfer.query()]  # (done ones are confirmed)
+        for x, inc in mine:
+            inc.transfer.mark_all(RuntimeError("the prefill worker closed its stream"))
+            self._post(lambda x=x: self._done(x, "failed"))
+
+    # ------------------------------------------------------------------ reporting and shutdown
+    def transfer_stats(self) -> dict:
+        return self._run_on_loop(lambda: dict(self._stats))
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Also waits until no transfer is pending (a held receive included)."""
+        deadline = time.monotonic() + timeout
+        while self._run_on_loop(lambda: bool(self._pending or self._xfers or self.core.kv.pending_receives)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("transfers still pending")
+            self._run_on_loop(self.core.kv.reclaim)
+            time.sleep(0.01)
+        super().wait_idle(max(0.0, deadline - time.monotonic()))
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        if self._links:
+            self._run_on_loop(lambda: [self._abort(rid) for rid in list(self._pending)])
+            try:
+                self.wait_idle(60.0)
+            except TimeoutError:
+                log.error("shutting down with KV transfers still unconfirmed")
+            for link in self._links:
+                link.close()
+        super().shutdown()
+
+
+class _DecodeLink:
+    """The decode side of one prefill peer: a sender thread (records out) and a receiver thread."""
+
+    def __init__(self, engine: DecodeEngine, ch: Channel):
+        self.engine, self.ch = engine, ch
+        self.alive = True  # False once the peer said bye: no new transfers go to it
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._bye_sent = threading.Event()
+        self._bye_received = threading.Event()
+        self._threads = [threading.Thread(target=self._send_loop, name=f"prefixrt-decode-send-{ch.peer}", daemon=True),
+                         threading.Thread(target=self._recv_loop, name=f"prefixrt-decode-recv-{ch.peer}", daemon=True)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def send(self, msg) -> None:
+        self._out.put(msg)
+
+    def close(self, timeout: float = 30.0) -> None:
+        if not self._bye_sent.is_set():
+            self._out.put(Bye())
+        self._bye_received.wait(timeout)
+        self._out.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._out.get()
+            if msg is None:
+                return
+            if self._bye_sent.is_set():
+                continue  # after bye nothing more may go out
+            self.ch.send_obj(msg)
+            if isinstance(msg, Bye):
+                self._bye_sent.set()
+
+    def _recv_loop(self) -> None:
+        try:
+            while True:
+                msg = self.ch.recv_obj()
+                if isinstance(msg, Bye):
+                    return
+                self.engine._receive(self, msg)
+        except Exception:  # noqa: BLE001 - a broken stream: treat as closed
+            log.exception("KV stream from rank %d broke", self.ch.peer)
+        finally:
+            self.engine._peer_closed(self)  # (sets alive False)
+            self._bye_received.set()
+            if not self._bye_sent.is_set():
+                self._out.put(Bye())
+
+
+# ---------------------------------------------------------------------------------------------- in-process pair
+class DisaggPair:
+    """A prefill engine and a decode engine in this process, joined by a gloo group (threads as ranks): the
+    in-process form of `prefixrt serve --role prefill` + `--role decode`. Use `pair.decode` as the Provider.
+
+    DisaggPair(model, prefill_kwargs=None, decode_kwargs=None, delay_s=0.0, **engine_kwargs); `_parts` (tests)
+    is passed to both engines (they then share the injected model's weights)."""
+
+    def __init__(self, model: str = "gemma-3-270m", prefill_kwargs: dict | None = None,
+                 decode_kwargs: dict | None = None, delay_s: float = 0.0, **kwargs: Any):
+        self.prefill = Engine(model, **{**kwargs, **(prefill_kwargs or {})})
+        try:
+            self.decode = DecodeEngine(model, **{**kwargs, **(decode_kwargs or {})})
+        except BaseException:
+            self.prefill.shutdown()
+            raise
+        group_decode, group_prefill = local_groups(2)
+        self.worker = PrefillWorker(self.prefill, group_prefill, decode_ranks=(0,), delay_s=delay_s)
+        self.decode.connect(group_decode, prefill_ranks=(1,))
+
+    def shutdown(self) -> None:
+        self.decode.shutdown()
+        self.worker.close()
+        self.prefill.shutdown()
+
+    def __enter__(self) -> DisaggPair:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
