@@ -4,7 +4,7 @@ against transformers, on the tiny checkpoint of every model class (Llama, Mistra
 One TP=2 engine per architecture runs every check, to keep the start-ups (a spawned process importing torch)
 few: greedy tokens equal to transformers' `generate` and to a TP=1 engine with the same options, one by one
 (cache hits) and batched on a pool small enough to evict and retract; prefill and decode logits within 1e-5 of
-the TP=1 engine's (fp32); an abort mid-stream leaves the ranks in step; shutdown ends rank 1 cleanly.
+the TP=1 engine's and of transformers' (fp32); an abort mid-stream leaves the ranks in step; shutdown ends rank 1 cleanly.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
         assert [ch.finish_reason for ch in stream][-1] == "abort"
         assert tp.generate(oracle_prompts[1], {"max_new_tokens": 8, **GREEDY}).token_ids == want_oracle[1]
 
-        # Prefill and decode logits: TP=2 within 1e-5 of TP=1 (fp32), both of transformers.
+        # Prefill and decode logits: TP=2 within 1e-5 of TP=1 and of transformers (fp32; measured ~2e-6).
         prompt = tree_prompts[3] + oracle_prompts[2]
         tokens_tp, logits_tp = _logits_of(tp, prompt, 6)
         tokens_one, logits_one = _logits_of(one, prompt, 6)
@@ -138,7 +138,7 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
         with torch.no_grad():
             hf_logits = hf(torch.tensor([prompt + tokens_tp])).logits[0, len(prompt) - 1: len(prompt) + 5].float()
         assert (logits_tp - logits_one).abs().max().item() <= 1e-5
-        assert (logits_tp - hf_logits).abs().max().item() <= 1e-4
+        assert (logits_tp - hf_logits).abs().max().item() <= 1e-5
         assert_idle_and_clean(tp)
     finally:
         tp.shutdown()
