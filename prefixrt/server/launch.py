@@ -158,8 +158,9 @@ def build_role_engine(args: argparse.Namespace):
     torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
     ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
     from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine, PrefillWorker
+    from prefixrt.engine.disagg import DecodeEngine
     from prefixrt.engine.engine import Engine
+    from prefixrt.engine.prefill_worker import PrefillWorker
 
     t0 = time.monotonic()
 
