@@ -173,7 +173,10 @@ def main() -> int:
                       prefill_hit_rate=round(prefill_stats["cached_tokens"] / prefill_stats["prompt_tokens"], 4)
                       if prefill_stats["prompt_tokens"] else 0.0)
     log(f"disagg: {json.dumps(row_disagg)}")
-    log(f"\ncheck: {matches}/{len(want)} greedy outputs equal the single engine's ({args.dtype})")
+    diverge = [next(i for i, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y)
+               for a, b in zip(want, got) if a != b]
+    log(f"\ncheck: {matches}/{len(want)} greedy outputs equal the single engine's ({args.dtype})"
+        + (f"; the others diverge at generated token {diverge}" if diverge else ""))
     log("\n| engine | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | transfers | GB moved "
         "| transfer GB/s | GB/s over the run |")
     log("|---|---|---|---|---|---|---|---|---|---|")
@@ -185,7 +188,7 @@ def main() -> int:
     if out:
         with open(os.path.join(out, "gpu_disagg.json"), "w") as f:
             json.dump({"args": vars(args), "single": row_single, "disagg": row_disagg, "prefill": prefill_stats,
-                       "check": {"equal": matches, "total": len(want)}}, f, indent=2)
+                       "check": {"equal": matches, "total": len(want), "diverge_at": diverge}}, f, indent=2)
     ok = matches >= min_match * len(want) and xfer["failed"] == 0 and xfer["transfers"] > 0
     log("OK" if ok else "FAILED")
     return 0 if ok else 1
