@@ -211,6 +211,18 @@ class DecodeEngine(Engine):
     def transfer_stats(self) -> dict:
         return self._run_on_loop(lambda: dict(self._stats))
 
+    def stats(self):
+        """EngineStats; requests whose K/V is on its way count as waiting."""
+        if self._stopped or not self._thread.is_alive():
+            return super().stats()
+
+        def snapshot():
+            s = self.core.snapshot_stats()
+            s.requests_waiting += len(self._pending)
+            return s
+
+        return self._run_on_loop(snapshot)
+
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Also waits until no transfer is pending (a held receive included)."""
         deadline = time.monotonic() + timeout
