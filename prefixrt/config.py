@@ -29,6 +29,9 @@ class EngineConfig:
     grammar_backend: str = "llguidance"  # "llguidance" | "xgrammar"
     grammar_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused (InvalidRequest)
     cuda_graph: bool = True  # capture decode batches (CUDA only)
+    # Shared-prefix (cascade) decode inside the decode graphs (CUDA, Triton backend): running requests that
+    # share a cached prefix read its K/V once per tile. None: the engine's default (builder.CASCADE_DECODE).
+    cascade_decode: bool | None = None
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
     overlap_schedule: bool | None = None
@@ -47,6 +50,14 @@ class EngineConfig:
     # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
+    # Tensor parallelism (model/parallel.py, engine/tp_worker.py): the model split over tp_size ranks, one process
+    # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
+    # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"
+    # is the torch.distributed rendezvous (None: a free port on 127.0.0.1, one node only).
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -89,5 +100,22 @@ class EngineConfig:
             bad("kv_disk_max_gb must be > 0")
         if self.max_cached_fraction_per_salt is not None and not 0 < self.max_cached_fraction_per_salt <= 1:
             bad("max_cached_fraction_per_salt must be in (0, 1]")
+        if self.tp_size < 1:
+            bad("tp_size must be >= 1")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            bad(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes} (the same ranks on every node)")
+        if not 0 <= self.node_rank < self.nnodes:
+            bad(f"node_rank must be in [0, nnodes), got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            bad("nnodes > 1 needs dist_init_addr (host:port of node 0, reachable from every node)")
+        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
+            bad(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.tp_size > 1 and self.host_kv_cache_tokens:
+            bad("the host KV tier is not supported with tp_size > 1")
         if self.grammar_backend not in ("llguidance", "xgrammar"):
             bad("grammar_backend must be 'llguidance' or 'xgrammar'")
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

@@ -37,7 +37,9 @@ def make_group(addr: str, rank: int, world_size: int, backend: str = "gloo", tim
         raise ValueError(f"rendezvous address must be host:port, got {addr!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, int(port), world_size, is_master=(rank == 0), timeout=timeout)
-    return _group(dist.PrefixStore("prefixrt-disagg", store), rank, world_size, backend, timeout)
+    loopback = host in ("127.0.0.1", "localhost", "::1")  # every rank on this host: gloo binds loopback too
+    return _group(dist.PrefixStore("prefixrt-disagg", store), rank, world_size, backend, timeout,
+                  bind_host="127.0.0.1" if loopback else None)
 
 
 def local_groups(world_size: int, backend: str = "gloo", timeout_s: float = 120.0) -> list:
@@ -51,7 +53,8 @@ def local_groups(world_size: int, backend: str = "gloo", timeout_s: float = 120.
 
     def join(rank: int) -> None:
         try:
-            groups[rank] = _group(dist.PrefixStore("prefixrt-local", store), rank, world_size, backend, timeout)
+            groups[rank] = _group(dist.PrefixStore("prefixrt-local", store), rank, world_size, backend, timeout,
+                                  bind_host="127.0.0.1")
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
@@ -65,11 +68,17 @@ def local_groups(world_size: int, backend: str = "gloo", timeout_s: float = 120.
     return groups
 
 
-def _group(store, rank: int, world_size: int, backend: str, timeout: datetime.timedelta):
+def _group(store, rank: int, world_size: int, backend: str, timeout: datetime.timedelta, bind_host: str | None = None):
+    """bind_host: the address gloo listens on (None: the host's default interface, GLOO_SOCKET_IFNAME honoured)."""
     import torch.distributed as dist
 
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        gloo = dist.ProcessGroupGloo
+        opts = gloo._Options()
+        opts._timeout = timeout
+        opts._devices = [gloo.create_device(hostname=bind_host) if bind_host else gloo.create_default_device()]
+        opts._threads = 4  # asynchronous collectives in flight at once (layer-split: a broadcast ahead + a gather)
+        return gloo(store, rank, world_size, opts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -90,6 +99,7 @@ class Channel:
         self.send_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._cuda_stream = None  # CUDA pools: this channel's copies run on their own stream
 
     # ------------------------------------------------------------------ records
     def send_obj(self, obj) -> None:
@@ -107,18 +117,53 @@ class Channel:
 
     # ------------------------------------------------------------------ K/V
     def send_layer(self, pool: KVPool, layer: int, slots: torch.Tensor) -> None:
-        """K and V of `slots` (int64, on the pool's device) of one layer as one [2, n, kvh, d] tensor."""
-        kv = torch.stack((pool.k_buffers[layer].index_select(0, slots), pool.v_buffers[layer].index_select(0, slots)))
-        if self.staging and kv.device.type != "cpu":
-            kv = kv.cpu()
+        """K and V of `slots` (int64, on the pool's device) of one layer as one [2, n, kvh, d] tensor. On CUDA
+        the gather runs on this channel's own stream (the slots are locked: nothing writes them meanwhile) and,
+        with gloo, lands in pinned host memory before it is sent."""
+        if pool.device.type != "cuda":
+            self._send(torch.stack((pool.k_buffers[layer].index_select(0, slots),
+                                    pool.v_buffers[layer].index_select(0, slots))))
+            return
+        stream = self._stream(pool.device)
+        with torch.cuda.stream(stream):
+            kv = torch.stack((pool.k_buffers[layer].index_select(0, slots),
+                              pool.v_buffers[layer].index_select(0, slots)))
+            if self.staging:
+                host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                host.copy_(kv, non_blocking=True)
+                kv = host
+        stream.synchronize()
         self._send(kv)
 
     def recv_layer(self, pool: KVPool, num_tokens: int) -> torch.Tensor:
-        """One layer's [2, n, kvh, d] K/V, on the pool's device (not yet written into the pool)."""
-        device = torch.device("cpu") if self.staging else pool.device
-        buf = torch.empty((2, num_tokens, pool.num_kv_heads, pool.head_dim), dtype=pool.dtype, device=device)
-        self._recv(buf)
-        return buf.to(pool.device, non_blocking=False)
+        """One layer's [2, n, kvh, d] K/V (not yet written into the pool): on the host with gloo, else on the
+        pool's device."""
+        cuda = pool.device.type == "cuda"
+        device = torch.device("cpu") if self.staging or not cuda else pool.device
+        shape = (2, num_tokens, pool.num_kv_heads, pool.head_dim)
+        buf = torch.empty(shape, dtype=pool.dtype, device=device, pin_memory=cuda and device.type == "cpu")
+        if device.type == "cuda":  # nccl: the wait makes this channel's stream (which writes the pool) wait
+            with torch.cuda.stream(self._stream(pool.device)):
+                self._recv(buf)
+        else:
+            self._recv(buf)
+        return buf
+
+    def write_layer(self, pool: KVPool, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Store a received layer's K/V into pool slots (int64 on the pool's device). On CUDA it runs on this
+        channel's stream and is complete when this returns, so a layer marked written has landed."""
+        if pool.device.type != "cuda":
+            write_layer(pool, layer, slots, kv)
+            return
+        stream = self._stream(pool.device)
+        with torch.cuda.stream(stream):
+            write_layer(pool, layer, slots, kv.to(pool.device, non_blocking=True))
+        stream.synchronize()
+
+    def _stream(self, device: torch.device):
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device)
+        return self._cuda_stream
 
     # ------------------------------------------------------------------ the wire
     def _send(self, t: torch.Tensor) -> None:
@@ -131,12 +176,9 @@ class Channel:
 
 
 def write_layer(pool: KVPool, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
-    """Store a received layer's K/V ([2, n, kvh, d]) into pool slots (int64 on the pool's device). On CUDA the
-    copy is synchronised before returning, so a transfer marked done has really landed."""
+    """Store one layer's K/V ([2, n, kvh, d], on the pool's device) into pool slots (int64, same device)."""
     pool.k_buffers[layer].index_copy_(0, slots, kv[0])
     pool.v_buffers[layer].index_copy_(0, slots, kv[1])
-    if pool.device.type == "cuda":
-        torch.cuda.current_stream(pool.device).synchronize()
 
 
 def sleep_s(seconds: float) -> None:

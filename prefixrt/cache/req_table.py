@@ -18,6 +18,9 @@ class ReqToTokenTable:
         self.table = torch.zeros((max_requests, max_context), dtype=torch.int32, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._pending: list[tuple[int, int, list[int]]] = []
+        # Tensor parallelism (model/tp_runner.py): a list that flush() appends each applied batch of writes to, as
+        # a host int64 [3, n] (rows, cols, slots), for the other ranks' copies of the table. None: not kept.
+        self.journal: list[torch.Tensor] | None = None
 
     @property
     def free_rows(self) -> int:
@@ -52,6 +55,8 @@ class ReqToTokenTable:
                 vals.extend(slots)
         self._pending.clear()
         idx = int64_tensor(rows, cols, vals).view(3, -1)
+        if self.journal is not None:
+            self.journal.append(idx)
         if self.table.device.type == "cuda":
             idx = idx.pin_memory().to(self.table.device, non_blocking=True)
         self.table[idx[0], idx[1]] = idx[2].to(torch.int32)

@@ -20,22 +20,27 @@ from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
 from prefixrt.engine.core import EngineCore
+from prefixrt.engine.rank_setup import (
+    kv_pool_slots,
+    make_runner,
+    resolve_device,
+    resolve_dtype,
+)
 from prefixrt.engine.scheduler import Scheduler, SchedulerConfig
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
 
-CPU_DEFAULT_KV_TOKENS = 16384
 EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
 # Shared-prefix (cascade) decode inside the decode graphs, for groups of >= 2 running requests sharing
-# >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py). Off by default:
-# exact in fp32 (tests) and 1.11x on the RAG decode on an H200, but in bf16 its greedy outputs matched
-# plain decode on only 8 of 64 RAG prompts over 16 tokens (logprob rel err 1.8e-2, the level of
-# Triton-vs-torch noise with dummy weights), short of the >= 95% bar; benchmarks/gpu_graphs.py turns it on.
-CASCADE_DECODE = False
+# >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
+# cascade_decode overrides it. On by default: on an H200 (docs/benchmarks.md) an fp32 engine gives greedy
+# outputs identical to plain decode on 64 of 64 RAG prompts (logprob rel err 9e-7), and the RAG case streamed
+# with text runs 1.31x faster in bf16. In bf16 with dummy weights greedy outputs flip on near-ties as they do
+# between any two correct attention kernels (see the torch-backend baseline there).
+CASCADE_DECODE = True
 CASCADE_MIN_PREFIX = 256
-ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept out of the KV pool for activations and graphs
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 
 @dataclass
@@ -49,18 +54,7 @@ class Built:
     device: torch.device
     dtype: torch.dtype
     owns_model: bool = False  # the builder loaded the weights (release() frees them); False when injected
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    ranks: object = None  # engine/tp_worker.Ranks with tensor parallelism (stop_ranks() ends them), else None
 
 
 def build(config: EngineConfig, progress=None) -> Built:
@@ -78,10 +72,28 @@ def build(config: EngineConfig, progress=None) -> Built:
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
     tokenizer = load_tokenizer(resolved)
-    say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {device}")
-    model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device)
-    load_s = time.perf_counter() - t0
-    built = assemble(config, model, tokenizer, resolved, device, dtype, say)
+    ranks = spec = None
+    if config.tp_size > 1:
+        from prefixrt.engine import tp_worker
+        from prefixrt.hub.loader import read_model_spec
+
+        say(f"starting {config.tp_size} tensor-parallel ranks ({config.nnodes} node(s))")
+        spec = read_model_spec(resolved.path)
+        ranks = tp_worker.start(config, str(resolved.path), spec)
+        device = ranks.device
+    try:
+        say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {device}"
+            + (f" (rank 0 of {config.tp_size})" if ranks is not None else ""))
+        model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device,
+                           tp=ranks.tp if ranks is not None else None, spec=spec)
+        load_s = time.perf_counter() - t0
+        built = assemble(config, model, tokenizer, resolved, device, dtype, say, ranks=ranks)
+    except BaseException:
+        if ranks is not None:
+            from prefixrt.engine import tp_worker
+
+            tp_worker.stop(ranks)
+        raise
     built.owns_model = True
     built.startup["load_s"] = load_s
     built.startup["total_s"] = time.perf_counter() - t0
@@ -89,22 +101,21 @@ def build(config: EngineConfig, progress=None) -> Built:
     return built
 
 
-def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None) -> Built:
-    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here."""
+def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None) -> Built:
+    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here.
+    ranks: tensor parallelism (engine/tp_worker.Ranks, this is rank 0): the pool size is agreed with the other
+    ranks, which get the table shape, and the runner drives them."""
     say = say or (lambda msg: log.info(msg))
     startup: dict = {"graphs": []}
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    if config.kv_cache_tokens is not None:
-        num_slots = config.kv_cache_tokens + config.page_size  # + the reserved padding page
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.mem_fraction - (total - free) - ACTIVATION_RESERVE_BYTES
-        num_slots = max(int(budget // bytes_per_token), 4 * config.page_size)
-    else:
-        num_slots = CPU_DEFAULT_KV_TOKENS + config.page_size
-    num_slots = num_slots // config.page_size * config.page_size
-    say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB)")
+    num_slots = kv_pool_slots(config, bytes_per_token, device)
+    if ranks is not None:
+        from prefixrt.engine import tp_worker
+
+        num_slots = tp_worker.agree_num_slots(ranks.tp, num_slots)
+    say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
+        f"{' per rank' if ranks is not None else ''})")
     pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
@@ -117,6 +128,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
+    if ranks is not None:
+        tp_worker.send_setup(ranks.tp, num_slots, table.max_requests, table.max_context, max_running)
     kv = KVManager(pool, allocator, table, cache, debug=config.debug)
     scheduler = Scheduler(kv, SchedulerConfig(
         policy=config.schedule_policy,
@@ -124,17 +137,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_running_requests=max_running,
         aging_s=config.aging_s,
     ))
-    attention = make_attention_backend(config.attention_backend, pool, device, max_running)
-    if device.type == "cuda" and type(attention).__name__ == "TritonAttentionBackend":
-        from prefixrt.model.layers import use_fused_kernels
-
-        t = time.perf_counter()
-        use_fused_kernels(model)  # before warm-up and capture: the graphs record the fused kernels
-        startup["fused_kernels_s"] = time.perf_counter() - t
-        say(f"fused Triton layer kernels on (small-batch GEMV layouts from the measured table) in {startup['fused_kernels_s']:.1f}s")
-    from prefixrt.model.runner import ModelRunner
-
-    runner = ModelRunner(model, pool, attention)
+    runner = make_runner(config, model, pool, device, max_running, startup, say, ranks, table)
+    attention = runner.attn_backend
     triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
     pad_row = table.alloc_row() if triton_on_gpu else None  # never freed: stays all zeros (padding reads it)
     if triton_on_gpu:
@@ -147,12 +151,15 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
         # On failure: plain decode graphs alone, then eager.
-        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention)), (0, None)):
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention, config)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
+                if ranks is not None:  # the other ranks captured (or failed) on their own: no common retry
+                    raise RuntimeError(f"CUDA graph capture failed with tensor parallelism: {e}; start with "
+                                       "cuda_graph=False to run eagerly") from e
                 runner.release_graphs()
                 what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
                 log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
@@ -172,7 +179,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
         overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
-    if CASCADE_DECODE and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
+    if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
         from prefixrt.engine.prefix_groups import PrefixGrouper
 
         core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
@@ -181,7 +188,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
 
         core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
                                     chunk_tokens=config.chunked_prefill_tokens)
-    return Built(core, startup, tokenizer, lock, resolved, model, device, dtype)
+    return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks)
 
 
 def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
@@ -230,9 +237,13 @@ def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocat
                             write_threshold=config.host_kv_write_threshold, debug=config.debug)
 
 
-def cascade_args(attention) -> dict | None:
+def cascade_enabled(config: EngineConfig) -> bool:
+    return CASCADE_DECODE if config.cascade_decode is None else config.cascade_decode
+
+
+def cascade_args(attention, config: EngineConfig) -> dict | None:
     """DecodeGraphs.enable_cascade arguments for this backend, or None (no cascade decode graphs)."""
-    if not CASCADE_DECODE or not getattr(attention, "use_cascade", False):
+    if not cascade_enabled(config) or not getattr(attention, "use_cascade", False):
         return None
     return {"queries_per_tile": attention.cascade_queries_per_tile, "min_prefix_len": CASCADE_MIN_PREFIX,
             "min_group_size": attention.cascade_min_group_size}
@@ -264,6 +275,14 @@ def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, 
             out_cache_loc=[0] * (n * e), req_to_token=req_to_token, logits_indices=ends, device=device,
         ))
     return out
+
+
+def stop_ranks(built: Built) -> None:
+    """Tensor parallelism: end the other ranks and leave the group (after the loop has stopped). No-op otherwise."""
+    if built.ranks is not None:
+        from prefixrt.engine import tp_worker
+
+        tp_worker.stop(built.ranks, built.core.runner if built.core is not None else None)
 
 
 def release(built: Built) -> None:
@@ -327,17 +346,3 @@ def _drop_device_tensors(obj, seen: set[int], depth: int = 0) -> None:
                     pass
         elif isinstance(value, (dict, list)) or hasattr(value, "__dict__"):
             _drop_device_tensors(value, seen, depth + 1)
-
-
-def make_attention_backend(name: str, pool: KVPool, device: torch.device, max_batch: int):
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton":
-        if device.type != "cuda":
-            raise ValueError("attention_backend='triton' needs a CUDA device (use 'torch' on the CPU)")
-        from prefixrt.model.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(pool, max_batch_size=max_batch)
-    from prefixrt.model.attention.torch_backend import TorchAttentionBackend
-
-    return TorchAttentionBackend(pool)

@@ -5,7 +5,7 @@ Data flow for one request on the decode engine (DecodeEngine):
   1. prepare (caller's thread, as usual), then on the loop thread: KVManager.begin_receive locks what the decode
      cache already holds of prompt[:-1] and allocates pages for the rest; a KVRequest(start, tokens) goes to a
      prefill peer (round robin). The last prompt token is always computed here (it samples the first token).
-  2. The prefill side (PrefillWorker) runs the prompt through its Engine (cache_prefix: its radix cache reuses
+  2. The prefill side (PrefillWorker, engine/prefill_worker.py) runs the prompt through its Engine (cache_prefix: its radix cache reuses
      what it has), locks the path, sends a header and then K/V layer by layer, and unlocks.
   3. The decode side's receiving thread writes each layer into the reserved slots and marks it; after the last
      one the loop publishes the pages in the radix cache (finish_receive) and admits the request, which matches
@@ -16,14 +16,16 @@ writing them): the decode side frees a transfer's slots only after the prefill s
 ordered stream, that the transfer never started (header "cancelled") or has completed (every layer delivered),
 or has closed the stream (bye: nothing more comes). An abort therefore unlocks the prefix, sends Cancel, and
 hands the pages to KVManager's hold (abandon_receive); they return to the allocator at the first reclaim after
-the confirmation. A transfer that started always completes (bounded by its size); a queued one is cancelled.
+the confirmation. A transfer starts when its header is sent: a Cancel before that is answered "cancelled"; one
+that started always completes (bounded by its size).
 Checked in debug mode: freed slots are poisoned, the receiver verifies before every layer that its slots are
 still its own, and the allocator side refuses pages whose transfer is pending (KVManager.lifetime_violations).
 Race mode (delay_s > 0 on the prefill side) delays each layer so aborts land mid-transfer.
 
 Threads: the decode loop owns every KVManager call; per peer, one sender thread (records out) and one receiver
 thread (headers, layers, bye in; it writes the pool and marks Transfers, nothing else), which hands completions
-to the loop through the engine's inbox. On the prefill side, per peer one listener and one sender/worker thread.
+to the loop through the engine's inbox. On the prefill side, per peer one listener thread and a pool of transfer
+threads (prompts prefill concurrently, in the engine's batches; one transfer sends at a time).
 """
 
 from __future__ import annotations
@@ -34,185 +36,17 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from prefixrt.cache.kv_transport import (
-    TAG_TO_DECODE,
-    TAG_TO_PREFILL,
-    Channel,
-    local_groups,
-    sleep_s,
-    write_layer,
-)
+from prefixrt.cache.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, local_groups
+from prefixrt.engine.disagg_messages import Bye, Cancel, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
+from prefixrt.engine.prefill_worker import PrefillWorker
 
 log = logging.getLogger("prefixrt")
-
-
-# ---------------------------------------------------------------------------------------------- wire records
-@dataclass(frozen=True)
-class KVRequest:
-    """decode -> prefill: send K/V of positions [start, len(tokens)) of tokens (namespace = cache_salt)."""
-
-    xfer_id: int
-    tokens: list[int]
-    namespace: Any
-    start: int
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """decode -> prefill: the request is gone; answer "cancelled" if the transfer has not started."""
-
-    xfer_id: int
-
-
-@dataclass(frozen=True)
-class KVHeader:
-    """prefill -> decode: "sending" (num_layers K/V tensors of num_tokens follow), "cancelled" (never started,
-    nothing follows) or "failed" (nothing follows; error says why)."""
-
-    xfer_id: int
-    status: str
-    num_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Bye:
-    """Either way: nothing more comes on this stream (the receiver answers with its own Bye)."""
-
-
-# ---------------------------------------------------------------------------------------------- prefill side
-class PrefillWorker:
-    """Serves KVRequests from decode engines with `engine` (which keeps serving its own requests too).
-
-    Per decode peer: a listener thread (requests queue up, a Cancel of a queued one is answered "cancelled" at
-    once) and a worker thread (one transfer at a time: prefill, lock, send, unlock). delay_s (race mode) sleeps
-    before each layer is sent."""
-
-    def __init__(self, engine: Engine, group, decode_ranks=(0,), backend: str = "gloo", delay_s: float = 0.0):
-        if not engine.config.radix_cache:
-            raise ValueError("a prefill worker needs radix_cache=True (it sends K/V from its radix cache)")
-        self.engine = engine
-        self.delay_s = delay_s
-        self.transfers_total = 0
-        self.cancelled_total = 0
-        self._peers = [_PrefillPeer(self, Channel(group, r, TAG_TO_DECODE, TAG_TO_PREFILL, backend))
-                       for r in decode_ranks]
-        for p in self._peers:
-            p.start()
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Say bye to every peer (after the transfer in flight) and wait for theirs."""
-        for p in self._peers:
-            p.say_bye()
-        for p in self._peers:
-            p.join(timeout)
-
-    # ------------------------------------------------------------------ one transfer (worker thread)
-    def serve(self, ch: Channel, req: KVRequest) -> None:
-        eng = self.engine
-        n = len(req.tokens)
-        try:
-            locked = None
-            for _ in range(3):  # the path may be evicted between the prefill and the lock: prefill again
-                eng.cache_prefix(req.tokens, req.namespace)
-                locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.namespace, n))
-                if locked is not None:
-                    break
-            if locked is None:
-                raise RuntimeError("the prompt's K/V could not be kept in the prefill engine's cache")
-        except Exception as e:  # noqa: BLE001 - the decode side computes the prompt itself
-            ch.send_obj(KVHeader(req.xfer_id, "failed", error=str(e)))
-            return
-        handle, slots = locked
-        try:
-            pool = eng.core.kv.pool
-            idx = torch.tensor(slots[req.start:n], dtype=torch.int64, device=pool.device)
-            ch.send_obj(KVHeader(req.xfer_id, "sending", num_tokens=n - req.start))
-            for layer in range(pool.num_layers):  # started: always completes (the decode side holds its slots)
-                sleep_s(self.delay_s)
-                ch.send_layer(pool, layer, idx)
-            self.transfers_total += 1
-        finally:
-            eng._run_on_loop(lambda: eng.core.kv.cache.unlock(handle))
-
-
-def _lock_path(eng: Engine, tokens: list[int], namespace, n: int):
-    """(Loop thread.) Lock the cached path of tokens[:n]: (handle, its slots), or None if not all cached."""
-    cache = eng.core.kv.cache
-    m = cache.match_prefix(tokens, namespace, max_len=n)
-    if m.length < n:
-        return None
-    return cache.lock(m), list(m.slots)
-
-
-class _PrefillPeer:
-    """The prefill side of one decode peer: listener + worker threads over one channel."""
-
-    def __init__(self, worker: PrefillWorker, ch: Channel):
-        self.worker, self.ch = worker, ch
-        self._lock = threading.Lock()
-        self._queue: deque[KVRequest] = deque()
-        self._wake = threading.Condition(self._lock)
-        self._closing = False  # bye sent or received: the worker drains and stops
-        self._bye_sent = False
-        self._threads = [threading.Thread(target=self._listen, name=f"prefixrt-prefill-listen-{ch.peer}", daemon=True),
-                         threading.Thread(target=self._work, name=f"prefixrt-prefill-send-{ch.peer}", daemon=True)]
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def join(self, timeout: float) -> None:
-        for t in self._threads:
-            t.join(timeout)
-
-    def say_bye(self) -> None:
-        with self._lock:
-            self._closing = True
-            self._wake.notify_all()
-
-    def _listen(self) -> None:
-        while True:
-            msg = self.ch.recv_obj()
-            if isinstance(msg, Bye):
-                self.say_bye()
-                return
-            with self._lock:
-                if isinstance(msg, KVRequest):
-                    self._queue.append(msg)
-                    self._wake.notify_all()
-                    continue
-                queued = next((r for r in self._queue if r.xfer_id == msg.xfer_id), None)
-                if queued is None:
-                    continue  # started (it completes) or already answered
-                self._queue.remove(queued)
-            self.worker.cancelled_total += 1
-            with self.ch.send_lock:
-                self.ch.send_obj(KVHeader(msg.xfer_id, "cancelled"))
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue and not self._closing:
-                    self._wake.wait()
-                if not self._queue:  # closing and drained
-                    break
-                req = self._queue.popleft()
-            with self.ch.send_lock:
-                self.worker.serve(self.ch, req)
-        with self.ch.send_lock:
-            with self._lock:  # anything queued after the drain is answered: nothing will be sent for it
-                rest, self._queue = list(self._queue), deque()
-            for r in rest:
-                self.ch.send_obj(KVHeader(r.xfer_id, "cancelled"))
-            self.ch.send_obj(Bye())
 
 
 # ---------------------------------------------------------------------------------------------- decode side
@@ -312,8 +146,10 @@ class DecodeEngine(Engine):
     def _done(self, xfer_id: int, status: str) -> None:
         """(Loop thread.) A transfer is confirmed: complete, cancelled, or failed/closed."""
         with self._xfers_lock:
-            inc = self._xfers.pop(xfer_id)
+            inc = self._xfers.pop(xfer_id, None)
         kv = self.core.kv
+        if inc is None:  # confirmed twice (completed, then the peer closed): the first one counted
+            return
         rid = next((r for r, p in self._pending.items() if p.inc is inc), None)
         if rid is None:  # aborted meanwhile: its pages were held for this confirmation
             kv.reclaim()
@@ -355,7 +191,7 @@ class DecodeEngine(Engine):
             data = link.ch.recv_layer(pool, hdr.num_tokens)
             if kv.debug and not kv.receive_target_ok(inc):
                 log.error("KV transfer %d: its slots were freed or reused while it was writing", hdr.xfer_id)
-            write_layer(pool, layer, idx, data)
+            link.ch.write_layer(pool, layer, idx, data)
             t.events[layer].set()
         inc.meta["seconds"] = time.perf_counter() - t0
         inc.meta["bytes"] = link.ch.bytes_received - before
@@ -365,7 +201,8 @@ class DecodeEngine(Engine):
         """(Receiver thread.) The peer said bye: nothing more will be written for its transfers."""
         with self._xfers_lock:
             link.alive = False
-            mine = [(x, inc) for x, inc in self._xfers.items() if inc.meta.get("peer") is link]
+            mine = [(x, inc) for x, inc in self._xfers.items()
+                    if inc.meta.get("peer") is link and not inc.transfer.query()]  # (done ones are confirmed)
         for x, inc in mine:
             inc.transfer.mark_all(RuntimeError("the prefill worker closed its stream"))
             self._post(lambda x=x: self._done(x, "failed"))
@@ -373,6 +210,18 @@ class DecodeEngine(Engine):
     # ------------------------------------------------------------------ reporting and shutdown
     def transfer_stats(self) -> dict:
         return self._run_on_loop(lambda: dict(self._stats))
+
+    def stats(self):
+        """EngineStats; requests whose K/V is on its way count as waiting."""
+        if self._stopped or not self._thread.is_alive():
+            return super().stats()
+
+        def snapshot():
+            s = self.core.snapshot_stats()
+            s.requests_waiting += len(self._pending)
+            return s
+
+        return self._run_on_loop(snapshot)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Also waits until no transfer is pending (a held receive included)."""

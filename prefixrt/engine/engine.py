@@ -56,6 +56,8 @@ class Engine(EngineFront):
 
         if parts is None:
             built = builder.build(self.config, progress)
+        elif self.config.tp_size > 1:
+            raise ValueError("tp_size > 1 loads each rank's shard itself: pass a model name or folder, not a model")
         else:
             dev = builder.resolve_device(self.config.device)
             built = builder.assemble(self.config, *parts, dev, builder.resolve_dtype(self.config.dtype, dev))
@@ -166,7 +168,9 @@ class Engine(EngineFront):
 
                 from prefixrt.constrained import GrammarCompiler, make_backend
 
-                opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))}
+                # A mask inside a free-text JSON string walks most of the vocabulary (~1 ms a row for 128k
+                # tokens): every core but the loop's and the detokenizer's fills rows.
+                opts = {"mask_threads": max(2, min(16, (os.cpu_count() or 2) - 2))}
                 grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
                                        sorted(self.core.eos_token_ids), **opts)
                 self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
@@ -327,6 +331,7 @@ class Engine(EngineFront):
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
             from prefixrt.engine import builder
 
+            builder.stop_ranks(self._built)  # tensor parallelism: the other ranks return (after the loop: in step)
             builder.release(self._built)
 
     def __enter__(self):

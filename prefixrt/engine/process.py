@@ -85,8 +85,9 @@ class ProcessEngine(EngineFront):
                  **engine_kwargs: Any):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child_conn = ctx.Pipe()
+        # Daemonic unless it starts tensor-parallel ranks of its own (a daemonic process may not have children).
         self._proc = ctx.Process(target=child_main, args=(child_conn, model, engine_kwargs),
-                                 name="prefixrt-engine", daemon=True)
+                                 name="prefixrt-engine", daemon=engine_kwargs.get("tp_size", 1) == 1)
         self._proc.start()
         child_conn.close()  # the child's end lives in the child only: its exit closes the pipe
         try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,25 +20,51 @@ from prefixrt.model.base import CausalLM, eos_ids_from_hf
 from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
 from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
+from prefixrt.model.parallel import TPGroup, shard_model
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02  # small enough that activations stay finite through any depth
 
 
-def _build_llama(hf_config, architecture: str) -> CausalLM:
-    return LlamaForCausalLM(LlamaConfig.from_hf(hf_config, architecture))
+@dataclass(frozen=True)
+class ModelSpec:
+    """What builds a model without transformers: its class and its own (frozen, picklable) config. Tensor-parallel
+    ranks get it from rank 0 instead of reading config.json through transformers (seconds of imports)."""
+
+    cls: type
+    config: object
+
+    def build(self) -> CausalLM:
+        return self.cls(self.config)
 
 
-def _build_gemma3(hf_config, architecture: str) -> CausalLM:
+def _build_llama(hf_config, architecture: str) -> ModelSpec:
+    return ModelSpec(LlamaForCausalLM, LlamaConfig.from_hf(hf_config, architecture))
+
+
+def _build_gemma3(hf_config, architecture: str) -> ModelSpec:
     if architecture != "Gemma3ForConditionalGeneration":
-        return Gemma3ForCausalLM(Gemma3Config.from_hf(hf_config))
+        return ModelSpec(Gemma3ForCausalLM, Gemma3Config.from_hf(hf_config))
     config = Gemma3Config.from_hf(hf_config.text_config)
     if not config.eos_token_ids:  # multimodal configs keep it at the top level
         config = dataclasses.replace(config, eos_token_ids=eos_ids_from_hf(hf_config))
-    return Gemma3ForCausalLM(config)
+    return ModelSpec(Gemma3ForCausalLM, config)
 
 
-_BUILDERS: dict[str, Callable[[object, str], CausalLM]] = {
+def model_spec(hf_config) -> ModelSpec:
+    """The ModelSpec of a transformers config (raises for an unsupported architecture)."""
+    arch = architecture_of(hf_config)
+    return _BUILDERS[arch](hf_config, arch)
+
+
+def read_model_spec(path: str | Path) -> ModelSpec:
+    """The ModelSpec of a local folder's config.json."""
+    from transformers import AutoConfig
+
+    return model_spec(AutoConfig.from_pretrained(str(path), local_files_only=True))
+
+
+_BUILDERS: dict[str, Callable[[object, str], ModelSpec]] = {
     **{arch: _build_llama for arch in LLAMA_ARCHITECTURES},
     "Gemma3ForCausalLM": _build_gemma3,
     "Gemma3ForConditionalGeneration": _build_gemma3,  # text half only
@@ -79,12 +107,17 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def _instantiate(
-    hf_config, *, dtype: torch.dtype | str, device: torch.device | str, extra_eos_ids: tuple[int, ...] = ()
+    hf_config, *, dtype: torch.dtype | str, device: torch.device | str, extra_eos_ids: tuple[int, ...] = (),
+    tp: TPGroup | None = None,
 ) -> CausalLM:
-    """Construct the model with uninitialised parameters of `dtype` on `device` (no init cost)."""
-    arch = architecture_of(hf_config)
+    """Construct the model (hf_config: a transformers config or a ModelSpec) with uninitialised parameters of
+    `dtype` on `device` (no init cost); with a tensor-parallel group of more than one rank, only this rank's
+    shard (model/parallel.py)."""
+    spec = hf_config if isinstance(hf_config, ModelSpec) else model_spec(hf_config)
     with torch.device("meta"):
-        model = _BUILDERS[arch](hf_config, arch)
+        model = spec.build()
+        if tp is not None and tp.size > 1:
+            shard_model(model, tp)
     model.to(dtype=_resolve_dtype(dtype))  # still on meta: free
     model.to_empty(device=torch.device(device))
     model.tie_weights()  # to_empty materialises shared parameters separately
@@ -97,14 +130,22 @@ def _instantiate(
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, std: float = DUMMY_STD) -> None:
     """Random weights: N(0, std) everywhere; norm weights at their identity value plus N(0, std).
-    Deterministic given the torch seed (uses the default generator of the parameters' device)."""
+    Deterministic given the torch seed (uses the default generator of the parameters' device). A tensor-parallel
+    shard draws each parameter from a generator seeded by the torch seed and the parameter's name, so the
+    replicated ones (norms) are equal on every rank."""
     seen: set[int] = set()
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
+    sharded = getattr(model, "tp", None) is not None
+    base_seed = torch.initial_seed()
+    for mod_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            param.normal_(0.0, std)
+            if sharded:
+                gen = torch.Generator(param.device).manual_seed(base_seed + zlib.crc32(f"{mod_name}.{name}".encode()))
+                param.normal_(0.0, std, generator=gen)
+            else:
+                param.normal_(0.0, std)
             if isinstance(module, (RMSNorm, GemmaRMSNorm)):
                 param.add_(module.identity_weight)
 
@@ -180,22 +221,23 @@ def load_model(
     load_format: str = "auto",
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
+    tp: TPGroup | None = None,
+    spec: ModelSpec | None = None,
 ) -> CausalLM:
     """Load a model from a local transformers folder.
 
     load_format "auto" reads the safetensors weights (single file or sharded); "dummy" needs only
-    config.json and fills random weights (see init_dummy_weights). Returns the model in eval mode.
+    config.json and fills random weights (see init_dummy_weights). tp: this rank's shard only (each checkpoint
+    tensor is sliced as it is read). spec: the folder's ModelSpec when the caller has it (config.json is then not
+    read through transformers). Returns the model in eval mode.
     """
-    from transformers import AutoConfig
-
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     extra_eos = _generation_eos_ids(path)
-    model = _instantiate(hf_config, dtype=dtype, device=device, extra_eos_ids=extra_eos)
+    model = _instantiate(spec or read_model_spec(path), dtype=dtype, device=device, extra_eos_ids=extra_eos, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -209,5 +251,7 @@ __all__ = [
     "init_dummy_weights",
     "load_model",
     "load_model_from_config",
+    "model_spec",
+    "read_model_spec",
     "supported_architectures",
 ]

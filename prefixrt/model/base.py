@@ -90,11 +90,17 @@ class CausalLM(nn.Module, ABC):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers names, `model.` prefix included) into the parameters,
-        converting dtype and device. Raises if a name is unknown or a parameter is left unfilled."""
-        targets: dict[str, tuple[torch.Tensor, int, int]] = {}  # checkpoint name -> (param, row offset, rows)
+        converting dtype and device. Raises if a name is unknown or a parameter is left unfilled.
+
+        A module with a `load_part(kind, tensor, shard)` method (the tensor-parallel layers of parallel.py) holds
+        only part of its checkpoint tensors: the method returns that part, which is what gets copied."""
+        # checkpoint name -> (param, row offset, rows, module, shard name): module.load_part slices, if it has one
+        targets: dict[str, tuple[torch.Tensor, int, int, nn.Module, str | None]] = {}
+        modules = dict(self.named_modules())
         for name, param in self.named_parameters():
-            targets[name] = (param, 0, param.shape[0])
-        for mod_name, module in self.named_modules():
+            mod_name = name.rsplit(".", 1)[0] if "." in name else ""
+            targets[name] = (param, 0, param.shape[0], modules[mod_name], None)
+        for mod_name, module in modules.items():
             if not isinstance(module, MergedLinear):
                 continue
             parent = mod_name.rsplit(".", 1)[0] if "." in mod_name else ""
@@ -104,7 +110,7 @@ class CausalLM(nn.Module, ABC):
                     param = getattr(module, kind)
                     if param is not None:
                         shard_name = f"{parent}.{shard}.{kind}" if parent else f"{shard}.{kind}"
-                        targets[shard_name] = (param, offset, size)
+                        targets[shard_name] = (param, offset, size, module, shard)
                 targets.pop(f"{mod_name}.weight", None)
                 targets.pop(f"{mod_name}.bias", None)
 
@@ -115,7 +121,10 @@ class CausalLM(nn.Module, ABC):
                 if not self.ignored_checkpoint_names(name):
                     unexpected.append(name)
                 continue
-            param, offset, size = targets[name]
+            param, offset, size, module, shard = targets[name]
+            load_part = getattr(module, "load_part", None)
+            if load_part is not None:
+                tensor = load_part(name.rsplit(".", 1)[1], tensor, shard)
             dest = param.data.narrow(0, offset, size)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "

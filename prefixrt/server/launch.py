@@ -22,7 +22,8 @@ from typing import Any
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb")
+                "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
+                "dist_init_addr", "cascade_decode")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -62,6 +63,18 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
                    help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
                         "its own LRU prefixes first (tenant fairness); default off")
+    p.add_argument("--cascade-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="shared-prefix (cascade) decode in the CUDA decode graphs: requests sharing a cached prefix "
+                        "read its K/V once (default: on with CUDA graphs and the Triton backend)")
+    p.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1,
+                   help="tensor parallelism: split the model over this many ranks (GPUs; processes on the CPU), "
+                        "one process each; rank 0 schedules (docs/serving.md)")
+    p.add_argument("--nnodes", type=int, default=1, help="tensor parallelism over this many machines (--tp per all)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; node 0 serves, the others run their ranks only")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="host:port of node 0 for the torch.distributed rendezvous (needed with --nnodes > 1; "
+                        "default: a free port on 127.0.0.1)")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
@@ -94,6 +107,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
 def check_serve_args(args: argparse.Namespace) -> None:
     """Fail in a second, not after loading the model: the port must be in range and free on the host."""
     import socket
+    if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0 serves no HTTP
+        return
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         print(f"[prefixrt] WARNING: serving on {args.host} (not a loopback address) without an API key: anyone "
               "who can reach it can use it. Set --api-key (or PREFIXRT_API_KEY) and --admin-api-key.",
@@ -145,14 +160,17 @@ def build_role_engine(args: argparse.Namespace):
     torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
     ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
     from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine, PrefillWorker
+    from prefixrt.engine.disagg import DecodeEngine
     from prefixrt.engine.engine import Engine
+    from prefixrt.engine.prefill_worker import PrefillWorker
 
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
         print(f"[prefixrt {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    if getattr(args, "tp_size", 1) > 1:  # the transfers would fill rank 0's slice of the KV pool only
+        raise ValueError(f"--role {args.role} does not support --tp > 1 yet")
     world = args.disagg_prefill_workers + 1
     rank = 0 if args.role == "decode" else args.disagg_rank
     make = DecodeEngine if args.role == "decode" else Engine
@@ -228,6 +246,14 @@ def serve(args: argparse.Namespace) -> int:
     from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
     from prefixrt.server.lifecycle import Lifecycle
 
+    if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
+        from prefixrt.config import EngineConfig
+        from prefixrt.engine.tp_worker import run_node
+
+        config = EngineConfig(model=args.model, **engine_kwargs(args))
+        print(f"[prefixrt] node {config.node_rank}: running tensor-parallel ranks of {args.model!r}, rendezvous "
+              f"at {config.dist_init_addr}", file=sys.stderr, flush=True)
+        return run_node(config)
     worker = None
     try:
         if args.role == "standalone":

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefixrt.engine import disagg
+from prefixrt.cache import kv_transport
 from tests.engine.test_engine import _tree_workload
 from tests.helpers.engines import assert_idle_and_clean
 
@@ -89,12 +89,12 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
     queued = set(rids[-6:])  # aborted right after submission: still queued behind the others
     at_random = set(rng.sample(rids[1:-6], 6)) - mid_transfer
     by_first_slot = {}  # a transfer's first destination slot -> its request id
-    write = disagg.write_layer
+    write = kv_transport.Channel.write_layer
 
     aborted_mid_write = []
 
-    def write_and_abort(pool, layer, slots, kv):
-        write(pool, layer, slots, kv)
+    def write_and_abort(ch, pool, layer, slots, kv):
+        write(ch, pool, layer, slots, kv)
         rid = by_first_slot.pop(int(slots[0]), None) if layer == 0 else None
         if rid in mid_transfer:
             dec.abort(rid)  # taken by the loop while the next layer is still to be written
@@ -103,7 +103,7 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
                 time.sleep(0.001)
             aborted_mid_write.append(rid)
 
-    monkeypatch.setattr(disagg, "write_layer", write_and_abort)
+    monkeypatch.setattr(kv_transport.Channel, "write_layer", write_and_abort)
     start = dec._start
 
     def start_and_note(prepared):
@@ -140,3 +140,21 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
     # The pool still serves exactly: the survivors' prompts again, through the same decode cache.
     again = dec.generate(prompts[:8], params)
     assert [c.token_ids for c in again] == want[:8]
+
+
+def test_a_prefill_worker_that_goes_away_is_confirmed_by_its_bye(make_pair, make_engine):
+    """The prefill side closes while the decode side's requests are on their way: its bye confirms that nothing more
+    will be written, the decode side computes those prompts itself (outputs unchanged), and later requests never go
+    there."""
+    prompts = _tree_workload(16, seed=21)
+    params = {"max_new_tokens": 4, **GREEDY}
+    want = [c.token_ids for c in make_engine("llama").generate(prompts, params)]
+    pair = make_pair(delay_s=0.01)
+    streams = [pair.decode.stream(p, params) for p in prompts]
+    pair.worker.close()  # finishes what it computes now, answers nothing that arrives later
+    got = [[t for c in it for t in c.token_ids] for it in streams]
+    assert got == want
+    s = pair.decode.transfer_stats()
+    assert s["transfers"] + s["failed"] + s["not_fetched"] == len(prompts) and s["failed"] > 0, s
+    assert [pair.decode.generate(p, params).token_ids for p in prompts[:4]] == want[:4]
+    assert pair.decode.transfer_stats()["transfers"] == s["transfers"]  # nothing sent to a closed peer
