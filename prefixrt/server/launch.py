@@ -107,6 +107,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
 def check_serve_args(args: argparse.Namespace) -> None:
     """Fail in a second, not after loading the model: the port must be in range and free on the host."""
     import socket
+    if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0 serves no HTTP
+        return
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         print(f"[prefixrt] WARNING: serving on {args.host} (not a loopback address) without an API key: anyone "
               "who can reach it can use it. Set --api-key (or PREFIXRT_API_KEY) and --admin-api-key.",
@@ -158,8 +160,9 @@ def build_role_engine(args: argparse.Namespace):
     torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
     ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
     from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine, PrefillWorker
+    from prefixrt.engine.disagg import DecodeEngine
     from prefixrt.engine.engine import Engine
+    from prefixrt.engine.prefill_worker import PrefillWorker
 
     t0 = time.monotonic()
 

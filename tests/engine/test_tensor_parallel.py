@@ -5,13 +5,20 @@ One TP=2 engine per architecture runs every check, to keep the start-ups (a spaw
 few: greedy tokens equal to transformers' `generate` and to a TP=1 engine with the same options, one by one
 (cache hits) and batched on a pool small enough to evict and retract; prefill and decode logits within 1e-5 of
 the TP=1 engine's and of transformers' (fp32); an abort mid-stream leaves the ranks in step; shutdown ends rank 1 cleanly.
+For Qwen2, rank 1 runs as a second node (`prefixrt serve --nnodes 2 --node-rank 1 --dist-init-addr ...`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import math
+import os
 import random
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +27,8 @@ from tests.engine.test_oracle import _prompts
 from tests.helpers.engines import assert_idle_and_clean
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # every model class in prefixrt/model
+TWO_NODES = ("qwen2",)  # rank 1 as a second "node" (--nnodes 2 --node-rank 1 --dist-init-addr) on this machine
+REPO = Path(__file__).resolve().parents[2]
 POOL = dict(kv_cache_tokens=320, chunked_prefill_tokens=16, debug=True)
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -49,6 +58,12 @@ def _hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
         for i, s in enumerate(seqs):
             s.append(int(logits[i, len(s) - 1].argmax()))
     return [s[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _folder_with_tokenizer(tmp_path, checkpoint, tokenizer):
@@ -95,9 +110,18 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
     folder = _folder_with_tokenizer(tmp_path, checkpoint, tiny_tokenizer)
     oracle_prompts, tree_prompts = _prompts(), _tree_prompts(24, seed=7)
     # The overlapped loop on rank 0 (CUDA's default): step N+1's input ids come from step N's device tokens.
+    kwargs = dict(device="cpu", tp_size=2, overlap_schedule=True, **POOL)
+    node1 = None
+    if arch in TWO_NODES:  # rank 1 on "node 1": `prefixrt serve --node-rank 1`, meeting rank 0 at dist_init_addr
+        addr = f"127.0.0.1:{_free_port()}"
+        kwargs.update(nnodes=2, node_rank=0, dist_init_addr=addr)
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "prefixrt.cli", "serve", "--model", str(folder), "--device", "cpu", "--tp", "2",
+             "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--kv-cache-tokens", "320"],
+            cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The TP engine starts on a thread (rank 0 mostly waits for rank 1 to import torch) while the oracle runs.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(Engine, str(folder), device="cpu", tp_size=2, overlap_schedule=True, **POOL)
+        starting = pool.submit(Engine, str(folder), **kwargs)
         try:
             want_oracle = _hf_greedy(hf, oracle_prompts, 8)
             want_tree = _hf_greedy(hf, tree_prompts, 16)
@@ -108,7 +132,7 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
         tp = starting.result()
     try:
         assert tp.core.runner.model.attention_layers[0].num_heads == hf.config.num_attention_heads // 2
-        rank1 = tp._built.ranks.workers.processes[0]
+        rank1 = node1 if node1 is not None else tp._built.ranks.workers.processes[0]
         # One by one: later prompts hit what earlier ones cached.
         seq = [tp.generate(p, {"max_new_tokens": 8, **GREEDY}) for p in oracle_prompts]
         assert [c.token_ids for c in seq] == want_oracle
@@ -142,8 +166,17 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
         assert_idle_and_clean(tp)
     finally:
         tp.shutdown()
-    rank1.join(timeout=10)
-    assert rank1.exitcode == 0, "rank 1 did not return cleanly at shutdown"
+        if node1 is not None and node1.poll() is None:
+            try:
+                node1.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(node1.pid, signal.SIGKILL)
+                node1.wait()
+    if node1 is not None:
+        assert node1.returncode == 0, node1.stdout.read()[-3000:]
+    else:
+        rank1.join(timeout=10)
+        assert rank1.exitcode == 0, "rank 1 did not return cleanly at shutdown"
 
 
 def test_tp_config_errors():
