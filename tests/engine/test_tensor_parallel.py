@@ -210,3 +210,17 @@ def test_shard_model_splits_heads_and_refuses_what_does_not_split(tiny_checkpoin
     assert [first_kv_head(2, 4, r) for r in range(4)] == [0, 0, 1, 1]  # replicated: query heads r read KV r // 2
     with pytest.raises(ValueError, match="cannot be split"):
         _instantiate(config, dtype="float32", device="meta", tp=TPGroup(rank=0, size=3))
+
+
+def test_vocab_shards_and_batch_messages_round_trip():
+    """The last vocabulary shard is zero-padded; prefix groups survive the step message's encoding."""
+    from prefixrt.model.parallel import _vocab_rows, vocab_per_rank
+    from prefixrt.model.tp_runner import _decode_groups, _encode_groups
+
+    table = torch.arange(10.0).view(5, 2)
+    assert vocab_per_rank(5, 2) == 3
+    assert _vocab_rows(table, 0, 3).tolist() == table[:3].tolist()
+    assert _vocab_rows(table, 3, 3).tolist() == [[6.0, 7.0], [8.0, 9.0], [0.0, 0.0]]
+    groups = [(256, [0, 2, 5]), (512, [1, 3])]
+    assert _decode_groups(_encode_groups(groups)) == groups
+    assert _decode_groups(_encode_groups(None)) is None
