@@ -65,6 +65,17 @@ def run_side(eng, label: str, checks: list[list[int]], check_len: int, workload,
     return row, outs
 
 
+def recv(conn, proc, timeout_s: float):
+    """The prefill process's next message; a dead or silent prefill process is an error, not a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise SystemExit(f"the prefill process exited (status {proc.exitcode}) before answering")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the prefill process did not answer within {timeout_s:.0f}s")
+    return conn.recv()
+
+
 def assert_clean(eng) -> None:
     eng.wait_idle(120)
     s = eng.stats()
@@ -75,8 +86,8 @@ def assert_clean(eng) -> None:
 def prefill_main(model: str, engine_kw: dict, addr: str, conn) -> None:
     """The prefill process: Engine + PrefillWorker at rank 1; reports its weights' checksum, then its stats."""
     from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import PrefillWorker
     from prefixrt.engine.engine import Engine
+    from prefixrt.engine.prefill_worker import PrefillWorker
 
     eng = Engine(model, **engine_kw)
     conn.send(("ready", weights_checksum(eng)))
@@ -141,12 +152,12 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     addr = f"127.0.0.1:{free_port()}"
-    proc = ctx.Process(target=prefill_main, args=(args.model, kw, addr, child), daemon=True)
+    proc = ctx.Process(target=prefill_main, args=(args.model, kw, addr, child))
     proc.start()
     decode = None
     try:
         decode = DecodeEngine(args.model, **kw)
-        tag, prefill_checksum = parent.recv()
+        _, prefill_checksum = recv(parent, proc, 900)
         if prefill_checksum != checksum or weights_checksum(decode) != checksum:
             raise SystemExit(f"the engines' dummy weights differ (checksums {checksum}, {prefill_checksum}, "
                              f"{weights_checksum(decode)}): outputs cannot be compared")
@@ -157,7 +168,7 @@ def main() -> int:
         xfer = decode.transfer_stats()
         decode.shutdown()
         parent.send("stop")
-        _, prefill_stats = parent.recv()
+        _, prefill_stats = recv(parent, proc, 300)
     finally:
         if decode is not None:
             decode.shutdown()

@@ -109,15 +109,16 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
         eng.flush_cache()
         s0 = eng.stats().forward_passes_total
         replays0 = dict(eng.core.runner.replays)
-        timer = PhaseTimer(eng).install() if not jf else None
+        timer = PhaseTimer(eng).install()
+        steps = StepLog(eng).install()
         t0 = time.perf_counter()
         res = eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
                                      "jump_forward": jf})
         dt = time.perf_counter() - t0
         passes = eng.stats().forward_passes_total - s0
-        if timer is not None:
-            timer.uninstall()
-            out["jf_off_phases_ms_per_step"] = timer.per_step_ms(passes)
+        timer.uninstall()
+        out["jf_on_phases_ms_per_step" if jf else "jf_off_phases_ms_per_step"] = timer.per_step_ms(passes)
+        out["jf_on_steps" if jf else "jf_off_steps"] = steps.uninstall().summary()
         toks = sum(c.completion_tokens for c in res)
         valid = sum(c.finish_reason == "stop" and bool(json.loads(c.text)) for c in res)
         out["jf_on" if jf else "jf_off"] = {"seconds": dt, "forward_passes": passes, "output_tokens": toks,
@@ -317,6 +318,65 @@ class PhaseTimer:
         return out
 
 
+class StepLog:
+    """Every forward of the engine while installed: its kind (decode / cascade / extend graph, or eager), its
+    token and sequence counts, its device time (CUDA events around runner.forward) and the wall time from
+    its launch to the next launch. summary() groups them by kind and token count bucket."""
+
+    def __init__(self, eng):
+        self.eng, self.rows = eng, []
+
+    def install(self):
+        runner = self.eng.core.runner
+        orig = runner.forward
+        rows = self.rows
+
+        def logged(fb):
+            before = dict(runner.replays)
+            cuda = torch.cuda.is_available()
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+            if ev:
+                ev[0].record()
+            t = time.perf_counter()
+            out = orig(fb)
+            if ev:
+                ev[1].record()
+            kind = next((k for k, v in runner.replays.items() if v != before.get(k)), "?")
+            rows.append({"kind": kind, "tokens": int(fb.input_ids.shape[0]), "seqs": int(fb.batch_size),
+                         "t": t, "ev": ev})
+            return out
+
+        self._orig = orig
+        self.eng._run_on_loop(lambda: setattr(runner, "forward", logged))
+        return self
+
+    def uninstall(self):
+        runner = self.eng.core.runner
+        self.eng._run_on_loop(lambda: runner.__dict__.pop("forward", None))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for i, r in enumerate(self.rows):
+            ev = r.pop("ev")
+            r["device_ms"] = ev[0].elapsed_time(ev[1]) if ev else 0.0
+            r["wall_ms"] = (self.rows[i + 1]["t"] - r["t"]) * 1000 if i + 1 < len(self.rows) else None
+        return self
+
+    def summary(self) -> list[dict]:
+        groups: dict = {}
+        for r in self.rows:
+            b = 1 << max(0, (r["tokens"] - 1)).bit_length()
+            groups.setdefault((r["kind"], b), []).append(r)
+        out = []
+        for (kind, b), rs in sorted(groups.items()):
+            walls = [r["wall_ms"] for r in rs if r["wall_ms"] is not None]
+            out.append({"kind": kind, "tokens_le": b, "count": len(rs),
+                        "mean_tokens": round(sum(r["tokens"] for r in rs) / len(rs), 1),
+                        "mean_seqs": round(sum(r["seqs"] for r in rs) / len(rs), 1),
+                        "device_ms": round(sum(r["device_ms"] for r in rs) / len(rs), 3),
+                        "wall_ms": round(sum(walls) / len(walls), 3) if walls else None})
+        return out
+
+
 def torch_profile(eng, prompts, name: str, params: dict) -> dict:
     """torch.profiler over one generate call: the top host ops and CUDA API calls by self CPU time (to
     $OUT/profile_NAME.txt), GPU busy time against wall time, and how the forwards ran."""
@@ -392,12 +452,115 @@ def overlap_exactness(eng, vocab: int, n: int, new_tokens: int, scale: int = 1) 
             "unique_prompts_on_vs_off": _compare(outs["unique_on"], outs["unique_off"])}
 
 
+def set_cascade(eng, on: bool) -> None:
+    """Shared-prefix decode groups on or off (the engine was built with cascade_decode=True), between steps."""
+    core = eng.core
+    saved = RESULTS.setdefault("_grouper", {})
+
+    def flip():
+        if on:
+            core.prefix_grouper = saved.pop("g", core.prefix_grouper)
+        elif core.prefix_grouper is not None:
+            saved["g"], core.prefix_grouper = core.prefix_grouper, None
+
+    eng._run_on_loop(flip)
+
+
+def cascade_agreement(eng, prompts, new_tokens: int) -> dict:
+    """Greedy RAG prompts with shared-prefix decode on vs off, and the same-run baseline of plain decode
+    against plain decode with the prompts in reverse order (other batch compositions)."""
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 20}
+    outs = {}
+    for key, on, order in (("on", True, 1), ("off", False, 1), ("off_reversed", False, -1)):
+        set_cascade(eng, on)
+        eng.flush_cache()
+        before = dict(eng.core.runner.replays)
+        outs[key] = eng.generate(prompts[::order], params)[::order]
+        outs[key + "_replays"] = {k: eng.core.runner.replays[k] - before.get(k, 0) for k in before}
+    set_cascade(eng, True)
+    return {"prompts": len(prompts), "on_vs_off": _compare(outs["on"], outs["off"]),
+            "baseline_off_vs_off_reversed": _compare(outs["off_reversed"], outs["off"]),
+            "replays_on": outs["on_replays"], "replays_off": outs["off_replays"]}
+
+
+def section_f(eng, rag, smoke, summary) -> None:
+    """Shared-prefix (cascade) decode: RAG streamed with text on vs off (interleaved, best of 2), greedy
+    agreement in bf16 with its same-run baseline, and the same agreement on an fp32 engine."""
+    if eng.core.prefix_grouper is None:
+        summary.append(("cascade decode", "off (engine built without cascade graphs)", "set CASCADE=1"))
+        return
+    runs = {True: [], False: []}
+    for on in (True, False, True, False):
+        set_cascade(eng, on)
+        eng.flush_cache()
+        runs[on].append(rag_text(eng, rag))
+    set_cascade(eng, True)
+    best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in runs.items()}
+    prompts = [s[0].new_tokens for s in rag.sessions]
+    agree = cascade_agreement(eng, prompts, 16 if not smoke else 4)
+    RESULTS["cascade"] = {"rag_text_on": best[True], "rag_text_off": best[False], "bf16": agree}
+    eng.flush_cache()
+    summary.append(("RAG text, cascade on / off (warm, overlap on)",
+                    f"{best[True]['out_tok_s']:.0f} / {best[False]['out_tok_s']:.0f} tok/s",
+                    f"{best[True]['out_tok_s'] / best[False]['out_tok_s']:.2f}x; TTFT p50 {best[True]['ttft_p50_ms']} ms"))
+    for label, key in (("cascade vs plain, bf16, 64 RAG prompts x 16", "on_vs_off"),
+                       ("  baseline: plain vs plain, reversed order", "baseline_off_vs_off_reversed")):
+        c = agree[key]
+        summary.append((label, f"{c['identical']}/{agree['prompts']} identical",
+                        f"top-20 logprobs max abs {c['max_abs_logprob_diff']:.4f}, max rel {c['max_rel_logprob_err']:.2e}"))
+    if smoke or not torch.cuda.is_available():
+        return
+    if os.environ.get("CASCADE_TORCH_BASELINE") == "1":
+        # Two correct implementations of plain attention, same weights: the Triton backend (cascade off) and the
+        # torch backend. How often they agree is the bf16 noise floor for the cascade-vs-plain figure.
+        params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 20}
+        set_cascade(eng, False)
+        eng.flush_cache()
+        plain = eng.generate(prompts, params)
+        set_cascade(eng, True)
+        eng.flush_cache()
+        casc = eng.generate(prompts, params)
+        eng.flush_cache()
+        ref = prefixrt.Engine(eng.model_name, load_format="dummy", attention_backend="torch", cuda_graph=False,
+                              kv_cache_tokens=len(prompts) * 3900)
+        try:
+            same_weights = all(torch.equal(a, b) for a, b in zip(list(eng._built.model.parameters())[:3],
+                                                                 list(ref._built.model.parameters())[:3]))
+            torch_out = ref.generate(prompts, params)
+        finally:
+            ref.shutdown()
+        RESULTS["cascade"]["torch_backend"] = {"same_weights": same_weights,
+                                               "triton_plain_vs_torch": _compare(plain, torch_out),
+                                               "triton_cascade_vs_torch": _compare(casc, torch_out)}
+        for label, key in (("  plain Triton vs torch backend, bf16", "triton_plain_vs_torch"),
+                           ("  cascade Triton vs torch backend, bf16", "triton_cascade_vs_torch")):
+            c = RESULTS["cascade"]["torch_backend"][key]
+            summary.append((label, f"{c['identical']}/{len(prompts)} identical",
+                            f"max rel {c['max_rel_logprob_err']:.2e} (same weights: {same_weights})"))
+    if os.environ.get("CASCADE_FP32") == "0":
+        return
+    small = prefixrt.Engine("llama-3.2-1b", load_format="dummy", dtype="float32", cascade_decode=True,
+                            kv_cache_tokens=300_000)
+    try:
+        w = W.rag(small.vocab_size)
+        agree32 = cascade_agreement(small, [s[0].new_tokens for s in w.sessions], 16)
+    finally:
+        small.shutdown()
+    RESULTS["cascade"]["fp32_1b"] = agree32
+    for label, key in (("cascade vs plain, fp32 (1B shape), 64 RAG x 16", "on_vs_off"),
+                       ("  baseline: plain vs plain, reversed order", "baseline_off_vs_off_reversed")):
+        c = agree32[key]
+        summary.append((label, f"{c['identical']}/{agree32['prompts']} identical",
+                        f"max abs {c['max_abs_logprob_diff']:.2e}, max rel {c['max_rel_logprob_err']:.2e}; "
+                        f"cascade replays {agree32['replays_on'].get('cascade', 0)}"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to test the script")
     ap.add_argument("--legacy", action="store_true",
                     help="also the earlier sections: backend check, TTFT, batch-1 decode, JSON, HF generate")
-    ap.add_argument("--only", default="abcde", help="sections to run (default all: abcde)")
+    ap.add_argument("--only", default="abcde", help="sections to run (default abcde; f: cascade decode, CASCADE=1)")
     args = ap.parse_args()
     smoke = args.smoke
     big = "llama-3-8b" if not smoke else "qwen3-0.6b"
@@ -406,6 +569,8 @@ def main():
     # Both engines stay up for the interleaved radix/no-radix runs: fixed pools that fit the random case.
     kv_tokens = 330_000 if not smoke else 3000
     kw = dict(load_format="dummy", kv_cache_tokens=kv_tokens)
+    if os.environ.get("CASCADE") is not None:  # CASCADE=1: build with shared-prefix decode (section f toggles it)
+        kw["cascade_decode"] = os.environ["CASCADE"] == "1"
     if smoke:
         kw.update(device="cpu", attention_backend="torch")
     summary = []  # (what, value, note)
@@ -418,16 +583,21 @@ def main():
     RESULTS["cuda_graphs"] = eng.core.runner.graphs is not None
     # (a) RAG streamed with text, in-process: the first batch after start-up, then warm, overlap on and off.
     rag = W.rag(vocab) if not smoke else W.rag(vocab, requests=4, shared_len=64, unique_len=8, output_len=4)
-    if "a" in args.only:
-        section_a(eng, rag, summary)
-    if "b" in args.only:
-        section_b(eng, vocab, smoke, cuda, summary)
-    if "c" in args.only:
-        section_c(eng, vocab, smoke, summary)
-    if "e" in args.only:
-        section_e(eng, vocab, smoke, summary)
-    if "d" in args.only:
-        section_d(eng, vocab, smoke, big, kw, summary)
+    sections = {"a": lambda: section_a(eng, rag, summary), "b": lambda: section_b(eng, vocab, smoke, cuda, summary),
+                "c": lambda: section_c(eng, vocab, smoke, summary), "e": lambda: section_e(eng, vocab, smoke, summary),
+                "f": lambda: section_f(eng, rag, smoke, summary),
+                "d": lambda: section_d(eng, vocab, smoke, big, kw, summary)}
+    for key, run in sections.items():
+        if key in args.only:
+            t = time.perf_counter()
+            try:
+                run()
+            except Exception:  # report and go on: one failing section must not lose the others' figures
+                import traceback
+
+                traceback.print_exc()
+                summary.append((f"section {key}", "FAILED", traceback.format_exc().splitlines()[-1][:120]))
+            log(f"section {key}: {time.perf_counter() - t:.0f}s")
 
     if args.legacy:
         legacy(eng, vocab, smoke, args)
@@ -437,8 +607,8 @@ def main():
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_engine.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
-    log(json.dumps(RESULTS, indent=1, default=str))
+            json.dump({k: v for k, v in RESULTS.items() if not k.startswith("_")}, f, indent=1, default=str)
+    log(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("_")}, indent=1, default=str))
     log(f"\nprefixrt {big} dummy {'bf16 on ' + torch.cuda.get_device_name() if cuda else 'fp32 on the CPU (smoke)'}, "
         f"total {time.perf_counter() - t_start:.0f}s, start-up {RESULTS['startup_s']:.0f}s")
     w = max([len(a) for a, _, _ in summary] + [1])
@@ -546,18 +716,45 @@ def section_e(eng, vocab, smoke, summary) -> None:
     for _ in range(3):
         ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)])
     timer = PhaseTimer(eng).install()
+    steps = StepLog(eng).install()
     s0 = eng.stats().forward_passes_total
-    hot = sorted(ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20))
+    hot_in_order = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    hot = sorted(hot_in_order)
     timer.uninstall()
+    steps.uninstall()
     phases = timer.per_step_ms(max(1, eng.stats().forward_passes_total - s0))
+    # Where a slow one comes from: Python's garbage collector (its pauses, timed by gc.callbacks) and the GIL
+    # hand-off between threads (20 more requests with a 0.5 ms switch interval instead of 5 ms).
+    import gc as _gc
+    pauses, started = [], []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((info.get("generation"), round((time.perf_counter() - started.pop()) * 1000, 3)))
+    _gc.callbacks.append(on_gc)
+    gc_hot = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    fast_switch = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    sys.setswitchinterval(old_interval)
+    _gc.callbacks.remove(on_gc)
     cold = []
     for _ in range(3):
         eng.flush_cache()
         cold.append(ttft_once(eng, [rng.randrange(16, vocab) for _ in range(len(shared) + new)]))
     RESULTS["ttft"] = {"hot_ms": [round(x * 1000, 3) for x in hot], "hot_p50_ms": statistics.median(hot) * 1000,
                        "hot_p99_ms": hot[-1] * 1000, "cold_p50_ms": statistics.median(cold) * 1000,
-                       "hot_phases_ms_per_forward": phases}
+                       "hot_phases_ms_per_forward": phases,
+                       "hot_in_order_ms": [round(x * 1000, 3) for x in hot_in_order],
+                       "again_ms": [round(x * 1000, 3) for x in gc_hot], "gc_pauses_ms": pauses,
+                       "switch_0p5ms_ms": [round(x * 1000, 3) for x in fast_switch],
+                       "hot_forwards": [(r["kind"], r["tokens"], round(r["device_ms"], 3)) for r in steps.rows]}
     log("ttft", RESULTS["ttft"])
+    for label, xs in (("  again (gc pauses timed)", gc_hot), ("  again, GIL switch interval 0.5 ms", fast_switch)):
+        summary.append((label, f"{statistics.median(xs) * 1000:.2f} / {max(xs) * 1000:.2f} ms",
+                        f"gc pauses {pauses}" if "gc" in label else ""))
     summary.append(("hot-prefix TTFT p50 / p99 (3500 cached + 80, 20 req)",
                     f"{RESULTS['ttft']['hot_p50_ms']:.2f} / {RESULTS['ttft']['hot_p99_ms']:.2f} ms",
                     f"cold p50 {RESULTS['ttft']['cold_p50_ms']:.1f} ms; per forward {phases}"))
@@ -578,6 +775,10 @@ def section_e(eng, vocab, smoke, summary) -> None:
                         f"{other['jf_speedup']:.2f}x (valid {other['jf_on']['valid']}/{other['jf_off']['valid']})",
                         f"{other['jf_off']['step_ms']:.2f} / {other['unconstrained']['step_ms']:.2f} ms = "
                         f"{other['constrained_step_over_unconstrained']:.2f}x"))
+    for key in ("jf_on_steps", "jf_off_steps"):
+        summary.append((f"  {key}: kind tokens<=b: count x device / wall ms",
+                        "; ".join(f"{g['kind']} {g['tokens_le']}: {g['count']}x {g['device_ms']:.2f}/{g['wall_ms'] or 0:.2f}"
+                                  for g in js.get(key, [])), ""))
     summary.append(("JSON long keys b64: jump-forward on / off", f"{js['jf_on']['tok_s']:.0f} / {js['jf_off']['tok_s']:.0f} tok/s",
                     f"{js['jf_speedup']:.2f}x; valid {js['jf_on']['valid']}/{js['jf_off']['valid']}"))
     summary.append(("constrained / unconstrained step (b64)", f"{js['jf_off']['step_ms']:.2f} / {js['unconstrained']['step_ms']:.2f} ms",

@@ -6,7 +6,7 @@
     read), cascade vs plain decode on a shared 3500-token prefix, extend attention (TFLOP/s).
 Prints a table last; writes $OUT/gpu_kernels.json when OUT is set.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_kernels.py
+    PYTHONPATH=$PWD python benchmarks/gpu_kernels.py [--only=correctness,decode,cascade,extend] [--no-sweep]
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_kernels.py --smoke   # CPU dry run, tiny sizes
 """
 
@@ -235,38 +235,101 @@ def extend_flops(prefix_lens, extend_lens, num_heads, head_dim):
     return 4 * num_heads * head_dim * visible
 
 
-def bench_extend_case(name, prefix, ext):
+def sdpa_lower_right(q, k, v):
+    """torch SDPA with the causal mask aligned bottom-right (queries are the last positions of the keys)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if q.shape[-2] == k.shape[-2]:
+        return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    return sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]), enable_gqa=True)
+
+
+# Launch configurations swept on the GPU (BLOCK_M, BLOCK_N, num_warps, num_stages); the kernel's own choice
+# is timed first as "default".
+EXTEND_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3),
+                (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3),
+                (64, 32, 4, 3)]
+
+
+def bench_extend_case(name, prefix, ext, sweep=False, contiguous_too=True):
     num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
-    pool = Pool(sum(prefix) + sum(ext) + 1, num_kv_heads, head_dim, dtype, len(prefix) + 1, 8192)
+    pool = Pool(sum(prefix) + sum(ext) + 1, num_kv_heads, head_dim, dtype, len(prefix) + 1, max(prefix) + max(ext))
     q, args, k_new, v_new = extend_inputs(pool, prefix, ext, num_heads, head_dim, dtype)
     o = torch.empty_like(q)
     flops = extend_flops(prefix, ext, num_heads, head_dim)
-    for contiguous in (False, True):
+    row = {"case": name, "flops": flops}
+    for contiguous in (False, True) if contiguous_too else (False,):
         kw = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
         ms = bench(lambda kw=kw: extend_attention(q, o, *args, **kw))
         label = f"{name} ({'new K/V contiguous' if contiguous else 'all from pool'})"
         record_time("extend", label, ms, TFLOPs=flops / (ms / 1e3) / 1e12)
-    if prefix == [0]:  # baseline: torch SDPA (flash) on contiguous tensors of the same shape
-        qd = q.transpose(0, 1)[None]  # qd: [1, H, T, D]
-        kd, vd = k_new.transpose(0, 1)[None], v_new.transpose(0, 1)[None]  # [1, KVH, T, D]
-        sdpa = torch.nn.functional.scaled_dot_product_attention
+        row["contiguous" if contiguous else "pool"] = flops / (ms / 1e3) / 1e12
+    # Reference for the checks and the SDPA baseline: each sequence's whole K/V gathered contiguously.
+    rows = args[3].tolist()
+    outs = []
+    ks = [pool.k[pool.req_to_token[r, : p + e].long()].transpose(0, 1)[None] for r, p, e in zip(rows, prefix, ext)]
+    vs = [pool.v[pool.req_to_token[r, : p + e].long()].transpose(0, 1)[None] for r, p, e in zip(rows, prefix, ext)]
+    starts = [sum(ext[:i]) for i in range(len(ext))]
+    if len(set(prefix)) == 1 and len(set(ext)) == 1:  # one batched SDPA call
+        qd = q.view(len(ext), ext[0], num_heads, head_dim).transpose(1, 2)
+        kd, vd = torch.cat(ks), torch.cat(vs)
         try:
-            ms = bench(lambda: sdpa(qd, kd, vd, is_causal=True, enable_gqa=True))
-            record_time("extend", f"{name} torch SDPA baseline (contiguous)", ms, TFLOPs=flops / (ms / 1e3) / 1e12)
+            ms = bench(lambda: sdpa_lower_right(qd, kd, vd))
+            record_time("extend", f"{name} torch SDPA baseline (contiguous K/V)", ms,
+                        TFLOPs=flops / (ms / 1e3) / 1e12)  # fmt: skip
+            row["sdpa"] = flops / (ms / 1e3) / 1e12
+            expected = sdpa_lower_right(qd, kd, vd).transpose(1, 2).reshape_as(q)
         except Exception as e:  # noqa: BLE001 - a missing baseline must not stop the run
             print("  SDPA baseline unavailable:", e)
+            expected = None
+    else:
+        for e, st, k, v in zip(ext, starts, ks, vs):
+            qd = q[st: st + e].transpose(0, 1)[None]
+            outs.append(sdpa_lower_right(qd, k, v)[0].transpose(0, 1))
+        expected = torch.cat(outs)
+    if expected is not None:
+        extend_attention(q, o, *args)
+        record_check(f"extend {name} vs SDPA", rel_err(o, expected), dtype)
+    if sweep and not SMOKE:
+        best = None
+        for bm, bn, w, st in EXTEND_SWEEP:
+            cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            try:
+                o.zero_()
+                extend_attention(q, o, *args, block_m=bm, config=cfg)
+                err = rel_err(o, expected) if expected is not None else 0.0
+                ms = bench(lambda bm=bm, cfg=cfg: extend_attention(q, o, *args, block_m=bm, config=cfg))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+                print(f"  config {bm, bn, w, st} failed: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            tf = flops / (ms / 1e3) / 1e12
+            record_time("sweep", f"{name} M{bm} N{bn} w{w} s{st}", ms, TFLOPs=tf, rel_err=err)
+            if err < TOL[dtype] and (best is None or tf > best[1]):
+                best = ((bm, bn, w, st), tf)
+        row["best"] = best
+    RESULTS.setdefault("extend_rows", []).append(row)
 
 
 def bench_extend():
-    bench_extend_case("64 x 80 new over 3500 prefix", [size(3500)] * size(64), [size(80)] * size(64))
-    bench_extend_case("1 x 4096 prefill", [0], [size(4096)])
+    sweep = "--no-sweep" not in sys.argv
+    bench_extend_case("1 x 4096 prefill", [0], [size(4096)], sweep)
+    for cached in (8192, 16384, 32768):
+        bench_extend_case(f"1 x 2048 new over {cached} cached", [size(cached)], [size(2048)], sweep, False)
+    bench_extend_case("64 x 80 new over 3500 prefix", [size(3500)] * size(64), [size(80)] * size(64), sweep)
+    bench_extend_case("1 x 80 new over 3500 prefix", [size(3500)], [size(80)], False, False)
+    print("\n| extend case | pool TFLOP/s | SDPA TFLOP/s | best swept config (TFLOP/s) |\n|---|---|---|---|")
+    for r in RESULTS.get("extend_rows", []):
+        print(f"| {r['case']} | {r.get('pool', 0):.0f} | {r.get('sdpa', 0):.0f} | {r.get('best')} |")
 
 
 def main():
     t0 = time.time()
     RESULTS["device"] = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0)
     print(f"device: {RESULTS['device']}, SMs {NUM_SMS}, torch {torch.__version__}, triton {triton.__version__}")
-    for section in (correctness, bench_decode, bench_cascade, bench_extend):
+    sections = {"correctness": correctness, "decode": bench_decode, "cascade": bench_cascade, "extend": bench_extend}
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(sections))
+    for section in (sections[k] for k in only):
         print(f"== {section.__name__}", flush=True)
         try:
             section()

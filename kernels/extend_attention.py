@@ -17,16 +17,20 @@ import triton.language as tl
 from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
 from prefixrt.kernels.decode_attention import decode_workspace, launch_merge
 
+LOG2E = 1.4426950408889634  # scores are kept in base 2 (exp2 is one instruction; exp is exp2 and a multiply)
+
 
 @triton.jit
 def _attend_block(
-    q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
+    q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
     MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q."""
-    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [BLOCK_M, BLOCK_N]
+    """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q.
+    Scores, m_i and the exponentials are in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a
+    softcap, which applies to the natural-scale scores first)."""
+    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
-        s = softcap_scores(s, logit_softcap)
+        s = softcap_scores(s, logit_softcap) * 1.4426950408889634
     if MASK_KEYS:  # block may hold keys past the range end or after some queries
         visible = key_ok[None, :]
         if CAUSAL:
@@ -35,10 +39,10 @@ def _attend_block(
     if HAS_WINDOW:
         s = tl.where(k_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row can see nothing in this block (window): keep its max finite so exp() gives 0, not NaN.
+    # A row can see nothing in this block (window): keep its max finite so exp2() gives 0, not NaN.
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
     return acc, m_new, l_i
@@ -47,7 +51,7 @@ def _attend_block(
 @triton.jit
 def _extend_kernel(
     Q, Out, K, V, KExt, VExt, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
-    sm_scale, logit_softcap, sliding_window,
+    qk_scale, logit_softcap, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kn, stride_kh, stride_vn, stride_vh,
     stride_ket, stride_keh, stride_vet, stride_veh, stride_rt,
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -62,10 +66,10 @@ def _extend_kernel(
         if b < 0:
             return
         mb = tl.load(BlockMb + tl.program_id(0))
-    else:  # grid [B, H, cdiv(max_extend_len, BLOCK_M)]
+    else:  # grid [B, H, cdiv(max_extend_len, BLOCK_M)]; the last (longest: causal) query blocks run first
         b = tl.program_id(0)
         h = tl.program_id(1)
-        mb = tl.program_id(2)
+        mb = tl.num_programs(2) - 1 - tl.program_id(2)
     extend_len = tl.load(ExtendLens + b)
     if mb * BLOCK_M >= extend_len:
         return
@@ -119,7 +123,7 @@ def _extend_kernel(
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, k, v, q_pos, k_pos, k_pos < pool_hi, sm_scale, logit_softcap, sliding_window,
+            q, acc, m_i, l_i, k, v, q_pos, k_pos, k_pos < pool_hi, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
@@ -131,7 +135,7 @@ def _extend_kernel(
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
+            q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=True, CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
@@ -151,14 +155,15 @@ def _extend_kernel(
                 VExt + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :], mask=kv_mask, other=0.0
             )
             acc, m_i, l_i = _attend_block(
-                q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, sm_scale, logit_softcap, sliding_window,
+                q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
                 MASK_KEYS=True, CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
             )  # fmt: skip
 
     # Every valid query sees at least itself (l_i > 0); padded rows may see nothing under a window.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS > 1:  # partial result of this split: normalised output and log-sum-exp (-inf: saw nothing)
-        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        # natural-log LSE for the merge (m_i is in base 2)
+        lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         split_id = tl.program_id(2)
         tl.store(
             MidO + rows[:, None] * stride_mot + h * stride_moh + split_id * stride_mos + offs_d[None, :],
@@ -182,7 +187,9 @@ def _config(head_dim: int, max_extend_len: int, block_m: int | None = None) -> d
     if head_dim > 128:
         block_m = min(block_m, 64)
         return {"BLOCK_M": block_m, "BLOCK_N": 32, "num_warps": 8 if block_m == 64 else 4, "num_stages": 2}
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 8 if block_m == 128 else 4, "num_stages": 2}
+    if block_m == 128:  # measured on an H200 (benchmarks/gpu_kernels.py sweep): 4 warps, 3 stages
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 def block_m_for(head_dim: int, max_extend_len: int, block_m: int | None = None) -> int:
@@ -226,6 +233,7 @@ def extend_attention(
     block_mb: torch.Tensor | None = None,
     block_m: int | None = None,
     num_splits: int = 1,
+    config: dict | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
@@ -236,7 +244,8 @@ def extend_attention(
     fixed, so a CUDA graph captured once serves any batch the map fits. block_m overrides the block height
     (pass the one the map was built with). num_splits > 1 (with a block map, pool K/V only) cuts each query
     block's keys into that many ranges run by separate programs, merged by their log-sum-exp afterwards:
-    parallelism for a few new tokens over a long cached prefix (hot-prefix prefills)."""
+    parallelism for a few new tokens over a long cached prefix (hot-prefix prefills). config overrides
+    launch parameters (BLOCK_N, num_warps, num_stages; benchmarks/gpu_kernels.py sweeps them)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
@@ -247,6 +256,8 @@ def extend_attention(
     k_ext = k_extend if contiguous else k_buffer
     v_ext = v_extend if contiguous else v_buffer
     cfg = _config(head_dim, max_extend_len, block_m)
+    if config:
+        cfg = {**cfg, **config}
     if num_splits > 1:  # split partials: [T, H, S, D] and [T, H, S] fp32 (a graph's pool holds them)
         mid_o, mid_lse = decode_workspace(q.shape[0], num_heads, head_dim, num_splits, q.device)
     else:
@@ -262,7 +273,7 @@ def extend_attention(
         grid = (batch_size, num_heads, triton.cdiv(max_extend_len, cfg["BLOCK_M"]))
     _extend_kernel[grid](
         q, o, k_buffer, v_buffer, k_ext, v_ext, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start_loc, sm_scale, logit_softcap or 0.0, sliding_window or 0,
+        extend_start_loc, sm_scale if logit_softcap else sm_scale * LOG2E, logit_softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), k_ext.stride(0), k_ext.stride(1), v_ext.stride(0),
         v_ext.stride(1), req_to_token.stride(0),

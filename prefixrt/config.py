@@ -29,6 +29,9 @@ class EngineConfig:
     grammar_backend: str = "llguidance"  # "llguidance" | "xgrammar"
     grammar_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused (InvalidRequest)
     cuda_graph: bool = True  # capture decode batches (CUDA only)
+    # Shared-prefix (cascade) decode inside the decode graphs (CUDA, Triton backend): running requests that
+    # share a cached prefix read its K/V once per tile. None: the engine's default (builder.CASCADE_DECODE).
+    cascade_decode: bool | None = None
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
     overlap_schedule: bool | None = None

@@ -33,11 +33,12 @@ log = logging.getLogger("prefixrt")
 
 EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
 # Shared-prefix (cascade) decode inside the decode graphs, for groups of >= 2 running requests sharing
-# >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py). Off by default:
-# exact in fp32 (tests) and 1.11x on the RAG decode on an H200, but in bf16 its greedy outputs matched
-# plain decode on only 8 of 64 RAG prompts over 16 tokens (logprob rel err 1.8e-2, the level of
-# Triton-vs-torch noise with dummy weights), short of the >= 95% bar; benchmarks/gpu_graphs.py turns it on.
-CASCADE_DECODE = False
+# >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
+# cascade_decode overrides it. On by default: on an H200 (docs/benchmarks.md) an fp32 engine gives greedy
+# outputs identical to plain decode on 64 of 64 RAG prompts (logprob rel err 9e-7), and the RAG case streamed
+# with text runs 1.31x faster in bf16. In bf16 with dummy weights greedy outputs flip on near-ties as they do
+# between any two correct attention kernels (see the torch-backend baseline there).
+CASCADE_DECODE = True
 CASCADE_MIN_PREFIX = 256
 
 
@@ -150,7 +151,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
         # On failure: plain decode graphs alone, then eager.
-        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention)), (0, None)):
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention, config)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
@@ -178,7 +179,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
         overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
-    if CASCADE_DECODE and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
+    if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
         from prefixrt.engine.prefix_groups import PrefixGrouper
 
         core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
@@ -236,9 +237,13 @@ def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocat
                             write_threshold=config.host_kv_write_threshold, debug=config.debug)
 
 
-def cascade_args(attention) -> dict | None:
+def cascade_enabled(config: EngineConfig) -> bool:
+    return CASCADE_DECODE if config.cascade_decode is None else config.cascade_decode
+
+
+def cascade_args(attention, config: EngineConfig) -> dict | None:
     """DecodeGraphs.enable_cascade arguments for this backend, or None (no cascade decode graphs)."""
-    if not CASCADE_DECODE or not getattr(attention, "use_cascade", False):
+    if not cascade_enabled(config) or not getattr(attention, "use_cascade", False):
         return None
     return {"queries_per_tile": attention.cascade_queries_per_tile, "min_prefix_len": CASCADE_MIN_PREFIX,
             "min_group_size": attention.cascade_min_group_size}

@@ -109,6 +109,21 @@ class _Done:
         return self._value
 
 
+class _MaskFill:
+    """One step's host bitmask, filled by one or more submissions to the mask worker (disjoint rows each):
+    result() waits for all of them and returns the bitmask (the first error is raised, as a Future's)."""
+
+    def __init__(self, bitmask: torch.Tensor):
+        self.bitmask = bitmask
+        self.parts: list = []  # Futures (or _Done) of the submissions
+        self.submitted: set[int] = set()  # rows handed to a submission
+
+    def result(self) -> torch.Tensor:
+        for part in self.parts:
+            part.result()
+        return self.bitmask
+
+
 @dataclass
 class Step:
     """One launched forward and what the host needs to finish it."""
@@ -126,7 +141,7 @@ class Step:
     hole_idx: torch.Tensor | None = None  # [2, len(holes)]: those positions, and the rows of prev's tokens
     scored: list = field(default_factory=list)  # (request, positions) wanting prompt logprobs
     num_ends: int = 0  # logits rows of sampled requests (the scored rows follow)
-    masks: Any = None  # a Future of the filled host bitmask (prepare_sample), or None
+    masks: Any = None  # the step's _MaskFill (prepare_sample; rows may start during the previous process), or None
 
 
 class EngineCore:
@@ -256,7 +271,8 @@ class EngineCore:
         if step is not None:
             step = self.launch(step, prev)
         if prev is not None:
-            self.process(prev)
+            early = self._early_masks(step, prev) if step is not None else None
+            self.process(prev, on_rows=early)
         if step is not None:
             self.prepare_sample(step)
             self._inflight = step
@@ -417,12 +433,53 @@ class EngineCore:
             return
         step.live = [r.finish_reason is None and r.epoch == e for r, e in zip(step.sampled, step.epochs)]
         rows = [i for i, r in enumerate(step.sampled) if r.matcher is not None and step.live[i]]
-        if rows and self.bitmask_ops is not None:
-            args = (step.sampled, rows, step.logits.shape[1], step.logits.is_cuda)
-            if background:
-                step.masks = self._mask_worker().submit(self._fill_masks, *args)
-            else:
-                step.masks = _Done(self._fill_masks, *args)
+        self._submit_masks(step, rows, background)
+
+    def _submit_masks(self, step: Step, rows: list[int], background: bool = True) -> None:
+        """Fill these rows of the step's bitmask (allocated all-ones on first use) on the mask worker (or at once);
+        rows already submitted are skipped. A row must be filled only once its matcher is current."""
+        if self.bitmask_ops is None or step.logits is None:
+            return
+        if step.masks is None:
+            if not rows:
+                return
+            # pinned on CUDA, so the copy to the device never waits for the forward in flight (torch's pinned
+            # allocator keeps the buffer until the copy has run)
+            step.masks = _MaskFill(self.bitmask_ops.allocate_bitmask(len(step.sampled), step.logits.shape[1],
+                                                                      pinned=step.logits.is_cuda))
+        fill = step.masks
+        rows = [i for i in rows if i not in fill.submitted]
+        if not rows:
+            return
+        fill.submitted.update(rows)
+        args = (step.sampled, rows, fill.bitmask)
+        fill.parts.append(self._mask_worker().submit(self._fill_rows, *args) if background
+                          else _Done(self._fill_rows, *args))
+
+    def _early_masks(self, step: Step, prev: Step):
+        """A hook for process(prev): after each chunk of prev's rows, start the masks of step's rows whose matcher
+        is now current (their request's row of prev is post-processed, or it had none), so the fill overlaps
+        the rest of post-processing. None when step has no constrained rows."""
+        if self.bitmask_ops is None or not step.sampled or step.logits is None:
+            return None
+        where = {id(r): k for k, r in enumerate(prev.sampled)}
+        pending = sorted((where.get(id(r), -1), i) for i, r in enumerate(step.sampled) if r.matcher is not None)
+        if not pending:
+            return None
+        chunk = max(8, len(prev.sampled) // 4)
+
+        def on_rows(done: int) -> None:  # prev rows [0, done) are post-processed
+            if done % chunk and done != len(prev.sampled):
+                return
+            ready = []
+            while pending and pending[0][0] < done:
+                _, i = pending.pop(0)
+                r = step.sampled[i]
+                if r.finish_reason is None and r.epoch == step.epochs[i]:
+                    ready.append(i)
+            self._submit_masks(step, ready)
+
+        return on_rows
 
     def _mask_worker(self):
         if self._masks_pool is None:
@@ -431,16 +488,13 @@ class EngineCore:
             self._masks_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-masks")
         return self._masks_pool
 
-    def _fill_masks(self, reqs: list[Req], rows: list[int], width: int, pinned: bool) -> torch.Tensor:
-        """(On the mask worker.) All ones, the given rows filled; pinned on CUDA, so the copy to the device never
-        waits for the forward in flight (torch's pinned allocator keeps the buffer until the copy has run)."""
-        bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), width, pinned=pinned)
+    def _fill_rows(self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor) -> None:
+        """(On the mask worker.) Fill the given rows of bitmask from their requests' matchers."""
         if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
             self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
         else:
             for i in rows:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
-        return bitmask
 
     def draw(self, step: Step) -> None:
         """Wait for the step's masks, then penalties, masks and the draw on the device; host copies start."""
@@ -482,29 +536,41 @@ class EngineCore:
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and live[i]]
         if not rows or self.bitmask_ops is None:
             return None
-        return lambda logits: self._apply_masks(logits, self._fill_masks(reqs, rows, logits.shape[1], logits.is_cuda))
+
+        def apply(logits: torch.Tensor) -> None:
+            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1], pinned=logits.is_cuda)
+            self._fill_rows(reqs, rows, bitmask)
+            self._apply_masks(logits, bitmask)
+
+        return apply
 
     def _apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
 
     # ------------------------------------------------------------------ unit 4: post-process
-    def process(self, step: Step) -> None:
-        """Wait for the step, then per row: resolve the token, post-process, stream; publish prefill chunks."""
+    def process(self, step: Step, on_rows=None) -> None:
+        """Wait for the step, then per row: resolve the token, post-process, stream; publish prefill chunks.
+        on_rows(n), when given, is called after each of the first n rows is post-processed (and once with n =
+        all rows, also when there are no tokens)."""
         step.fence.wait()
         out = step.result.read() if step.result is not None else None
         now = time.monotonic()
         if out is not None:
-            for r, live, epoch, tok, lp in zip(step.sampled, step.live, step.epochs, out.token_ids, out.logprobs):
-                if not live or r.finish_reason is not None or r.epoch != epoch:
-                    continue  # stale or finished: the token is discarded
-                r.num_unresolved -= 1
-                if r.future is not None and r.future[0] is step:
-                    r.future = None
-                try:
-                    self._post_process(r, tok, lp, now)
-                except Exception as e:
-                    log.error("post-processing failed: %s", traceback.format_exc())
-                    self._finish(r, "abort", error=f"internal error in post-processing: {e}")
+            for j, (r, live, epoch, tok, lp) in enumerate(
+                    zip(step.sampled, step.live, step.epochs, out.token_ids, out.logprobs)):
+                if live and r.finish_reason is None and r.epoch == epoch:  # else stale or finished: discarded
+                    r.num_unresolved -= 1
+                    if r.future is not None and r.future[0] is step:
+                        r.future = None
+                    try:
+                        self._post_process(r, tok, lp, now)
+                    except Exception as e:
+                        log.error("post-processing failed: %s", traceback.format_exc())
+                        self._finish(r, "abort", error=f"internal error in post-processing: {e}")
+                if on_rows is not None:
+                    on_rows(j + 1)
+        elif on_rows is not None:
+            on_rows(len(step.sampled))
         b = step.batch
         for r, row, p, n, s in zip(b.reqs, step.rows, b.prefix_lens, b.num_tokens, b.sample):
             if r.chunk_step is step:

@@ -5,7 +5,7 @@ Data flow for one request on the decode engine (DecodeEngine):
   1. prepare (caller's thread, as usual), then on the loop thread: KVManager.begin_receive locks what the decode
      cache already holds of prompt[:-1] and allocates pages for the rest; a KVRequest(start, tokens) goes to a
      prefill peer (round robin). The last prompt token is always computed here (it samples the first token).
-  2. The prefill side (PrefillWorker) runs the prompt through its Engine (cache_prefix: its radix cache reuses
+  2. The prefill side (PrefillWorker, engine/prefill_worker.py) runs the prompt through its Engine (cache_prefix: its radix cache reuses
      what it has), locks the path, sends a header and then K/V layer by layer, and unlocks.
   3. The decode side's receiving thread writes each layer into the reserved slots and marks it; after the last
      one the loop publishes the pages in the radix cache (finish_receive) and admits the request, which matches
@@ -41,203 +41,12 @@ from typing import Any
 
 import torch
 
-from prefixrt.cache.kv_transport import (
-    TAG_TO_DECODE,
-    TAG_TO_PREFILL,
-    Channel,
-    local_groups,
-    sleep_s,
-)
+from prefixrt.cache.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, local_groups
+from prefixrt.engine.disagg_messages import Bye, Cancel, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
+from prefixrt.engine.prefill_worker import PrefillWorker
 
 log = logging.getLogger("prefixrt")
-
-
-# ---------------------------------------------------------------------------------------------- wire records
-@dataclass(frozen=True)
-class KVRequest:
-    """decode -> prefill: send K/V of positions [start, len(tokens)) of tokens (namespace = cache_salt)."""
-
-    xfer_id: int
-    tokens: list[int]
-    namespace: Any
-    start: int
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """decode -> prefill: the request is gone; answer "cancelled" if the transfer has not started."""
-
-    xfer_id: int
-
-
-@dataclass(frozen=True)
-class KVHeader:
-    """prefill -> decode: "sending" (num_layers K/V tensors of num_tokens follow), "cancelled" (never started,
-    nothing follows) or "failed" (nothing follows; error says why)."""
-
-    xfer_id: int
-    status: str
-    num_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class Bye:
-    """Either way: nothing more comes on this stream (the receiver answers with its own Bye)."""
-
-
-# ---------------------------------------------------------------------------------------------- prefill side
-class PrefillWorker:
-    """Serves KVRequests from decode engines with `engine` (which keeps serving its own requests too).
-
-    Per decode peer: a listener thread, and up to `max_inflight` transfers computing at once on a thread pool (their
-    prompts prefill together in the engine's batches); sending is one transfer at a time per peer, in the order
-    they finish computing. A transfer starts when its header is sent: a Cancel before that is answered
-    "cancelled" (its K/V, if computed, just stays in this engine's cache); after it, the transfer completes.
-    delay_s (race mode) sleeps before each layer is sent."""
-
-    def __init__(self, engine: Engine, group, decode_ranks=(0,), backend: str = "gloo", delay_s: float = 0.0,
-                 max_inflight: int = 16):
-        if not engine.config.radix_cache:
-            raise ValueError("a prefill worker needs radix_cache=True (it sends K/V from its radix cache)")
-        self.engine = engine
-        self.delay_s = delay_s
-        self.transfers_total = 0
-        self.cancelled_total = 0
-        self._peers = [_PrefillPeer(self, Channel(group, r, TAG_TO_DECODE, TAG_TO_PREFILL, backend), max_inflight)
-                       for r in decode_ranks]
-        for p in self._peers:
-            p.start()
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Finish the transfers in flight, say bye to every peer and wait for theirs."""
-        for p in self._peers:
-            p.close(timeout)
-
-    # ------------------------------------------------------------------ one transfer (a pool thread)
-    def compute(self, req: KVRequest):
-        """Prefill req.tokens in the engine and lock their cached path: (handle, slots). Raises if it cannot."""
-        eng = self.engine
-        n = len(req.tokens)
-        for _ in range(3):  # the path may be evicted between the prefill and the lock: prefill again
-            eng.cache_prefix(req.tokens, req.namespace)
-            locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.namespace, n))
-            if locked is not None:
-                return locked
-        raise RuntimeError("the prompt's K/V could not be kept in the prefill engine's cache")
-
-    def send(self, ch: Channel, req: KVRequest, slots: list[int]) -> None:
-        """(Holding ch.send_lock.) The header, then every layer's K/V of positions [start, n)."""
-        pool = self.engine.core.kv.pool
-        n = len(req.tokens)
-        idx = torch.tensor(slots[req.start:n], dtype=torch.int64, device=pool.device)
-        ch.send_obj(KVHeader(req.xfer_id, "sending", num_tokens=n - req.start))
-        for layer in range(pool.num_layers):  # started: always completes (the decode side holds its slots)
-            sleep_s(self.delay_s)
-            ch.send_layer(pool, layer, idx)
-        self.transfers_total += 1
-
-    def unlock(self, handle) -> None:
-        eng = self.engine
-        eng._run_on_loop(lambda: eng.core.kv.cache.unlock(handle))
-
-
-def _lock_path(eng: Engine, tokens: list[int], namespace, n: int):
-    """(Loop thread.) Lock the cached path of tokens[:n]: (handle, its slots), or None if not all cached."""
-    cache = eng.core.kv.cache
-    m = cache.match_prefix(tokens, namespace, max_len=n)
-    if m.length < n:
-        return None
-    return cache.lock(m), list(m.slots)
-
-
-class _PrefillPeer:
-    """The prefill side of one decode peer. Transfer states (under _lock): queued -> computing -> sending -> done,
-    or cancelled (answered) from queued, or cancel_requested from computing (answered before any header)."""
-
-    def __init__(self, worker: PrefillWorker, ch: Channel, max_inflight: int):
-        self.worker, self.ch = worker, ch
-        self._lock = threading.Lock()
-        self._state: dict[int, str] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_inflight, thread_name_prefix=f"prefixrt-prefill-{ch.peer}")
-        self._closing = False
-        self._bye_sent = False
-        self._listener = threading.Thread(target=self._listen, name=f"prefixrt-prefill-listen-{ch.peer}", daemon=True)
-
-    def start(self) -> None:
-        self._listener.start()
-
-    def close(self, timeout: float) -> None:
-        self._say_bye()
-        self._listener.join(timeout)
-
-    def _say_bye(self) -> None:
-        """Once: no new transfers; those in flight finish (or are answered); then bye."""
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-        self._pool.shutdown(wait=True)
-        with self.ch.send_lock:
-            self.ch.send_obj(Bye())
-
-    def _listen(self) -> None:
-        while True:
-            msg = self.ch.recv_obj()
-            if isinstance(msg, Bye):
-                self._say_bye()
-                return
-            if isinstance(msg, KVRequest):
-                with self._lock:
-                    if self._closing:
-                        continue  # after our bye: the decode side treats it as failed
-                    self._state[msg.xfer_id] = "queued"
-                    self._pool.submit(self._run, msg)
-                continue
-            with self._lock:  # a Cancel
-                state = self._state.get(msg.xfer_id)
-                if state == "computing":
-                    self._state[msg.xfer_id] = "cancel_requested"
-                if state != "queued":
-                    continue  # being computed (answered before any header), sending (it completes), or done
-                self._state[msg.xfer_id] = "cancelled"
-            self._answer_cancelled(msg.xfer_id)
-
-    def _answer_cancelled(self, xfer_id: int) -> None:
-        self.worker.cancelled_total += 1
-        with self.ch.send_lock:
-            self.ch.send_obj(KVHeader(xfer_id, "cancelled"))
-        with self._lock:
-            self._state.pop(xfer_id, None)
-
-    def _run(self, req: KVRequest) -> None:
-        with self._lock:
-            if self._state.get(req.xfer_id) != "queued":
-                return  # cancelled while queued: answered already
-            self._state[req.xfer_id] = "computing"
-        try:
-            handle, slots = self.worker.compute(req)
-        except Exception as e:  # noqa: BLE001 - the decode side computes the prompt itself
-            with self.ch.send_lock:
-                self.ch.send_obj(KVHeader(req.xfer_id, "failed", error=str(e)))
-            with self._lock:
-                self._state.pop(req.xfer_id, None)
-            return
-        try:
-            with self.ch.send_lock:
-                with self._lock:
-                    cancelled = self._state[req.xfer_id] == "cancel_requested"
-                    self._state[req.xfer_id] = "sending"
-                if cancelled:
-                    self.worker.cancelled_total += 1
-                    self.ch.send_obj(KVHeader(req.xfer_id, "cancelled"))
-                else:
-                    self.worker.send(self.ch, req, slots)
-        finally:
-            with self._lock:
-                self._state.pop(req.xfer_id, None)
-            self.worker.unlock(handle)
 
 
 # ---------------------------------------------------------------------------------------------- decode side
@@ -401,6 +210,18 @@ class DecodeEngine(Engine):
     # ------------------------------------------------------------------ reporting and shutdown
     def transfer_stats(self) -> dict:
         return self._run_on_loop(lambda: dict(self._stats))
+
+    def stats(self):
+        """EngineStats; requests whose K/V is on its way count as waiting."""
+        if self._stopped or not self._thread.is_alive():
+            return super().stats()
+
+        def snapshot():
+            s = self.core.snapshot_stats()
+            s.requests_waiting += len(self._pending)
+            return s
+
+        return self._run_on_loop(snapshot)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Also waits until no transfer is pending (a held receive included)."""

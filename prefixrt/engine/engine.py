@@ -168,7 +168,9 @@ class Engine(EngineFront):
 
                 from prefixrt.constrained import GrammarCompiler, make_backend
 
-                opts = {"mask_threads": max(2, min(8, os.cpu_count() or 2))}
+                # A mask inside a free-text JSON string walks most of the vocabulary (~1 ms a row for 128k
+                # tokens): every core but the loop's and the detokenizer's fills rows.
+                opts = {"mask_threads": max(2, min(16, (os.cpu_count() or 2) - 2))}
                 grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
                                        sorted(self.core.eos_token_ids), **opts)
                 self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)

@@ -36,9 +36,10 @@ def jump_forward(r: Req, max_context: int, reserve: int) -> list[int]:
         return []
     limit = min(r.remaining_new_tokens, max_context - len(r.all_ids)) - reserve
     forced = r.matcher.forced_tokens()[: max(0, limit)]
-    for f in forced:
-        if not r.matcher.accept_token(f):
-            raise RuntimeError(f"grammar rejected its own forced token {f}")
+    if forced:  # one call for the run (llguidance checks and consumes them together)
+        n = r.matcher.accept_tokens(forced)
+        if n != len(forced):
+            raise RuntimeError(f"grammar rejected its own forced token {forced[n]}")
     if forced:
         r.append_output(forced)
         r.num_forced_tokens += len(forced)

@@ -23,7 +23,7 @@ ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
-                "dist_init_addr")
+                "dist_init_addr", "cascade_decode")
 
 
 CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
@@ -63,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
                    help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
                         "its own LRU prefixes first (tenant fairness); default off")
+    p.add_argument("--cascade-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="shared-prefix (cascade) decode in the CUDA decode graphs: requests sharing a cached prefix "
+                        "read its K/V once (default: on with CUDA graphs and the Triton backend)")
     p.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1,
                    help="tensor parallelism: split the model over this many ranks (GPUs; processes on the CPU), "
                         "one process each; rank 0 schedules (docs/serving.md)")
@@ -157,8 +160,9 @@ def build_role_engine(args: argparse.Namespace):
     torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
     ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
     from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine, PrefillWorker
+    from prefixrt.engine.disagg import DecodeEngine
     from prefixrt.engine.engine import Engine
+    from prefixrt.engine.prefill_worker import PrefillWorker
 
     t0 = time.monotonic()
 

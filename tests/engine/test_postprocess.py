@@ -24,6 +24,12 @@ class ScriptMatcher:
         self.pos += 1
         return True
 
+    def accept_tokens(self, ts: list[int]) -> int:  # Matcher.accept_tokens: in order, until one is rejected
+        for n, t in enumerate(ts):
+            if not self.accept_token(t):
+                return n
+        return len(ts)
+
     def is_finished(self) -> bool:
         return self.pos == len(self.script)
 

@@ -106,3 +106,17 @@ def test_openai_shim_without_httpx_names_the_pip_command(tmp_path):
     """)
     r = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert "pip install 'prefixrt[openai,server]'" in r.stdout, r.stdout + r.stderr
+
+
+def test_cascade_decode_flag_reaches_the_engine_config():
+    import argparse
+
+    from prefixrt.config import EngineConfig
+    from prefixrt.engine.builder import CASCADE_DECODE, cascade_enabled
+    from prefixrt.server.launch import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for argv, want in (([], CASCADE_DECODE), (["--cascade-decode"], True), (["--no-cascade-decode"], False)):
+        kw = engine_kwargs(p.parse_args(argv))
+        assert cascade_enabled(EngineConfig(**{k: v for k, v in kw.items() if k in EngineConfig.__dataclass_fields__})) is want
