@@ -96,15 +96,48 @@ def start(config: EngineConfig, model_path: str | None = None, spec=None) -> Ran
         raise ValueError("only node 0 runs the engine; other nodes run `prefixrt serve --node-rank N` (workers only)")
     if config.dist_init_addr is None:
         config = dataclasses.replace(config, dist_init_addr=f"127.0.0.1:{_free_port()}")
+    device = rank_device(config, 0)
+    if device.type == "cuda":
+        needed, visible = (device.index or 0) + ranks_per_node(config), torch.cuda.device_count()
+        if needed > visible:
+            raise ValueError(f"tensor parallelism needs cuda:{device.index or 0}..cuda:{needed - 1} on this node "
+                             f"({ranks_per_node(config)} ranks), {visible} GPU(s) visible")
     workers = mp.start_processes(_worker_main, args=(config, model_path, spec), nprocs=ranks_per_node(config) - 1, join=False,
                                  daemon=True, start_method="spawn") if ranks_per_node(config) > 1 else None
-    device = rank_device(config, 0)
     try:
-        tp = init_group(0, config, device)
+        tp = _rendezvous_watching(config, device, workers)
     except BaseException:
         _kill(workers)
         raise
     return Ranks(tp, device, workers)
+
+
+def _rendezvous_watching(config: EngineConfig, device: torch.device, workers) -> TPGroup:
+    """init_group as rank 0, on a helper thread, while watching this node's ranks: one that exits before the
+    rendezvous completes (a bad device, an import error) would otherwise leave rank 0 waiting for it forever."""
+    import threading
+
+    result: dict = {}
+
+    def join() -> None:
+        try:
+            result["tp"] = init_group(0, config, device)
+        except BaseException as e:  # re-raised on the caller's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=join, name="prefixrt-tp-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(timeout=0.2)
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(workers.processes if workers else [])
+                if p.exitcode is not None]
+        if dead and thread.is_alive():
+            rank, code = dead[0]
+            raise RuntimeError(f"tensor-parallel rank {rank} exited during start-up (exit code {code}); its error "
+                               "is printed above")
+    if "error" in result:
+        raise result["error"]
+    return result["tp"]
 
 
 def agree_num_slots(tp: TPGroup, num_slots: int) -> int:

@@ -28,6 +28,7 @@ from tests.helpers.engines import assert_idle_and_clean
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")  # every model class in prefixrt/model
 TWO_NODES = ("qwen2",)  # rank 1 as a second "node" (--nnodes 2 --node-rank 1 --dist-init-addr) on this machine
+ONE_KV_HEAD = ("mistral",)  # a checkpoint with 1 KV head: each rank holds it (replicated), 2 query heads each
 REPO = Path(__file__).resolve().parents[2]
 POOL = dict(kv_cache_tokens=320, chunked_prefill_tokens=16, debug=True)
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -66,12 +67,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _folder_with_tokenizer(tmp_path, checkpoint, tokenizer):
-    """The session's tiny checkpoint plus the tiny tokenizer's files: what Engine(path) loads on every rank."""
+def _folder_with_tokenizer(folder, checkpoint, tokenizer):
+    """A tiny checkpoint plus the tiny tokenizer's files: what Engine(path) loads on every rank."""
+    folder.mkdir()
     for f in checkpoint.iterdir():
-        (tmp_path / f.name).symlink_to(f)
-    tokenizer.save_pretrained(str(tmp_path))
-    return tmp_path
+        (folder / f.name).symlink_to(f)
+    tokenizer.save_pretrained(str(folder))
+    return folder
 
 
 def _record_logits(engine) -> list[torch.Tensor]:
@@ -103,11 +105,17 @@ def _logits_of(engine, prompt: list[int], n: int) -> tuple[list[int], torch.Tens
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_tokenizer, make_engine):
+def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_tokenizer):
     from prefixrt.engine.engine import Engine
+    from tests.helpers.checkpoints import build_hf_model
 
-    checkpoint, hf = tiny_checkpoints(arch)
-    folder = _folder_with_tokenizer(tmp_path, checkpoint, tiny_tokenizer)
+    if arch in ONE_KV_HEAD:
+        hf = build_hf_model(arch, num_key_value_heads=1)
+        checkpoint = tmp_path / "checkpoint"
+        hf.save_pretrained(str(checkpoint))
+    else:
+        checkpoint, hf = tiny_checkpoints(arch)
+    folder = _folder_with_tokenizer(tmp_path / "folder", checkpoint, tiny_tokenizer)
     oracle_prompts, tree_prompts = _prompts(), _tree_prompts(24, seed=7)
     # The overlapped loop on rank 0 (CUDA's default): step N+1's input ids come from step N's device tokens.
     kwargs = dict(device="cpu", tp_size=2, overlap_schedule=True, **POOL)
@@ -120,18 +128,24 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
              "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--kv-cache-tokens", "320"],
             cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     # The TP engine starts on a thread (rank 0 mostly waits for rank 1 to import torch) while the oracle runs.
+    one = None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         starting = pool.submit(Engine, str(folder), **kwargs)
         try:
             want_oracle = _hf_greedy(hf, oracle_prompts, 8)
             want_tree = _hf_greedy(hf, tree_prompts, 16)
-            one = make_engine(arch, **POOL)
+            one = Engine(str(folder), device="cpu", **POOL)
+            tp = starting.result()
         except BaseException:
-            starting.result().shutdown()
+            if one is not None:
+                one.shutdown()
+            if starting.exception() is None:
+                starting.result().shutdown()
             raise
-        tp = starting.result()
     try:
-        assert tp.core.runner.model.attention_layers[0].num_heads == hf.config.num_attention_heads // 2
+        local = tp.core.runner.model.attention_layers[0]
+        assert local.num_heads == hf.config.num_attention_heads // 2
+        assert local.num_kv_heads == max(1, hf.config.num_key_value_heads // 2)
         rank1 = node1 if node1 is not None else tp._built.ranks.workers.processes[0]
         # One by one: later prompts hit what earlier ones cached.
         seq = [tp.generate(p, {"max_new_tokens": 8, **GREEDY}) for p in oracle_prompts]
@@ -164,8 +178,10 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
         assert (logits_tp - logits_one).abs().max().item() <= 1e-5
         assert (logits_tp - hf_logits).abs().max().item() <= 1e-5
         assert_idle_and_clean(tp)
+        assert_idle_and_clean(one)
     finally:
         tp.shutdown()
+        one.shutdown()
         if node1 is not None and node1.poll() is None:
             try:
                 node1.wait(timeout=30)
@@ -210,3 +226,17 @@ def test_shard_model_splits_heads_and_refuses_what_does_not_split(tiny_checkpoin
     assert [first_kv_head(2, 4, r) for r in range(4)] == [0, 0, 1, 1]  # replicated: query heads r read KV r // 2
     with pytest.raises(ValueError, match="cannot be split"):
         _instantiate(config, dtype="float32", device="meta", tp=TPGroup(rank=0, size=3))
+
+
+def test_vocab_shards_and_batch_messages_round_trip():
+    """The last vocabulary shard is zero-padded; prefix groups survive the step message's encoding."""
+    from prefixrt.model.parallel import _vocab_rows, vocab_per_rank
+    from prefixrt.model.tp_runner import _decode_groups, _encode_groups
+
+    table = torch.arange(10.0).view(5, 2)
+    assert vocab_per_rank(5, 2) == 3
+    assert _vocab_rows(table, 0, 3).tolist() == table[:3].tolist()
+    assert _vocab_rows(table, 3, 3).tolist() == [[6.0, 7.0], [8.0, 9.0], [0.0, 0.0]]
+    groups = [(256, [0, 2, 5]), (512, [1, 3])]
+    assert _decode_groups(_encode_groups(groups)) == groups
+    assert _decode_groups(_encode_groups(None)) is None

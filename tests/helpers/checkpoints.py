@@ -52,13 +52,17 @@ def tiny_config(name: str):
 ARCH_NAMES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma3")
 
 
-def build_hf_model(name: str, seed: int = 0):
+def build_hf_model(name: str, seed: int = 0, **config_overrides):
     """A randomly initialised transformers model (fp32, eager attention). Norm weights and biases are
-    perturbed too, so a missing bias or a wrong norm variant cannot hide behind identity values."""
+    perturbed too, so a missing bias or a wrong norm variant cannot hide behind identity values.
+    config_overrides: attributes set on tiny_config(name) first (e.g. num_key_value_heads=1)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(name), attn_implementation="eager")
+    config = tiny_config(name)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
