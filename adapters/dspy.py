@@ -9,7 +9,9 @@ engine pair over any `prefixrt.Provider`, and `LM`, the `dspy.LM` subclass that 
 - `Config` (max_tokens, temperature, top_p, top_k, stop, seed, penalties, logprobs) -> SamplingParams;
   `Config.extensions` may carry prefixrt knobs (regex, choices, grammar, cache_salt, repetition_penalty, ...);
 - `Config.response_format` (JSONAdapter's structured-output schema) -> `json_schema` constrained decoding, so
-  every reply parses; the engine declares `supports_response_schema` for JSONAdapter to send it;
+  every reply parses; the engine declares `supports_response_schema` for JSONAdapter to send it; the
+  `json_object` it sends for signatures with an open mapping field becomes the schema of the fields its
+  prompt names (adapters/dspy_formats.py `json_adapter_schema`);
 - no response_format: the reply format ChatAdapter or XMLAdapter asked for in the prompt becomes a grammar
   (adapters/dspy_formats.py), so the default ChatAdapter parses on the first call and never falls back;
 - `Request.tools` -> constrained decoding over a schema of the tools, returned as ToolCallParts;
@@ -59,7 +61,7 @@ from prefixrt.adapters._lowering import (
     tools_prompt,
     with_system_note,
 )
-from prefixrt.adapters.dspy_formats import output_format_constraint
+from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint
 
 from prefixrt.errors import InvalidRequest
 from prefixrt.params import CONSTRAINT_FIELDS
@@ -151,7 +153,15 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
             params.update(tools.constraint)
             messages = with_system_note(messages, tools_prompt(tools))
         else:
-            params.update(response_format_constraint(cfg.response_format))
+            answer = response_format_constraint(cfg.response_format)
+            if answer.get("json_object"):
+                # JSONAdapter sends json_object for signatures with an open mapping field; its prompt names
+                # the reply's fields, so the reply is held to them (any JSON object lets a small model write
+                # keys of its own, and the reply does not parse).
+                schema = json_adapter_schema(messages)
+                if schema is not None:
+                    answer = {"json_schema": schema}
+            params.update(answer)
             if not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
                 # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
                 params.update(output_format_constraint(messages))

@@ -17,10 +17,15 @@ enough to rebuild the format as a grammar (llguidance Lark):
 - XMLAdapter: "Respond with the corresponding output fields wrapped in XML tags `<a>`, then `<b>`." ->
   `<a>\\n<text>\\n</a>\\n<b>\\n...</b>` (typed the same way where the structure block gives a note).
 - JSONAdapter sends its schema as `response_format` itself (the engine declares response-schema support),
-  so it needs nothing from here.
+  except when an output field is an open mapping (`dict[str, Any]`: ReAct's `next_tool_args`, Refine's
+  feedback `advice`): then it sends `json_object`, any JSON object, and a small model writes keys of its own.
+  "Respond with a JSON object in the following order of fields: `a`, then `b` (...)." and the field notes of
+  its "Outputs will be a JSON object with the following fields." block give the object's schema instead
+  (`json_adapter_schema`): those keys, in that order, each typed from its note (text, int, float, bool,
+  Literal choices, the field's JSON schema), all required, no others.
 
 `output_format_constraint(messages)` returns {"grammar": ...} or {} when no adapter format is recognised
-(plain prompts are left unconstrained).
+(plain prompts are left unconstrained); `json_adapter_schema(messages)` the JSONAdapter reply's schema or None.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ _CHAT_FIELD = re.compile(r"`\[\[ ## (\w+) ## \]\]`")
 _XML_REQUEST = re.compile(r"Respond with the corresponding output fields wrapped in XML tags ((?:`<\w+>`(?:, then )?)+)")
 _XML_FIELD = re.compile(r"`<(\w+)>`")
 _NOTE = "# note: the value you produce "
+_JSON_REQUEST = re.compile(r"Respond with a JSON object in the following order of fields: (.*?)\.\s*$", re.S)
 # dspy.ReAct lists its tools in the instructions, one a line, as `str(dspy.Tool)` writes them.
 _REACT_TOOL = re.compile(r"^\s*\(\d+\) (\S+?)(?:, whose description is <desc>.*</desc>)?\. It takes arguments (\{.*\})\.\s*$",
                          re.M)
@@ -184,3 +190,56 @@ def output_format_constraint(messages: list[dict]) -> dict:
         if fields:
             return {"grammar": xml_adapter_grammar(fields, _notes(system), _react_tools(system))}
     return {}
+
+
+def _json_notes(system: str) -> dict[str, str]:
+    """JSONAdapter's field structure: one `"name": "{name}        # note: ..."` line per output field."""
+    notes = {}
+    for line in system.splitlines():
+        line = line.strip().rstrip(",")
+        if not line.startswith('"'):
+            continue
+        try:
+            pair = json.loads("{" + line + "}")
+        except ValueError:
+            continue
+        for name, value in pair.items():
+            if isinstance(value, str) and value.startswith("{" + name + "}"):
+                notes[name] = value.split(_NOTE, 1)[1].strip() if _NOTE in value else ""
+    return notes
+
+
+def _note_schema(note: str) -> dict:
+    if note.startswith("must adhere to the JSON schema: "):
+        try:
+            schema = json.loads(note[len("must adhere to the JSON schema: "):])
+        except ValueError:
+            return {}
+        return schema if isinstance(schema, dict) else {}
+    if note == "must be True or False":
+        return {"type": "boolean"}
+    if note == "must be a single int value":
+        return {"type": "integer"}
+    if note == "must be a single float value":
+        return {"type": "number"}
+    options = _options(note)
+    if options is not None:
+        return {"enum": options}
+    return {"type": "string"} if note == "" else {}
+
+
+def json_adapter_schema(messages: list[dict]) -> dict | None:
+    """The JSON schema of the reply JSONAdapter asked for in `messages` (its output fields, in order, typed from
+    their notes, all required, no others), or None when the messages are not JSONAdapter's."""
+    users = [m for m in messages if m.get("role") == "user"]
+    if not users:
+        return None
+    m = _JSON_REQUEST.search(users[-1].get("content") or "")
+    if not m:
+        return None
+    fields = [f.group(1) for f in re.finditer(r"(?:^|, then )`(\w+)`", m.group(1))]
+    if not fields:
+        return None
+    notes = _json_notes("\n".join(msg.get("content") or "" for msg in messages if msg.get("role") == "system"))
+    return {"type": "object", "properties": {f: _note_schema(notes.get(f, "")) for f in fields},
+            "required": fields, "additionalProperties": False}

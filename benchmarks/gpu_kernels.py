@@ -314,7 +314,7 @@ def bench_extend_case(name, prefix, ext, sweep=False, contiguous_too=True):
 def bench_extend():
     sweep = "--no-sweep" not in sys.argv
     bench_extend_case("1 x 4096 prefill", [0], [size(4096)], sweep)
-    for cached in (8192, 16384, 32768):
+    for cached in (8192, 16384, 32768, 65536):
         bench_extend_case(f"1 x 2048 new over {cached} cached", [size(cached)], [size(2048)], sweep, False)
     bench_extend_case("64 x 80 new over 3500 prefix", [size(3500)] * size(64), [size(80)] * size(64), sweep)
     bench_extend_case("1 x 80 new over 3500 prefix", [size(3500)], [size(80)], False, False)

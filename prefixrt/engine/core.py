@@ -619,6 +619,9 @@ class EngineCore:
         self._release(r)
 
     def _release(self, r: Req) -> None:
+        # The outputs already produced carry the text state; dropping the request's own link to it breaks the
+        # Req <-> DetokState cycle, so a finished request is freed by reference counting, not by a GC pause.
+        r.detok = None
         self.scheduler.remove(r)
         samples = self.requests.get(r.rid)
         if samples is not None and all(s.state.value == "finished" for s in samples):

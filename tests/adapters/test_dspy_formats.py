@@ -4,6 +4,7 @@ parses, and refuses replies outside it (checked with the real llguidance matcher
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 dspy = pytest.importorskip("dspy")
 pytest.importorskip("llguidance")
 
-from prefixrt.adapters.dspy_formats import output_format_constraint  # noqa: E402
+from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint  # noqa: E402
 
 
 class QA(dspy.Signature):
@@ -101,3 +102,21 @@ def test_react_tool_arguments_follow_the_chosen_tool(backend, adapter):
     assert not _accepts(backend, grammar, reply("finish", '{"a": 2, "b": 3}'))  # finish takes nothing
     assert not _accepts(backend, grammar, reply("add", '{"a": "two", "b": 3}'))
     assert adapter.parse(sig, reply("add", '{"a": 2, "b": 3}'))["next_tool_args"] == {"a": 2, "b": 3}
+
+
+def test_json_adapter_json_object_becomes_the_fields_schema():
+    """JSONAdapter sends `json_object` (any object) when an output field is an open mapping; the fields its
+    prompt names become the reply's schema: those keys, typed from their notes, all required, no others."""
+    import jsonschema
+
+    messages = dspy.JSONAdapter().format(QA, demos=[], inputs={"question": "2+2?"})
+    schema = json_adapter_schema(messages)
+    reply = {"reasoning": "Two plus two.", "answer": 4, "kind": "easy", "extra": {"a": 1}, "ok": True}
+    jsonschema.validate(reply, schema)
+    assert list(schema["properties"]) == list(reply) and schema["required"] == list(reply)
+    assert dspy.JSONAdapter().parse(QA, json.dumps(reply)) == EXPECTED | {"reasoning": "Two plus two."}
+    for bad in ({**reply, "answer": "four"}, {**reply, "kind": "medium"}, {**reply, "more": 1},
+                {k: v for k, v in reply.items() if k != "extra"}, {**reply, "ok": "yes"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert json_adapter_schema(dspy.ChatAdapter().format(QA, demos=[], inputs={"question": "q"})) is None
