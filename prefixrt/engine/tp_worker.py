@@ -102,8 +102,10 @@ def start(config: EngineConfig, model_path: str | None = None, spec=None) -> Ran
         if needed > visible:
             raise ValueError(f"tensor parallelism needs cuda:{device.index or 0}..cuda:{needed - 1} on this node "
                              f"({ranks_per_node(config)} ranks), {visible} GPU(s) visible")
-    workers = mp.start_processes(_worker_main, args=(config, model_path, spec), nprocs=ranks_per_node(config) - 1, join=False,
-                                 daemon=True, start_method="spawn") if ranks_per_node(config) > 1 else None
+    workers = None  # node 0's other ranks (none when it has one rank: the others are on other nodes)
+    if ranks_per_node(config) > 1:
+        workers = mp.start_processes(_worker_main, args=(config, model_path, spec), nprocs=ranks_per_node(config) - 1,
+                                     join=False, daemon=True, start_method="spawn")
     try:
         tp = _rendezvous_watching(config, device, workers)
     except BaseException:
