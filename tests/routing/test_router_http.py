@@ -183,7 +183,9 @@ def test_a_dead_worker_is_taken_out_of_rotation(cluster):
                        json={"model": "tiny", "prompt": f"question {i}: what is the capital", "max_tokens": 1})
         assert r.status_code == 200, r.text
         served.add(r.headers["x-prefixrt-worker"])
-    assert dead.url not in served and len(served) == len(workers) - 1
+    # Every request was served, by live workers only. (Which of them serves is the policy's business: prefix hits
+    # and the decayed load of the module's earlier requests decide it, so it need not be all of them.)
+    assert dead.url not in served and served <= {w.url for w in workers[:-1]}
     assert json.loads(httpx.get(url + "/health").text)["status"] == "ok"
 
 
