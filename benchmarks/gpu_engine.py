@@ -452,18 +452,14 @@ def overlap_exactness(eng, vocab: int, n: int, new_tokens: int, scale: int = 1) 
             "unique_prompts_on_vs_off": _compare(outs["unique_on"], outs["unique_off"])}
 
 
+_CASCADE_SAVED: dict = {}  # the prefix grouper while shared-prefix decode is switched off
+
+
 def set_cascade(eng, on: bool) -> None:
     """Shared-prefix decode groups on or off (the engine was built with cascade_decode=True), between steps."""
-    core = eng.core
-    saved = RESULTS.setdefault("_grouper", {})
+    from gpu_graphs import set_cascade as flip
 
-    def flip():
-        if on:
-            core.prefix_grouper = saved.pop("g", core.prefix_grouper)
-        elif core.prefix_grouper is not None:
-            saved["g"], core.prefix_grouper = core.prefix_grouper, None
-
-    eng._run_on_loop(flip)
+    flip(eng, on, _CASCADE_SAVED)
 
 
 def cascade_agreement(eng, prompts, new_tokens: int) -> dict:
@@ -607,8 +603,8 @@ def main():
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "gpu_engine.json"), "w") as f:
-            json.dump({k: v for k, v in RESULTS.items() if not k.startswith("_")}, f, indent=1, default=str)
-    log(json.dumps({k: v for k, v in RESULTS.items() if not k.startswith("_")}, indent=1, default=str))
+            json.dump(RESULTS, f, indent=1, default=str)
+    log(json.dumps(RESULTS, indent=1, default=str))
     log(f"\nprefixrt {big} dummy {'bf16 on ' + torch.cuda.get_device_name() if cuda else 'fp32 on the CPU (smoke)'}, "
         f"total {time.perf_counter() - t_start:.0f}s, start-up {RESULTS['startup_s']:.0f}s")
     w = max([len(a) for a, _, _ in summary] + [1])

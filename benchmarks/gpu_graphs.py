@@ -77,7 +77,7 @@ def set_cascade(eng, on: bool, saved: dict) -> None:
     def flip():
         if on:
             core.prefix_grouper = saved.pop("grouper", core.prefix_grouper)
-        else:
+        elif core.prefix_grouper is not None:  # already off: keep the saved grouper
             saved["grouper"], core.prefix_grouper = core.prefix_grouper, None
 
     eng._run_on_loop(flip)

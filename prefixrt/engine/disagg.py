@@ -85,15 +85,7 @@ class DecodeEngine(Engine):
             link.start()
 
     # ------------------------------------------------------------------ submission (caller's thread)
-    def enqueue(self, prepared, sink) -> None:
-        from prefixrt.errors import EngineDeadError
-
-        if self._stopped:
-            raise EngineDeadError("engine is shut down")
-        for r in prepared.reqs:
-            if r.sink is not None:
-                raise RuntimeError(f"request {prepared.request_id!r} was already enqueued")
-            r.sink = sink
+    def _hand_over(self, prepared) -> None:  # Engine.enqueue's last step: fetch the prompt's K/V first
         self._post(lambda: self._start(prepared))
 
     def abort(self, request_id: str) -> None:

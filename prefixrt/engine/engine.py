@@ -222,6 +222,10 @@ class Engine(EngineFront):
             if r.sink is not None:
                 raise RuntimeError(f"request {prepared.request_id!r} was already enqueued")
             r.sink = sink
+        self._hand_over(prepared)
+
+    def _hand_over(self, prepared: PreparedRequest) -> None:
+        """Give an enqueued request to the loop (a subclass may route it elsewhere first)."""
         self._inbox.put(("add", prepared.reqs))
 
     # ------------------------------------------------------------------ select
