@@ -9,6 +9,7 @@ GBNF, converted to Lark), "choices", "json_object".
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -26,16 +27,59 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
 
 
+class _Template:
+    """A grammar's matcher at its start; every request's matcher is a `deep_copy` of it.
+
+    llguidance builds its lexer's DFA lazily, state by state, as masks need them (most of a first mask's cost
+    in a new lexer state), and each `LLMatcher` owns its lexer: a matcher made from the grammar text starts
+    with none. A copy of the template starts with every state the template holds, and a request whose matcher
+    completes the grammar hands its lexer back (`donate`: a copy of it, reset to the start, becomes the
+    template), so later requests of the grammar start warm. The DFA is a cache of a pure function of the
+    grammar: masks, forced tokens and acceptance are the same as a fresh matcher's (tests compare them).
+    Donations stop after `max_generations`, so the lexer a request starts with is bounded by that many requests'
+    states (llguidance's `max_lexer_states` limit applies per matcher). Thread-safe: the lock guards `matcher`.
+    """
+
+    max_generations = 8
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._lock = threading.Lock()
+        self._m = matcher
+        self.generation = 0
+
+    def copy(self) -> llguidance.LLMatcher:
+        with self._lock:
+            return self._m.deep_copy()
+
+    def donate(self, finished: llguidance.LLMatcher) -> None:
+        """(The scheduler thread, which owns `finished`.) Adopt finished's lexer for the next requests."""
+        if self.generation >= self.max_generations or finished.is_error():
+            return
+        fresh = finished.deep_copy()
+        if not fresh.reset() or fresh.is_error():
+            return
+        with self._lock:
+            if self.generation < self.max_generations:
+                self._m = fresh
+                self.generation += 1
+
+
 class LLGuidanceMatcher(Matcher):
     """Wraps `llguidance.LLMatcher`. EOS is tracked here, not by llguidance, so that accepting and rolling
     back EOS behave like any other token (llguidance does not count an EOS toward rollback)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend):
+    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend, template: _Template | None = None):
         self._m = matcher
         self._eos = backend.eos_token_ids
         self.vocab_size = backend.vocab_size
         self._num_accepted = 0
         self._eos_accepted = False
+        self._template = template  # handed this matcher's lexer once it completes the grammar
+
+    def _donate(self) -> None:
+        if self._template is not None and self.is_finished():
+            template, self._template = self._template, None
+            template.donate(self._m)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._eos_accepted:
@@ -55,6 +99,8 @@ class LLGuidanceMatcher(Matcher):
             if self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
                 return False
         self._num_accepted += 1
+        if self._template is not None and self.is_finished():
+            self._donate()
         return True
 
     def accept_tokens(self, token_ids: list[int]) -> int:
@@ -64,6 +110,8 @@ class LLGuidanceMatcher(Matcher):
         if n and not self._m.consume_tokens(token_ids[:n]):
             raise RuntimeError(f"llguidance rejected tokens it had validated: {self._m.get_error()}")
         self._num_accepted += n
+        if self._template is not None and self.is_finished():
+            self._donate()
         return n
 
     def rollback(self, num_tokens: int) -> None:
@@ -90,6 +138,14 @@ class LLGuidanceMatcher(Matcher):
 
     def error(self) -> str | None:
         return _first_line(self._m.get_error()) if self._m.is_error() else None
+
+
+@dataclass(frozen=True)
+class _Grammar:
+    """A CompiledGrammar's handle: the llguidance grammar text and its template matcher."""
+
+    text: str
+    template: _Template
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -183,15 +239,17 @@ class LLGuidanceBackend(GrammarBackend):
             probe.compute_bitmask()
         if probe.is_error():
             raise InvalidRequest(f"{kind} matches no output: {_first_line(probe.get_error())}", param=param)
-        return CompiledGrammar(kind=kind, spec_text=spec_text, backend_name=self.name, handle=grammar)
+        return CompiledGrammar(kind=kind, spec_text=spec_text, backend_name=self.name,
+                               handle=_Grammar(grammar, _Template(probe)))
 
     def matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         if compiled.backend_name != self.name:
             raise ValueError(f"grammar compiled by {compiled.backend_name}, not {self.name}")
-        m = llguidance.LLMatcher(self.ll_tokenizer, compiled.handle, limits=self._limits, log_level=0)
+        template = compiled.handle.template
+        m = template.copy()
         if m.is_error():
             raise InvalidRequest(f"invalid {compiled.kind}: {_first_line(m.get_error())}")
-        return LLGuidanceMatcher(m, self)
+        return LLGuidanceMatcher(m, self, template)
 
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         native = [(m._m, row) for m, row in rows if isinstance(m, LLGuidanceMatcher) and not m._eos_accepted]
