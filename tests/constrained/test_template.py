@@ -56,7 +56,7 @@ def test_template_copies_match_fresh_matchers(small_backends, case):
         pairs = [(i, p) for i, p in enumerate(live) if p is not None]
         if not pairs:
             continue
-        for i, (a, b) in pairs:
+        for _, (a, b) in pairs:
             forced = a.forced_tokens()
             assert forced == b.forced_tokens()
             if forced and rng.random() < 0.5:
