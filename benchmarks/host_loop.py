@@ -7,8 +7,9 @@ and wall time per step, at several batch sizes, minimum over repeats (robust to 
 
 --json MODEL_DIR: the constrained case instead (gpu_engine.py's long-keys JSON schema, greedy, jump-forward on and
 off) on a checkpoint directory with a real tokenizer (e.g. a tiny Llama-3-tokenizer model, load_format="dummy"):
-per step, the CPU time of the grammar masks (every live row filled one by one on the timing thread, so the figure
-is independent of the mask worker's threads and of the load on the machine) and of process(), and the wall time
+per step, the CPU time of the grammar masks (the backend's fill_bitmasks with every row on the timing thread —
+llguidance with mask_threads 0 — so the figure is independent of the mask worker's threads and of the load on the
+machine) and of process(), and the wall time
 per step. Each row's logits differ (a fixed pool of random rows, picked by the row's last token and position), so rows diverge as a real
 batch's do.
 
@@ -123,10 +124,16 @@ def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
     acc = {"mask": 0.0, "mask_rows": 0, "process": 0.0, "steps": 0}
     orig_process = core.process
 
-    def fill_one_by_one(rows, bitmask):  # the same masks, timed on this thread
+    serial = hasattr(backend, "shared_mask_rows_total")  # llguidance: its own fill, on the calling thread
+    orig_fill = backend.fill_bitmasks
+
+    def fill_timed(rows, bitmask):  # the same masks, all computed on this thread
         t = time.thread_time()
-        for m, row in rows:
-            m.fill_bitmask(bitmask, row)
+        if serial:
+            orig_fill(rows, bitmask)
+        else:
+            for m, row in rows:
+                m.fill_bitmask(bitmask, row)
         acc["mask"] += time.thread_time() - t
         acc["mask_rows"] += len(rows)
 
@@ -138,13 +145,19 @@ def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
             acc["process"] += time.thread_time() - t
             acc["steps"] += 1
 
+    threads = getattr(backend, "_mask_threads", None)
+
     def install():
-        backend.fill_bitmasks = fill_one_by_one
+        backend.fill_bitmasks = fill_timed
         core.process = timed_process
+        if serial:
+            backend._mask_threads = 0
 
     def uninstall():
         backend.__dict__.pop("fill_bitmasks", None)
         core.__dict__.pop("process", None)
+        if serial:
+            backend._mask_threads = threads
 
     params = {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA, "jump_forward": jump_forward,
               "detokenize": False}

@@ -66,15 +66,35 @@ class _Template:
 
 class LLGuidanceMatcher(Matcher):
     """Wraps `llguidance.LLMatcher`. EOS is tracked here, not by llguidance, so that accepting and rolling
-    back EOS behave like any other token (llguidance does not count an EOS toward rollback)."""
+    back EOS behave like any other token (llguidance does not count an EOS toward rollback).
 
-    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend, template: _Template | None = None):
+    It also keeps the tokens llguidance accepted (`_ids`) and a hash of every prefix of them (`_hashes`):
+    two matchers of the same grammar that accepted the same tokens are in the same state and have the same
+    mask, which `LLGuidanceBackend.fill_bitmasks` computes once for both."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend, template: _Template | None = None,
+                 grammar: _Grammar | None = None):
         self._m = matcher
         self._eos = backend.eos_token_ids
         self.vocab_size = backend.vocab_size
         self._num_accepted = 0
         self._eos_accepted = False
         self._template = template  # handed this matcher's lexer once it completes the grammar
+        self._grammar = grammar  # None: never shares a mask
+        self._ids: list[int] = []
+        self._hashes: list[int] = [0]
+
+    def _record(self, token_ids: list[int]) -> None:
+        h = self._hashes
+        for t in token_ids:
+            h.append(hash((h[-1], t)))
+        self._ids.extend(token_ids)
+
+    def _state_key(self) -> tuple | None:
+        """Equal keys and equal `_ids` mean the same state (the caller compares `_ids` on a key match)."""
+        if self._grammar is None:
+            return None
+        return (id(self._grammar), len(self._ids), self._hashes[-1])
 
     def _donate(self) -> None:
         if self._template is not None and self.is_finished():
@@ -98,6 +118,7 @@ class LLGuidanceMatcher(Matcher):
             # consume_token on a rejected token would put llguidance in a permanent error state: check first.
             if self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
                 return False
+            self._record([token_id])
         self._num_accepted += 1
         if self._template is not None and self.is_finished():
             self._donate()
@@ -109,6 +130,7 @@ class LLGuidanceMatcher(Matcher):
         n = self._m.validate_tokens(token_ids)
         if n and not self._m.consume_tokens(token_ids[:n]):
             raise RuntimeError(f"llguidance rejected tokens it had validated: {self._m.get_error()}")
+        self._record(token_ids[:n])
         self._num_accepted += n
         if self._template is not None and self.is_finished():
             self._donate()
@@ -123,6 +145,9 @@ class LLGuidanceMatcher(Matcher):
             remaining -= 1
         if remaining and not self._m.rollback(remaining):
             raise RuntimeError(f"llguidance rollback failed: {self._m.get_error()}")
+        if remaining:
+            del self._ids[-remaining:]
+            del self._hashes[-remaining:]
         self._num_accepted -= num_tokens
 
     def forced_tokens(self) -> list[int]:
@@ -156,7 +181,7 @@ class LLGuidanceBackend(GrammarBackend):
     generation (default: the tokenizer's eos_token_id). json_whitespace_flexible: allow any whitespace
     between JSON tokens (default False: `json.dumps` layout, `, ` and `: `). limits: llguidance
     `LLParserLimits` (the defaults bound per-token work, so a pathological grammar errors, never hangs).
-    mask_threads: threads for `fill_bitmasks` (llguidance's executor).
+    mask_threads: threads for `fill_bitmasks` (llguidance's executor; 0: the calling thread).
     """
 
     name = "llguidance"
@@ -185,6 +210,7 @@ class LLGuidanceBackend(GrammarBackend):
         self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
         self._executor_lock = threading.Lock()
+        self.shared_mask_rows_total = 0  # rows whose mask was copied from a row in the same state (fill_bitmasks)
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
         )
@@ -249,17 +275,39 @@ class LLGuidanceBackend(GrammarBackend):
         m = template.copy()
         if m.is_error():
             raise InvalidRequest(f"invalid {compiled.kind}: {_first_line(m.get_error())}")
-        return LLGuidanceMatcher(m, self, template)
+        return LLGuidanceMatcher(m, self, template, compiled.handle)
 
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        native = [(m._m, row) for m, row in rows if isinstance(m, LLGuidanceMatcher) and not m._eos_accepted]
-        rest = [(m, row) for m, row in rows if not (isinstance(m, LLGuidanceMatcher) and not m._eos_accepted)]
-        if len(native) > 1:
+        """Rows whose matchers are in the same state (same grammar, same accepted tokens: often so for the rows
+        of one schema at the same point of its fixed text) are computed once and copied; the other llguidance
+        rows in parallel on the executor (mask_threads 0: on this thread); other matchers row by row."""
+        native: list[tuple[llguidance.LLMatcher, int]] = []
+        rest: list[tuple[Matcher, int]] = []
+        copies: list[tuple[int, int]] = []  # (row computed, row that gets its mask)
+        leaders: dict[tuple, list[tuple[LLGuidanceMatcher, int]]] = {}
+        for m, row in rows:
+            if not isinstance(m, LLGuidanceMatcher) or m._eos_accepted:
+                rest.append((m, row))
+                continue
+            key = m._state_key()
+            if key is not None:
+                same = leaders.setdefault(key, [])
+                lead = next((r for other, r in same if other._ids == m._ids), None)
+                if lead is not None:
+                    copies.append((lead, row))
+                    continue
+                same.append((m, row))
+            native.append((m._m, row))
+        if len(native) > 1 and self._mask_threads > 0:
             with self._executor_lock:
                 if self._executor is None:
                     self._executor = llguidance.LLExecutor(num_threads=self._mask_threads)
             llguidance.torch.fill_next_token_bitmask_par(self._executor, native, bitmask)
         else:
-            rest = rows
+            for m, row in native:
+                llguidance.torch.fill_next_token_bitmask(m, bitmask, row)
         for m, row in rest:
             m.fill_bitmask(bitmask, row)
+        for lead, row in copies:
+            bitmask[row].copy_(bitmask[lead])
+        self.shared_mask_rows_total += len(copies)

@@ -1,7 +1,9 @@
 """llguidance matchers are copies of a per-grammar template whose lexer DFA is warmed by finished requests
-(llguidance_backend._Template). A copy must behave exactly as a matcher made fresh from the grammar text: the
-same mask, forced tokens, can_stop and finished state at every step, over many walks in mixed states, after
-the template has adopted finished requests' lexers."""
+(llguidance_backend._Template), and fill_bitmasks computes the mask of rows in the same state once. A copy must
+behave exactly as a matcher made fresh from the grammar text, and a shared mask must equal the row's own: the
+same mask, forced tokens, can_stop and finished state at every step, over many walks in mixed states (rows
+that follow another row's tokens for a while, then diverge), after the template has adopted finished requests'
+lexers."""
 
 from __future__ import annotations
 
@@ -47,19 +49,27 @@ def test_template_copies_match_fresh_matchers(small_backends, case):
     # Rows start at different times, so the batch mixes states (and later rows start from donated lexers).
     live: list[tuple[LLGuidanceMatcher, LLGuidanceMatcher] | None] = [None] * rows
     started = finished = 0
+    follow: dict[int, int] = {}  # row -> the row whose sampled tokens it copies (same state, until it diverges)
+    shared0 = backend.shared_mask_rows_total
     while finished < 24 and steps < 2000:
         steps += 1
         for i in range(rows):
             if live[i] is None and rng.random() < 0.5:
                 live[i] = (backend.matcher(compiled), _fresh(backend, compiled))
                 started += 1
+                if i > 0 and rng.random() < 0.5:
+                    follow[i] = i - 1
         pairs = [(i, p) for i, p in enumerate(live) if p is not None]
         if not pairs:
             continue
-        for _, (a, b) in pairs:
+        taken_forced: dict[int, bool] = {}
+        for i, (a, b) in pairs:
             forced = a.forced_tokens()
             assert forced == b.forced_tokens()
-            if forced and rng.random() < 0.5:
+            lead = follow.get(i)
+            take = taken_forced.get(lead) if lead in taken_forced else rng.random() < 0.5
+            taken_forced[i] = take
+            if forced and take:
                 assert a.accept_tokens(forced) == b.accept_tokens(forced) == len(forced)
         bm_copy.fill_(0)
         bm_fresh.fill_(0)
@@ -67,19 +77,28 @@ def test_template_copies_match_fresh_matchers(small_backends, case):
         for i, (_, b) in pairs:
             b.fill_bitmask(bm_fresh, i)
         assert torch.equal(bm_copy, bm_fresh)
+        sampled: dict[int, int] = {}
         for i, (a, b) in pairs:
             assert a.can_stop() == b.can_stop() and a.is_finished() == b.is_finished()
             ids = unpack_bitmask(bm_copy[i: i + 1], backend.vocab_size)[0].nonzero().flatten().tolist()
             assert ids
             non_eos = [t for t in ids if t not in eos]
             tok = rng.choice(non_eos) if non_eos and rng.random() < 0.9 else rng.choice(ids)
+            lead = follow.get(i)
+            if lead in sampled and sampled[lead] in ids and rng.random() < 0.9:
+                tok = sampled[lead]  # stay in the leader's state
+            else:
+                follow.pop(i, None)
+            sampled[i] = tok
             assert a.accept_token(tok) and b.accept_token(tok)
             if a.is_finished():
                 assert b.is_finished()
                 live[i] = None
+                follow.pop(i, None)
                 finished += 1
     assert finished >= 24, f"only {finished} walks finished in {steps} steps"
     assert template.generation == template.max_generations  # the later walks started from donated lexers
+    assert backend.shared_mask_rows_total > shared0  # some rows' masks were copies of another row's
 
 
 def test_rollback_after_donation(small_backends):
