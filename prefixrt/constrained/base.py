@@ -175,6 +175,35 @@ class GrammarBackend(ABC):
         The compiler keys its cache on (cache_namespace, kind, canonical spec text).
         """
 
+    def token_text(self, token_id: int) -> str:
+        """One token's decoded text (what `JsonState` follows; a partial UTF-8 byte decodes as U+FFFD)."""
+        return self.tokenizer.decode([token_id])
+
+    def closing_ids(self, text: str) -> list[int]:
+        """The ids of the tokens whose text is exactly `text`, for `text` made of budget.CLOSING_CHARS (quotes,
+        closing brackets, `: `, the letters of true/false/null). The table is built once, on first use."""
+        table = getattr(self, "_closing_table", None)
+        if table is None:
+            from prefixrt.constrained.budget import CLOSING_CHARS
+
+            table = {}
+            for token_id in range(len(self.tokenizer)):
+                text = self.token_text(token_id)
+                if text and set(text) <= CLOSING_CHARS and token_id not in self.eos_token_ids:
+                    table.setdefault(text, []).append(token_id)
+            self._closing_table = table
+        return table.get(text, [])
+
+    def budget_matcher(self, compiled: CompiledGrammar, budget: int) -> Matcher:
+        """`matcher(compiled)`, held to `budget` output tokens when the output is JSON (json_schema,
+        json_object): budget.BudgetMatcher closes the document in time. Other kinds: the plain matcher."""
+        m = self.matcher(compiled)
+        if compiled.kind not in ("json_schema", "json_object"):
+            return m
+        from prefixrt.constrained.budget import BudgetMatcher
+
+        return BudgetMatcher(m, budget, self.token_text, self.closing_ids, self.eos_token_ids)
+
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Fill several rows at once: `matcher.fill_bitmask(bitmask, row)` for each pair.
 

@@ -152,10 +152,6 @@ def test_langchain_structured_output_typeddict(url):
     assert valid == 20, failures
 
 
-@pytest.mark.skip(reason="measured 0/20 (2026-12-01): json_object carries no schema, as in vLLM and SGLang (any "
-                  "JSON object), and the base Gemma keeps adding invented keys (repeated ones too, and numbers of "
-                  "endless zeros) until max_tokens: 0/20 close at max_tokens 40, 2/20 at 200 (LangChain then raises "
-                  "LengthFinishReasonError); the same with pretty-printing whitespace allowed; see docs/adapters.md")
 def test_langchain_structured_output_json_mode(url):
     """method="json_mode": response_format json_object (LangChain sends no schema); LangChain parses the reply as
     a JSON object."""
@@ -183,10 +179,6 @@ def test_instructor_modes(oai, mode):
     assert valid == 20, failures
 
 
-@pytest.mark.skip(reason="measured 0/20 (2026-12-01): the strict rule now requires `tasks` (it has a default, and "
-                  "an optional one was closed `{}` at once: 20/20 parsed, 0/20 non-empty), and the base Gemma then "
-                  "repeats list items until max_tokens (20/20 cut at max_tokens 48 with the list open; the same at "
-                  "96 tokens and with one person per input); instructor raises IncompleteOutputException")
 def test_instructor_iterable(oai):
     """response_model=Iterable[Contact] (instructor's TOOLS mode: one forced call of an `IterableContact` tool
     whose `tasks` list holds $ref'd items, required under the strict rule): every reply parses as a non-empty

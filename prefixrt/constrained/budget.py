@@ -1,0 +1,316 @@
+"""Budget-aware closing of JSON output: a JSON reply that fits its token budget ends as a complete document.
+
+OpenAI's JSON modes promise valid JSON. Under a plain grammar a model can keep a document open (one more
+invented key, one more list item, one more digit) until `max_new_tokens` cuts it, and the caller gets an
+unparseable prefix. `BudgetMatcher` wraps a JSON matcher (json_schema, json_object) with the request's output
+budget and follows the document's syntax (`JsonState`: open objects and arrays, inside a string, number or
+literal). On top of the grammar's mask it applies one rule:
+
+    when the tokens left are no more than the closing text needs (+ SLACK), and, after a complete member or
+    item, no more than that plus a sibling as long as the longest one written so far in its container, only
+    tokens spelling a prefix of the closing text may come next.
+
+The closing text is the shortest syntactic end of the document: the open string's quote or the rest of a
+literal, `null` for a value still to be written (`": null` after an open key), then `}` / `]` for every open container (`closing_text`).
+Its length in characters bounds its length in tokens, so the rule fires no later than needed.
+
+Invariants: the rule only narrows the grammar's mask; where nothing in the closing text is allowed by the grammar
+(a schema still requires a key, say), the grammar's mask stands unchanged, so every output is one the grammar
+accepts, and with a budget that is never tight the output is exactly what the plain matcher gives. The state
+is a pure function of the accepted tokens (rollback rescans them).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from prefixrt.constrained.base import Matcher
+from prefixrt.constrained.logits import fill_only
+
+# Tokens of freedom the rule keeps in hand: one token can open a string and a container at once (`{"`), so
+# the closing text may grow by a few characters between two checks.
+SLACK = 3
+
+# The starts of the shortest values, tried in this order where the grammar refuses the closing text's `null`.
+FILLERS = ("0", '"', "[", "{", "false")
+# The characters closing texts and FILLERS are made of (tokens spelling only these: GrammarBackend.closing_ids).
+CLOSING_CHARS = frozenset('"}]nulreas: 0[{f')
+# The rule looks at a request's last PROBE_WINDOW tokens only (before that, a document's end is never near).
+PROBE_WINDOW = 64
+
+_VALUE, _ARRAY_FIRST, _KEY_FIRST, _KEY, _STRING, _COLON, _NUMBER, _LITERAL, _AFTER, _DONE = range(10)
+_WS = " \t\n\r"
+
+
+class JsonState:
+    """The syntactic state of a JSON document written so far, fed one token's text at a time.
+
+    Also records, per open container, the token length of its longest complete child (member or item) so
+    far: the cost of one more sibling. Text that is not JSON makes the state `broken` (no closing text).
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[list] = []  # [kind "{" or "[", longest child in tokens, token index where the child began]
+        self.mode = _VALUE
+        self.key = False  # the open string is a key
+        self.escape = False
+        self.literal_rest = ""
+        self.tokens = 0  # tokens fed so far
+        self.broken = False
+        self.last = ""  # the open number's last character
+
+    def feed(self, text: str) -> None:
+        for c in text:
+            if self.broken:
+                return
+            self._char(c)
+        self.tokens += 1
+
+    def _begin_child(self) -> None:
+        if self.stack:
+            self.stack[-1][2] = self.tokens
+
+    def _value_done(self) -> None:
+        if not self.stack:
+            self.mode = _DONE
+            return
+        top = self.stack[-1]
+        top[1] = max(top[1], self.tokens - top[2] + 1)
+        self.mode = _AFTER
+
+    def _start_value(self, c: str) -> None:
+        if c in _WS:
+            return
+        if self.mode in (_VALUE, _ARRAY_FIRST) and self.stack and self.stack[-1][0] == "[":
+            self._begin_child()
+        if c == "{":
+            self.stack.append(["{", 0, self.tokens])
+            self.mode = _KEY_FIRST
+        elif c == "[":
+            self.stack.append(["[", 0, self.tokens])
+            self.mode = _ARRAY_FIRST
+        elif c == '"':
+            self.mode, self.key = _STRING, False
+        elif c == "-" or c.isdigit():
+            self.mode = _NUMBER
+            self.last = c
+        elif c in "tfn":
+            self.mode, self.literal_rest = _LITERAL, {"t": "rue", "f": "alse", "n": "ull"}[c]
+        else:
+            self.broken = True
+
+    def _char(self, c: str) -> None:
+        mode = self.mode
+        if mode == _STRING:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                if self.key:
+                    self.mode = _COLON
+                else:
+                    self._value_done()
+        elif mode == _NUMBER:
+            if c.isdigit() or c in ".eE+-":
+                self.last = c
+            else:
+                self._value_done()
+                self._char(c)
+        elif mode == _LITERAL:
+            if not self.literal_rest.startswith(c):
+                self.broken = True
+                return
+            self.literal_rest = self.literal_rest[1:]
+            if not self.literal_rest:
+                self._value_done()
+        elif mode in (_VALUE, _ARRAY_FIRST):
+            if mode == _ARRAY_FIRST and c == "]":
+                self._close()
+            else:
+                self._start_value(c)
+        elif mode in (_KEY_FIRST, _KEY):
+            if c in _WS:
+                return
+            if c == '"':
+                self._begin_child()
+                self.mode, self.key = _STRING, True
+            elif c == "}" and mode == _KEY_FIRST:
+                self._close()
+            else:
+                self.broken = True
+        elif mode == _COLON:
+            if c == ":":
+                self.mode = _VALUE
+            elif c not in _WS:
+                self.broken = True
+        elif mode == _AFTER:
+            if c in _WS:
+                return
+            top = self.stack[-1][0]
+            if c == ",":
+                self.mode = _KEY if top == "{" else _VALUE
+            elif c == ("}" if top == "{" else "]"):
+                self._close()
+            else:
+                self.broken = True
+        elif mode == _DONE and c not in _WS:
+            self.broken = True
+
+    def _close(self) -> None:
+        self.stack.pop()
+        self._value_done()
+
+    def closing_text(self) -> str | None:
+        """The shortest text that ends the document from here, or None where there is no cheap syntactic
+        end (before a key that follows a comma, before the root value, mid-escape, after `-` / `1.` / `1e`)."""
+        if self.broken:
+            return None
+        closers = "".join("}" if kind == "{" else "]" for kind, _, _ in reversed(self.stack))
+        mode = self.mode
+        if mode == _DONE:
+            return ""
+        if mode == _AFTER:
+            return closers
+        if mode == _STRING:
+            return None if self.escape else ('": null' if self.key else '"') + closers
+        if mode == _COLON:
+            return ": null" + closers
+        if mode == _NUMBER:
+            return closers if self.last.isdigit() else None
+        if mode == _LITERAL:
+            return self.literal_rest + closers
+        if mode == _ARRAY_FIRST or mode == _KEY_FIRST:
+            return closers
+        if mode == _VALUE and self.stack:
+            return "null" + closers
+        return None
+
+    def sibling_cost(self) -> int:
+        """After a complete member or item: the tokens one more sibling takes (`,` and the longest so far)."""
+        return self.stack[-1][1] + 1 if self.mode == _AFTER and self.stack else 0
+
+
+class BudgetMatcher(Matcher):
+    """`inner` (a JSON matcher) held to a budget of `budget` output tokens (module docstring).
+
+    token_text(id): a token's decoded text. closing_ids(text): the ids of the tokens spelling exactly `text`
+    (GrammarBackend.closing_vocab). eos_ids: the end-of-sequence ids (allowed once the document is complete).
+    """
+
+    def __init__(self, inner: Matcher, budget: int, token_text: Callable[[int], str],
+                 closing_ids: Callable[[str], list[int]], eos_ids: tuple[int, ...]):
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+        self.budget = budget
+        self._text = token_text
+        self._closing_ids = closing_ids
+        self._eos = eos_ids
+        self._accepted: list[int] = []
+        self._state = JsonState()
+
+    # ------------------------------------------------------------------ the rule
+    def _tiers(self, state: JsonState) -> list[list[int]]:
+        """The tokens of the shortest way on from `state`, best first: those spelling a prefix of the closing
+        text (longest first; EOS once the document is complete), then the start of the shortest value of each
+        type (FILLERS), for where the grammar refuses the closing text (a required key, a value not null)."""
+        tiers = []
+        closing = state.closing_text()
+        if closing == "":
+            tiers.append(list(self._eos))
+        elif closing:
+            tiers.append([t for end in range(len(closing), 0, -1) for t in self._closing_ids(closing[:end])])
+        tiers.append([t for f in FILLERS for t in self._closing_ids(f)])
+        return tiers
+
+    def need(self, limit: int) -> int | None:
+        """How many tokens the document needs to end from here under the grammar, taking its forced tokens and
+        otherwise the first token of `_tiers` it accepts; None if that takes more than `limit`. Leaves the
+        matcher as it was (what it accepts is rolled back)."""
+        inner, state, taken = self.inner, copy.deepcopy(self._state), 0
+        try:
+            while not inner.is_finished():
+                if taken >= limit:
+                    return None
+                forced = inner.forced_tokens()[: limit - taken]
+                if forced:
+                    n = inner.accept_tokens(forced)
+                    taken += n
+                    for t in forced[:n]:
+                        state.feed(self._text(t))
+                    if n:
+                        continue
+                step = next((t for tier in self._tiers(state) for t in tier if inner.accept_token(t)), None)
+                if step is None:
+                    return None
+                taken += 1
+                state.feed("" if step in self._eos else self._text(step))
+            return taken
+        finally:
+            inner.rollback(taken)
+
+    def steer_ids(self) -> list[list[int]] | None:
+        """The tiers of tokens the rule allows now (the caller keeps the first the grammar allows), or None
+        when the budget is not tight."""
+        left = self.budget - len(self._accepted)
+        if left > PROBE_WINDOW:
+            return None
+        need = self.need(left)
+        if need is not None and left > need + SLACK + self._state.sibling_cost():
+            return None
+        return self._tiers(self._state)
+
+    def steer(self, bitmask: torch.Tensor, row: int) -> None:
+        """Narrow `bitmask[row]` (already filled by the grammar) by the rule; unchanged where the rule does not
+        apply or would leave nothing the grammar allows."""
+        if self.inner.is_finished():
+            return
+        tiers = self.steer_ids()
+        words = bitmask.shape[1]
+        for ids in tiers or ():
+            keep = [t for t in ids if t // 32 < words and (int(bitmask[row, t // 32]) >> (t % 32)) & 1]
+            if keep:
+                fill_only(bitmask, row, keep)
+                return
+
+    # ------------------------------------------------------------------ Matcher
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.inner.fill_bitmask(bitmask, row)
+        self.steer(bitmask, row)
+
+    def _feed(self, token_ids: list[int]) -> None:
+        for t in token_ids:
+            self._accepted.append(t)
+            self._state.feed("" if t in self._eos else self._text(t))
+
+    def accept_token(self, token_id: int) -> bool:
+        if not self.inner.accept_token(token_id):
+            return False
+        self._feed([token_id])
+        return True
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        n = self.inner.accept_tokens(token_ids)
+        self._feed(token_ids[:n])
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+        kept = self._accepted[: len(self._accepted) - num_tokens]
+        self._accepted, self._state = [], JsonState()
+        self._feed(kept)
+
+    def forced_tokens(self) -> list[int]:
+        return self.inner.forced_tokens()
+
+    def is_finished(self) -> bool:
+        return self.inner.is_finished()
+
+    def can_stop(self) -> bool:
+        return self.inner.can_stop()
+
+    def error(self) -> str | None:
+        return self.inner.error()
