@@ -195,10 +195,11 @@ class GrammarBackend(ABC):
         return table.get(text, [])
 
     def budget_matcher(self, compiled: CompiledGrammar, budget: int) -> Matcher:
-        """`matcher(compiled)`, held to `budget` output tokens when the output is JSON (json_schema,
-        json_object): budget.BudgetMatcher closes the document in time. Other kinds: the plain matcher."""
+        """`matcher(compiled)`, held to `budget` output tokens where the output may be JSON (json_schema,
+        json_object, and grammars, which embed JSON for tool calls): budget.BudgetMatcher closes the document
+        in time, and stays out of output that is not JSON. Regex and choices: the plain matcher."""
         m = self.matcher(compiled)
-        if compiled.kind not in ("json_schema", "json_object"):
+        if compiled.kind not in ("json_schema", "json_object", "grammar"):
             return m
         from prefixrt.constrained.budget import BudgetMatcher
 

@@ -34,10 +34,11 @@ from prefixrt.constrained.logits import fill_only
 # the closing text may grow by a few characters between two checks.
 SLACK = 3
 
-# The starts of the shortest values, tried in this order where the grammar refuses the closing text's `null`.
-FILLERS = ("0", '"', "[", "{", "false")
+# The starts of the shortest values, tried in this order where the grammar refuses the closing text's `null`
+# (and `,` where it still requires a member).
+FILLERS = ("0", '"', "[", "{", "false", ",")
 # The characters closing texts and FILLERS are made of (tokens spelling only these: GrammarBackend.closing_ids).
-CLOSING_CHARS = frozenset('"}]nulreas: 0[{f')
+CLOSING_CHARS = frozenset('"}]nulreas: 0[{f,')
 # The rule looks at a request's last PROBE_WINDOW tokens only (before that, a document's end is never near).
 PROBE_WINDOW = 64
 
@@ -49,7 +50,8 @@ class JsonState:
     """The syntactic state of a JSON document written so far, fed one token's text at a time.
 
     Also records, per open container, the token length of its longest complete child (member or item) so
-    far: the cost of one more sibling. Text that is not JSON makes the state `broken` (no closing text).
+    far: the cost of one more sibling. Whitespace-separated documents (tool calls one per line) are a
+    sequence whose documents are siblings too. Text that is not JSON makes the state `broken` (no closing text).
     """
 
     def __init__(self) -> None:
@@ -61,6 +63,8 @@ class JsonState:
         self.tokens = 0  # tokens fed so far
         self.broken = False
         self.last = ""  # the open number's last character
+        self.root_start = 0  # token index where the current top-level document began
+        self.root_longest = 0  # the longest complete top-level document so far, in tokens
 
     def feed(self, text: str) -> None:
         for c in text:
@@ -75,6 +79,7 @@ class JsonState:
 
     def _value_done(self) -> None:
         if not self.stack:
+            self.root_longest = max(self.root_longest, self.tokens - self.root_start + 1)
             self.mode = _DONE
             return
         top = self.stack[-1]
@@ -158,7 +163,11 @@ class JsonState:
             else:
                 self.broken = True
         elif mode == _DONE and c not in _WS:
-            self.broken = True
+            if c in "{[":  # the next document of a sequence (tool calls one per line)
+                self.root_start, self.mode = self.tokens, _VALUE
+                self._start_value(c)
+            else:
+                self.broken = True
 
     def _close(self) -> None:
         self.stack.pop()
@@ -190,7 +199,10 @@ class JsonState:
         return None
 
     def sibling_cost(self) -> int:
-        """After a complete member or item: the tokens one more sibling takes (`,` and the longest so far)."""
+        """After a complete member, item or document: the tokens one more sibling takes (a separator and the
+        longest so far)."""
+        if self.mode == _DONE:
+            return self.root_longest + 1
         return self.stack[-1][1] + 1 if self.mode == _AFTER and self.stack else 0
 
 
@@ -222,19 +234,21 @@ class BudgetMatcher(Matcher):
         if closing == "":
             tiers.append(list(self._eos))
         elif closing:
-            tiers.append([t for end in range(len(closing), 0, -1) for t in self._closing_ids(closing[:end])])
-        tiers.append([t for f in FILLERS for t in self._closing_ids(f)])
+            for lead in ("", " "):  # " ": after a `:` or `,` where the layout puts a space
+                tiers.append([t for end in range(len(closing), 0, -1) for t in self._closing_ids(lead + closing[:end])])
+        tiers.append([t for lead in ("", " ") for f in FILLERS for t in self._closing_ids(lead + f)]
+                     + self._closing_ids(" "))  # a lone space where the layout needs one and no token has it
         return tiers
 
     def need(self, limit: int) -> int | None:
         """How many tokens the document needs to end from here under the grammar, taking its forced tokens and
-        otherwise the first token of `_tiers` it accepts; None if that takes more than `limit`. Leaves the
-        matcher as it was (what it accepts is rolled back)."""
+        otherwise the first token of `_tiers` it accepts (limit + 1 when that takes more than `limit`); None where
+        the grammar accepts none of them. Leaves the matcher as it was (what it accepts is rolled back)."""
         inner, state, taken = self.inner, copy.deepcopy(self._state), 0
         try:
             while not inner.is_finished():
                 if taken >= limit:
-                    return None
+                    return limit + 1
                 forced = inner.forced_tokens()[: limit - taken]
                 if forced:
                     n = inner.accept_tokens(forced)
@@ -256,10 +270,10 @@ class BudgetMatcher(Matcher):
         """The tiers of tokens the rule allows now (the caller keeps the first the grammar allows), or None
         when the budget is not tight."""
         left = self.budget - len(self._accepted)
-        if left > PROBE_WINDOW:
+        if left > PROBE_WINDOW or self._state.broken:
             return None
         need = self.need(left)
-        if need is not None and left > need + SLACK + self._state.sibling_cost():
+        if need is None or left > need + SLACK + self._state.sibling_cost():
             return None
         return self._tiers(self._state)
 

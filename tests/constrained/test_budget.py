@@ -107,3 +107,31 @@ def test_an_ample_budget_changes_nothing(small_backends, small_tokenizer, token_
                               matcher=BudgetMatcher(backend.matcher(compiled), 10_000, backend.token_text,
                                                     backend.closing_ids, backend.eos_token_ids))
         assert plain.ids == wrapped.ids
+
+
+def test_parallel_tool_calls_end_within_the_budget(small_backends, small_tokenizer, token_texts):
+    """The grammar of "required" with parallel calls (calls one per line, lowering.plan_tools): a sampler that
+    never closes still ends with well-formed calls of the declared tool inside the budget. llguidance only:
+    the grammar's compact-layout `%json` options are llguidance's (under xgrammar the layout is free, and a
+    sampler that never closes spends the budget on whitespace)."""
+    backend_name = "llguidance"
+    from prefixrt import lowering
+
+    tools = lowering.tools_from_openai([{"type": "function", "function": {"name": "Contacts", "parameters": ITERABLE}}])
+    plan = lowering.plan_tools(tools, "required", None)
+    assert "grammar" in plan.constraint  # the one-per-line alternation, not a single JSON schema
+    backend = small_backends[backend_name]
+    texts = token_texts[id(small_tokenizer)]
+    for seed in range(4):
+        walk = _walk(backend, texts, "grammar", plan.constraint["grammar"], seed, 48, budgeted=True)
+        text = small_tokenizer.decode(walk.ids)
+        calls = plan.parse(text)
+        assert walk.finished and calls, (seed, text)
+        for call in calls:
+            jsonschema.validate(call.arguments, ITERABLE)
+
+
+def test_prose_is_left_alone():
+    state = JsonState()
+    state.feed("2 + 3 is 5")
+    assert state.broken and state.closing_text() is None
