@@ -186,13 +186,23 @@ class GrammarBackend(ABC):
         if table is None:
             from prefixrt.constrained.budget import CLOSING_CHARS
 
-            table = {}
+            table, commas = {}, []
             for token_id in range(len(self.tokenizer)):
-                text = self.token_text(token_id)
-                if text and set(text) <= CLOSING_CHARS and token_id not in self.eos_token_ids:
-                    table.setdefault(text, []).append(token_id)
-            self._closing_table = table
+                piece = self.token_text(token_id)
+                if token_id in self.eos_token_ids or not piece:
+                    continue
+                if set(piece) <= CLOSING_CHARS:
+                    table.setdefault(piece, []).append(token_id)
+                if "," in piece:
+                    commas.append((token_id, piece))
+            self._closing_table, self._comma_tokens = table, commas
         return table.get(text, [])
+
+    def comma_tokens(self) -> list[tuple[int, str]]:
+        """(id, text) of every token whose text holds a comma (the tokens that may begin a JSON sibling)."""
+        if getattr(self, "_comma_tokens", None) is None:
+            self.closing_ids("")
+        return self._comma_tokens
 
     def budget_matcher(self, compiled: CompiledGrammar, budget: int) -> Matcher:
         """`matcher(compiled)`, held to `budget` output tokens where the output may be JSON (json_schema,
@@ -203,7 +213,7 @@ class GrammarBackend(ABC):
             return m
         from prefixrt.constrained.budget import BudgetMatcher
 
-        return BudgetMatcher(m, budget, self.token_text, self.closing_ids, self.eos_token_ids)
+        return BudgetMatcher(m, budget, self)
 
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Fill several rows at once: `matcher.fill_bitmask(bitmask, row)` for each pair.

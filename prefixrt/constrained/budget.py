@@ -6,24 +6,28 @@ unparseable prefix. `BudgetMatcher` wraps a JSON matcher (json_schema, json_obje
 budget and follows the document's syntax (`JsonState`: open objects and arrays, inside a string, number or
 literal). On top of the grammar's mask it applies one rule:
 
-    when the tokens left are no more than the closing text needs (+ SLACK), and, after a complete member or
-    item, no more than that plus a sibling as long as the longest one written so far in its container, only
-    tokens spelling a prefix of the closing text may come next.
+    when the tokens left are no more than the end of the document needs (+ SLACK) plus one more sibling as long
+    as the longest one written so far in an open container, only tokens on the shortest way to the end (a
+    prefix of the closing text where the grammar allows it) may come next.
 
-The closing text is the shortest syntactic end of the document: the open string's quote or the rest of a
-literal, `null` for a value still to be written (`": null` after an open key), then `}` / `]` for every open container (`closing_text`).
-Its length in characters bounds its length in tokens, so the rule fires no later than needed.
+What the end needs is measured on the grammar itself (`need`): from the current state, take the grammar's
+forced tokens, else the first token it accepts from the shortest way on (`_tiers`: a prefix of the closing
+text, the shortest syntactic end of the document: the open string's quote or the rest of a literal, `null`
+for a pending value (`": null` after an open key), then `}` / `]` for every open container; where the grammar
+refuses that, a required key or a value of a schema's type: `FILLERS`), then roll back. So a schema's
+required members count, and the rule fires while they still fit. Tool-call grammars (documents one per line)
+count a further call as a sibling.
 
-Invariants: the rule only narrows the grammar's mask; where nothing in the closing text is allowed by the grammar
-(a schema still requires a key, say), the grammar's mask stands unchanged, so every output is one the grammar
-accepts, and with a budget that is never tight the output is exactly what the plain matcher gives. The state
-is a pure function of the accepted tokens (rollback rescans them).
+Invariants: the rule only narrows the grammar's mask (where nothing on the shortest way is allowed, the
+grammar's mask stands), so every output is one the grammar accepts; it looks at the last PROBE_WINDOW tokens
+only, and on output that is not JSON (`JsonState.broken`) never, so with an ample budget the output is
+exactly what the plain matcher gives. The state is a pure function of the accepted tokens (rollback rescans
+them). A reply ended this way finishes with "stop": it is a complete document.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import torch
 
@@ -199,28 +203,28 @@ class JsonState:
         return None
 
     def sibling_cost(self) -> int:
-        """After a complete member, item or document: the tokens one more sibling takes (a separator and the
-        longest so far)."""
+        """The tokens one more sibling would take (a separator and the longest so far) in the open container
+        where that is most: one token may end a value and begin the next sibling (`}, {"`), in any container.
+        After a complete document: one more document."""
         if self.mode == _DONE:
             return self.root_longest + 1
-        return self.stack[-1][1] + 1 if self.mode == _AFTER and self.stack else 0
+        return max((longest + 1 for _, longest, _ in self.stack if longest), default=0)
 
 
 class BudgetMatcher(Matcher):
     """`inner` (a JSON matcher) held to a budget of `budget` output tokens (module docstring).
 
-    token_text(id): a token's decoded text. closing_ids(text): the ids of the tokens spelling exactly `text`
-    (GrammarBackend.closing_vocab). eos_ids: the end-of-sequence ids (allowed once the document is complete).
+    vocab: the GrammarBackend (its `token_text`, `closing_ids`, `comma_tokens` and `eos_token_ids`).
     """
 
-    def __init__(self, inner: Matcher, budget: int, token_text: Callable[[int], str],
-                 closing_ids: Callable[[str], list[int]], eos_ids: tuple[int, ...]):
+    def __init__(self, inner: Matcher, budget: int, vocab):
         self.inner = inner
         self.vocab_size = inner.vocab_size
         self.budget = budget
-        self._text = token_text
-        self._closing_ids = closing_ids
-        self._eos = eos_ids
+        self._vocab = vocab
+        self._text = vocab.token_text
+        self._closing_ids = vocab.closing_ids
+        self._eos = tuple(vocab.eos_token_ids)
         self._accepted: list[int] = []
         self._state = JsonState()
 
@@ -266,29 +270,56 @@ class BudgetMatcher(Matcher):
         finally:
             inner.rollback(taken)
 
-    def steer_ids(self) -> list[list[int]] | None:
-        """The tiers of tokens the rule allows now (the caller keeps the first the grammar allows), or None
-        when the budget is not tight."""
+    def steer_ids(self) -> tuple[str, list[list[int]] | None]:
+        """What the rule does now: ("end", tiers) when the budget is tight (the caller keeps the first tier the
+        grammar allows), ("no sibling", None) when only one more sibling would not fit (tokens that begin one
+        are masked out), ("", None) otherwise."""
         left = self.budget - len(self._accepted)
         if left > PROBE_WINDOW or self._state.broken:
-            return None
+            return "", None
         need = self.need(left)
-        if need is None or left > need + SLACK + self._state.sibling_cost():
-            return None
-        return self._tiers(self._state)
+        if need is None:
+            return "", None
+        if left <= need + SLACK or (self._state.mode == _DONE and left <= need + SLACK + self._state.sibling_cost()):
+            return "end", self._tiers(self._state)  # (after a document, the next one begins without a comma)
+        if left <= need + SLACK + self._state.sibling_cost():
+            return "no sibling", None
+        return "", None
+
+    def _begins_sibling(self, text: str) -> bool:
+        """Whether a token of `text` (which holds a comma) would write a `,` between values here."""
+        if self._state.mode == _STRING:
+            if self._state.key or '"' not in text:
+                return False
+            text = text.split('"', 1)[1]
+        return "," in text.split('"', 1)[0]
 
     def steer(self, bitmask: torch.Tensor, row: int) -> None:
         """Narrow `bitmask[row]` (already filled by the grammar) by the rule; unchanged where the rule does not
         apply or would leave nothing the grammar allows."""
         if self.inner.is_finished():
             return
-        tiers = self.steer_ids()
+        what, tiers = self.steer_ids()
         words = bitmask.shape[1]
-        for ids in tiers or ():
-            keep = [t for t in ids if t // 32 < words and (int(bitmask[row, t // 32]) >> (t % 32)) & 1]
-            if keep:
-                fill_only(bitmask, row, keep)
+        if what == "end":
+            for ids in tiers:
+                keep = [t for t in ids if t // 32 < words and (int(bitmask[row, t // 32]) >> (t % 32)) & 1]
+                if keep:
+                    fill_only(bitmask, row, keep)
+                    return
+        elif what == "no sibling":
+            drop = [t for t, text in self._vocab.comma_tokens() if t // 32 < words and self._begins_sibling(text)]
+            if not drop:
                 return
+            saved = bitmask[row].clone()
+            clear: dict[int, int] = {}
+            for t in drop:
+                clear[t // 32] = clear.get(t // 32, 0) | (1 << (t % 32))
+            for word, bits in clear.items():
+                value = (int(saved[word]) & 0xFFFFFFFF) & ~bits
+                bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+            if not bool((bitmask[row] != 0).any()):  # the grammar requires a sibling here: leave it
+                bitmask[row] = saved
 
     # ------------------------------------------------------------------ Matcher
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:

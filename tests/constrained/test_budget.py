@@ -104,8 +104,7 @@ def test_an_ample_budget_changes_nothing(small_backends, small_tokenizer, token_
     for seed in range(4):
         plain = random_walk(backend, compiled, texts, seed=seed, max_tokens=400)
         wrapped = random_walk(backend, compiled, texts, seed=seed, max_tokens=400,
-                              matcher=BudgetMatcher(backend.matcher(compiled), 10_000, backend.token_text,
-                                                    backend.closing_ids, backend.eos_token_ids))
+                              matcher=BudgetMatcher(backend.matcher(compiled), 10_000, backend))
         assert plain.ids == wrapped.ids
 
 
