@@ -267,13 +267,14 @@ def test_tool_calls_have_no_keys_outside_the_schema(oai, tool_choice):
 # ---------------------------------------------------------------------------------------------- openai-agents
 
 
-def test_openai_agents_default_model_runs_a_function_tool_agent(url):
+@pytest.mark.parametrize("tool_choice", ["required", None], ids=["required", "default"])
+def test_openai_agents_default_model_runs_a_function_tool_agent(url, tool_choice):
     """The agent's model is a name, so openai-agents uses its default: OpenAIResponsesModel on the default
-    client, which points at `prefixrt serve`. The turn must call the tool (tool_choice "required", one call per
-    turn: see test_tool_calls_have_no_keys_outside_the_schema) and the run ends with the tool's result as the
-    final output (tool_use_behavior "stop_on_first_tool"). Left to choose between another call and a final
-    answer ("auto" after the call), the base Gemma calls the tool again every turn until max_turns
-    (docs/adapters.md)."""
+    client, which points at `prefixrt serve`. The turn calls the tool (tool_choice "required", or left to the
+    model: openai-agents' default sends none, which is "auto"; one call per turn: see
+    test_tool_calls_have_no_keys_outside_the_schema) and the run ends with the tool's result as the final
+    output (tool_use_behavior "stop_on_first_tool"). Left to choose between another call and a final answer
+    after the call, the base Gemma calls the tool again every turn until max_turns (docs/adapters.md)."""
     agents = pytest.importorskip("agents")
     calls = []
 
@@ -289,7 +290,7 @@ def test_openai_agents_default_model_runs_a_function_tool_agent(url):
                                      use_for_tracing=False)
     agent = agents.Agent(name="calculator", instructions="Use the add tool.", tools=[add], model=GEMMA,
                          tool_use_behavior="stop_on_first_tool",
-                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                         model_settings=agents.ModelSettings(tool_choice=tool_choice, parallel_tool_calls=False,
                                                              max_tokens=40, temperature=0))
     result = agents.Runner.run_sync(agent, "What is 2 + 3?", max_turns=3)
     kinds = [type(item).__name__ for item in result.new_items]
