@@ -547,11 +547,19 @@ def engine_messages(messages: list[dict], *, template_tools: bool = False,
     return out
 
 
-def with_system_note(messages: list[dict], note: str) -> list[dict]:
-    """Append `note` to the leading system message (creating one), keeping everything else as is."""
+def with_system_note(messages: list[dict], note: str, first: bool = False) -> list[dict]:
+    """Append `note` to the leading system message (creating one), keeping everything else as is; with
+    `first`, put it before that message's text instead."""
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+        parts = (note, messages[0]["content"]) if first else (messages[0]["content"], note)
+        return [{**messages[0], "content": "\n\n".join(parts)}, *messages[1:]]
     return [{"role": "system", "content": note}, *messages]
+
+
+def with_tools_prompt(messages: list[dict], plan: ToolPlan) -> list[dict]:
+    """`messages` with the fallback tools prompt (`tools_prompt`) in the system message: at its start under
+    "auto" (the call skeletons must open the prompt to be picked up), else at its end."""
+    return with_system_note(messages, tools_prompt(plan), first=plan.choice == "auto")
 
 
 def template_tools(tools: list[Tool]) -> list[dict]:
