@@ -218,7 +218,9 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
                              include_usage: bool, lc, heads: list[str] | None = None) -> AsyncIterator[str]:
     """heads: with echo, each prompt's text, sent first on each of its samples."""
     usage = convert.StreamUsage()
-    offsets: dict[int, int] = {}
+    # choice index -> text_offset of its next token: the lengths of the token strings before it (and of the
+    # echoed prompt), as the whole response counts them, so offsets do not depend on how tokens were chunked.
+    next_offset: dict[int, int] = {}
     text_events = convert.TextEvents(rid, model, created, "text_completion")
     async for k, ch in _merge(streams):
         if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
@@ -228,10 +230,13 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
         usage.add(k, ch)
         index = k * n + ch.index
         text = ch.text
-        if heads is not None and index not in offsets:
-            text = heads[k] + text
-        lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0) + len(text) - len(ch.text))
-        offsets[index] = offsets.get(index, 0) + len(text)
+        if index not in next_offset:
+            head = heads[k] if heads is not None else ""
+            text = head + text
+            next_offset[index] = len(head)
+        lps = convert.completion_logprobs(ch.logprobs, next_offset[index])
+        if ch.logprobs:
+            next_offset[index] += sum(len(e["token"]) for e in ch.logprobs)
         if lps is None and (text or ch.finish_reason is not None):
             yield text_events.event(index, text, ch.finish_reason)
         elif text or ch.logprobs or ch.finish_reason is not None:
