@@ -624,6 +624,15 @@ def section_a(eng, rag, summary) -> None:
     set_overlap(eng, True)
     best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in warm.items()}
     RESULTS["rag_text"] = {"first_after_startup": first, "warm_overlap_on": best[True], "warm_overlap_off": best[False]}
+    # Where the warm run's time goes: every forward's kind, device time and wall time to the next launch.
+    steps = StepLog(eng).install()
+    logged = rag_text(eng, rag)
+    steps.uninstall()
+    eng.flush_cache()
+    RESULTS["rag_steps"] = {"run": logged, "by_kind": steps.summary(),
+                            "device_ms_total": round(sum(r["device_ms"] for r in steps.rows), 1),
+                            "forwards": len(steps.rows)}
+    log("RAG steps", RESULTS["rag_steps"])
     log("RAG text", RESULTS["rag_text"])
     summary += [("RAG text, overlap on (warm)", f"{best[True]['out_tok_s']:.0f} tok/s", f"TTFT p50 {best[True]['ttft_p50_ms']} ms"),
                 ("RAG text, overlap off (warm)", f"{best[False]['out_tok_s']:.0f} tok/s", f"TTFT p50 {best[False]['ttft_p50_ms']} ms"),
@@ -646,6 +655,10 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
         set_overlap(eng, True)
         if cuda and RESULTS["cuda_graphs"]:  # right after the timed runs: the static batch holds their contexts
             row["replay_ms"] = replay_ms(eng, bs)
+            # The same graph replayed back to back for as many steps as a timed run has and more (clocks
+            # under sustained load), then the short burst again.
+            row["replay_ms_sustained_200"] = replay_ms(eng, bs, iters=200)
+            row["replay_ms_again_20"] = replay_ms(eng, bs)
             row["on_over_replay"] = row["step_ms_overlap_on"] / row["replay_ms"]
             row["off_over_replay"] = row["step_ms_overlap_off"] / row["replay_ms"]
         if cuda and RESULTS["cuda_graphs"]:
@@ -677,6 +690,11 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
                                                                     "detokenize": False, "max_new_tokens": 10})
         dec[f"b{bs}"] = row
         log(f"decode b{bs}", row)
+        if "replay_ms_sustained_200" in row:
+            summary.append((f"decode b{bs}: replay alone x20 / x200 / x20 again",
+                            f"{row['replay_ms']:.2f} / {row['replay_ms_sustained_200']:.2f} / "
+                            f"{row['replay_ms_again_20']:.2f} ms",
+                            f"step / sustained {row['step_ms_overlap_on'] / row['replay_ms_sustained_200']:.3f}x"))
         if "in_loop_replay_ms" in row:
             summary.append((f"decode b{bs}: step again / in-loop graph time", f"{row['step_ms_overlap_on_again']:.2f} / "
                             f"{row['in_loop_replay_ms']:.2f} ms", f"{row['on_over_in_loop_replay']:.3f}x"))
