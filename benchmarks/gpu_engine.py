@@ -243,7 +243,12 @@ def in_loop_replay_ms(eng, prompts: list[list[int]], steps: int) -> float:
     eng._run_on_loop(lambda: graphs.__dict__.pop("replay", None))
     torch.cuda.synchronize()
     times = sorted(a.elapsed_time(b) for a, b in pairs[1:])
+    IN_LOOP_SPREAD.append({"p10": times[len(times) // 10], "p50": times[len(times) // 2],
+                           "p90": times[len(times) * 9 // 10], "max": times[-1]})
     return times[len(times) // 2]
+
+
+IN_LOOP_SPREAD: list[dict] = []  # the spread of each in_loop_replay_ms call's replays
 
 
 def decode_step_ms(eng, prompts: list[list[int]], steps: int) -> float:
@@ -666,6 +671,21 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             row["step_ms_overlap_on_again"] = decode_step_ms(eng, prompts, 64)
             row["in_loop_replay_ms"] = in_loop_replay_ms(eng, prompts, 64)
             row["on_over_in_loop_replay"] = row["step_ms_overlap_on_again"] / row["in_loop_replay_ms"]
+            row["in_loop_spread"] = IN_LOOP_SPREAD[-1]
+            # The same with a 0.5 ms GIL switch interval: a replay delayed by another thread holding the GIL
+            # shows up as a longer in-loop time (the GPU waits between the start event and the launch).
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(0.0005)
+            try:
+                row["step_ms_switch_0p5ms"] = decode_step_ms(eng, prompts, 64)
+                row["in_loop_replay_ms_switch_0p5ms"] = in_loop_replay_ms(eng, prompts, 64)
+                row["in_loop_spread_switch_0p5ms"] = IN_LOOP_SPREAD[-1]
+            finally:
+                sys.setswitchinterval(interval)
+            summary.append((f"decode b{bs}: in-loop replay p10/p50/p90, default / 0.5 ms GIL switch",
+                            "/".join(f"{row['in_loop_spread'][k]:.1f}" for k in ("p10", "p50", "p90")) + " / " +
+                            "/".join(f"{row['in_loop_spread_switch_0p5ms'][k]:.1f}" for k in ("p10", "p50", "p90")),
+                            f"step {row['step_ms_overlap_on_again']:.2f} / {row['step_ms_switch_0p5ms']:.2f} ms"))
         # Where a step's time goes (overlap on): the units' wall time per step, the device wait inside process.
         eng.flush_cache()
         eng.generate(prompts, {"max_new_tokens": 0})

@@ -23,7 +23,7 @@ import torch
 import triton
 from prefixrt.kernels import decode_attention as dec
 from prefixrt.kernels._common import dot_args
-from prefixrt.kernels.cascade_decode import _cascade_prefix_kernel, _prefix_config
+from prefixrt.kernels.cascade_decode import _cascade_prefix_kernel, _prefix_config, cascade_decode_attention
 from prefixrt.kernels.cascade_plan import plan_cascade
 from prefixrt.kernels.gemv import GemvConfig, candidate_configs, measure
 
@@ -246,31 +246,76 @@ def bench_cascade() -> None:
         TABLE.append((f"cascade {label}: default", d["variant"] if d else "-", f"{d['us_per_layer']:.1f} us" if d else ""))
         TABLE.append((f"cascade {label}: best", b["variant"], f"{b['us_per_layer']:.1f} us"))
 
-    # (4) whole cascade, default vs the best stages, end to end per layer
-    if prefix_rows and suffix_rows:
-        bp = min(prefix_rows, key=lambda x: x["us_per_layer"])
-        bs = min(suffix_rows, key=lambda x: x["us_per_layer"])
-        for label, pr, sr in (("default", next((x for x in prefix_rows if x["default"] and x["tile"] == 16), bp),
-                               next((x for x in suffix_rows if x["default"]), bs)), ("best", bp, bs)):
-            plan = plans[pr["tile"]]
-            err = check(plan, pr["sp"], pr["cfg"], sr["ss"], sr["cfg"])
-            outs = [torch.empty_like(q) for q in r.q]
+    # (4) the whole cascade through cascade_decode_attention: the stages one after the other vs concurrently
+    # (prefix stage on a side stream), over tile sizes and split counts
+    whole = []
+    combos = [(16, 9, 1, False), (16, 9, 1, True), (16, 9, 2, True), (16, 4, 1, True), (16, 4, 2, True),
+              (16, 2, 2, True), (8, 4, 1, True), (8, 4, 2, True), (8, 9, 1, True), (32, 4, 2, True),
+              (32, 9, 1, True), (64, 9, 2, True), (64, 16, 2, True), (16, 16, 1, True)]
+    for tile, sp, ss, conc in combos[: 2 if SMOKE else None]:
+        if tile not in plans:
+            plans[tile] = plan_cascade([(PREFIX, list(range(BATCH)))], r.seq_lens_cpu, DEV, queries_per_tile=tile)
+        plan = plans[tile]
+        outs = [torch.empty_like(q) for q in r.q]
 
-            def whole(plan=plan, pr=pr, sr=sr, outs=outs):
-                for i in range(LAYERS):
-                    r.prefix(i, plan, pr["sp"], pr["cfg"])
-                    r.suffix(i, plan, pr["sp"], sr["ss"], sr["cfg"])
-                    r.merge(outs[i], plan, pr["sp"], sr["ss"])
+        def run(plan=plan, sp=sp, ss=ss, conc=conc, outs=outs):
+            for i in range(LAYERS):
+                cascade_decode_attention(r.q[i], outs[i], r.k[i], r.v[i], r.req_to_token, r.rows, r.seq_lens,
+                                         r.scale, plan, num_prefix_splits=sp, num_suffix_splits=ss,
+                                         mid_o=r.mid_o, mid_lse=r.mid_lse, concurrent_stages=conc)
 
-            us = graph_us(whole) / LAYERS
-            RESULTS["cascade"].append({"variant": f"whole {label}", "prefix": pr["variant"], "suffix": sr["variant"],
-                                       "us_per_layer": us, "rel_err": err})
-            TABLE.append((f"cascade whole ({label})", f"{us:.1f} us/layer, err {err:.1e}",
-                          f"{us_plain / us:.2f}x plain; {pr['variant']} + {sr['variant']}"))
+        run()
+        err = max(rel_err(outs[i], r.plain[i]) for i in range(LAYERS))
+        name = f"whole tile={tile} Sp={sp} Ss={ss} {'concurrent' if conc else 'sequential'}"
+        if err > 1e-2:
+            print(f"  FAIL {name}: rel err {err:.2e}", flush=True)
+            continue
+        us = graph_us(run) / LAYERS
+        whole.append((us, name))
+        RESULTS["cascade"].append({"variant": name, "us_per_layer": us, "rel_err": err})
+        print(f"  {name}: {us:.1f} us/layer, err {err:.1e}", flush=True)
+    for us, name in sorted(whole)[:4] + [w for w in whole if "tile=16 Sp=9 Ss=1" in w[1]]:
+        TABLE.append((f"cascade {name}", f"{us:.1f} us/layer", f"{us_plain / us:.2f}x plain decode"))
+
+
+def bench_decode_configs() -> None:
+    """Plain decode stage 1 launch configs (the stage-1 kernel also runs cascade's suffix stage)."""
+    for batch, ctx in ((1, 4096), (64, 2048), (256, 1100)):
+        slots = batch * ctx + 1
+        k = torch.randn(slots, NUM_KV_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        perm = (torch.randperm(slots - 1, device=DEV) + 1).to(torch.int32)
+        rtt = perm.view(batch, ctx)
+        rows = torch.arange(batch, device=DEV)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+        q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEV, dtype=torch.bfloat16)
+        splits = plan_decode_splits(batch * NUM_KV_HEADS, ctx, NUM_SMS, 16)
+        mo, ml = dec.decode_workspace(batch, NUM_HEADS, HEAD_DIM, splits, DEV)
+        expected = torch.empty_like(q)
+        dec.decode_attention(q, expected, k, v, rtt, rows, lens, HEAD_DIM**-0.5, num_kv_splits=splits)
+        gb = batch * ctx * NUM_KV_HEADS * HEAD_DIM * 4 / 1e9
+        for bn, w, st in ((64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 2), (64, 8, 3)):
+            cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            o = torch.empty_like(q)
+
+            def run(cfg=cfg, o=o, a=(q, k, v, rtt, rows, lens, mo, ml), splits=splits):
+                dec.launch_decode_stage1(*a, HEAD_DIM**-0.5, None, None, splits, config=cfg)
+                dec.launch_merge(o, a[6], a[7], splits)
+
+            run()
+            err = rel_err(o, expected)
+            if err > 1e-2:
+                print(f"  FAIL decode B={batch} {cfg}: {err:.2e}", flush=True)
+                continue
+            us = graph_us(run)
+            RESULTS.setdefault("decode", []).append({"batch": batch, "ctx": ctx, "cfg": cfg, "us": us, "GBps": gb / us * 1e6})
+            print(f"  decode B={batch} ctx={ctx} S={splits} N{bn} w{w} s{st}: {us:.1f} us, {gb / us * 1e6:.0f} GB/s",
+                  flush=True)
+            TABLE.append((f"decode B={batch} ctx={ctx} N{bn} w{w} s{st}", f"{us:.1f} us", f"{gb / us * 1e6:.0f} GB/s"))
 
 
 def main():
-    sections = {"gemm": bench_gemm, "cascade": bench_cascade}
+    sections = {"gemm": bench_gemm, "cascade": bench_cascade, "decode": bench_decode_configs}
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(sections))
     t0 = time.perf_counter()
     for key in only:
