@@ -12,6 +12,9 @@ leaves most of the GPU idle):
 3. the decode merge over all splits; prefix splits count only for grouped sequences.
 The result equals plain decode attention (up to float rounding). No sliding window: a windowed layer
 reads only its last `window` positions anyway, so callers use plain decode there.
+With page_size > 1 both stages read the request table once per page run (decode_attention.py says how and
+what layout that relies on); a prefix ending mid-page needs no special case: the prefix stage masks past
+its end, and each member's suffix stage starts its first block at the run boundary before suffix_start.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
+from prefixrt.kernels._common import (
+    check_pool_args,
+    dot_args,
+    interpreting,
+    mma,
+    page_span,
+    paged_slots,
+    softcap_scores,
+)
 from prefixrt.kernels.cascade_plan import CascadePlan
 from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
 
@@ -36,6 +47,7 @@ def _cascade_prefix_kernel(
     HEADS_PER_KV: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PAGE_SPAN: tl.constexpr = 1,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -76,7 +88,10 @@ def _cascade_prefix_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < end
-        slots = tl.load(ReqToToken + lead_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
+        if PAGE_SPAN > 1:  # n0 is a BLOCK_N multiple, so a run boundary
+            slots = paged_slots(ReqToToken + lead_row * stride_rt, n0, end, BLOCK_N, PAGE_SPAN)
+        else:
+            slots = tl.load(ReqToToken + lead_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [rows, BLOCK_N]
@@ -146,10 +161,13 @@ def cascade_decode_attention(
     num_suffix_splits: int = 4,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    page_size: int = 1,
     concurrent_stages: bool = True,
 ) -> None:
     """Decode attention for a batch with shared-prefix groups (see plan_cascade); equals decode_attention.
     Workspace: mid_o [>=B, H, >=Sp+Ss, D], mid_lse [>=B, H, >=Sp+Ss] fp32 (allocated when None).
+    page_size: the pool's; above 1 both stages read the table once per page run (any prefix length, a
+    prefix ending mid-page included, as long as each row keeps the page layout of paged_slots).
     concurrent_stages: on CUDA, run the prefix stage on a side stream beside the suffix stage (the same
     result; False runs them one after the other)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
@@ -166,11 +184,11 @@ def cascade_decode_attention(
         side.wait_stream(main)  # the prefix stage reads q, the plan and the pool as the main stream left them
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
         _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
-                       logit_softcap, num_prefix_splits, cfg)
+                       logit_softcap, num_prefix_splits, cfg, page_size)
     launch_decode_stage1(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
         None, logit_softcap, num_suffix_splits, kv_start=plan.suffix_start, split_offset=num_prefix_splits,
-        config=_suffix_config(head_dim),
+        page_size=page_size, config=_suffix_config(head_dim),
     )  # fmt: skip
     if concurrent:
         main.wait_stream(side)  # the merge reads both stages' partials
@@ -178,7 +196,7 @@ def cascade_decode_attention(
 
 
 def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
-                   logit_softcap, num_prefix_splits, cfg):  # fmt: skip
+                   logit_softcap, num_prefix_splits, cfg, page_size):  # fmt: skip
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     heads_per_kv = num_heads // num_kv_heads
     if plan.num_tiles:
@@ -192,5 +210,5 @@ def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             NUM_SPLITS=num_prefix_splits, HAS_SOFTCAP=logit_softcap is not None,
-            **dot_args(q.dtype), **cfg,
+            **dot_args(q.dtype), **cfg, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]),
         )  # fmt: skip
