@@ -1,6 +1,8 @@
 """Shared-prefix (cascade) decode: a prefix shared by a group of sequences is read once per tile of the group.
 
-Three launches, all on flat index arrays from a CascadePlan:
+Three launches, all on flat index arrays from a CascadePlan (on a GPU the first two run concurrently, the
+prefix stage on a side stream: they write disjoint splits of the workspace, and the prefix stage alone
+leaves most of the GPU idle):
 1. prefix stage, grid [num_tiles, KVH * head_blocks, num_prefix_splits]: the tile's queries times the query
    heads of one kv head form a [BLOCK_Q * BLOCK_G, D] matrix that is multiplied against [D, BLOCK_N]
    chunks of the group's shared prefix (tensor-core sized, K/V loaded once for all of them), giving
@@ -16,6 +18,8 @@ its end, and each member's suffix stage starts its first block at the run bounda
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -121,7 +125,25 @@ def _prefix_config(head_dim: int, heads_per_kv: int, queries_per_tile: int) -> d
     if interpreting():
         return {**cfg, "BLOCK_N": 16, "num_warps": 1}
     return {**cfg, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 8 if block_q * block_g >= 128 else 4,
-            "num_stages": 2}  # fmt: skip
+            "num_stages": 3}  # fmt: skip
+
+
+def _suffix_config(head_dim: int) -> dict | None:
+    """Decode stage 1 over the short own suffixes: a deeper pipeline than plain decode's (measured on an H200:
+    RAG suffixes of 80-280 keys, 25.8 -> 20.3 us a layer)."""
+    if interpreting():
+        return None
+    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3}
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[index]
 
 
 def cascade_decode_attention(
@@ -140,11 +162,14 @@ def cascade_decode_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     page_size: int = 1,
+    concurrent_stages: bool = True,
 ) -> None:
     """Decode attention for a batch with shared-prefix groups (see plan_cascade); equals decode_attention.
     Workspace: mid_o [>=B, H, >=Sp+Ss, D], mid_lse [>=B, H, >=Sp+Ss] fp32 (allocated when None).
     page_size: the pool's; above 1 both stages read the table once per page run (any prefix length, a
-    prefix ending mid-page included, as long as each row keeps the page layout of paged_slots)."""
+    prefix ending mid-page included, as long as each row keeps the page layout of paged_slots).
+    concurrent_stages: on CUDA, run the prefix stage on a side stream beside the suffix stage (the same
+    result; False runs them one after the other)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = q.shape[0]
     num_splits = num_prefix_splits + num_suffix_splits
@@ -152,6 +177,28 @@ def cascade_decode_attention(
         mid_o, mid_lse = decode_workspace(batch_size, num_heads, head_dim, num_splits, q.device)
     heads_per_kv = num_heads // num_kv_heads
     cfg = _prefix_config(head_dim, heads_per_kv, plan.queries_per_tile)
+    concurrent = q.is_cuda and plan.num_tiles > 0 and not interpreting() and concurrent_stages
+    main = torch.cuda.current_stream(q.device) if concurrent else None
+    if concurrent:
+        side = _side_stream(q.device)
+        side.wait_stream(main)  # the prefix stage reads q, the plan and the pool as the main stream left them
+    with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
+        _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
+                       logit_softcap, num_prefix_splits, cfg, page_size)
+    launch_decode_stage1(
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
+        None, logit_softcap, num_suffix_splits, kv_start=plan.suffix_start, split_offset=num_prefix_splits,
+        page_size=page_size, config=_suffix_config(head_dim),
+    )  # fmt: skip
+    if concurrent:
+        main.wait_stream(side)  # the merge reads both stages' partials
+    launch_merge(o, mid_o, mid_lse, num_splits, kv_start=plan.suffix_start, num_guarded=num_prefix_splits)
+
+
+def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
+                   logit_softcap, num_prefix_splits, cfg, page_size):  # fmt: skip
+    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    heads_per_kv = num_heads // num_kv_heads
     if plan.num_tiles:
         grid = (plan.num_tiles, num_kv_heads * cfg["HEAD_BLOCKS"], num_prefix_splits)
         _cascade_prefix_kernel[grid](
@@ -165,9 +212,3 @@ def cascade_decode_attention(
             NUM_SPLITS=num_prefix_splits, HAS_SOFTCAP=logit_softcap is not None,
             **dot_args(q.dtype), **cfg, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]),
         )  # fmt: skip
-    launch_decode_stage1(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
-        None, logit_softcap, num_suffix_splits, kv_start=plan.suffix_start, split_offset=num_prefix_splits,
-        page_size=page_size,
-    )  # fmt: skip
-    launch_merge(o, mid_o, mid_lse, num_splits, kv_start=plan.suffix_start, num_guarded=num_prefix_splits)

@@ -169,16 +169,17 @@ def _stage1_config(head_dim: int) -> dict:
 
 def launch_decode_stage1(
     q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
-    sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0, page_size=1,
+    sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0, page_size=1, config=None,
 ):  # fmt: skip
     """Write partials for splits [split_offset, split_offset + num_splits) of mid_o / mid_lse. page_size > 1:
-    the slots are read a page run at a time (see paged_slots for the layout this relies on)."""
+    the slots are read a page run at a time (see paged_slots for the layout this relies on). config: launch
+    parameters (BLOCK_N, num_warps, num_stages) in place of _stage1_config's."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     heads_per_kv = num_heads // num_kv_heads
     batch_size = q.shape[0]
     if batch_size == 0:
         return
-    cfg = _stage1_config(head_dim)
+    cfg = config or _stage1_config(head_dim)
     _decode_stage1[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         kv_start if kv_start is not None else seq_lens, mid_o, mid_lse,

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from prefixrt.kernels import reference as ref  # noqa: E402
 from prefixrt.kernels.cascade_decode import cascade_decode_attention  # noqa: E402
 from prefixrt.kernels.cascade_plan import plan_cascade  # noqa: E402
-from prefixrt.kernels.decode_attention import decode_attention  # noqa: E402
+from prefixrt.kernels.decode_attention import decode_attention, decode_workspace  # noqa: E402
 from prefixrt.kernels.extend_attention import extend_attention  # noqa: E402
 
 from prefixrt.cache.kv_pool import KVPool  # noqa: E402
@@ -233,6 +233,29 @@ def test_cascade_decode_equals_plain_decode(
     ref.decode_attention(q, expected, *args, logit_softcap=softcap)
     assert rel_err(by_cascade_ref, expected) < 1e-5 if dtype == torch.float32 else True
     assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the concurrent stages need a CUDA side stream")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_concurrent_stages_equal_sequential_and_graph_replay(dtype):
+    """The prefix stage on a side stream writes the same partials as when it runs first, eagerly and captured
+    in a CUDA graph (fork and join inside the capture)."""
+    q, args, groups, seq_lens = make_cascade_case(4, 128, dtype)
+    plan = plan_cascade(groups, seq_lens, DEVICE, queries_per_tile=2)
+    sequential, concurrent, replayed = torch.empty_like(q), torch.empty_like(q), torch.zeros_like(q)
+    kw = dict(plan=plan, num_prefix_splits=3, num_suffix_splits=2)
+    cascade_decode_attention(q, sequential, *args, **kw, concurrent_stages=False)
+    cascade_decode_attention(q, concurrent, *args, **kw, concurrent_stages=True)
+    torch.testing.assert_close(concurrent, sequential, rtol=0, atol=0)
+    mid_o, mid_lse = decode_workspace(q.shape[0], q.shape[1], q.shape[2], 5, q.device)
+    cascade_decode_attention(q, replayed, *args, **kw, mid_o=mid_o, mid_lse=mid_lse)  # warm-up before capture
+    replayed.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cascade_decode_attention(q, replayed, *args, **kw, mid_o=mid_o, mid_lse=mid_lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(replayed, sequential, rtol=0, atol=0)
 
 
 # ---- paged pools: page_size > 1 reads the request table once per page run ---------------------------------

@@ -30,10 +30,11 @@ from prefixrt.model.forward_batch import ForwardBatch, ForwardMode
 MIN_KEYS_PER_SPLIT = 128
 
 
-def plan_decode_splits(num_work_items: int, max_keys: int, num_sms: int, max_splits: int) -> int:
-    """Splits per work item (sequence x kv head, or cascade tile x kv head) so that about two programs
-    run per SM, without splits shorter than MIN_KEYS_PER_SPLIT keys."""
-    wanted = -(-2 * num_sms // max(num_work_items, 1))
+def plan_decode_splits(num_work_items: int, max_keys: int, num_sms: int, max_splits: int,
+                       programs_per_sm: int = 2) -> int:
+    """Splits per work item (sequence x kv head, or cascade tile x kv head) so that about programs_per_sm
+    programs run per SM, without splits shorter than MIN_KEYS_PER_SPLIT keys."""
+    wanted = -(-programs_per_sm * num_sms // max(num_work_items, 1))
     useful = -(-max(max_keys, 1) // MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, useful, max_splits))
 
@@ -133,8 +134,11 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_prefix_splits = plan_decode_splits(
             tiles * num_kv_heads, plan.max_prefix_len, self.num_sms, self.max_kv_splits
         )
+        # The suffix stage runs beside the prefix stage and its short loops are latency-bound: twice the
+        # programs (measured on an H200, RAG shape: 49.0 -> 45.9 us a layer for the whole cascade).
         self._num_suffix_splits = plan_decode_splits(
-            batch.batch_size * num_kv_heads, plan.max_suffix_len, self.num_sms, self.max_kv_splits
+            batch.batch_size * num_kv_heads, plan.max_suffix_len, self.num_sms, self.max_kv_splits,
+            programs_per_sm=4,
         )
 
     @staticmethod
