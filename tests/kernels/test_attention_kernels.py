@@ -420,28 +420,47 @@ def dense_attention_over_pool(q, pool, layer, batch):
     return out.view(-1, num_heads * head_dim)
 
 
-def test_triton_backend_extend_then_cascade_decode():
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_backend_extend_then_cascade_decode(page_size):
     """Prefill a shared prompt, extend two more requests on the cached prefix, then decode all of them with
-    prefix_groups: every forward of both layers (full and sliding-window) must match dense attention."""
+    prefix_groups: every forward of both layers (full and sliding-window) must match dense attention.
+    page_size 16: rows take whole pages and the 20-token shared prefix ends mid-page (its partial page is
+    copied into each sharer's own page, as copy-on-write would)."""
     num_kv_heads, head_dim, num_heads = 2, 64, 4
     layers = [
         AttentionLayer(0, num_heads, num_kv_heads, head_dim, scaling=head_dim**-0.5),
         AttentionLayer(1, num_heads, num_kv_heads, head_dim, scaling=head_dim**-0.5, sliding_window=8),
     ]
     pool = KVPool(256, len(layers), num_kv_heads, head_dim, torch.float32, DEVICE)
-    backend = TritonAttentionBackend(pool, max_batch_size=8, cascade_min_prefix_len=1)
+    backend = TritonAttentionBackend(pool, max_batch_size=8, cascade_min_prefix_len=1, page_size=page_size)
     req_to_token = torch.zeros(8, 64, dtype=torch.int32, device=DEVICE)
     gen = torch.Generator().manual_seed(3)
     free = (torch.randperm(255, generator=gen) + 1).tolist()
+    free_pages = (torch.randperm(256 // page_size - 1, generator=gen) + 1).tolist() if page_size > 1 else []
     lengths = {1: 0, 2: 0, 3: 0, 4: 0}  # request row -> tokens with K/V
+
+    def slot_of(row, pos):  # paged: the row's page for pos (a fresh one at a page start)
+        if pos % page_size == 0:
+            page = free_pages.pop()
+            req_to_token[row, pos : pos + page_size] = torch.arange(page * page_size, (page + 1) * page_size)
+        return int(req_to_token[row, pos])
 
     def step(rows, num_new, prefix_groups=None, share_from=None, shared_len=0):
         out_loc = []
         for row, n in zip(rows, num_new):
             if share_from is not None and lengths[row] == 0 and row != share_from:
-                req_to_token[row, :shared_len] = req_to_token[share_from, :shared_len]
+                whole = shared_len // page_size * page_size
+                req_to_token[row, :whole] = req_to_token[share_from, :whole]
+                src = req_to_token[share_from, whole:shared_len].long()
+                dst = torch.tensor([slot_of(row, p) for p in range(whole, shared_len)], dtype=torch.long,
+                                   device=DEVICE)
+                for kb, vb in zip(pool.k_buffers, pool.v_buffers):
+                    kb[dst], vb[dst] = kb[src], vb[src]
                 lengths[row] = shared_len
-            new = [free.pop() for _ in range(n)]
+            if page_size == 1:
+                new = [free.pop() for _ in range(n)]
+            else:
+                new = [slot_of(row, p) for p in range(lengths[row], lengths[row] + n)]
             req_to_token[row, lengths[row] : lengths[row] + n] = torch.tensor(new, dtype=torch.int32)
             out_loc += new
         batch = ForwardBatch.build(
