@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from prefixrt.kernels._common import interpreting  # noqa: E402
+
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 
 
@@ -30,6 +32,7 @@ def _run(eng, prompts):
     return [first.token_ids] + [c.token_ids for c in rest], [first.cached_tokens] + [c.cached_tokens for c in rest]
 
 
+@pytest.mark.skipif(not interpreting(), reason="make_engine builds CPU engines: Triton runs there only interpreted")
 @pytest.mark.parametrize("arch", ["mistral"])
 def test_paged_triton_engine_equals_page_size_1(arch, make_engine):
     prompts = _prompts()
