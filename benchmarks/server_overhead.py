@@ -8,7 +8,8 @@ of --prefix tokens + --unique tokens of its own, --output tokens out (greedy, ig
 once (concurrency = --requests) and streamed as text. The server runs in its own process (as users run it):
 as `prefixrt serve` runs by default (the engine in a process of its own) and with --engine-in-process (the
 scheduler loop on a thread of the server process); --modes picks the rows. The client streams every request
-from /v1/completions SSE, with httpx.AsyncClient or (--client openai) the openai SDK's AsyncOpenAI.
+from /v1/completions SSE, with httpx.AsyncClient or (--client openai) the openai SDK's AsyncOpenAI; --client
+bench streams token ids from /generate through RemoteEngine, as `prefixrt bench --url` does.
 
 Besides throughput, each HTTP row gives the server process's CPU time per streamed token (user + system, from
 /proc, over the timed run) and the number of SSE events the client received (fewer than tokens when the server
@@ -82,11 +83,11 @@ def summarize(name: str, wall: float, ttfts: list[float], tokens: int, passes: i
             "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3), "ttft_p99_s": round(ttfts[int(len(ttfts) * 0.99) - 1], 3)}
 
 
-async def run_inprocess(model: str, prompts, output: int, engine_kw: dict) -> dict:
+async def run_inprocess(model: str, prompts, output: int, engine_kw: dict, text: bool = True) -> dict:
     from prefixrt.engine.engine import Engine
 
     eng = Engine(model, **engine_kw)
-    params = {"max_new_tokens": output, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": output, "temperature": 0, "ignore_eos": True, "detokenize": text}
     eng.generate(prompts[0][:8], {"max_new_tokens": 2})  # warm up
     eng.flush_cache()
     passes0 = eng.stats().forward_passes_total
@@ -180,7 +181,22 @@ async def run_http(model: str, prompts, output: int, engine_args: list[str], lab
                 oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600,
                                          http_client=httpx.AsyncClient(timeout=600, limits=httpx.Limits(
                                              max_connections=1024)))
-            one = one_openai if client == "openai" else one_httpx
+            async def one_remote(p):  # what `prefixrt bench --url` does: /generate SSE, token ids, no text
+                nonlocal events
+                first, n = None, 0
+                async for ch in remote.astream(p, {"max_new_tokens": output, "temperature": 0,
+                                                   "ignore_eos": True, "detokenize": False}):
+                    if first is None and ch.token_ids:
+                        first = time.perf_counter() - t0
+                    events += bool(ch.token_ids)
+                    n += len(ch.token_ids)
+                return first, n
+
+            if client == "bench":
+                from prefixrt.remote import RemoteEngine
+
+                remote = RemoteEngine(url)
+            one = {"openai": one_openai, "bench": one_remote}.get(client, one_httpx)
             res = await asyncio.gather(*(one(p) for p in prompts))
             wall = time.perf_counter() - t0
             cpu = {k: round(v - cpu0[k], 2) for k, v in process_cpu(pids).items()}
@@ -205,7 +221,10 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--kv-cache-tokens", type=int, default=65536)
-    ap.add_argument("--client", default="httpx", choices=["httpx", "openai"], help="the HTTP rows' client")
+    ap.add_argument("--client", default="httpx", choices=["httpx", "openai", "bench"],
+                    help="the HTTP rows' client: httpx or openai stream /v1/completions text; bench streams "
+                         "/generate token ids through RemoteEngine as `prefixrt bench --url` does (and the "
+                         "in-process row then streams token ids too)")
     ap.add_argument("--modes", default="inprocess,process,thread",
                     help="rows, comma-separated: inprocess (Engine.astream), process (prefixrt serve), "
                          "thread (prefixrt serve --engine-in-process)")
@@ -227,7 +246,7 @@ def main() -> None:
         rows = []
         for m in modes:
             if m == "inprocess":
-                rows.append(asyncio.run(run_inprocess(model, prompts, args.output, kw)))
+                rows.append(asyncio.run(run_inprocess(model, prompts, args.output, kw, args.client != "bench")))
             elif m == "process":
                 rows.append(asyncio.run(run_http(model, prompts, args.output, flags,
                                                  f"HTTP ({args.client}), engine process (default)", args.client)))
