@@ -161,10 +161,16 @@ def decode_workspace(
     return mid_o, mid_lse
 
 
-def _stage1_config(head_dim: int) -> dict:
+def _stage1_config(head_dim: int, work_items: int) -> dict:
+    """Launch parameters for work_items (sequence, kv head) pairs. Measured on an H200 (Llama-3-8B heads,
+    benchmarks/gpu_tune.py --only=decode): a 3-stage pipeline reads B=256 x 1.1k context at 4074 GB/s (2
+    stages: 3796) and is neutral at B=64 x 2k; with a handful of work items (batch 1-2) 128-key blocks halve
+    each split's loop (B=1 x 4k: 9.4 vs 10.9 us)."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 1}
-    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
+    if head_dim > 128:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 128 if work_items <= 16 else 64, "num_warps": 4, "num_stages": 2 if work_items <= 16 else 3}
 
 
 def launch_decode_stage1(
@@ -179,7 +185,7 @@ def launch_decode_stage1(
     batch_size = q.shape[0]
     if batch_size == 0:
         return
-    cfg = config or _stage1_config(head_dim)
+    cfg = config or _stage1_config(head_dim, batch_size * num_kv_heads)
     _decode_stage1[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         kv_start if kv_start is not None else seq_lens, mid_o, mid_lse,
