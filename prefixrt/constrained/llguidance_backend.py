@@ -18,6 +18,7 @@ import torch
 
 from prefixrt.constrained import spec as specs
 from prefixrt.constrained.base import CompiledGrammar, GrammarBackend, Matcher
+from prefixrt.constrained.budget import BudgetMatcher
 from prefixrt.constrained.logits import fill_only
 from prefixrt.errors import InvalidRequest
 
@@ -193,7 +194,13 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidRequest(f"invalid {compiled.kind}: {_first_line(m.get_error())}")
         return LLGuidanceMatcher(m, self)
 
+    def token_text(self, token_id: int) -> str:
+        return self.ll_tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
+
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        budgeted = [(m, row) for m, row in rows if isinstance(m, BudgetMatcher)]
+        if budgeted:  # the grammar's rows in parallel, then the budget rule narrows its rows
+            rows = [(m.inner if isinstance(m, BudgetMatcher) else m, row) for m, row in rows]
         native = [(m._m, row) for m, row in rows if isinstance(m, LLGuidanceMatcher) and not m._eos_accepted]
         rest = [(m, row) for m, row in rows if not (isinstance(m, LLGuidanceMatcher) and not m._eos_accepted)]
         if len(native) > 1:
@@ -205,3 +212,5 @@ class LLGuidanceBackend(GrammarBackend):
             rest = rows
         for m, row in rest:
             m.fill_bitmask(bitmask, row)
+        for m, row in budgeted:
+            m.steer(bitmask, row)

@@ -94,7 +94,7 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
     messages = lowering.engine_messages([m.model_dump(exclude_none=True) for m in req.messages],
                                         template_tools=in_template, syntax=syntax or lowering.BARE)
     if plan is not None and not in_template and req.tool_prompt:
-        messages = lowering.with_system_note(messages, lowering.tools_prompt(plan))
+        messages = lowering.with_tools_prompt(messages, plan)
     return ChatLowered(messages, _finish_params(params), plan,
                        lowering.template_tools(plan.tools) if in_template else None)
 
