@@ -26,6 +26,7 @@ from prefixrt.lowering import (  # noqa: F401  (re-exported for the adapters)
     sampling_options,
     tools_prompt,
     with_system_note,
+    with_tools_prompt,
 )
 
 # ---------------------------------------------------------------------------------------------- providers

@@ -58,8 +58,7 @@ from prefixrt.adapters._lowering import (
     plan_tools,
     response_format_constraint,
     sampling_params,
-    tools_prompt,
-    with_system_note,
+    with_tools_prompt,
 )
 from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint
 
@@ -151,7 +150,7 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
                 raise InvalidRequest("pass tools or response_format, not both", param="response_format")
             tools = plan_tools(specs, choice, parallel)
             params.update(tools.constraint)
-            messages = with_system_note(messages, tools_prompt(tools))
+            messages = with_tools_prompt(messages, tools)
         else:
             answer = response_format_constraint(cfg.response_format)
             if answer.get("json_object"):

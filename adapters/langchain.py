@@ -55,8 +55,8 @@ from prefixrt.adapters._lowering import (
     response_format_constraint,
     sampling_params,
     strict_schema,
-    tools_prompt,
     with_system_note,
+    with_tools_prompt,
 )
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
@@ -242,7 +242,7 @@ class ChatPrefixRT(BaseChatModel):
                 # more" calls may keep writing calls until max_tokens.
                 plan = plan_tools(specs, choice, bool(parallel_tool_calls))
                 params.update(plan.constraint)
-                chat = with_system_note(chat, tools_prompt(plan))
+                chat = with_tools_prompt(chat, plan)
         if plan is None and response_format is not None:
             params.update(response_format_constraint(response_format))
             schema = params.get("json_schema")

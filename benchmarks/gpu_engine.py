@@ -243,7 +243,12 @@ def in_loop_replay_ms(eng, prompts: list[list[int]], steps: int) -> float:
     eng._run_on_loop(lambda: graphs.__dict__.pop("replay", None))
     torch.cuda.synchronize()
     times = sorted(a.elapsed_time(b) for a, b in pairs[1:])
+    IN_LOOP_SPREAD.append({"p10": times[len(times) // 10], "p50": times[len(times) // 2],
+                           "p90": times[len(times) * 9 // 10], "max": times[-1]})
     return times[len(times) // 2]
+
+
+IN_LOOP_SPREAD: list[dict] = []  # the spread of each in_loop_replay_ms call's replays
 
 
 def decode_step_ms(eng, prompts: list[list[int]], steps: int) -> float:
@@ -624,6 +629,30 @@ def section_a(eng, rag, summary) -> None:
     set_overlap(eng, True)
     best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in warm.items()}
     RESULTS["rag_text"] = {"first_after_startup": first, "warm_overlap_on": best[True], "warm_overlap_off": best[False]}
+    # Where the warm run's time goes: every forward's kind, device time and wall time to the next launch.
+    steps = StepLog(eng).install()
+    logged = rag_text(eng, rag)
+    steps.uninstall()
+    eng.flush_cache()
+    RESULTS["rag_steps"] = {"run": logged, "by_kind": steps.summary(),
+                            "device_ms_total": round(sum(r["device_ms"] for r in steps.rows), 1),
+                            "forwards": len(steps.rows)}
+    log("RAG steps", RESULTS["rag_steps"])
+    # The GIL switch interval: the loop thread, the detokenizer worker and the 64 streaming consumers share
+    # the GIL; a shorter interval lets the loop take it back sooner. Interleaved, best of 2 each.
+    default_interval = sys.getswitchinterval()
+    by_interval: dict = {}
+    for interval in (default_interval, 0.0005, default_interval, 0.0005):
+        sys.setswitchinterval(interval)
+        try:
+            by_interval.setdefault(interval, []).append(rag_text(eng, rag))
+        finally:
+            sys.setswitchinterval(default_interval)
+        eng.flush_cache()
+    RESULTS["rag_switch_interval"] = {str(k): max(v, key=lambda r: r["out_tok_s"]) for k, v in by_interval.items()}
+    summary.append(("RAG text, GIL switch 5 ms (default) / 0.5 ms",
+                    " / ".join(f"{max(v, key=lambda r: r['out_tok_s'])['out_tok_s']:.0f}" for v in by_interval.values()),
+                    "tok/s, best of 2 interleaved"))
     log("RAG text", RESULTS["rag_text"])
     summary += [("RAG text, overlap on (warm)", f"{best[True]['out_tok_s']:.0f} tok/s", f"TTFT p50 {best[True]['ttft_p50_ms']} ms"),
                 ("RAG text, overlap off (warm)", f"{best[False]['out_tok_s']:.0f} tok/s", f"TTFT p50 {best[False]['ttft_p50_ms']} ms"),
@@ -646,6 +675,10 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
         set_overlap(eng, True)
         if cuda and RESULTS["cuda_graphs"]:  # right after the timed runs: the static batch holds their contexts
             row["replay_ms"] = replay_ms(eng, bs)
+            # The same graph replayed back to back for as many steps as a timed run has and more (clocks
+            # under sustained load), then the short burst again.
+            row["replay_ms_sustained_200"] = replay_ms(eng, bs, iters=200)
+            row["replay_ms_again_20"] = replay_ms(eng, bs)
             row["on_over_replay"] = row["step_ms_overlap_on"] / row["replay_ms"]
             row["off_over_replay"] = row["step_ms_overlap_off"] / row["replay_ms"]
         if cuda and RESULTS["cuda_graphs"]:
@@ -653,6 +686,21 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             row["step_ms_overlap_on_again"] = decode_step_ms(eng, prompts, 64)
             row["in_loop_replay_ms"] = in_loop_replay_ms(eng, prompts, 64)
             row["on_over_in_loop_replay"] = row["step_ms_overlap_on_again"] / row["in_loop_replay_ms"]
+            row["in_loop_spread"] = IN_LOOP_SPREAD[-1]
+            # The same with a 0.5 ms GIL switch interval: a replay delayed by another thread holding the GIL
+            # shows up as a longer in-loop time (the GPU waits between the start event and the launch).
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(0.0005)
+            try:
+                row["step_ms_switch_0p5ms"] = decode_step_ms(eng, prompts, 64)
+                row["in_loop_replay_ms_switch_0p5ms"] = in_loop_replay_ms(eng, prompts, 64)
+                row["in_loop_spread_switch_0p5ms"] = IN_LOOP_SPREAD[-1]
+            finally:
+                sys.setswitchinterval(interval)
+            summary.append((f"decode b{bs}: in-loop replay p10/p50/p90, default / 0.5 ms GIL switch",
+                            "/".join(f"{row['in_loop_spread'][k]:.1f}" for k in ("p10", "p50", "p90")) + " / " +
+                            "/".join(f"{row['in_loop_spread_switch_0p5ms'][k]:.1f}" for k in ("p10", "p50", "p90")),
+                            f"step {row['step_ms_overlap_on_again']:.2f} / {row['step_ms_switch_0p5ms']:.2f} ms"))
         # Where a step's time goes (overlap on): the units' wall time per step, the device wait inside process.
         eng.flush_cache()
         eng.generate(prompts, {"max_new_tokens": 0})
@@ -677,6 +725,11 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
                                                                     "detokenize": False, "max_new_tokens": 10})
         dec[f"b{bs}"] = row
         log(f"decode b{bs}", row)
+        if "replay_ms_sustained_200" in row:
+            summary.append((f"decode b{bs}: replay alone x20 / x200 / x20 again",
+                            f"{row['replay_ms']:.2f} / {row['replay_ms_sustained_200']:.2f} / "
+                            f"{row['replay_ms_again_20']:.2f} ms",
+                            f"step / sustained {row['step_ms_overlap_on'] / row['replay_ms_sustained_200']:.3f}x"))
         if "in_loop_replay_ms" in row:
             summary.append((f"decode b{bs}: step again / in-loop graph time", f"{row['step_ms_overlap_on_again']:.2f} / "
                             f"{row['in_loop_replay_ms']:.2f} ms", f"{row['on_over_in_loop_replay']:.3f}x"))

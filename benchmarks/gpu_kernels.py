@@ -3,10 +3,13 @@
 (a) correctness: every kernel vs the torch reference on random ragged batches (prefixes up to 8k,
     windows, GQA 1/4/8, head_dim 128; bf16 rel err < 1e-2, fp32 < 1e-4);
 (b) timing with triton.testing.do_bench (median): decode (achieved GB/s over the K+V bytes that must be
-    read), cascade vs plain decode on a shared 3500-token prefix, extend attention (TFLOP/s).
+    read), cascade vs plain decode on a shared 3500-token prefix, extend attention (TFLOP/s);
+(c) paged pools (--only=paged): decode B=64 ctx=2048 and the cascade RAG shape on a pool laid out in pages of
+    16 slots, the kernels reading it a page at a time (page_size=16) vs slot by slot (page_size=1), beside the
+    page-size-1 layout; every timed configuration is first checked against the torch reference.
 Prints a table last; writes $OUT/gpu_kernels.json when OUT is set.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_kernels.py [--only=correctness,decode,cascade,extend] [--no-sweep]
+    PYTHONPATH=$PWD python benchmarks/gpu_kernels.py [--only=correctness,decode,cascade,extend,paged] [--no-sweep]
     PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_kernels.py --smoke   # CPU dry run, tiny sizes
 """
 
@@ -69,6 +72,42 @@ class Pool:
         if p:
             self.req_to_token[row, :p] = shared
         self.req_to_token[row, p:length] = self.take(length - p)
+
+
+class PagedPool(Pool):
+    """A Pool in the KVManager's paged layout: a sequence takes whole pages of page_size slots (pages handed
+    out in random order), position p in slot pages[p // page_size] * page_size + p % page_size. A shared prefix
+    ending mid-page shares its whole pages; its partial page is copied into each sequence's own page (the
+    engine shares whole pages only). page_size 1 is the plain Pool."""
+
+    def __init__(self, num_tokens, num_kv_heads, head_dim, dtype, num_rows, max_context, page_size, seed=0):
+        num_pages = num_tokens // page_size + num_rows + 2  # + a partial page per sequence, + page 0
+        super().__init__(num_pages * page_size, num_kv_heads, head_dim, dtype, num_rows, max_context, seed)
+        self.page_size = page_size
+        gen = torch.Generator(device=DEV).manual_seed(seed + 1)
+        self.page_perm = torch.randperm(num_pages - 1, device=DEV, generator=gen) + 1
+        self.pages_used = 0
+
+    def take(self, n):
+        ps = self.page_size
+        if ps == 1:
+            return super().take(n)
+        k = -(-n // ps)
+        pages = self.page_perm[self.pages_used : self.pages_used + k]
+        self.pages_used += k
+        assert self.pages_used <= self.page_perm.numel(), "pool too small"
+        return (pages[:, None] * ps + torch.arange(ps, device=DEV)[None, :]).flatten()[:n].to(torch.int32)
+
+    def sequence(self, row, length, shared=None):
+        p = 0 if shared is None else shared.numel()
+        whole = p // self.page_size * self.page_size
+        if whole:
+            self.req_to_token[row, :whole] = shared[:whole]
+        own = self.take(length - whole)
+        self.req_to_token[row, whole:length] = own
+        if whole < p:  # copy-on-write of the prefix's partial page
+            src, dst = shared[whole:].long(), own[: p - whole].long()
+            self.k[dst], self.v[dst] = self.k[src], self.v[src]
 
 
 def i32(x):
@@ -230,6 +269,92 @@ def bench_cascade():
                     rel_err_vs_plain=rel_err(o, o_plain))  # fmt: skip
 
 
+def bench_paged():
+    """Page size 1 vs 16 on decode B=64 ctx=2048 and the cascade RAG shape (64 x (3500 shared + 80..280 own)).
+    Rows: the page-size-1 layout read slot by slot; the 16-slot-page layout read slot by slot (layout effect
+    alone); the same read a page at a time (page_size=16). Every configuration is checked against the torch
+    reference (kernels/reference.py) before it is timed."""
+    num_heads, num_kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
+    token_bytes = num_kv_heads * head_dim * 2 * 2
+    variants = [(1, 1), (16, 1), (16, 16)]  # (pool layout page size, page_size given to the kernels)
+    table = []
+
+    batch, ctx = size(64), size(2048)
+    splits = plan_decode_splits(batch * num_kv_heads, ctx, NUM_SMS, 32)
+    q = torch.randn(batch, num_heads, head_dim, device=DEV, dtype=dtype)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    rows = torch.arange(1, batch + 1, device=DEV)
+    mid_o = torch.empty(batch, num_heads, splits, head_dim, device=DEV)
+    mid_lse = torch.empty(batch, num_heads, splits, device=DEV)
+    for layout in (1, 16):
+        pool = PagedPool(batch * ctx, num_kv_heads, head_dim, dtype, batch + 1, ctx, layout, seed=3)
+        for r in range(1, batch + 1):
+            pool.sequence(r, ctx)
+        args = (pool.k, pool.v, pool.req_to_token, rows, seq_lens, head_dim**-0.5)
+        expected = torch.empty_like(q)
+        ref.decode_attention(q, expected, *args)
+        for lay, kernel_ps in (v for v in variants if v[0] == layout):
+            o = torch.empty_like(q)
+
+            def run(o=o, kernel_ps=kernel_ps, args=args):
+                decode_attention(q, o, *args, num_kv_splits=splits, mid_o=mid_o, mid_lse=mid_lse, page_size=kernel_ps)
+
+            run()
+            name = f"decode B={batch} ctx={ctx} S={splits} layout P={lay} kernel page_size={kernel_ps}"
+            record_check(f"paged {name}", rel_err(o, expected), dtype)
+            ms = bench(run)
+            record_time("paged", name, ms, GBps=batch * ctx * token_bytes / 1e9 / (ms / 1e3))
+            table.append(("decode", f"B={batch} ctx={ctx}", lay, kernel_ps, ms))
+        del pool, args
+
+    batch, prefix_len = 64 if not SMOKE else 4, size(3500)
+    rng = random.Random(1)
+    own = [rng.randint(size(80), size(280)) for _ in range(batch)]
+    seq_lens_l = [prefix_len + n for n in own]
+    q = torch.randn(batch, num_heads, head_dim, device=DEV, dtype=dtype)
+    seq_lens = i32(seq_lens_l)
+    rows = torch.arange(1, batch + 1, device=DEV)
+    for layout in (1, 16):
+        pool = PagedPool(prefix_len + sum(own), num_kv_heads, head_dim, dtype, batch + 1, max(seq_lens_l), layout,
+                         seed=4)  # fmt: skip
+        shared = pool.take(prefix_len)
+        for s_ in range(batch):
+            pool.sequence(s_ + 1, seq_lens_l[s_], shared)
+        args = (pool.k, pool.v, pool.req_to_token, rows, seq_lens, head_dim**-0.5)
+        expected = torch.empty_like(q)
+        ref.decode_attention(q, expected, *args)
+        # The engine groups whole shared pages only (PrefixGrouper): the rest of the prefix is suffix.
+        group_len = prefix_len // layout * layout
+        plan = plan_cascade([(group_len, list(range(batch)))], seq_lens_l, DEV, queries_per_tile=16)
+        sp = plan_decode_splits(plan.num_tiles * num_kv_heads, group_len, NUM_SMS, 32)
+        ss = plan_decode_splits(batch * num_kv_heads, plan.max_suffix_len, NUM_SMS, 32)
+        splits = plan_decode_splits(batch * num_kv_heads, max(seq_lens_l), NUM_SMS, 32)
+        for lay, kernel_ps in (v for v in variants if v[0] == layout):
+            o_plain, o_casc = torch.empty_like(q), torch.empty_like(q)
+
+            def run_plain(o=o_plain, kernel_ps=kernel_ps, args=args, splits=splits):
+                decode_attention(q, o, *args, num_kv_splits=splits, page_size=kernel_ps)
+
+            def run_cascade(o=o_casc, kernel_ps=kernel_ps, args=args, plan=plan, sp=sp, ss=ss):
+                cascade_decode_attention(q, o, *args, plan=plan, num_prefix_splits=sp, num_suffix_splits=ss,
+                                         page_size=kernel_ps)  # fmt: skip
+
+            for what, run, o in (("plain decode", run_plain, o_plain), ("cascade tile=16", run_cascade, o_casc)):
+                run()
+                name = f"RAG {what} {batch}x({prefix_len}+own) layout P={lay} kernel page_size={kernel_ps}"
+                record_check(f"paged {name}", rel_err(o, expected), dtype)
+                ms = bench(run)
+                record_time("paged", name, ms, GBps=sum(seq_lens_l) * token_bytes / 1e9 / (ms / 1e3))
+                table.append((f"RAG {what}", f"{batch}x({prefix_len}+80..280)", lay, kernel_ps, ms))
+        del pool, args
+
+    print("\n| kernel | shape | pool layout page size | kernel page_size | graph us | vs same layout slot by slot |"
+          "\n|---|---|---|---|---|---|")
+    for kind, shape, lay, kernel_ps, ms in table:
+        base = next(m for k, sh, la, kp, m in table if (k, sh, la, kp) == (kind, shape, lay, 1))
+        print(f"| {kind} | {shape} | {lay} | {kernel_ps} | {ms * 1e3:.1f} | {base / ms:.3f}x |")
+
+
 def extend_flops(prefix_lens, extend_lens, num_heads, head_dim):
     visible = sum(e * p + e * (e + 1) // 2 for p, e in zip(prefix_lens, extend_lens))
     return 4 * num_heads * head_dim * visible
@@ -327,7 +452,8 @@ def main():
     t0 = time.time()
     RESULTS["device"] = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0)
     print(f"device: {RESULTS['device']}, SMs {NUM_SMS}, torch {torch.__version__}, triton {triton.__version__}")
-    sections = {"correctness": correctness, "decode": bench_decode, "cascade": bench_cascade, "extend": bench_extend}
+    sections = {"correctness": correctness, "decode": bench_decode, "cascade": bench_cascade, "extend": bench_extend,
+                "paged": bench_paged}
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(sections))
     for section in (sections[k] for k in only):
         print(f"== {section.__name__}", flush=True)

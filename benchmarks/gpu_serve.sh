@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The RAG case (64 x (3500 shared + 80 unique), 200 out, concurrency 64) through `prefixrt serve` (engine in its
-# own process, text streamed over SSE) and in-process, with the same `prefixrt bench` client code, one run each.
+# own process, streamed over SSE) and in-process, with the same `prefixrt bench` client code, one run each, streamed
+# as text (detokenize on, --text) unless TEXT=0.
 #   bash benchmarks/gpu_serve.sh [MODEL] [OUTDIR]        # on the GPU host; MODEL defaults to llama-3-8b (dummy)
 #   SMOKE=1 bash benchmarks/gpu_serve.sh /path/to/tiny    # tiny shapes on the CPU, to test the script
 set -euo pipefail
@@ -9,10 +10,13 @@ out=${2:-${OUT:-/tmp}}
 port=${PORT:-30123}
 if [ -n "${SMOKE:-}" ]; then
   shape=(--workload shared-prefix --groups 2 --prompts-per-group 4 --system-len 64 --question-len 8 --output-len 8)
-  eng=(--model "$model" --device cpu --kv-cache-tokens 4096)
+  eng=(--model "$model" --device cpu --kv-cache-tokens 4096 ${LOAD_FORMAT:+--load-format $LOAD_FORMAT})
 else
   shape=(--workload rag --concurrency 64)
   eng=(--model "$model" --load-format dummy)
+fi
+if [ "${TEXT:-1}" != 0 ]; then
+  shape+=(--text)
 fi
 python -m prefixrt.cli serve "${eng[@]}" --port "$port" > "$out/serve.log" 2>&1 &
 server=$!

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -53,3 +54,22 @@ def softcap_scores(s, logit_softcap):
     t = tl.exp(-2.0 * tl.abs(x))
     th = (1.0 - t) / (1.0 + t)
     return logit_softcap * tl.where(x < 0, -th, th)
+
+
+def page_span(page_size: int, block_n: int) -> int:
+    """Positions the kernels read per request-table lookup (their PAGE_SPAN): gcd(page_size, block_n), so a
+    run never crosses a page and a BLOCK_N block holds whole runs. 1 for page_size 1 (slot by slot)."""
+    return math.gcd(page_size, block_n)
+
+
+@triton.jit
+def paged_slots(RowPtr, n0, end, BLOCK_N: tl.constexpr, PAGE_SPAN: tl.constexpr):
+    """Pool slots of positions n0 + [0, BLOCK_N) of one request-table row (RowPtr points at its position 0),
+    reading the table once per run of PAGE_SPAN positions: slot(n0 + j*PAGE_SPAN + i) = row[n0 + j*PAGE_SPAN] + i.
+    Needs n0 % PAGE_SPAN == 0 and PAGE_SPAN dividing the pool's page size (see page_span); valid because a
+    page's slots are contiguous and every row maps a page-aligned run of positions onto one page (the
+    KVManager's layout: slot(p) = pages[p // page_size] * page_size + p % page_size). Runs starting at or
+    past `end` read slot 0.. instead (their positions are masked by the caller)."""
+    first = n0 + tl.arange(0, BLOCK_N // PAGE_SPAN) * PAGE_SPAN
+    base = tl.load(RowPtr + first, mask=first < end, other=0).to(tl.int64)  # base: [BLOCK_N // PAGE_SPAN]
+    return tl.reshape(base[:, None] + tl.arange(0, PAGE_SPAN)[None, :], [BLOCK_N])

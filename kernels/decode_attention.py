@@ -9,6 +9,15 @@ CUDA-graph safe: the grid depends only on B, the head counts and `num_kv_splits`
 boundaries are computed on the device from seq_lens, and a split past the end of its sequence writes
 lse = -inf so stale workspace never leaks into the merge. Stage 1 also serves the per-sequence suffix part
 of cascade decode (kv_start, split_offset).
+
+Paged pools (page_size P > 1, constexpr PAGE_SPAN = gcd(P, BLOCK_N)): stage 1 reads the request table once per
+run of PAGE_SPAN positions and derives the run's slots as base + [0, PAGE_SPAN) (kernels/_common.paged_slots),
+instead of one table entry per position. This relies on the KVManager's layout: a request's position p lives
+in slot pages[p // P] * P + p % P, pages are aligned and a page's slots contiguous; shared prefixes are whole
+pages (radix matches are page multiples; there is no mid-page copy-on-write), so the layout holds for every
+row. A range starting mid-run (sliding window, a cascade suffix starting mid-page) is handled by starting the
+first block at the run boundary and masking the positions before it. P = 1 compiles the per-slot path
+unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +25,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
+from prefixrt.kernels._common import (
+    check_pool_args,
+    dot_args,
+    interpreting,
+    mma,
+    page_span,
+    paged_slots,
+    softcap_scores,
+)
 
 
 @triton.jit
@@ -29,6 +46,7 @@ def _decode_stage1(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PAGE_SPAN: tl.constexpr = 1,
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,10 +79,17 @@ def _decode_stage1(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    loop_lo = start
+    if PAGE_SPAN > 1:  # blocks start on a run boundary; the first one masks the positions before `start`
+        loop_lo = tl.where(start < end, start - start % PAGE_SPAN, start)  # an empty split stays empty
+    for n0 in range(loop_lo, end, BLOCK_N):
         pos = n0 + offs_n
-        mask_n = pos < end
-        slots = tl.load(ReqToToken + req_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
+        if PAGE_SPAN > 1:
+            mask_n = (pos >= start) & (pos < end)
+            slots = paged_slots(ReqToToken + req_row * stride_rt, n0, end, BLOCK_N, PAGE_SPAN)
+        else:
+            mask_n = pos < end
+            slots = tl.load(ReqToToken + req_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(
             K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
@@ -136,23 +161,31 @@ def decode_workspace(
     return mid_o, mid_lse
 
 
-def _stage1_config(head_dim: int) -> dict:
+def _stage1_config(head_dim: int, work_items: int) -> dict:
+    """Launch parameters for work_items (sequence, kv head) pairs. Measured on an H200 (Llama-3-8B heads,
+    benchmarks/gpu_tune.py --only=decode): a 3-stage pipeline reads B=256 x 1.1k context at 4074 GB/s (2
+    stages: 3796) and is neutral at B=64 x 2k; with a handful of work items (batch 1-2) 128-key blocks halve
+    each split's loop (B=1 x 4k: 9.4 vs 10.9 us)."""
     if interpreting():
         return {"BLOCK_N": 16, "num_warps": 1}
-    return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 2}
+    if head_dim > 128:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 128 if work_items <= 16 else 64, "num_warps": 4, "num_stages": 2 if work_items <= 16 else 3}
 
 
 def launch_decode_stage1(
     q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
-    sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0,
+    sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0, page_size=1, config=None,
 ):  # fmt: skip
-    """Write partials for splits [split_offset, split_offset + num_splits) of mid_o / mid_lse."""
+    """Write partials for splits [split_offset, split_offset + num_splits) of mid_o / mid_lse. page_size > 1:
+    the slots are read a page run at a time (see paged_slots for the layout this relies on). config: launch
+    parameters (BLOCK_N, num_warps, num_stages) in place of _stage1_config's."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     heads_per_kv = num_heads // num_kv_heads
     batch_size = q.shape[0]
     if batch_size == 0:
         return
-    cfg = _stage1_config(head_dim)
+    cfg = config or _stage1_config(head_dim, batch_size * num_kv_heads)
     _decode_stage1[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         kv_start if kv_start is not None else seq_lens, mid_o, mid_lse,
@@ -165,6 +198,7 @@ def launch_decode_stage1(
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None, **dot_args(q.dtype), **cfg,
+        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]),
     )  # fmt: skip
 
 
@@ -196,15 +230,17 @@ def decode_attention(
     num_kv_splits: int = 8,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> None:
     """Attention of each sequence's single new query over its slots [0, seq_len) (windowed if asked).
     mid_o [>=B, H, >=S, D] / mid_lse [>=B, H, >=S] (fp32) are the split workspace; pass preallocated
-    ones under CUDA graphs, else they are allocated here. num_kv_splits is static (part of the grid)."""
+    ones under CUDA graphs, else they are allocated here. num_kv_splits is static (part of the grid).
+    page_size: the pool's; above 1 the table is read once per page run instead of once per position."""
     batch_size, num_heads, head_dim = q.shape
     if mid_o is None or mid_lse is None:
         mid_o, mid_lse = decode_workspace(batch_size, num_heads, head_dim, num_kv_splits, q.device)
     launch_decode_stage1(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
-        sliding_window, logit_softcap, num_kv_splits,
+        sliding_window, logit_softcap, num_kv_splits, page_size=page_size,
     )  # fmt: skip
     launch_merge(o, mid_o, mid_lse, num_kv_splits)

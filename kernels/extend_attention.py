@@ -7,6 +7,11 @@ through req_to_token; with k_extend/v_extend the new tokens are read from those 
 instead (one indirection less per key block on the diagonal part).
 
 Visibility: a query at position p sees keys k with k <= p, and p - window < k when sliding_window is set.
+
+Paged pools (page_size > 1): key blocks start at BLOCK_N multiples of the position (kv_lo is one), so the
+pool keys are read a page run at a time (kernels/_common.paged_slots, the layout it relies on is stated in
+decode_attention.py); a prefix ending mid-page is masked like any range end. page_size 1 compiles the per-slot
+loads unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +19,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import check_pool_args, dot_args, interpreting, mma, softcap_scores
+from prefixrt.kernels._common import (
+    check_pool_args,
+    dot_args,
+    interpreting,
+    mma,
+    page_span,
+    paged_slots,
+    softcap_scores,
+)
 from prefixrt.kernels.decode_attention import decode_workspace, launch_merge
 
 LOG2E = 1.4426950408889634  # scores are kept in base 2 (exp2 is one instruction; exp is exp2 and a multiply)
@@ -59,6 +72,7 @@ def _extend_kernel(
     CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BlockSeq, BlockMb, HAS_BLOCK_MAP: tl.constexpr,
     MidO, MidLse, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, NUM_SPLITS: tl.constexpr,
+    PAGE_SPAN: tl.constexpr = 1,
 ):  # fmt: skip
     if HAS_BLOCK_MAP:  # grid [num_blocks, H]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
         h = tl.program_id(1)
@@ -119,7 +133,10 @@ def _extend_kernel(
         s_hi = tl.minimum(s_lo + split_len, pool_hi)
     for n0 in range(s_lo, tl.minimum(unmasked_hi, s_hi), BLOCK_N):
         k_pos = n0 + offs_n
-        slots = tl.load(ReqToToken + req_row * stride_rt + k_pos).to(tl.int64)
+        if PAGE_SPAN > 1:  # n0 - kv_lo is a BLOCK_N multiple and kv_lo one too: a run boundary
+            slots = paged_slots(ReqToToken + req_row * stride_rt, n0, s_hi, BLOCK_N, PAGE_SPAN)
+        else:
+            slots = tl.load(ReqToToken + req_row * stride_rt + k_pos).to(tl.int64)
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
         acc, m_i, l_i = _attend_block(
@@ -130,7 +147,10 @@ def _extend_kernel(
     for n0 in range(tl.maximum(unmasked_hi, s_lo), s_hi, BLOCK_N):
         k_pos = n0 + offs_n
         key_ok = k_pos < s_hi
-        slots = tl.load(ReqToToken + req_row * stride_rt + k_pos, mask=key_ok, other=0).to(tl.int64)
+        if PAGE_SPAN > 1:
+            slots = paged_slots(ReqToToken + req_row * stride_rt, n0, s_hi, BLOCK_N, PAGE_SPAN)
+        else:
+            slots = tl.load(ReqToToken + req_row * stride_rt + k_pos, mask=key_ok, other=0).to(tl.int64)
         kv_mask = key_ok[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -234,6 +254,7 @@ def extend_attention(
     block_m: int | None = None,
     num_splits: int = 1,
     config: dict | None = None,
+    page_size: int = 1,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
@@ -245,7 +266,8 @@ def extend_attention(
     (pass the one the map was built with). num_splits > 1 (with a block map, pool K/V only) cuts each query
     block's keys into that many ranges run by separate programs, merged by their log-sum-exp afterwards:
     parallelism for a few new tokens over a long cached prefix (hot-prefix prefills). config overrides
-    launch parameters (BLOCK_N, num_warps, num_stages; benchmarks/gpu_kernels.py sweeps them)."""
+    launch parameters (BLOCK_N, num_warps, num_stages; benchmarks/gpu_kernels.py sweeps them). page_size: the
+    pool's; above 1 pool keys are read a page run per table lookup."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
@@ -284,7 +306,7 @@ def extend_attention(
         HAS_BLOCK_MAP=has_map,
         MidO=mid_o, MidLse=mid_lse, stride_mot=mid_o.stride(0), stride_moh=mid_o.stride(1),
         stride_mos=mid_o.stride(2), stride_mlt=mid_lse.stride(0), stride_mlh=mid_lse.stride(1),
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]),
     )  # fmt: skip
     if num_splits > 1:
         launch_merge(o, mid_o, mid_lse, num_splits)

@@ -1,8 +1,8 @@
-"""Small-batch linear layers (M <= 16 rows): y = x @ W^T (+ bias), W the nn.Linear weight [N, K].
+"""Small-batch linear layers (M <= 64 rows): y = x @ W^T (+ bias), W the nn.Linear weight [N, K].
 
 Decode at small batch is bound by reading W, so the kernel is laid out for bandwidth: a program owns
 BLOCK_N output columns and 1/SPLIT_K of the K range, streams its [BLOCK_N, BLOCK_K] weight tiles through
-the pipeline once, and multiplies them with the (padded) [BLOCK_M=16, BLOCK_K] input tile on the tensor
+the pipeline once, and multiplies them with the (padded) [BLOCK_M, BLOCK_K] input tile (BLOCK_M = 16, 32 or 64) on the tensor
 cores (float32 accumulation). With SPLIT_K > 1 the partials go to a float32 workspace and a second, tiny
 kernel sums them (+ bias) in a fixed order, so results are deterministic.
 
@@ -25,7 +25,12 @@ import triton.language as tl
 from prefixrt.kernels._common import dot_args, mma
 from prefixrt.kernels.activation import ACTIVATIONS, gated_act
 
-MAX_M = 16  # the input tile's height (tl.dot needs >= 16 rows); larger batches go to cuBLAS
+MAX_M = 64  # the tallest input tile; larger batches go to cuBLAS
+
+
+def block_m(num_rows: int) -> int:
+    """The input tile's height for num_rows rows: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(num_rows))
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ def _sum_splits_kernel(
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K] (or [M, 2K] with act_input), M <= 16, last dim contiguous
+    x: torch.Tensor,  # [M, K] (or [M, 2K] with act_input), M <= MAX_M, last dim contiguous
     weight: torch.Tensor,  # [N, K] contiguous
     bias: torch.Tensor | None = None,  # [N]
     config: GemvConfig = GemvConfig(),
@@ -129,7 +134,7 @@ def gemv(
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, y, partial, num_rows, n, k, x.stride(0),
         weight.stride(0), y.stride(0), partial.stride(0) if split > 1 else 0,
-        HAS_BIAS=bias is not None, ACT=act_input or "none", BLOCK_M=MAX_M, BLOCK_N=c.block_n,
+        HAS_BIAS=bias is not None, ACT=act_input or "none", BLOCK_M=block_m(num_rows), BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, SPLIT_K=split, EVEN=even, num_warps=c.num_warps, num_stages=c.num_stages,
         **dot_args(weight.dtype),
     )  # fmt: skip

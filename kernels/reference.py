@@ -1,7 +1,8 @@
 """Plain torch reference implementations of the attention kernels (float32 math, one sequence at a time).
 
 Each function has exactly the signature of its Triton counterpart, so a test can call either with the same
-arguments. Arguments that only steer the Triton launch (split counts, workspaces) are accepted and ignored.
+arguments. Arguments that only steer the Triton launch (split counts, workspaces, page_size) are accepted and ignored:
+the references read every position's slot from req_to_token on its own, whatever the page size.
 They are slow and simple on purpose: they are the oracle, not a fallback path.
 """
 
@@ -61,6 +62,7 @@ def extend_attention(
     logit_softcap: float | None = None,
     k_extend: torch.Tensor | None = None,
     v_extend: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
@@ -112,6 +114,7 @@ def decode_attention(
     num_kv_splits: int = 8,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> None:
     """Attention of each sequence's single new query over its slots [0, seq_len) (windowed if asked)."""
     for i in range(q.shape[0]):
@@ -140,6 +143,7 @@ def cascade_decode_attention(
     num_suffix_splits: int = 4,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    page_size: int = 1,
 ) -> None:
     """Decode attention computed the cascade way: every grouped sequence attends to its group's shared
     prefix (read through the group's lead sequence) and to its own suffix, and the two parts are merged by

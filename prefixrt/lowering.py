@@ -426,10 +426,32 @@ def tool_signature(tool: Tool) -> str:
     return f"{tool.name}({', '.join(args)})"
 
 
+def call_skeleton(tool: Tool, syntax: CallSyntax = BARE) -> str:
+    """A call of `tool` as the model writes one, its argument values left as "...":
+    `{"name": "add", "arguments": {"a": "...", "b": "..."}}`."""
+    args = ", ".join(f'{json.dumps(k, ensure_ascii=False)}: "..."' for k in tool.parameters.get("properties") or {})
+    return f'{syntax.open}{{"name": {json.dumps(tool.name, ensure_ascii=False)}, "arguments": {{{args}}}}}{syntax.close}'
+
+
 def tools_prompt(plan: ToolPlan) -> str:
     """The fallback system text describing the callable tools and the call syntax (used when the chat
     template has no tool format). Tools are shown as signatures, not raw JSON schemas: the call's shape is
-    enforced by decoding, and a small model shown a schema tends to copy it into the arguments."""
+    enforced by decoding, and a small model shown a schema tends to copy it into the arguments.
+
+    Under "auto" the text opens with one call skeleton per tool (`call_skeleton`), then the signatures: a
+    model that continues its prompt (a base model's habit) then begins its reply with a call where one fits,
+    and otherwise still may answer in text (Gemma-3-270M: `{` is not among its 20 likeliest first tokens after
+    the signatures-first text, and its first choice after this one; docs/adapters.md)."""
+    if plan.choice == "auto":
+        lines = [call_skeleton(t, plan.syntax) for t in plan.tools]
+        lines.append("")
+        lines.append("These are the calls of the tools you can use:")
+        lines += [f"- {tool_signature(t)}" + (f": {t.description}" if t.description else "") for t in plan.tools]
+        lines.append("To call a tool, reply with only its call, the arguments filled in.")
+        if plan.parallel:
+            lines.append("To call several tools, write one call per line.")
+        lines.append("To answer without a tool, reply in plain text.")
+        return "\n".join(lines)
     lines = ["You can call these tools:"]
     for t in plan.tools:
         lines.append(f"- {tool_signature(t)}" + (f": {t.description}" if t.description else ""))
@@ -525,11 +547,19 @@ def engine_messages(messages: list[dict], *, template_tools: bool = False,
     return out
 
 
-def with_system_note(messages: list[dict], note: str) -> list[dict]:
-    """Append `note` to the leading system message (creating one), keeping everything else as is."""
+def with_system_note(messages: list[dict], note: str, first: bool = False) -> list[dict]:
+    """Append `note` to the leading system message (creating one), keeping everything else as is; with
+    `first`, put it before that message's text instead."""
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{note}"}, *messages[1:]]
+        parts = (note, messages[0]["content"]) if first else (messages[0]["content"], note)
+        return [{**messages[0], "content": "\n\n".join(parts)}, *messages[1:]]
     return [{"role": "system", "content": note}, *messages]
+
+
+def with_tools_prompt(messages: list[dict], plan: ToolPlan) -> list[dict]:
+    """`messages` with the fallback tools prompt (`tools_prompt`) in the system message: at its start under
+    "auto" (the call skeletons must open the prompt to be picked up), else at its end."""
+    return with_system_note(messages, tools_prompt(plan), first=plan.choice == "auto")
 
 
 def template_tools(tools: list[Tool]) -> list[dict]:

@@ -53,6 +53,46 @@ class Chunk:
     matched_stop: str | int | None = None
     error: str | None = None  # on the last chunk of a request aborted by an internal error
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of the fields (shallow: the lists are this Chunk's own, not copies)."""
+        return {name: getattr(self, name) for name in _CHUNK_FIELDS}
+
+
+_CHUNK_FIELDS = tuple(f.name for f in fields(Chunk))
+
+
+def coalesce_chunks(chunks: list[Chunk]) -> list[Chunk]:
+    """Consecutive chunks of one stream, joined per sample: the later chunks of a sample are appended to its
+    first (text and token ids concatenated, logprob entries concatenated; finish_reason, counters, matched_stop
+    and error from the latest), so a caller that fell behind emits one chunk per sample instead of one per step.
+    What a consumer reads is unchanged: per sample, the concatenated text, token ids and logprobs and the final
+    chunk's fields are those of the input. An "abort" chunk is never joined to earlier ones and nothing after
+    it is joined to anything before it (a route turns it into an error where it stands). Returns new Chunks in
+    the order of each run's first chunk; the input is not modified."""
+    out: list[Chunk] = []
+    open_at: dict[int, int] = {}  # sample index -> position in out of its chunk still being joined to
+    for ch in chunks:
+        if ch.finish_reason == "abort":
+            open_at.clear()
+            out.append(ch)
+            continue
+        k = open_at.get(ch.index)
+        if k is None:
+            if ch.finish_reason is None:
+                open_at[ch.index] = len(out)
+            out.append(ch)
+            continue
+        a = out[k]
+        out[k] = Chunk(
+            request_id=ch.request_id, text=a.text + ch.text, token_ids=a.token_ids + ch.token_ids,
+            finish_reason=ch.finish_reason, index=ch.index,
+            logprobs=None if a.logprobs is None and ch.logprobs is None else (a.logprobs or []) + (ch.logprobs or []),
+            prompt_tokens=ch.prompt_tokens, cached_tokens=ch.cached_tokens, completion_tokens=ch.completion_tokens,
+            matched_stop=ch.matched_stop, error=ch.error)
+        if ch.finish_reason is not None:
+            del open_at[ch.index]
+    return out
+
 
 @dataclass
 class EngineStats:

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plot", default=None, metavar="OUT.png",
                     help="also draw throughput and cold/hot TTFT distributions here (needs matplotlib)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--text", action="store_true",
+                    help="stream text (detokenize on, as OpenAI clients receive it) instead of token ids")
     # workload shapes
     ap.add_argument("--groups", type=int, default=64)
     ap.add_argument("--prompts-per-group", type=int, default=16)
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = W.random_prompts(remote.vocab_size, 4, 32, 4, seed=12345)  # as the in-process runs do
         R.run_workload(remote, warm, "warm-up", show_progress=False)
         remote.flush_cache()
-        results.append(R.run_workload(remote, w, f"server {args.url}", args.concurrency, show))
+        results.append(R.run_workload(remote, w, f"server {args.url}", args.concurrency, show, text=args.text))
     else:
         import torch
 
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             R.run_workload(eng, warm, "warm-up", show_progress=False)
             eng.flush_cache()
             label = "prefixrt (radix cache)" if b == "radix" else "prefixrt (radix_cache=False)"
-            r = R.run_workload(eng, w, label, args.concurrency, show)
+            r = R.run_workload(eng, w, label, args.concurrency, show, text=args.text)
             if args.workload == "long-context":
                 shape = ModelShape.of(eng._built.model)
                 r.extra["compute_floor"] = floor_report(

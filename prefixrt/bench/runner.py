@@ -81,14 +81,16 @@ def _pcts(xs: list[float]) -> dict:
     return {"p50": round(q(0.5), 2), "p99": round(q(0.99), 2), "mean": round(statistics.fmean(xs) * 1000, 2)}
 
 
-async def _run_async(provider, workload: Workload, concurrency: int, progress) -> tuple[list, float, list]:
+async def _run_async(provider, workload: Workload, concurrency: int, progress, text: bool = False
+                     ) -> tuple[list, float, list, int]:
     sem = asyncio.Semaphore(concurrency)
     records: list[RequestRecord] = []
     prompts: list[list[int]] = []
+    chars = [0]
 
     async def one(prompt: list[int], max_new: int) -> list[int]:
         async with sem:
-            params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, "detokenize": False}
+            params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, "detokenize": text}
             t0 = time.perf_counter()
             first = last = None
             itl, out, cached = [], [], 0
@@ -101,6 +103,7 @@ async def _run_async(provider, workload: Workload, concurrency: int, progress) -
                         itl.append((now - last) / len(ch.token_ids))
                     last = now
                     out.extend(ch.token_ids)
+                chars[0] += len(ch.text or "")
                 cached = ch.cached_tokens
             end = time.perf_counter()
             records.append(RequestRecord(len(prompt), cached, len(out), (first or end) - t0, end - t0, itl))
@@ -118,18 +121,21 @@ async def _run_async(provider, workload: Workload, concurrency: int, progress) -
 
     t0 = time.perf_counter()
     await asyncio.gather(*(session(s) for s in workload.sessions))
-    return records, time.perf_counter() - t0, prompts
+    return records, time.perf_counter() - t0, prompts, chars[0]
 
 
-def run_workload(provider, workload: Workload, label: str, concurrency: int = 1024, show_progress: bool = True
-                 ) -> Result:
+def run_workload(provider, workload: Workload, label: str, concurrency: int = 1024, show_progress: bool = True,
+                 text: bool = False) -> Result:
+    """Run every session of workload through provider (at most `concurrency` requests in flight), streamed.
+    text: streamed as text (detokenize on, what an OpenAI client receives), the characters counted in
+    extra["text_chars"]; else token ids only."""
     progress = None
     if show_progress:
         from tqdm import tqdm
 
         progress = tqdm(total=workload.num_requests, desc=label, unit="req", leave=False)
     try:
-        records, duration, prompts = asyncio.run(_run_async(provider, workload, concurrency, progress))
+        records, duration, prompts, chars = asyncio.run(_run_async(provider, workload, concurrency, progress, text))
     finally:
         if progress is not None:
             progress.close()
@@ -140,6 +146,7 @@ def run_workload(provider, workload: Workload, label: str, concurrency: int = 10
         cached_tokens=sum(r.cached_tokens for r in records), optimal_hit_rate=optimal_hit_rate(prompts),
         ttft_ms=_pcts([r.ttft_s for r in records]), tpot_ms=_pcts(tpot),
         itl_ms=_pcts([x for r in records for x in r.itl_s]), records=records,
+        extra={"streamed": "text", "text_chars": chars} if text else {"streamed": "token ids"},
     )
 
 

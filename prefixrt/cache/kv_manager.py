@@ -35,6 +35,13 @@ from prefixrt.cache.transfer import LoadWaiter, Transfer
 from prefixrt.request import Req
 
 
+def _page_ids(slots: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """The pages holding slots[start:end] (start page-aligned), as a new list; a C-level slice when pages are
+    single slots (an admitted request with a long cached prefix would otherwise loop over it in Python)."""
+    if page_size == 1:
+        return slots[start:end]
+    return [slots[i] // page_size for i in range(start, end, page_size)]
+
 class KVManager:
     def __init__(
         self,
@@ -156,7 +163,7 @@ class KVManager:
         req.row = self.table.alloc_row()
         self._running[req.row] = req
         ps = self.page_size
-        req.pages = [m.slots[i] // ps for i in range(0, m.length, ps)]
+        req.pages = _page_ids(m.slots, 0, m.length, ps)
         req.kv_len = req.cached_len = m.length
         self.table.write(req.row, 0, m.slots)
         if req.num_cached_tokens is None:  # reported as prompt tokens reused (forced output is not prompt)
@@ -380,7 +387,7 @@ class KVManager:
         if existing > req.cached_len:
             first, last = req.cached_len // ps, existing // ps
             self._free_pages_after_fence(req.pages[first:last])
-            req.pages[first:last] = [m.slots[i] // ps for i in range(req.cached_len, existing, ps)]
+            req.pages[first:last] = _page_ids(m.slots, req.cached_len, existing, ps)
             self.table.write(req.row, req.cached_len, m.slots[req.cached_len : existing])
         handle = self.cache.lock(m)
         self.cache.unlock(req.cache_handle)

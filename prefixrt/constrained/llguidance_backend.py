@@ -19,6 +19,7 @@ import torch
 
 from prefixrt.constrained import spec as specs
 from prefixrt.constrained.base import CompiledGrammar, GrammarBackend, Matcher
+from prefixrt.constrained.budget import BudgetMatcher
 from prefixrt.constrained.logits import fill_only
 from prefixrt.errors import InvalidRequest
 
@@ -277,10 +278,16 @@ class LLGuidanceBackend(GrammarBackend):
             raise InvalidRequest(f"invalid {compiled.kind}: {_first_line(m.get_error())}")
         return LLGuidanceMatcher(m, self, template, compiled.handle)
 
+    def token_text(self, token_id: int) -> str:
+        return self.ll_tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
+
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Rows whose matchers are in the same state (same grammar, same accepted tokens: often so for the rows
         of one schema at the same point of its fixed text) are computed once and copied; the other llguidance
         rows in parallel on the executor (mask_threads 0: on this thread); other matchers row by row."""
+        budgeted = [(m, row) for m, row in rows if isinstance(m, BudgetMatcher)]
+        if budgeted:  # the grammar's rows in parallel, then the budget rule narrows its rows
+            rows = [(m.inner if isinstance(m, BudgetMatcher) else m, row) for m, row in rows]
         native: list[tuple[llguidance.LLMatcher, int]] = []
         rest: list[tuple[Matcher, int]] = []
         copies: list[tuple[int, int]] = []  # (row computed, row that gets its mask)
@@ -311,3 +318,5 @@ class LLGuidanceBackend(GrammarBackend):
         for lead, row in copies:
             bitmask[row].copy_(bitmask[lead])
         self.shared_mask_rows_total += len(copies)
+        for m, row in budgeted:
+            m.steer(bitmask, row)

@@ -39,16 +39,17 @@ class Walk:
 
 
 def random_walk(backend: GrammarBackend, compiled: CompiledGrammar, texts: list[str], seed: int, max_tokens: int = 300,
-                p_eos: float = 0.5, p_closer: float = 0.5) -> Walk:
+                p_eos: float = 0.5, p_closer: float = 0.5, matcher: Matcher | None = None) -> Walk:
     """Generate under the grammar with a random sampler: each step follows forced tokens when there are
     any, else picks a random allowed token (biased towards EOS and closing punctuation so walks end).
 
     texts: the decoded text of every tokenizer id (`tokenizer.batch_decode([[i] for i in range(n)])`).
+    matcher: the matcher to drive (default: a fresh `backend.matcher(compiled)`).
     Asserts the contract on the way: the mask is never empty, every masked-in token is accepted, and
     padding ids are never allowed.
     """
     rng = random.Random(seed)
-    matcher = backend.matcher(compiled)
+    matcher = backend.matcher(compiled) if matcher is None else matcher
     bitmask = allocate_bitmask(1, backend.vocab_size)
     walk = Walk()
     eos = set(backend.eos_token_ids)

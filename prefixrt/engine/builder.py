@@ -253,8 +253,9 @@ def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, 
                     chunk_tokens: int, device: torch.device) -> list:
     """Eager EXTEND batches with the shapes a served workload hits outside the graphs (a long prefill
     chunk; many sequences with short extends over long cached prefixes), so their kernel variants compile
-    and their activation memory is reserved at start-up, not inside a user's request. They read and write
-    only the padding slot 0 through the all-zero pad_row."""
+    and their activation memory is reserved at start-up, not inside a user's request. They write only the
+    padding slot 0 and read only the reserved page 0 (slot 0; slots 0..page_size-1 when paged) through the
+    all-zero pad_row."""
     from prefixrt.model.forward_batch import ForwardBatch
 
     out = []

@@ -207,7 +207,8 @@ class Engine(EngineFront):
         for i in range(p.n):
             r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, namespace=p.cache_salt, **req_fields)
             if compiled is not None:
-                r.matcher = self.grammar_compiler().backend.matcher(compiled)
+                budget = min(p.max_new_tokens, self.max_context - len(ids))
+                r.matcher = self.grammar_compiler().backend.budget_matcher(compiled, budget)
                 # Step-0 forced tokens join the prefill (reserve 1: the prefill still samples a token).
                 r.pending_emit = jump_forward(r, self.max_context, reserve=1)
             reqs.append(r)

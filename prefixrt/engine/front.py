@@ -18,7 +18,7 @@ from prefixrt.engine.detokenizer import IncrementalDetokenizer
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
 from prefixrt.hub.chat_templates import render_chat_template
-from prefixrt.outputs import Chunk, Completion
+from prefixrt.outputs import Chunk, Completion, coalesce_chunks
 from prefixrt.params import SamplingParams
 from prefixrt.text_checks import check_json_value, check_text
 
@@ -344,23 +344,33 @@ class EngineFront:
         rid, stream, ids, p = self._submit(prompt, p, loop)
         return self._aiter_chunks(rid, stream, ids, p)
 
-    async def astream_open(self, prompt, params: SamplingParams | dict | None = None) -> AsyncIterator[Chunk]:
+    async def astream_open(self, prompt, params: SamplingParams | dict | None = None, *,
+                           coalesce: bool = False) -> AsyncIterator[Chunk]:
         """astream with the submission (tokenization, validation, grammar compilation) done in a worker thread:
         `chunks = await eng.astream_open(prompt, params)` raises InvalidRequest there, before anything is
-        streamed; then `async for ch in chunks`. Closing the iterator early aborts."""
+        streamed; then `async for ch in chunks`. Closing the iterator early aborts.
+
+        coalesce: when the caller falls behind (several steps' outputs are waiting when it asks for the next
+        chunk), the waiting chunks of each sample come as one (outputs.coalesce_chunks): the server uses it so
+        that a stream it cannot keep up with costs one SSE event per sample, not one per token."""
         p = SamplingParams.coerce(params)
         if p.choices is not None:
             return _aiter_one(asyncio.to_thread(lambda: _completion_chunk(self._select(prompt, p))))
         rid, stream, ids, p = await self._asubmit(prompt, p, asyncio.get_running_loop())
-        return self._aiter_chunks(rid, stream, ids, p)
+        return self._aiter_chunks(rid, stream, ids, p, coalesce)
 
-    async def _aiter_chunks(self, rid, stream, ids, p) -> AsyncIterator[Chunk]:
+    async def _aiter_chunks(self, rid, stream, ids, p, coalesce: bool = False) -> AsyncIterator[Chunk]:
         state = _ChunkState(self, ids, p)
         finished = False
         try:
             while state.done < p.n:
-                ev = await stream.aget()
-                yield state.chunk(rid, ev)
+                if not coalesce:
+                    yield state.chunk(rid, await stream.aget())
+                    continue
+                # Each event is detokenized on its own (the text is exactly that of one chunk per event), then
+                # the chunks of a sample are joined.
+                for ch in coalesce_chunks([state.chunk(rid, ev) for ev in await stream.aget_ready()]):
+                    yield ch
             finished = True
         finally:
             if not finished:

@@ -51,7 +51,7 @@ def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device,
     Every rank builds its runner here."""
     from prefixrt.model.runner import ModelRunner
 
-    attention = make_attention_backend(config.attention_backend, pool, device, max_running)
+    attention = make_attention_backend(config.attention_backend, pool, device, max_running, config.page_size)
     if device.type == "cuda" and type(attention).__name__ == "TritonAttentionBackend":
         from prefixrt.model.layers import use_fused_kernels
 
@@ -69,15 +69,19 @@ def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device,
     return TPDriverRunner(model, pool, attention, ranks.tp, table)
 
 
-def make_attention_backend(name: str, pool: KVPool, device: torch.device, max_batch: int):
+def make_attention_backend(name: str, pool: KVPool, device: torch.device, max_batch: int, page_size: int = 1):
+    """'auto' is Triton on CUDA, torch elsewhere. 'triton' on the CPU runs only under Triton's interpreter
+    (TRITON_INTERPRET=1: slow, for tests of the kernels inside a whole engine)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
-        if device.type != "cuda":
+        from prefixrt.kernels._common import interpreting
+
+        if device.type != "cuda" and not interpreting():
             raise ValueError("attention_backend='triton' needs a CUDA device (use 'torch' on the CPU)")
         from prefixrt.model.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, max_batch_size=max_batch)
+        return TritonAttentionBackend(pool, max_batch_size=max_batch, page_size=page_size)
     from prefixrt.model.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend(pool)

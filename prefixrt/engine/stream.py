@@ -65,6 +65,14 @@ class RequestStream:
     async def aget(self) -> StepOutput:
         return await self._q.get()
 
+    async def aget_ready(self) -> list[StepOutput]:
+        """Wait for the next event, then take every event already queued behind it: [next, ...] in order.
+        Never waits for more than the first (an asyncio caller only)."""
+        items = [await self._q.get()]
+        while not self._q.empty():
+            items.append(self._q.get_nowait())
+        return items
+
 
 def _deliver(pairs) -> None:
     for q, item in pairs:

@@ -3,7 +3,8 @@ static buffers (gpt-fast / SGLang style). Removes the per-kernel launch cost tha
 
 Two banks share one memory pool and one static logits buffer (they never run at the same time):
 - DecodeGraphs: DECODE batches, one graph per batch-size bucket. Padded rows write and read only the
-  padding slot 0 through a reserved all-zero request-table row.
+  padding slot 0 through a reserved all-zero request-table row (with page_size P > 1 the kernels read that
+  row's positions as slots of page 0, which the allocator never hands out either).
 - ExtendGraphs: EXTEND batches (jump-forward steps, decode + forced tokens, hot-prefix prefills, small
   mixed batches), one graph per (token bucket, sequence bucket). The whole forward is captured; the extend
   attention kernel runs on a fixed grid through a block map (ForwardBatch.extend_plan) in static buffers:

@@ -28,7 +28,7 @@ from prefixrt.model.forward_batch import ForwardBatch
 if TYPE_CHECKING:
     from prefixrt.kernels.gemv import GemvConfig
 
-MAX_GEMV_ROWS = 16  # = prefixrt.kernels.gemv.MAX_M
+MAX_GEMV_ROWS = 64  # = prefixrt.kernels.gemv.MAX_M
 
 
 @functools.cache
@@ -328,7 +328,7 @@ class GatedMLP(nn.Module):
 # ------------------------------------------------------------------------------------- fused kernels
 
 _GEMV_CHOICES: dict[tuple, tuple] = {}  # (n, k, rows, act, dtype, device name) -> (choice, timings)
-MEASURED_ROWS = (1, 2, 4, 8, 16)  # row counts measured; others use the next measured one up
+MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; others use the next measured one up
 
 
 def _table_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, gpu: str):

@@ -224,7 +224,7 @@ def create_app(engine, served_model_name: str | None = None, *, api_key: str | N
                 c = await until_disconnect(request, engine.agenerate(prompt, params))
             _raise_if_failed(lc, [c])
             return JSON(c.to_dict())
-        chunks = await engine.astream_open(prompt, params)
+        chunks = await engine.astream_open(prompt, params, coalesce=True)  # multi-token chunks when behind
         lc.register(engine, [rid])
 
         def close():
@@ -251,7 +251,7 @@ async def _native_events(chunks, lc: Lifecycle) -> AsyncIterator[str]:
             if ch.finish_reason == "abort" and (ch.error or lc.drain_expired or lc.engine_death):
                 yield RequestFailed.for_abort(lc, ch.error).event()
                 break
-            yield sse(dataclasses.asdict(ch))
+            yield sse(ch.to_dict())
     except Exception as e:  # a bug: end the stream with an error event rather than cutting it
         yield RequestFailed(500, f"internal error: {type(e).__name__}: {e}", code="internal_error").event()
     yield SSE_DONE

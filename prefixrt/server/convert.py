@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from prefixrt.errors import InvalidRequest
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import CONSTRAINT_FIELDS, SamplingParams
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from prefixrt.server.sse import dumps, sse
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 
@@ -92,7 +94,7 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
     messages = lowering.engine_messages([m.model_dump(exclude_none=True) for m in req.messages],
                                         template_tools=in_template, syntax=syntax or lowering.BARE)
     if plan is not None and not in_template and req.tool_prompt:
-        messages = lowering.with_system_note(messages, lowering.tools_prompt(plan))
+        messages = lowering.with_tools_prompt(messages, plan)
     return ChatLowered(messages, _finish_params(params), plan,
                        lowering.template_tools(plan.tools) if in_template else None)
 
@@ -281,6 +283,46 @@ def completion_chunk(rid: str, model: str, created: int, index: int, text: str, 
                      logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+class TextEvents:
+    """The SSE events of one streamed chat or completions response, for the common chunk: new text only (no
+    logprobs, no tool calls). `event(index, text, finish_reason)` returns exactly the string that
+    `sse(completion_chunk(...))` (obj "text_completion") or `sse(chat_chunk(..., {"content": text}, ...))` (obj
+    "chat.completion.chunk") returns, byte for byte, but encodes only the text: the head (id, object, created,
+    model) is encoded once per response. Where a fast event could differ (text or model that only the ASCII
+    fallback of `dumps` can encode) it builds the event the general way."""
+
+    def __init__(self, rid: str, model: str, created: int, obj: str):
+        if obj not in ("text_completion", "chat.completion.chunk"):
+            raise ValueError(f"no text events for {obj!r}")
+        self.rid, self.model, self.created, self.obj = rid, model, created, obj
+        head_obj = {"id": rid, "object": obj, "created": created, "model": model, "choices": []}
+        head = dumps(head_obj)
+        # Only when the head is what plain json.dumps makes of it (no ASCII fallback): then so is the event.
+        self._fast = head == json.dumps(head_obj, ensure_ascii=False, allow_nan=False) and head.endswith("[]}")
+        self._open = "data: " + head[:-2] + '{"index": '
+        self._key = ', "text": ' if obj == "text_completion" else ', "delta": {"content": '
+        self._close = ', "logprobs": null, "finish_reason": ' if obj == "text_completion" \
+            else '}, "logprobs": null, "finish_reason": '
+
+    def event(self, index: int, text: str, finish_reason: str | None = None) -> str:
+        if self._fast:
+            t = json.dumps(text, ensure_ascii=False)
+            if t.isascii() or _utf8_encodable(t):
+                reason = "null" if finish_reason is None else json.dumps(finish_reason, ensure_ascii=False)
+                return f"{self._open}{index}{self._key}{t}{self._close}{reason}}}]}}\n\n"
+        if self.obj == "text_completion":
+            return sse(completion_chunk(self.rid, self.model, self.created, index, text, finish_reason))
+        return sse(chat_chunk(self.rid, self.model, self.created, index, {"content": text}, finish_reason))
+
+
+def _utf8_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, u: dict) -> dict:

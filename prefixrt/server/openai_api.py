@@ -109,7 +109,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             c = await until_disconnect(request, eng.agenerate(ids, params))
         _raise_if_aborted(lc, [c])
         return JSON(convert.chat_response(c, rid, model, created, mode))
-    chunks = await eng.astream_open(ids, params)  # a bad request raises here, before any byte is sent
+    # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
+    # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
+    chunks = await eng.astream_open(ids, params, coalesce=True)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc))
@@ -125,8 +127,11 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
     held_lps: dict[int, list] = {}
     plain: set[int] = set()  # indexes known to be plain text
+    text_events = convert.TextEvents(rid, model, created, "chat.completion.chunk")
 
     def chunk(i, delta, reason=None, lps=None):
+        if lps is None and len(delta) == 1 and "content" in delta:  # the common event: text only
+            return text_events.event(i, delta["content"], reason)
         return sse(convert.chat_chunk(rid, model, created, i, delta, reason, convert.chat_logprobs(lps)))
 
     async for ch in chunks:
@@ -195,7 +200,7 @@ async def completions(body: CompletionRequest, request: Request):
             else:
                 echo = [(convert.prompt_text(eng, p), None) for p in prompts]
         return JSON(convert.completion_response(list(cs), rid, model, created, echo))
-    opened = await asyncio.gather(*(eng.astream_open(ids, sp) for ids, sp in zip(encoded, per_prompt)),
+    opened = await asyncio.gather(*(eng.astream_open(ids, sp, coalesce=True) for ids, sp in zip(encoded, per_prompt)),
                                   return_exceptions=True)
     failed = [x for x in opened if isinstance(x, BaseException)]
     if failed:
@@ -213,7 +218,10 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
                              include_usage: bool, lc, heads: list[str] | None = None) -> AsyncIterator[str]:
     """heads: with echo, each prompt's text, sent first on each of its samples."""
     usage = convert.StreamUsage()
-    offsets: dict[int, int] = {}
+    # choice index -> text_offset of its next token: the lengths of the token strings before it (and of the
+    # echoed prompt), as the whole response counts them, so offsets do not depend on how tokens were chunked.
+    next_offset: dict[int, int] = {}
+    text_events = convert.TextEvents(rid, model, created, "text_completion")
     async for k, ch in _merge(streams):
         if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
             yield RequestFailed.for_abort(lc, ch.error).event()
@@ -222,11 +230,16 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
         usage.add(k, ch)
         index = k * n + ch.index
         text = ch.text
-        if heads is not None and index not in offsets:
-            text = heads[k] + text
-        lps = convert.completion_logprobs(ch.logprobs, offsets.get(index, 0) + len(text) - len(ch.text))
-        offsets[index] = offsets.get(index, 0) + len(text)
-        if text or ch.logprobs or ch.finish_reason is not None:
+        if index not in next_offset:
+            head = heads[k] if heads is not None else ""
+            text = head + text
+            next_offset[index] = len(head)
+        lps = convert.completion_logprobs(ch.logprobs, next_offset[index])
+        if ch.logprobs:
+            next_offset[index] += sum(len(e["token"]) for e in ch.logprobs)
+        if lps is None and (text or ch.finish_reason is not None):
+            yield text_events.event(index, text, ch.finish_reason)
+        elif text or ch.logprobs or ch.finish_reason is not None:
             yield sse(convert.completion_chunk(rid, model, created, index, text, ch.finish_reason, lps))
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))

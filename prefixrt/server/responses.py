@@ -291,7 +291,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         if c.finish_reason == "abort":
             raise RequestFailed.for_abort(lc, c.error)
         return JSON(finish(c.text, c.finish_reason, _usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
-    chunks = await eng.astream_open(ids, params)  # a bad request raises before any byte is sent
+    chunks = await eng.astream_open(ids, params, coalesce=True)  # a bad request raises before any byte is sent
     lc.register(eng, [rid])
 
     def close():

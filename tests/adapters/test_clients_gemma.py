@@ -152,10 +152,6 @@ def test_langchain_structured_output_typeddict(url):
     assert valid == 20, failures
 
 
-@pytest.mark.skip(reason="measured 0/20 (2026-12-01): json_object carries no schema, as in vLLM and SGLang (any "
-                  "JSON object), and the base Gemma keeps adding invented keys (repeated ones too, and numbers of "
-                  "endless zeros) until max_tokens: 0/20 close at max_tokens 40, 2/20 at 200 (LangChain then raises "
-                  "LengthFinishReasonError); the same with pretty-printing whitespace allowed; see docs/adapters.md")
 def test_langchain_structured_output_json_mode(url):
     """method="json_mode": response_format json_object (LangChain sends no schema); LangChain parses the reply as
     a JSON object."""
@@ -183,10 +179,6 @@ def test_instructor_modes(oai, mode):
     assert valid == 20, failures
 
 
-@pytest.mark.skip(reason="measured 0/20 (2026-12-01): the strict rule now requires `tasks` (it has a default, and "
-                  "an optional one was closed `{}` at once: 20/20 parsed, 0/20 non-empty), and the base Gemma then "
-                  "repeats list items until max_tokens (20/20 cut at max_tokens 48 with the list open; the same at "
-                  "96 tokens and with one person per input); instructor raises IncompleteOutputException")
 def test_instructor_iterable(oai):
     """response_model=Iterable[Contact] (instructor's TOOLS mode: one forced call of an `IterableContact` tool
     whose `tasks` list holds $ref'd items, required under the strict rule): every reply parses as a non-empty
@@ -270,18 +262,22 @@ def test_tool_calls_have_no_keys_outside_the_schema(oai, tool_choice):
     valid, failures = outcomes(check, QUESTIONS)
     print(f"tool_choice={tool_choice}: {valid}/20 replies valid, {len(calls)} calls")
     assert valid == 20, failures
+    # Every question asks for one of the tools: under "auto" the model should mostly call (measured 20 of 20
+    # after the fallback prompt opened with call skeletons; 0 before, docs/adapters.md).
+    assert len(calls) >= 15, calls
 
 
 # ---------------------------------------------------------------------------------------------- openai-agents
 
 
-def test_openai_agents_default_model_runs_a_function_tool_agent(url):
+@pytest.mark.parametrize("tool_choice", ["required", None], ids=["required", "default"])
+def test_openai_agents_default_model_runs_a_function_tool_agent(url, tool_choice):
     """The agent's model is a name, so openai-agents uses its default: OpenAIResponsesModel on the default
-    client, which points at `prefixrt serve`. The turn must call the tool (tool_choice "required", one call per
-    turn: see test_tool_calls_have_no_keys_outside_the_schema) and the run ends with the tool's result as the
-    final output (tool_use_behavior "stop_on_first_tool"). Left to choose between another call and a final
-    answer ("auto" after the call), the base Gemma calls the tool again every turn until max_turns
-    (docs/adapters.md)."""
+    client, which points at `prefixrt serve`. The turn calls the tool (tool_choice "required", or left to the
+    model: openai-agents' default sends none, which is "auto"; one call per turn: see
+    test_tool_calls_have_no_keys_outside_the_schema) and the run ends with the tool's result as the final
+    output (tool_use_behavior "stop_on_first_tool"). Left to choose between another call and a final answer
+    after the call, the base Gemma calls the tool again every turn until max_turns (docs/adapters.md)."""
     agents = pytest.importorskip("agents")
     calls = []
 
@@ -297,7 +293,7 @@ def test_openai_agents_default_model_runs_a_function_tool_agent(url):
                                      use_for_tracing=False)
     agent = agents.Agent(name="calculator", instructions="Use the add tool.", tools=[add], model=GEMMA,
                          tool_use_behavior="stop_on_first_tool",
-                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                         model_settings=agents.ModelSettings(tool_choice=tool_choice, parallel_tool_calls=False,
                                                              max_tokens=40, temperature=0))
     result = agents.Runner.run_sync(agent, "What is 2 + 3?", max_turns=3)
     kinds = [type(item).__name__ for item in result.new_items]

@@ -116,3 +116,24 @@ def test_bench_cli_plot_writes_a_png(tiny_checkpoints, tiny_tokenizer, tmp_path,
     img = matplotlib.image.imread(str(png))
     assert img.shape[0] >= 400 and img.shape[1] >= 1000  # 13 x 5.2 in at 110 dpi
     assert img[..., :3].std() > 0.05  # drawn, not blank
+
+
+def test_bench_cli_text_streams_detokenized_text(tiny_checkpoints, tiny_tokenizer, tmp_path):
+    """--text: the same greedy tokens, now streamed as text (what an OpenAI client receives), characters
+    counted."""
+    from prefixrt.bench.cli import main
+
+    path, _ = tiny_checkpoints("llama")
+    tiny_tokenizer.save_pretrained(str(path))
+    results = {}
+    for flag in ([], ["--text"]):
+        out = tmp_path / f"r{len(flag)}.json"
+        rc = main(["--workload", "shared-prefix", "--model", str(path), "--device", "cpu", "--groups", "1",
+                   "--prompts-per-group", "3", "--system-len", "16", "--question-len", "4", "--output-len", "5",
+                   "--kv-cache-tokens", "1024", "--baselines", "radix", "--json", str(out), "--no-progress", *flag])
+        assert rc == 0
+        results[bool(flag)] = json.loads(out.read_text())["results"][0]
+    ids, text = results[False], results[True]
+    assert ids["streamed"] == "token ids" and text["streamed"] == "text"
+    assert ids["output_tokens"] == text["output_tokens"] == 15
+    assert text["text_chars"] > 0 and "text_chars" not in ids

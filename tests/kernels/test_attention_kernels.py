@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 from prefixrt.kernels import reference as ref  # noqa: E402
 from prefixrt.kernels.cascade_decode import cascade_decode_attention  # noqa: E402
 from prefixrt.kernels.cascade_plan import plan_cascade  # noqa: E402
-from prefixrt.kernels.decode_attention import decode_attention  # noqa: E402
+from prefixrt.kernels.decode_attention import decode_attention, decode_workspace  # noqa: E402
 from prefixrt.kernels.extend_attention import extend_attention  # noqa: E402
 
 from prefixrt.cache.kv_pool import KVPool  # noqa: E402
@@ -31,30 +31,62 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class PagedKV:
-    """Random K/V in a pool whose slots are handed out in random order, so sequences are scattered."""
+    """Random K/V in a pool whose slots are handed out in random order, so sequences are scattered.
+    page_size > 1: whole pages are handed out in random order and a sequence's position p lives in slot
+    pages[p // page_size] * page_size + p % page_size (the KVManager's layout)."""
 
-    def __init__(self, num_kv_heads, head_dim, dtype, num_slots=512, num_rows=16, max_context=96, seed=0):
+    def __init__(self, num_kv_heads, head_dim, dtype, num_slots=512, num_rows=16, max_context=96, seed=0,
+                 page_size=1):
         gen = torch.Generator().manual_seed(seed)
+        if page_size > 1:
+            num_slots = max(num_slots, 96 * page_size)  # whole pages for every sequence of a case
+        self.page_size = page_size
         self.k = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
         self.v = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
         self.req_to_token = torch.zeros(num_rows, max_context, dtype=torch.int32, device=DEVICE)
         self.free_slots = (torch.randperm(num_slots - 1, generator=gen) + 1).tolist()  # slot 0 is padding
         self.free_rows = (torch.randperm(num_rows - 1, generator=gen) + 1).tolist()
+        if page_size > 1:  # page 0 holds the padding slot
+            self.free_pages = (torch.randperm(num_slots // page_size - 1, generator=gen) + 1).tolist()
+
+    def alloc(self, length: int) -> list[int]:
+        """Slots for positions [0, length) of a sequence (fresh pages when paged)."""
+        if self.page_size == 1:
+            return [self.free_slots.pop() for _ in range(length)]
+        ps, slots = self.page_size, []
+        while len(slots) < length:
+            page = self.free_pages.pop()
+            slots += range(page * ps, (page + 1) * ps)
+        return slots[:length]
 
     def new_sequence(self, length: int, shared_prefix: list[int] | None = None) -> int:
-        """Allocate a request row holding `length` positions, the first ones mapped to shared_prefix."""
+        """Allocate a request row holding `length` positions, the first ones mapped to shared_prefix. Paged, a
+        prefix ending mid-page shares its whole pages only: its last, partial page is copied into the row's own
+        page (copy-on-write), so the row keeps the page layout and reads the same K/V."""
         row = self.free_rows.pop()
         shared = list(shared_prefix or [])
-        own = [self.free_slots.pop() for _ in range(length - len(shared))]
-        self.req_to_token[row, :length] = torch.tensor(shared + own, dtype=torch.int32)
+        if self.page_size == 1:
+            slots = shared + self.alloc(length - len(shared))
+        else:
+            whole = len(shared) // self.page_size * self.page_size
+            slots = shared[:whole] + self.alloc(length - whole)
+            if whole < len(shared):
+                src = torch.tensor(shared[whole:], device=DEVICE)
+                dst = torch.tensor(slots[whole : len(shared)], device=DEVICE)
+                self.k[dst], self.v[dst] = self.k[src], self.v[src]
+        self.req_to_token[row, :length] = torch.tensor(slots, dtype=torch.int32)
         return row
 
 
-def make_extend_case(rng, heads_per_kv, head_dim, dtype, num_seqs=3, num_kv_heads=2, seed=0):
-    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed)
+def make_extend_case(rng, heads_per_kv, head_dim, dtype, num_seqs=3, num_kv_heads=2, seed=0, page_size=1,
+                     prefix_lens=None):
+    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed, page_size=page_size)
+    given = prefix_lens
     prefix_lens = [rng.randint(0, 40) for _ in range(num_seqs)]
     extend_lens = [rng.randint(1, 24) for _ in range(num_seqs)]
     prefix_lens[0] = 0  # always one plain prefill
+    if given is not None:
+        prefix_lens = list(given)
     rows = [kv.new_sequence(p + e) for p, e in zip(prefix_lens, extend_lens)]
     starts = [sum(extend_lens[:i]) for i in range(num_seqs)]
     num_tokens = sum(extend_lens)
@@ -111,8 +143,8 @@ def test_extend_reference_matches_dense_sdpa():
         assert rel_err(expected, dense.transpose(0, 1)) < 1e-5
 
 
-def make_decode_case(rng, heads_per_kv, head_dim, dtype, num_seqs=4, num_kv_heads=2, seed=0):
-    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed)
+def make_decode_case(rng, heads_per_kv, head_dim, dtype, num_seqs=4, num_kv_heads=2, seed=0, page_size=1):
+    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed, page_size=page_size)
     seq_lens = [rng.randint(1, 60) for _ in range(num_seqs)]
     rows = [kv.new_sequence(n) for n in seq_lens]
     q = torch.randn(num_seqs, num_kv_heads * heads_per_kv, head_dim).to(DEVICE, dtype)
@@ -159,11 +191,12 @@ def test_decode_padded_entry_gives_zeros_and_ignores_stale_workspace():
     assert rel_err(out, expected) < 1e-4
 
 
-def make_cascade_case(heads_per_kv, head_dim, dtype, num_kv_heads=2, seed=0):
-    """Two groups sharing 30 and 17 slots (one member with an empty own suffix) and one ungrouped sequence."""
-    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed)
-    shared_a = [kv.free_slots.pop() for _ in range(30)]
-    shared_b = [kv.free_slots.pop() for _ in range(17)]
+def make_cascade_case(heads_per_kv, head_dim, dtype, num_kv_heads=2, seed=0, page_size=1):
+    """Two groups sharing 30 and 17 slots (one member with an empty own suffix) and one ungrouped sequence.
+    Paged, both prefixes end mid-page (for page sizes 4 and 16)."""
+    kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed, page_size=page_size)
+    shared_a = kv.alloc(30)
+    shared_b = kv.alloc(17)
     seq_lens = [35, 20, 31, 40, 17, 9, 30]
     group_of = {0: shared_a, 2: shared_a, 3: shared_a, 6: shared_a, 1: shared_b, 4: shared_b}
     rows = [kv.new_sequence(n, group_of.get(i)) for i, n in enumerate(seq_lens)]
@@ -200,6 +233,147 @@ def test_cascade_decode_equals_plain_decode(
     ref.decode_attention(q, expected, *args, logit_softcap=softcap)
     assert rel_err(by_cascade_ref, expected) < 1e-5 if dtype == torch.float32 else True
     assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the concurrent stages need a CUDA side stream")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_concurrent_stages_equal_sequential_and_graph_replay(dtype):
+    """The prefix stage on a side stream writes the same partials as when it runs first, eagerly and captured
+    in a CUDA graph (fork and join inside the capture)."""
+    q, args, groups, seq_lens = make_cascade_case(4, 128, dtype)
+    plan = plan_cascade(groups, seq_lens, DEVICE, queries_per_tile=2)
+    sequential, concurrent, replayed = torch.empty_like(q), torch.empty_like(q), torch.zeros_like(q)
+    kw = dict(plan=plan, num_prefix_splits=3, num_suffix_splits=2)
+    cascade_decode_attention(q, sequential, *args, **kw, concurrent_stages=False)
+    cascade_decode_attention(q, concurrent, *args, **kw, concurrent_stages=True)
+    torch.testing.assert_close(concurrent, sequential, rtol=0, atol=0)
+    mid_o, mid_lse = decode_workspace(q.shape[0], q.shape[1], q.shape[2], 5, q.device)
+    cascade_decode_attention(q, replayed, *args, **kw, mid_o=mid_o, mid_lse=mid_lse)  # warm-up before capture
+    replayed.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cascade_decode_attention(q, replayed, *args, **kw, mid_o=mid_o, mid_lse=mid_lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(replayed, sequential, rtol=0, atol=0)
+
+
+# ---- paged pools: page_size > 1 reads the request table once per page run ---------------------------------
+# Under the interpreter BLOCK_N is 16: page size 4 gives four runs per block, 16 one, 32 half a page per block
+# (gcd 16), 12 runs of 4 (a page size that is no power of two). Prefix and suffix boundaries fall mid-page.
+
+PAGE_SIZES = [1, 4, 16]
+ODD_PAGE_SIZES = [12, 32]
+
+
+def paged_cases(cases: list[tuple]) -> list[tuple]:
+    """Every case with page sizes 1, 4 and 16; the float32 ones with the odd page sizes too."""
+    return [(p, *c) for c in cases for p in PAGE_SIZES + (ODD_PAGE_SIZES if torch.float32 in c else [])]
+
+
+@pytest.mark.parametrize("page_size,heads_per_kv,head_dim,window,softcap,num_splits,dtype", paged_cases([
+    (2, 64, None, None, 3, torch.float32),
+    (4, 64, 5, 20.0, 4, torch.float32),  # a window: every split starts mid-run
+    (4, 128, None, None, 2, torch.bfloat16),
+]))
+def test_decode_attention_paged(page_size, heads_per_kv, head_dim, window, softcap, num_splits, dtype):
+    rng = random.Random(f"paged-{heads_per_kv}-{head_dim}-{num_splits}-{page_size}")
+    q, args = make_decode_case(rng, heads_per_kv, head_dim, dtype, num_seqs=5, page_size=page_size)
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    decode_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, num_kv_splits=num_splits,
+                     page_size=page_size)
+    ref.decode_attention(q, expected, *args, sliding_window=window, logit_softcap=softcap)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_decode_paged_padded_entry_gives_zeros(page_size):
+    rng = random.Random(7)
+    q, (k, v, r2t, rows, seq_lens, scale) = make_decode_case(rng, 2, 64, torch.float32, page_size=page_size)
+    seq_lens[1] = 0
+    mid_o = torch.full((4, q.shape[1], 8, 64), float("nan"), device=DEVICE)
+    mid_lse = torch.full((4, q.shape[1], 8), 1e4, device=DEVICE)
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    decode_attention(q, out, k, v, r2t, rows, seq_lens, scale, num_kv_splits=8, mid_o=mid_o, mid_lse=mid_lse,
+                     page_size=page_size)
+    ref.decode_attention(q, expected, k, v, r2t, rows, seq_lens, scale)
+    assert torch.all(out[1] == 0)
+    assert rel_err(out, expected) < 1e-4
+
+
+@pytest.mark.parametrize("page_size,heads_per_kv,head_dim,window,softcap,contiguous,dtype", paged_cases([
+    (2, 64, None, None, False, torch.float32),
+    (2, 64, 8, 30.0, False, torch.float32),
+    (4, 64, None, None, False, torch.bfloat16),
+]) + [(16, 1, 128, 5, None, True, torch.float32)])  # pool prefix + contiguous new tokens
+def test_extend_attention_paged(page_size, heads_per_kv, head_dim, window, softcap, contiguous, dtype):
+    rng = random.Random(f"paged-{heads_per_kv}-{head_dim}-{window}-{page_size}")
+    prefix_lens = [0, 19, 33, 16]  # cached prefixes ending mid-page and on a page boundary
+    q, args, k_new, v_new = make_extend_case(rng, heads_per_kv, head_dim, dtype, num_seqs=4, page_size=page_size,
+                                             prefix_lens=prefix_lens)
+    extra = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    extend_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, page_size=page_size, **extra)
+    ref.extend_attention(q, expected, *args, sliding_window=window, logit_softcap=softcap)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("page_size,window,splits", [(4, None, 3), (16, 8, 2)])
+def test_extend_attention_paged_block_map(page_size, window, splits):
+    """The fixed-grid, split-KV launch of the EXTEND graphs over a paged pool (page size 1: the block-map test
+    above)."""
+    from prefixrt.kernels.extend_attention import block_map
+
+    rng = random.Random(f"paged-map-{window}-{page_size}")
+    q, args, _, _ = make_extend_case(rng, 2, 64, torch.float32, num_seqs=4, page_size=page_size,
+                                     prefix_lens=[0, 37, 5, 48])
+    extend_lens = args[5].tolist()
+    seqs, mbs = block_map(extend_lens, 16, len(extend_lens) + -(-sum(extend_lens) // 16) + 2)
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    out, expected = torch.full_like(q, 7.0), torch.empty_like(q)
+    extend_attention(q, out, *args, sliding_window=window, block_seq=torch.tensor(seqs, **i32),
+                     block_mb=torch.tensor(mbs, **i32), block_m=16, num_splits=splits, page_size=page_size)
+    ref.extend_attention(q, expected, *args, sliding_window=window)
+    assert rel_err(out, expected) < 1e-4
+
+
+@pytest.mark.parametrize("page_size,heads_per_kv,head_dim,softcap,per_tile,prefix_splits,suffix_splits,dtype",
+                         paged_cases([
+    (2, 64, None, 2, 3, 2, torch.float32),
+    (4, 64, 25.0, 16, 2, 3, torch.float32),
+    (4, 64, None, 16, 2, 2, torch.bfloat16),
+]))  # fmt: skip
+def test_cascade_decode_paged(page_size, heads_per_kv, head_dim, softcap, per_tile, prefix_splits, suffix_splits,
+                              dtype):
+    """Shared prefixes of 30 and 17 tokens (mid-page for every page size here): the prefix stage reads them
+    through the lead row, each member's suffix starts mid-page in its own copy-on-write page."""
+    q, args, groups, seq_lens = make_cascade_case(heads_per_kv, head_dim, dtype, page_size=page_size)
+    plan = plan_cascade(groups, seq_lens, DEVICE, queries_per_tile=per_tile)
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    cascade_decode_attention(
+        q, out, *args, plan=plan, logit_softcap=softcap, num_prefix_splits=prefix_splits,
+        num_suffix_splits=suffix_splits, page_size=page_size,
+    )  # fmt: skip
+    ref.decode_attention(q, expected, *args, logit_softcap=softcap)
+    assert rel_err(out, expected) < TOL[dtype]
+
+
+def test_paged_case_layout():
+    """The fixture itself: every row keeps slot(p) = slot(p - p % P) + p % P, and copy-on-write pages hold
+    the shared prefix's K/V (so plain decode through a member's own row reads the prefix)."""
+    q, (k, v, r2t, rows, seq_lens, _), groups, _ = make_cascade_case(2, 64, torch.float32, page_size=16)
+    for row, n in zip(rows.tolist(), seq_lens.tolist()):
+        slots = r2t[row, :n].long()
+        pos = torch.arange(n, device=DEVICE)
+        assert torch.equal(slots, slots[pos - pos % 16] + pos % 16)
+        assert torch.all(slots[pos % 16 == 0] % 16 == 0)
+    for prefix_len, members in groups:
+        lead = r2t[rows[members[0]], :prefix_len].long()
+        for m in members[1:]:
+            own = r2t[rows[m], :prefix_len].long()
+            assert torch.equal(own[:16], lead[:16])  # the whole page is shared
+            assert not torch.equal(own[16:], lead[16:])  # the partial one is a copy
+            assert torch.equal(k[own], k[lead]) and torch.equal(v[own], v[lead])
 
 
 def test_plan_cascade_filters_and_validates():
@@ -246,28 +420,47 @@ def dense_attention_over_pool(q, pool, layer, batch):
     return out.view(-1, num_heads * head_dim)
 
 
-def test_triton_backend_extend_then_cascade_decode():
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_backend_extend_then_cascade_decode(page_size):
     """Prefill a shared prompt, extend two more requests on the cached prefix, then decode all of them with
-    prefix_groups: every forward of both layers (full and sliding-window) must match dense attention."""
+    prefix_groups: every forward of both layers (full and sliding-window) must match dense attention.
+    page_size 16: rows take whole pages and the 20-token shared prefix ends mid-page (its partial page is
+    copied into each sharer's own page, as copy-on-write would)."""
     num_kv_heads, head_dim, num_heads = 2, 64, 4
     layers = [
         AttentionLayer(0, num_heads, num_kv_heads, head_dim, scaling=head_dim**-0.5),
         AttentionLayer(1, num_heads, num_kv_heads, head_dim, scaling=head_dim**-0.5, sliding_window=8),
     ]
     pool = KVPool(256, len(layers), num_kv_heads, head_dim, torch.float32, DEVICE)
-    backend = TritonAttentionBackend(pool, max_batch_size=8, cascade_min_prefix_len=1)
+    backend = TritonAttentionBackend(pool, max_batch_size=8, cascade_min_prefix_len=1, page_size=page_size)
     req_to_token = torch.zeros(8, 64, dtype=torch.int32, device=DEVICE)
     gen = torch.Generator().manual_seed(3)
     free = (torch.randperm(255, generator=gen) + 1).tolist()
+    free_pages = (torch.randperm(256 // page_size - 1, generator=gen) + 1).tolist() if page_size > 1 else []
     lengths = {1: 0, 2: 0, 3: 0, 4: 0}  # request row -> tokens with K/V
+
+    def slot_of(row, pos):  # paged: the row's page for pos (a fresh one at a page start)
+        if pos % page_size == 0:
+            page = free_pages.pop()
+            req_to_token[row, pos : pos + page_size] = torch.arange(page * page_size, (page + 1) * page_size)
+        return int(req_to_token[row, pos])
 
     def step(rows, num_new, prefix_groups=None, share_from=None, shared_len=0):
         out_loc = []
         for row, n in zip(rows, num_new):
             if share_from is not None and lengths[row] == 0 and row != share_from:
-                req_to_token[row, :shared_len] = req_to_token[share_from, :shared_len]
+                whole = shared_len // page_size * page_size
+                req_to_token[row, :whole] = req_to_token[share_from, :whole]
+                src = req_to_token[share_from, whole:shared_len].long()
+                dst = torch.tensor([slot_of(row, p) for p in range(whole, shared_len)], dtype=torch.long,
+                                   device=DEVICE)
+                for kb, vb in zip(pool.k_buffers, pool.v_buffers):
+                    kb[dst], vb[dst] = kb[src], vb[src]
                 lengths[row] = shared_len
-            new = [free.pop() for _ in range(n)]
+            if page_size == 1:
+                new = [free.pop() for _ in range(n)]
+            else:
+                new = [slot_of(row, p) for p in range(lengths[row], lengths[row] + n)]
             req_to_token[row, lengths[row] : lengths[row] + n] = torch.tensor(new, dtype=torch.int32)
             out_loc += new
         batch = ForwardBatch.build(
@@ -315,14 +508,15 @@ def test_extend_attention_block_map_equals_reference(block_m, window, dtype, spl
     assert rel_err(out, expected) < TOL[dtype]
 
 
-@pytest.mark.parametrize("per_tile,max_groups,dtype", [(2, 3, torch.float32), (16, 4, torch.float32),
-                                                       (4, 2, torch.bfloat16)])
-def test_padded_cascade_plan_equals_plain_decode(per_tile, max_groups, dtype):
+@pytest.mark.parametrize("per_tile,max_groups,dtype,page_size", [
+    (2, 3, torch.float32, 1), (16, 4, torch.float32, 1), (4, 2, torch.bfloat16, 1), (2, 3, torch.float32, 16),
+])
+def test_padded_cascade_plan_equals_plain_decode(per_tile, max_groups, dtype, page_size):
     """A plan padded to a fixed tile count (CUDA graphs), over a batch padded with extra rows: padding tiles
     do nothing, padded rows are ungrouped; the real rows equal plain decode."""
     from prefixrt.kernels.cascade_plan import PLAN_FIELDS, CascadePlan, pad_lists, padded_sizes, plan_lists
 
-    q, args, groups, seq_lens = make_cascade_case(4, 64, dtype)
+    q, args, groups, seq_lens = make_cascade_case(4, 64, dtype, page_size=page_size)
     n = len(seq_lens)
     bs = n + 3  # the graph's bucket
     lists = plan_lists(groups, seq_lens, per_tile, max_groups=max_groups)
@@ -336,7 +530,8 @@ def test_padded_cascade_plan_equals_plain_decode(per_tile, max_groups, dtype):
                        max_suffix_len=96)
     assert sizes["tile_group"] > len(lists["tile_group"])  # there are padding tiles
     out, expected = torch.empty_like(q), torch.empty_like(q)
-    cascade_decode_attention(q, out, *args, plan=plan, num_prefix_splits=2, num_suffix_splits=2)
+    cascade_decode_attention(q, out, *args, plan=plan, num_prefix_splits=2, num_suffix_splits=2,
+                             page_size=page_size)
     ref.decode_attention(q, expected, *args)
     assert rel_err(out, expected) < TOL[dtype]
 

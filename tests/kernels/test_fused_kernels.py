@@ -133,6 +133,9 @@ GEMV_CASES = [  # (m, n, k, config, bias, act)
     (5, 40, 200, GemvConfig(16, 32, 4), True, None),  # split-K, ragged
     (2, 32, 64, GemvConfig(16, 32, 2), False, "silu"),  # activation fused into the input
     (1, 48, 96, GemvConfig(16, 32, 1), True, "gelu_tanh"),
+    (23, 48, 96, GemvConfig(16, 32, 1), True, None),  # a 32-row input tile
+    (64, 64, 128, GemvConfig(32, 32, 2), False, None),  # a 64-row tile, split-K
+    (40, 32, 64, GemvConfig(16, 32, 1), False, "silu"),
 ]
 
 
@@ -149,4 +152,4 @@ def test_gemv(dtype, m, n, k, config, bias, act):
 
 def test_gemv_rejects_too_many_rows():
     with pytest.raises(ValueError, match="at most"):
-        gemv(torch.zeros(17, 32, device=DEVICE), torch.zeros(16, 32, device=DEVICE))
+        gemv(torch.zeros(65, 32, device=DEVICE), torch.zeros(16, 32, device=DEVICE))

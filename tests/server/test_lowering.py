@@ -199,9 +199,19 @@ def test_template_tool_format_detection(tiny_tokenizer):
     class Tok:
         chat_template = "{% if tools %}<tools>{{ tools }}</tools> ... <tool_call>{% endif %}"
     assert lowering.template_call_syntax(Tok()) is lowering.TAGGED
-    prompt = lowering.tools_prompt(lowering.plan_tools(TOOLS, "auto"))
+    plan = lowering.plan_tools(TOOLS, "auto")
+    prompt = lowering.tools_prompt(plan)
     assert "add(a: integer, b: integer)" in prompt and "plain text" in prompt
     assert json.dumps(TOOLS[0].parameters) not in prompt  # signatures, not raw schemas
+    # under "auto" the prompt opens with a call skeleton per tool, each a call the plan parses
+    skeletons = prompt.split("\n\n")[0].splitlines()
+    assert [c.name for line in skeletons for c in plan.parse(line)] == [t.name for t in TOOLS]
+    # ... and goes before the caller's own system text
+    messages = lowering.with_tools_prompt([{"role": "system", "content": "Be brief."}], plan)
+    assert messages[0]["content"].startswith(skeletons[0]) and messages[0]["content"].endswith("Be brief.")
+    forced = lowering.plan_tools(TOOLS, "required")
+    assert lowering.with_tools_prompt([{"role": "system", "content": "Be brief."}], forced)[0]["content"] \
+        .startswith("Be brief.")
 
 
 @needs_constrained_decoding()
