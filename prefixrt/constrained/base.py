@@ -44,7 +44,8 @@ class CompiledGrammar:
     """A grammar compiled for one backend and one tokenizer. Immutable; share it freely.
 
     `spec_text` is the canonical text the cache keys on (see `spec.canonical_spec`); `handle` is the
-    backend's own object (an llguidance grammar string, an `xgrammar.CompiledGrammar`), opaque to callers.
+    backend's own object (llguidance: the grammar text and a template matcher; an `xgrammar.CompiledGrammar`), opaque
+    to callers.
     """
 
     kind: str
