@@ -255,8 +255,11 @@ class BudgetMatcher(Matcher):
     def need(self, limit: int) -> int | None:
         """How many tokens the document needs to end from here under the grammar, taking its forced tokens and
         otherwise the first token of `_tiers` it accepts (limit + 1 when that takes more than `limit`); None where
-        the grammar accepts none of them. Leaves the matcher as it was (what it accepts is rolled back)."""
-        inner, state, taken = self.inner, copy.deepcopy(self._state), 0
+        the grammar accepts none of them. Leaves the matcher as it was: the probe runs on the matcher's `fork()`
+        where it has one (llguidance), else what it accepts is rolled back."""
+        fork = getattr(self.inner, "fork", None)  # a copy to probe on, where the backend has one
+        inner = fork() if fork is not None else self.inner
+        state, taken = copy.deepcopy(self._state), 0
         try:
             while not inner.is_finished():
                 if taken >= limit:
@@ -276,7 +279,8 @@ class BudgetMatcher(Matcher):
                 state.feed("" if step in self._eos else self._text(step))
             return taken
         finally:
-            inner.rollback(taken)
+            if fork is None:
+                inner.rollback(taken)
 
     def steer_ids(self) -> tuple[str, list[list[int]] | None]:
         """What the rule does now: ("end", tiers) when the budget is tight (the caller keeps the first tier the
