@@ -4,11 +4,22 @@ post-processing (and the detokenizer and caller threads contending for the GIL).
 and wall time per step, at several batch sizes, minimum over repeats (robust to a loaded machine).
 
     PYTHONPATH=$PWD python benchmarks/host_loop.py [--batch 64,256] [--steps 96] [--repeats 3]
+
+--json MODEL_DIR: the constrained case instead (gpu_engine.py's long-keys JSON schema, greedy, jump-forward on and
+off) on a checkpoint directory with a real tokenizer (e.g. a tiny Llama-3-tokenizer model, load_format="dummy"):
+per step, the CPU time of the grammar masks (the backend's fill_bitmasks with every row on the timing thread —
+llguidance with mask_threads 0 — so the figure is independent of the mask worker's threads and of the load on the
+machine) and of process(), and the wall time
+per step. Each row's logits differ (a fixed pool of random rows, picked by the request's table row and
+position), so rows diverge as a real batch's do.
+
+    PYTHONPATH=$PWD python benchmarks/host_loop.py --json /tmp/tl3 [--grammar-backend xgrammar] [--batch 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -89,13 +100,120 @@ def measure(eng: Engine, batch: int, steps: int) -> dict:
     return out
 
 
+def build_json(model_dir: str, batch: int, grammar_backend: str) -> Engine:
+    eng = Engine(model_dir, load_format="dummy", dtype="float32", device="cpu", kv_cache_tokens=batch * 400,
+                 max_running_requests=batch, overlap_schedule=True, grammar_backend=grammar_backend, seed=0)
+    vocab = eng.vocab_size
+    pool = torch.randn(127, vocab, generator=torch.Generator().manual_seed(0))
+
+    def varied_forward(fb):  # a row's logits follow from its request's table row and position: two requests never
+        # see the same logits at the same position (rows < 127, 131 = 4 mod 127), so their outputs stay apart as
+        # a real model's would (their prompts differ); which row a request gets varies between runs
+        pos = fb.positions[fb.logits_indices]
+        seq = torch.searchsorted(fb.extend_start_loc.to(torch.int64), fb.logits_indices, right=True) - 1
+        rows = fb.req_pool_indices[seq]
+        return pool[(rows * 131 + pos) % pool.shape[0]]
+
+    eng._run_on_loop(lambda: setattr(eng.core.runner, "forward", varied_forward))
+    return eng
+
+
+def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
+    """One greedy batch of the long-keys schema; CPU ms per step of the masks and of process()."""
+    from gpu_engine import LONG_KEYS_SCHEMA
+
+    core, backend = eng.core, eng.grammar_compiler().backend
+    rng = random.Random(11)
+    prompts = [[rng.randrange(16, 1000) for _ in range(16)] for _ in range(batch)]
+    acc = {"mask": 0.0, "mask_rows": 0, "process": 0.0, "steps": 0}
+    orig_process = core.process
+
+    serial = hasattr(backend, "shared_mask_rows_total")  # llguidance: its own fill, on the calling thread
+    orig_fill = backend.fill_bitmasks
+
+    def fill_timed(rows, bitmask):  # the same masks, all computed on this thread
+        t = time.thread_time()
+        if serial:
+            orig_fill(rows, bitmask)
+        else:
+            for m, row in rows:
+                m.fill_bitmask(bitmask, row)
+        acc["mask"] += time.thread_time() - t
+        acc["mask_rows"] += len(rows)
+
+    def timed_process(*a, **k):
+        t = time.thread_time()
+        try:
+            return orig_process(*a, **k)
+        finally:
+            acc["process"] += time.thread_time() - t
+            acc["steps"] += 1
+
+    threads = getattr(backend, "_mask_threads", None)
+
+    def install():
+        backend.fill_bitmasks = fill_timed
+        core.process = timed_process
+        if serial:
+            backend._mask_threads = 0
+
+    def uninstall():
+        backend.__dict__.pop("fill_bitmasks", None)
+        core.__dict__.pop("process", None)
+        if serial:
+            backend._mask_threads = threads
+
+    params = {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA, "jump_forward": jump_forward,
+              "detokenize": False}
+    eng.flush_cache()
+    eng._run_on_loop(install)
+    t0 = time.perf_counter()
+    res = eng.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    eng._run_on_loop(uninstall)
+    steps = max(1, acc["steps"])
+    texts = [eng.tokenizer.decode(r.token_ids) for r in res]
+    valid = sum(r.finish_reason == "stop" and isinstance(json.loads(t), dict) for r, t in zip(res, texts))
+    return {"steps": acc["steps"], "mask_ms_per_step": acc["mask"] / steps * 1000,
+            "mask_ms_per_row": acc["mask"] / max(1, acc["mask_rows"]) * 1000,
+            "mask_ms_per_64_rows": acc["mask"] / max(1, acc["mask_rows"]) * 64000,
+            "process_ms_per_step": acc["process"] / steps * 1000, "wall_ms_per_step": wall / steps * 1000,
+            "valid": valid, "output_tokens": sum(len(r.token_ids) for r in res)}
+
+
+def main_json(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    rows = []
+    for b in (int(x) for x in args.batch.split(",")):
+        eng = build_json(args.json, b, args.grammar_backend)
+        measure_json(eng, min(b, 8), True)  # warm: compile the schema, first steps
+        for jf in (True, False):
+            runs = [measure_json(eng, b, jf) for _ in range(args.repeats)]
+            best = {k: min(r[k] for r in runs) for k in runs[0] if k != "digest"}
+            rows.append((b, jf, best))
+        eng.shutdown()
+    keys = list(rows[0][2])
+    print(f"grammar backend {args.grammar_backend}")
+    print("batch   jf " + " ".join(f"{k:>19}" for k in keys))
+    for b, jf, best in rows:
+        print(f"{b:>5} {'on ' if jf else 'off'} " + " ".join(
+            f"{best[k]:19.3f}" if isinstance(best[k], float) else f"{best[k]:>19}" for k in keys))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="64,256")
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", metavar="MODEL_DIR", default=None)
+    ap.add_argument("--grammar-backend", default="llguidance")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.json:
+        if args.batch == "64,256":
+            args.batch = "64"
+        main_json(args)
+        return
     rows = []
     for b in (int(x) for x in args.batch.split(",")):
         eng = build(b)

@@ -44,7 +44,8 @@ class CompiledGrammar:
     """A grammar compiled for one backend and one tokenizer. Immutable; share it freely.
 
     `spec_text` is the canonical text the cache keys on (see `spec.canonical_spec`); `handle` is the
-    backend's own object (an llguidance grammar string, an `xgrammar.CompiledGrammar`), opaque to callers.
+    backend's own object (llguidance: the grammar text and a template matcher; an `xgrammar.CompiledGrammar`), opaque
+    to callers.
     """
 
     kind: str
@@ -178,42 +179,6 @@ class GrammarBackend(ABC):
     def token_text(self, token_id: int) -> str:
         """One token's decoded text (what `JsonState` follows; a partial UTF-8 byte decodes as U+FFFD)."""
         return self.tokenizer.decode([token_id])
-
-    def closing_ids(self, text: str) -> list[int]:
-        """The ids of the tokens whose text is exactly `text`, for `text` made of budget.CLOSING_CHARS (quotes,
-        closing brackets, `: `, the letters of true/false/null). The table is built once, on first use."""
-        table = getattr(self, "_closing_table", None)
-        if table is None:
-            from prefixrt.constrained.budget import CLOSING_CHARS
-
-            table, commas = {}, []
-            for token_id in range(len(self.tokenizer)):
-                piece = self.token_text(token_id)
-                if token_id in self.eos_token_ids or not piece:
-                    continue
-                if set(piece) <= CLOSING_CHARS:
-                    table.setdefault(piece, []).append(token_id)
-                if "," in piece:
-                    commas.append((token_id, piece))
-            self._closing_table, self._comma_tokens = table, commas
-        return table.get(text, [])
-
-    def comma_tokens(self) -> list[tuple[int, str]]:
-        """(id, text) of every token whose text holds a comma (the tokens that may begin a JSON sibling)."""
-        if getattr(self, "_comma_tokens", None) is None:
-            self.closing_ids("")
-        return self._comma_tokens
-
-    def budget_matcher(self, compiled: CompiledGrammar, budget: int) -> Matcher:
-        """`matcher(compiled)`, held to `budget` output tokens where the output may be JSON (json_schema,
-        json_object, and grammars, which embed JSON for tool calls): budget.BudgetMatcher closes the document
-        in time, and stays out of output that is not JSON. Regex and choices: the plain matcher."""
-        m = self.matcher(compiled)
-        if compiled.kind not in ("json_schema", "json_object", "grammar"):
-            return m
-        from prefixrt.constrained.budget import BudgetMatcher
-
-        return BudgetMatcher(m, budget, self)
 
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Fill several rows at once: `matcher.fill_bitmask(bitmask, row)` for each pair.

@@ -31,7 +31,7 @@ import copy
 
 import torch
 
-from prefixrt.constrained.base import Matcher
+from prefixrt.constrained.base import CompiledGrammar, GrammarBackend, Matcher
 from prefixrt.constrained.logits import fill_only
 
 # Tokens of freedom the rule keeps in hand: one token can open a string and a container at once (`{"`), so
@@ -41,7 +41,7 @@ SLACK = 3
 # The starts of the shortest values, tried in this order where the grammar refuses the closing text's `null`
 # (and `,` where it still requires a member).
 FILLERS = ("0", '"', "[", "{", "false", ",")
-# The characters closing texts and FILLERS are made of (tokens spelling only these: GrammarBackend.closing_ids).
+# The characters closing texts and FILLERS are made of (tokens spelling only these: closing_ids).
 CLOSING_CHARS = frozenset('"}]nulreas: 0[{f,')
 # The rule looks at a request's last PROBE_WINDOW tokens only (before that, a document's end is never near).
 PROBE_WINDOW = 64
@@ -222,7 +222,7 @@ class JsonState:
 class BudgetMatcher(Matcher):
     """`inner` (a JSON matcher) held to a budget of `budget` output tokens (module docstring).
 
-    vocab: the GrammarBackend (its `token_text`, `closing_ids`, `comma_tokens` and `eos_token_ids`).
+    vocab: the GrammarBackend (its `token_text` and `eos_token_ids`; closing_ids and comma_tokens below).
     """
 
     def __init__(self, inner: Matcher, budget: int, vocab):
@@ -231,7 +231,7 @@ class BudgetMatcher(Matcher):
         self.budget = budget
         self._vocab = vocab
         self._text = vocab.token_text
-        self._closing_ids = vocab.closing_ids
+        self._closing_ids = lambda text: closing_ids(vocab, text)
         self._eos = tuple(vocab.eos_token_ids)
         self._accepted: list[int] = []
         self._state = JsonState()
@@ -320,7 +320,7 @@ class BudgetMatcher(Matcher):
                     fill_only(bitmask, row, keep)
                     return
         elif what == "no sibling":
-            drop = [t for t, text in self._vocab.comma_tokens() if t // 32 < words and self._begins_sibling(text)]
+            drop = [t for t, text in comma_tokens(self._vocab) if t // 32 < words and self._begins_sibling(text)]
             if not drop:
                 return
             saved = bitmask[row].clone()
@@ -371,3 +371,42 @@ class BudgetMatcher(Matcher):
 
     def error(self) -> str | None:
         return self.inner.error()
+
+
+# ------------------------------------------------------------------------------ vocabulary tables, construction
+
+
+def closing_ids(vocab, text: str) -> list[int]:
+    """The ids of the tokens whose text is exactly `text`, for `text` made of CLOSING_CHARS (quotes, closing
+    brackets, `: `, the letters of true/false/null). vocab: a GrammarBackend; the table is built once, on first
+    use, and kept on it."""
+    table = getattr(vocab, "_closing_table", None)
+    if table is None:
+        table, commas = {}, []
+        for token_id in range(len(vocab.tokenizer)):
+            piece = vocab.token_text(token_id)
+            if token_id in vocab.eos_token_ids or not piece:
+                continue
+            if set(piece) <= CLOSING_CHARS:
+                table.setdefault(piece, []).append(token_id)
+            if "," in piece:
+                commas.append((token_id, piece))
+        vocab._closing_table, vocab._comma_tokens = table, commas
+    return table.get(text, [])
+
+
+def comma_tokens(vocab) -> list[tuple[int, str]]:
+    """(id, text) of every token whose text holds a comma (the tokens that may begin a JSON sibling)."""
+    if getattr(vocab, "_comma_tokens", None) is None:
+        closing_ids(vocab, "")
+    return vocab._comma_tokens
+
+
+def budget_matcher(backend: GrammarBackend, compiled: CompiledGrammar, budget: int) -> Matcher:
+    """`backend.matcher(compiled)`, held to `budget` output tokens where the output may be JSON (json_schema,
+    json_object, and grammars, which embed JSON for tool calls): BudgetMatcher closes the document in time, and
+    stays out of output that is not JSON. Regex and choices: the plain matcher."""
+    m = backend.matcher(compiled)
+    if compiled.kind not in ("json_schema", "json_object", "grammar"):
+        return m
+    return BudgetMatcher(m, budget, backend)

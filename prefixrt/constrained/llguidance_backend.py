@@ -9,6 +9,7 @@ GBNF, converted to Lark), "choices", "json_object".
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -27,16 +28,79 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
 
 
+class _Template:
+    """A grammar's matcher at its start; every request's matcher is a `deep_copy` of it.
+
+    llguidance builds its lexer's DFA lazily, state by state, as masks need them (most of a first mask's cost
+    in a new lexer state), and each `LLMatcher` owns its lexer: a matcher made from the grammar text starts
+    with none. A copy of the template starts with every state the template holds, and a request whose matcher
+    completes the grammar hands its lexer back (`donate`: a copy of it, reset to the start, becomes the
+    template), so later requests of the grammar start warm. The DFA is a cache of a pure function of the
+    grammar: masks, forced tokens and acceptance are the same as a fresh matcher's (tests compare them).
+    Donations stop after `max_generations`, so the lexer a request starts with is bounded by that many requests'
+    states (llguidance's `max_lexer_states` limit applies per matcher). Thread-safe: the lock guards `matcher`.
+    """
+
+    max_generations = 8
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._lock = threading.Lock()
+        self._m = matcher
+        self.generation = 0
+
+    def copy(self) -> llguidance.LLMatcher:
+        with self._lock:
+            return self._m.deep_copy()
+
+    def donate(self, finished: llguidance.LLMatcher) -> None:
+        """(The scheduler thread, which owns `finished`.) Adopt finished's lexer for the next requests."""
+        if self.generation >= self.max_generations or finished.is_error():
+            return
+        fresh = finished.deep_copy()
+        if not fresh.reset() or fresh.is_error():
+            return
+        with self._lock:
+            if self.generation < self.max_generations:
+                self._m = fresh
+                self.generation += 1
+
+
 class LLGuidanceMatcher(Matcher):
     """Wraps `llguidance.LLMatcher`. EOS is tracked here, not by llguidance, so that accepting and rolling
-    back EOS behave like any other token (llguidance does not count an EOS toward rollback)."""
+    back EOS behave like any other token (llguidance does not count an EOS toward rollback).
 
-    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend):
+    It also keeps the tokens llguidance accepted (`_ids`) and a hash of every prefix of them (`_hashes`):
+    two matchers of the same grammar that accepted the same tokens are in the same state and have the same
+    mask, which `LLGuidanceBackend.fill_bitmasks` computes once for both."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, backend: LLGuidanceBackend, template: _Template | None = None,
+                 grammar: _Grammar | None = None):
         self._m = matcher
         self._eos = backend.eos_token_ids
         self.vocab_size = backend.vocab_size
         self._num_accepted = 0
         self._eos_accepted = False
+        self._template = template  # handed this matcher's lexer once it completes the grammar
+        self._grammar = grammar  # None: never shares a mask
+        self._ids: list[int] = []
+        self._hashes: list[int] = [0]
+
+    def _record(self, token_ids: list[int]) -> None:
+        h = self._hashes
+        for t in token_ids:
+            h.append(hash((h[-1], t)))
+        self._ids.extend(token_ids)
+
+    def _state_key(self) -> tuple | None:
+        """Equal keys and equal `_ids` mean the same state (the caller compares `_ids` on a key match)."""
+        if self._grammar is None:
+            return None
+        return (id(self._grammar), len(self._ids), self._hashes[-1])
+
+    def _donate(self) -> None:
+        if self._template is not None and self.is_finished():
+            template, self._template = self._template, None
+            template.donate(self._m)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if self._eos_accepted:
@@ -55,7 +119,10 @@ class LLGuidanceMatcher(Matcher):
             # consume_token on a rejected token would put llguidance in a permanent error state: check first.
             if self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
                 return False
+            self._record([token_id])
         self._num_accepted += 1
+        if self._template is not None and self.is_finished():
+            self._donate()
         return True
 
     def accept_tokens(self, token_ids: list[int]) -> int:
@@ -64,7 +131,10 @@ class LLGuidanceMatcher(Matcher):
         n = self._m.validate_tokens(token_ids)
         if n and not self._m.consume_tokens(token_ids[:n]):
             raise RuntimeError(f"llguidance rejected tokens it had validated: {self._m.get_error()}")
+        self._record(token_ids[:n])
         self._num_accepted += n
+        if self._template is not None and self.is_finished():
+            self._donate()
         return n
 
     def rollback(self, num_tokens: int) -> None:
@@ -76,6 +146,9 @@ class LLGuidanceMatcher(Matcher):
             remaining -= 1
         if remaining and not self._m.rollback(remaining):
             raise RuntimeError(f"llguidance rollback failed: {self._m.get_error()}")
+        if remaining:
+            del self._ids[-remaining:]
+            del self._hashes[-remaining:]
         self._num_accepted -= num_tokens
 
     def fork(self) -> LLGuidanceMatcher:
@@ -100,6 +173,14 @@ class LLGuidanceMatcher(Matcher):
         return _first_line(self._m.get_error()) if self._m.is_error() else None
 
 
+@dataclass(frozen=True)
+class _Grammar:
+    """A CompiledGrammar's handle: the llguidance grammar text and its template matcher."""
+
+    text: str
+    template: _Template
+
+
 class LLGuidanceBackend(GrammarBackend):
     """llguidance for one tokenizer.
 
@@ -108,7 +189,7 @@ class LLGuidanceBackend(GrammarBackend):
     generation (default: the tokenizer's eos_token_id). json_whitespace_flexible: allow any whitespace
     between JSON tokens (default False: `json.dumps` layout, `, ` and `: `). limits: llguidance
     `LLParserLimits` (the defaults bound per-token work, so a pathological grammar errors, never hangs).
-    mask_threads: threads for `fill_bitmasks` (llguidance's executor).
+    mask_threads: threads for `fill_bitmasks` (llguidance's executor; 0: the calling thread).
     """
 
     name = "llguidance"
@@ -137,6 +218,7 @@ class LLGuidanceBackend(GrammarBackend):
         self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
         self._executor_lock = threading.Lock()
+        self.shared_mask_rows_total = 0  # rows whose mask was copied from a row in the same state (fill_bitmasks)
         self.ll_tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
         )
@@ -191,33 +273,57 @@ class LLGuidanceBackend(GrammarBackend):
             probe.compute_bitmask()
         if probe.is_error():
             raise InvalidRequest(f"{kind} matches no output: {_first_line(probe.get_error())}", param=param)
-        return CompiledGrammar(kind=kind, spec_text=spec_text, backend_name=self.name, handle=grammar)
+        return CompiledGrammar(kind=kind, spec_text=spec_text, backend_name=self.name,
+                               handle=_Grammar(grammar, _Template(probe)))
 
     def matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         if compiled.backend_name != self.name:
             raise ValueError(f"grammar compiled by {compiled.backend_name}, not {self.name}")
-        m = llguidance.LLMatcher(self.ll_tokenizer, compiled.handle, limits=self._limits, log_level=0)
+        template = compiled.handle.template
+        m = template.copy()
         if m.is_error():
             raise InvalidRequest(f"invalid {compiled.kind}: {_first_line(m.get_error())}")
-        return LLGuidanceMatcher(m, self)
+        return LLGuidanceMatcher(m, self, template, compiled.handle)
 
     def token_text(self, token_id: int) -> str:
         return self.ll_tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
 
     def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """Rows whose matchers are in the same state (same grammar, same accepted tokens: often so for the rows
+        of one schema at the same point of its fixed text) are computed once and copied; the other llguidance
+        rows in parallel on the executor (mask_threads 0: on this thread); other matchers row by row."""
         budgeted = [(m, row) for m, row in rows if isinstance(m, BudgetMatcher)]
         if budgeted:  # the grammar's rows in parallel, then the budget rule narrows its rows
             rows = [(m.inner if isinstance(m, BudgetMatcher) else m, row) for m, row in rows]
-        native = [(m._m, row) for m, row in rows if isinstance(m, LLGuidanceMatcher) and not m._eos_accepted]
-        rest = [(m, row) for m, row in rows if not (isinstance(m, LLGuidanceMatcher) and not m._eos_accepted)]
-        if len(native) > 1:
+        native: list[tuple[llguidance.LLMatcher, int]] = []
+        rest: list[tuple[Matcher, int]] = []
+        copies: list[tuple[int, int]] = []  # (row computed, row that gets its mask)
+        leaders: dict[tuple, list[tuple[LLGuidanceMatcher, int]]] = {}
+        for m, row in rows:
+            if not isinstance(m, LLGuidanceMatcher) or m._eos_accepted:
+                rest.append((m, row))
+                continue
+            key = m._state_key()
+            if key is not None:
+                same = leaders.setdefault(key, [])
+                lead = next((r for other, r in same if other._ids == m._ids), None)
+                if lead is not None:
+                    copies.append((lead, row))
+                    continue
+                same.append((m, row))
+            native.append((m._m, row))
+        if len(native) > 1 and self._mask_threads > 0:
             with self._executor_lock:
                 if self._executor is None:
                     self._executor = llguidance.LLExecutor(num_threads=self._mask_threads)
             llguidance.torch.fill_next_token_bitmask_par(self._executor, native, bitmask)
         else:
-            rest = rows
+            for m, row in native:
+                llguidance.torch.fill_next_token_bitmask(m, bitmask, row)
         for m, row in rest:
             m.fill_bitmask(bitmask, row)
+        for lead, row in copies:
+            bitmask[row].copy_(bitmask[lead])
+        self.shared_mask_rows_total += len(copies)
         for m, row in budgeted:
             m.steer(bitmask, row)

@@ -22,6 +22,7 @@ from typing import Any
 
 from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
+from prefixrt.constrained.budget import budget_matcher
 from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
 from prefixrt.engine.postprocess import jump_forward
@@ -208,7 +209,7 @@ class Engine(EngineFront):
             r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, namespace=p.cache_salt, **req_fields)
             if compiled is not None:
                 budget = min(p.max_new_tokens, self.max_context - len(ids))
-                r.matcher = self.grammar_compiler().backend.budget_matcher(compiled, budget)
+                r.matcher = budget_matcher(self.grammar_compiler().backend, compiled, budget)
                 # Step-0 forced tokens join the prefill (reserve 1: the prefill still samples a token).
                 r.pending_emit = jump_forward(r, self.max_context, reserve=1)
             reqs.append(r)

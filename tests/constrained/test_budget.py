@@ -12,7 +12,7 @@ import json
 import jsonschema
 import pytest
 
-from prefixrt.constrained.budget import BudgetMatcher, JsonState
+from prefixrt.constrained.budget import BudgetMatcher, JsonState, budget_matcher
 from prefixrt.constrained.testing import random_walk
 
 BACKENDS = ("llguidance", "xgrammar")
@@ -69,7 +69,7 @@ def test_sibling_cost_is_the_longest_child_so_far():
 
 def _walk(backend, texts, kind, spec, seed, budget, budgeted):
     compiled = backend.compile(kind, spec)
-    matcher = backend.budget_matcher(compiled, budget) if budgeted else backend.matcher(compiled)
+    matcher = budget_matcher(backend, compiled, budget) if budgeted else backend.matcher(compiled)
     return random_walk(backend, compiled, texts, seed=seed, max_tokens=budget, p_eos=0.0, p_closer=0.0,
                        matcher=matcher)
 
