@@ -190,6 +190,10 @@ class LLGuidanceBackend(GrammarBackend):
     between JSON tokens (default False: `json.dumps` layout, `, ` and `: `). limits: llguidance
     `LLParserLimits` (the defaults bound per-token work, so a pathological grammar errors, never hangs).
     mask_threads: threads for `fill_bitmasks` (llguidance's executor; 0: the calling thread).
+    warm_lexer: start each request's matcher as a copy of the grammar's template (a lexer warmed by finished
+    requests, see _Template) instead of a fresh matcher. Off by default: measured on an H200 host (Llama-3-8B
+    shape, long-keys JSON at batch 64, 14 mask threads), the copies made the parallel mask fill several times
+    slower (jump-forward on 2406 vs 6068 tok/s with fresh matchers), while on one thread they save ~12%.
     """
 
     name = "llguidance"
@@ -203,8 +207,10 @@ class LLGuidanceBackend(GrammarBackend):
         json_whitespace_flexible: bool = False,
         limits: llguidance.LLParserLimits | None = None,
         mask_threads: int = 2,
+        warm_lexer: bool = False,
     ):
         self._set_vocab(tokenizer, vocab_size, eos_token_ids)
+        self.warm_lexer = warm_lexer
         self._json_options: dict = (
             {"whitespace_flexible": True}
             if json_whitespace_flexible
@@ -279,8 +285,12 @@ class LLGuidanceBackend(GrammarBackend):
     def matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         if compiled.backend_name != self.name:
             raise ValueError(f"grammar compiled by {compiled.backend_name}, not {self.name}")
-        template = compiled.handle.template
-        m = template.copy()
+        if self.warm_lexer:
+            template = compiled.handle.template
+            m = template.copy()
+        else:
+            template = None
+            m = llguidance.LLMatcher(self.ll_tokenizer, compiled.handle.text, limits=self._limits, log_level=0)
         if m.is_error():
             raise InvalidRequest(f"invalid {compiled.kind}: {_first_line(m.get_error())}")
         return LLGuidanceMatcher(m, self, template, compiled.handle)

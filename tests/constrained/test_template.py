@@ -37,8 +37,9 @@ def _fresh(backend, compiled) -> LLGuidanceMatcher:
 
 
 @pytest.mark.parametrize("case", range(len(SPECS)), ids=[k for k, _ in SPECS])
-def test_template_copies_match_fresh_matchers(small_backends, case):
+def test_template_copies_match_fresh_matchers(small_backends, case, monkeypatch):
     backend = small_backends["llguidance"]
+    monkeypatch.setattr(backend, "warm_lexer", True)
     kind, spec = SPECS[case]
     compiled = backend.compile(kind, spec)
     template = compiled.handle.template
@@ -101,9 +102,10 @@ def test_template_copies_match_fresh_matchers(small_backends, case):
     assert backend.shared_mask_rows_total > shared0  # some rows' masks were copies of another row's
 
 
-def test_rollback_after_donation(small_backends):
+def test_rollback_after_donation(small_backends, monkeypatch):
     """A matcher that donated its lexer still rolls back and goes on like a fresh one."""
     backend = small_backends["llguidance"]
+    monkeypatch.setattr(backend, "warm_lexer", True)
     compiled = backend.compile("choices", ["yes", "no"])
     tok = backend.tokenizer
     a, b = backend.matcher(compiled), _fresh(backend, compiled)
@@ -119,3 +121,18 @@ def test_rollback_after_donation(small_backends):
     no = tok.encode("no", add_special_tokens=False)
     assert a.accept_tokens(no) == b.accept_tokens(no) == len(no)
     assert a.is_finished() and b.is_finished()
+
+
+def test_matchers_start_fresh_unless_warm_lexer(small_backends, monkeypatch):
+    """The default (the parallel mask fill measured faster with them): every matcher is built from the grammar
+    text, and finishing one hands nothing back to the template."""
+    backend = small_backends["llguidance"]
+    compiled = backend.compile("choices", ["yes", "no"])
+    m = backend.matcher(compiled)
+    assert m._template is None
+    generation = compiled.handle.template.generation
+    assert m.accept_tokens(backend.tokenizer.encode("yes", add_special_tokens=False)) > 0
+    m.accept_token(backend.eos_token_ids[0])
+    assert compiled.handle.template.generation == generation
+    monkeypatch.setattr(backend, "warm_lexer", True)
+    assert backend.matcher(compiled)._template is compiled.handle.template
