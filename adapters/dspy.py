@@ -163,7 +163,7 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
             params.update(answer)
             if not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
                 # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
-                params.update(output_format_constraint(messages))
+                params.update(output_format_constraint(messages, params.get("max_new_tokens")))
     except InvalidRequest as e:
         raise InvalidRequestError(str(e), provider=_PROVIDER) from e
     return messages, params, tools

@@ -105,8 +105,9 @@ def _tool_call_rule(options: list[str], tools: dict[str, dict], between: str, su
     return "v_next_tool_name"
 
 
-def _value_rule(name: str, note: str, suffix: str, rules: list[str]) -> str:
-    """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned."""
+def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: int | None = None) -> str:
+    """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned. text_cap: the
+    most tokens a text value may take (then its suffix is forced), or None."""
     rule = f"v_{name}"
     if note.startswith("must adhere to the JSON schema: "):
         try:
@@ -128,8 +129,23 @@ def _value_rule(name: str, note: str, suffix: str, rules: list[str]) -> str:
         return rule
     else:
         body = _TEXT
+        if text_cap is not None:  # llguidance ends a capped suffix-lexeme without its suffix: write it out
+            rules += [f"{rule}: {rule}_text {_lit(suffix)}", f"{rule}_text[max_tokens={text_cap}]: {body}"]
+            return rule
     rules.append(f"{rule}[suffix={_lit(suffix)}]: {body}")
     return rule
+
+
+# Tokens a field header and the separators around it take (`\n\n[[ ## name ## ]]\n`: 8 to 12 in common vocabularies).
+_HEADER_TOKENS = 12
+
+
+def text_cap(fields: list[str], max_tokens: int | None) -> int | None:
+    """The most tokens each text value may take so that every field and the end marker fit in `max_tokens`:
+    an equal share of what the headers leave (at least 8). None without a budget."""
+    if not max_tokens:
+        return None
+    return max(8, (max_tokens - _HEADER_TOKENS * (len(fields) + 1)) // max(1, len(fields)))
 
 
 def _options(note: str) -> list[str] | None:
@@ -139,7 +155,8 @@ def _options(note: str) -> list[str] | None:
     return None
 
 
-def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict], first: str, after) -> str:
+def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict], first: str, after,
+                    max_tokens: int | None = None) -> str:
     """`first` then each field's value followed by `after(k)` (the text between field k and the next, or the
     end). dspy.ReAct's next_tool_name + next_tool_args pair becomes one rule when every option is a known tool."""
     rules: list[str] = []
@@ -153,27 +170,31 @@ def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, d
             seq.append(_tool_call_rule(options, tools, after(k), after(k + 1), rules))
             k += 2
             continue
-        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules))
+        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules, text_cap(fields, max_tokens)))
         k += 1
     return "\n".join([f"start: {_lit(first)} " + " ".join(seq), *rules])
 
 
-def chat_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None) -> str:
+def chat_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None,
+                         max_tokens: int | None = None) -> str:
     def after(k: int) -> str:
         return f"\n\n[[ ## {fields[k + 1]} ## ]]\n" if k + 1 < len(fields) else "\n\n[[ ## completed ## ]]"
 
-    return _fields_grammar(fields, notes, tools or {}, f"[[ ## {fields[0]} ## ]]\n", after)
+    return _fields_grammar(fields, notes, tools or {}, f"[[ ## {fields[0]} ## ]]\n", after, max_tokens)
 
 
-def xml_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None) -> str:
+def xml_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None,
+                        max_tokens: int | None = None) -> str:
     def after(k: int) -> str:
         return f"\n</{fields[k]}>" + (f"\n<{fields[k + 1]}>\n" if k + 1 < len(fields) else "")
 
-    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after)
+    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after, max_tokens)
 
 
-def output_format_constraint(messages: list[dict]) -> dict:
-    """{"grammar": ...} for the reply format a DSPy adapter asked for in `messages`, or {}."""
+def output_format_constraint(messages: list[dict], max_tokens: int | None = None) -> dict:
+    """{"grammar": ...} for the reply format a DSPy adapter asked for in `messages`, or {}. max_tokens: the
+    reply's budget; each text value is then capped (`text_cap`) so that every field is written within it (a
+    small model otherwise writes the first text field until max_tokens, and the reply does not parse)."""
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         return {}
@@ -183,12 +204,12 @@ def output_format_constraint(messages: list[dict]) -> dict:
     if m:
         fields = _CHAT_FIELD.findall(m.group(1))
         if fields:
-            return {"grammar": chat_adapter_grammar(fields, _notes(system), _react_tools(system))}
+            return {"grammar": chat_adapter_grammar(fields, _notes(system), _react_tools(system), max_tokens)}
     m = _XML_REQUEST.search(last)
     if m:
         fields = _XML_FIELD.findall(m.group(1))
         if fields:
-            return {"grammar": xml_adapter_grammar(fields, _notes(system), _react_tools(system))}
+            return {"grammar": xml_adapter_grammar(fields, _notes(system), _react_tools(system), max_tokens)}
     return {}
 
 

@@ -55,25 +55,33 @@ class JsonState:
 
     Also records, per open container, the token length of its longest complete child (member or item) so
     far: the cost of one more sibling. Whitespace-separated documents (tool calls one per line) are a
-    sequence whose documents are siblings too. Text that is not JSON makes the state `broken` (no closing text).
+    sequence whose documents are siblings too. Text that is not JSON makes the state `broken` (no closing
+    text) until a `{` or `[` begins a line.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: int = 0) -> None:
+        self.after_newline = False  # (broken text) the last character was a newline
         self.stack: list[list] = []  # [kind "{" or "[", longest child in tokens, token index where the child began]
         self.mode = _VALUE
         self.key = False  # the open string is a key
         self.escape = False
         self.literal_rest = ""
-        self.tokens = 0  # tokens fed so far
+        self.tokens = tokens  # tokens fed so far
         self.broken = False
         self.last = ""  # the open number's last character
-        self.root_start = 0  # token index where the current top-level document began
+        self.root_start = tokens  # token index where the current top-level document began
         self.root_longest = 0  # the longest complete top-level document so far, in tokens
 
     def feed(self, text: str) -> None:
         for c in text:
             if self.broken:
-                return
+                # Text that is not JSON: a `{` or `[` that begins a line begins a document again (a JSON value
+                # a grammar puts after a header line: DSPy's `[[ ## advice ## ]]\n{...}`).
+                if c in "{[" and self.after_newline:
+                    self.__init__(self.tokens)
+                    self._char(c)
+                self.after_newline = c == "\n"
+                continue
             self._char(c)
         self.tokens += 1
 
@@ -247,8 +255,11 @@ class BudgetMatcher(Matcher):
     def need(self, limit: int) -> int | None:
         """How many tokens the document needs to end from here under the grammar, taking its forced tokens and
         otherwise the first token of `_tiers` it accepts (limit + 1 when that takes more than `limit`); None where
-        the grammar accepts none of them. Leaves the matcher as it was (what it accepts is rolled back)."""
-        inner, state, taken = self.inner, copy.deepcopy(self._state), 0
+        the grammar accepts none of them. Leaves the matcher as it was: the probe runs on the matcher's `fork()`
+        where it has one (llguidance), else what it accepts is rolled back."""
+        fork = getattr(self.inner, "fork", None)  # a copy to probe on, where the backend has one
+        inner = fork() if fork is not None else self.inner
+        state, taken = copy.deepcopy(self._state), 0
         try:
             while not inner.is_finished():
                 if taken >= limit:
@@ -268,7 +279,8 @@ class BudgetMatcher(Matcher):
                 state.feed("" if step in self._eos else self._text(step))
             return taken
         finally:
-            inner.rollback(taken)
+            if fork is None:
+                inner.rollback(taken)
 
     def steer_ids(self) -> tuple[str, list[list[int]] | None]:
         """What the rule does now: ("end", tiers) when the budget is tight (the caller keeps the first tier the

@@ -151,6 +151,13 @@ class LLGuidanceMatcher(Matcher):
             del self._hashes[-remaining:]
         self._num_accepted -= num_tokens
 
+    def fork(self) -> LLGuidanceMatcher:
+        """An independent copy in the same state (llguidance cannot roll back past a max_tokens lexeme)."""
+        twin = object.__new__(LLGuidanceMatcher)
+        twin.__dict__.update(self.__dict__)
+        twin._m = self._m.deep_copy()
+        return twin
+
     def forced_tokens(self) -> list[int]:
         if self.is_finished():
             return []

@@ -3,7 +3,7 @@ is a constraint (adapters/dspy_formats.py), so Predict and ChainOfThought parse 
 each, no JSONAdapter fallback — for at least 19 of 20 inputs (issue 14; measured counts in docs/adapters.md), and
 streamify with a StreamListener runs. The Responses API through the in-process OpenAI shim runs on the same
 engine, and dspy.ReAct with a Python tool runs its loop (the tool called with arguments under its schema) to a
-final answer. (Refine on Gemma is not run here: docs/adapters.md.) Gemma in-process only: the one
+final answer; dspy.Refine's feedback step parses on its first call. Gemma in-process only: the one
 session engine `gemma_engine` (shared with tests/adapters/test_dspy.py)."""
 
 from __future__ import annotations
@@ -136,3 +136,19 @@ def test_responses_through_the_shim(gemma_engine):
         assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 1
     finally:
         client.close()
+
+
+def test_refine_feedback_parses_on_the_first_call(lm, capsys):
+    """dspy.Refine with a reward the first attempt misses: its feedback step (OfferFeedback: `discussion` text and
+    `advice: dict[str, str]`, under a ~4,000-token prompt) parses on its first call under the default ChatAdapter,
+    so no attempt fails and the feedback step is one call (the attempts run on copies of the LM, with their own
+    histories; the feedback step on the configured LM). Before, the
+    model wrote `discussion` until max_tokens, ChatAdapter's parse failed and JSONAdapter's retry filled the open
+    `advice` with keys until max_tokens: Refine printed "Attempt failed"."""
+    refine = dspy.Refine(dspy.Predict("question -> answer"), N=2, reward_fn=lambda args, pred: 0.0, threshold=1.0)
+    before = len(lm.history)
+    pred = refine(question="What is the capital of France?")
+    assert isinstance(pred.answer, str)
+    assert "Attempt failed" not in capsys.readouterr().out
+    feedback = lm.history[before:]
+    assert len(feedback) == 1 and "[[ ## advice ## ]]" in feedback[0]["outputs"][0], feedback

@@ -134,3 +134,13 @@ def test_prose_is_left_alone():
     state = JsonState()
     state.feed("2 + 3 is 5")
     assert state.broken and state.closing_text() is None
+
+
+def test_a_json_value_after_a_header_line_is_followed():
+    """DSPy's ChatAdapter reply: text, then a JSON value on its own line after a field header."""
+    state = JsonState()
+    for piece in ["[[ ## discussion ## ]]\n", "It was fine.", "\n\n[[ ## advice ## ]]\n", '{"self": "', "N/A"]:
+        state.feed(piece)
+    assert not state.broken and state.closing_text() == '"}'
+    state.feed('"}\n\n[[ ## completed ## ]]')
+    assert state.broken
