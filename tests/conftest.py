@@ -13,8 +13,15 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from tests.helpers.engines import assert_idle_and_clean, make_tiny_tokenizer
+# Without a GPU the Triton kernels run under the CPU interpreter. The variable must be set before triton is
+# first imported, and collecting any test module may import it (llguidance does), so it is set here, in the
+# root conftest, which pytest loads before collecting any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.helpers.engines import assert_idle_and_clean, make_tiny_tokenizer  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
