@@ -73,3 +73,60 @@ def paged_slots(RowPtr, n0, end, BLOCK_N: tl.constexpr, PAGE_SPAN: tl.constexpr)
     first = n0 + tl.arange(0, BLOCK_N // PAGE_SPAN) * PAGE_SPAN
     base = tl.load(RowPtr + first, mask=first < end, other=0).to(tl.int64)  # base: [BLOCK_N // PAGE_SPAN]
     return tl.reshape(base[:, None] + tl.arange(0, PAGE_SPAN)[None, :], [BLOCK_N])
+
+
+# ------------------------------------------------------------------ programmatic dependent launch (PDL)
+# On Hopper and later a kernel launched with PDL may start while the kernel before it in the stream is still
+# running: its programs are scheduled as soon as every program of that kernel has signalled (pdl_trigger, which
+# the decode-path kernels do first thing), and `pdl_wait` then blocks until that kernel has completed and its
+# writes are visible. A kernel may do work that depends on nothing the earlier kernels write before the wait
+# (the GEMV loads its first weight tile there); everything else, every write included, comes after it. The
+# launch and the kernel's own constexpr both follow `pdl_args`, so with PDL off (the default, the CPU, the
+# interpreter, older GPUs) the kernels compile and launch exactly as before. The wait is transitive: a kernel
+# past its wait knows every earlier kernel in the stream has completed, whether or not those used PDL.
+_PDL = {"enabled": False}
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch the decode-path kernels with PDL (applies to kernels launched, or graphs captured, after this)."""
+    _PDL["enabled"] = bool(enabled)
+
+
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    if device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_DEVICES:
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_DEVICES[index]
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Kernel launch arguments: {} (PDL off), or the kernel's USE_PDL constexpr plus Triton's launch flag."""
+    if _PDL["enabled"] and t.is_cuda and pdl_supported(t.device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {}
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next kernel in the stream be scheduled (it still waits for this one before its dependent work)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until the kernel before this one in the stream has completed and its writes are visible."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_begin(USE_PDL: tl.constexpr):
+    """pdl_trigger, then pdl_wait: a kernel whose every access may depend on the kernel before it."""
+    pdl_trigger(USE_PDL)
+    pdl_wait(USE_PDL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from prefixrt.kernels._common import pdl_args, pdl_begin
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -25,7 +26,9 @@ def gated_act(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _act_mul_kernel(GateUp, Out, stride_gu, stride_o, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(GateUp, Out, stride_gu, stride_o, inter, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    pdl_begin(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -47,5 +50,5 @@ def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 2048)
     grid = (num_rows, triton.cdiv(inter, block))
     _act_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, ACT=act, BLOCK=block,
-                          num_warps=4)
+                          num_warps=4, **pdl_args(gate_up))
     return out

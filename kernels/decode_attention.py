@@ -32,6 +32,8 @@ from prefixrt.kernels._common import (
     mma,
     page_span,
     paged_slots,
+    pdl_args,
+    pdl_begin,
     softcap_scores,
 )
 
@@ -46,8 +48,9 @@ def _decode_stage1(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    PAGE_SPAN: tl.constexpr = 1,
+    PAGE_SPAN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_begin(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,10 +129,11 @@ def _merge_splits(
     MidO, MidLse, Out, KvStart,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    NUM_GUARDED: tl.constexpr,
+    NUM_GUARDED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Out[b, h] = LSE-weighted mean of the split partials. The first NUM_GUARDED splits (cascade prefix
     splits) count only for sequences with KvStart[b] > 0, i.e. members of a prefix group."""
+    pdl_begin(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -175,7 +179,7 @@ def _stage1_config(head_dim: int, work_items: int) -> dict:
 
 def launch_decode_stage1(
     q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
-    sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0, page_size=1, config=None,
+    sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0, page_size=1, config=None, pdl=False,
 ):  # fmt: skip
     """Write partials for splits [split_offset, split_offset + num_splits) of mid_o / mid_lse. page_size > 1:
     the slots are read a page run at a time (see paged_slots for the layout this relies on). config: launch
@@ -198,11 +202,11 @@ def launch_decode_stage1(
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None, **dot_args(q.dtype), **cfg,
-        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]),
+        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **(pdl_args(q) if pdl else {}),
     )  # fmt: skip
 
 
-def launch_merge(o, mid_o, mid_lse, num_splits, kv_start=None, num_guarded=0):
+def launch_merge(o, mid_o, mid_lse, num_splits, kv_start=None, num_guarded=0, pdl=False):
     batch_size, num_heads, head_dim = o.shape
     if batch_size == 0:
         return
@@ -212,7 +216,7 @@ def launch_merge(o, mid_o, mid_lse, num_splits, kv_start=None, num_guarded=0):
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), NUM_GUARDED=num_guarded,
-        num_warps=1 if interpreting() else 4,
+        num_warps=1 if interpreting() else 4, **(pdl_args(o) if pdl else {}),
     )  # fmt: skip
 
 
@@ -241,6 +245,6 @@ def decode_attention(
         mid_o, mid_lse = decode_workspace(batch_size, num_heads, head_dim, num_kv_splits, q.device)
     launch_decode_stage1(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
-        sliding_window, logit_softcap, num_kv_splits, page_size=page_size,
+        sliding_window, logit_softcap, num_kv_splits, page_size=page_size, pdl=True,
     )  # fmt: skip
-    launch_merge(o, mid_o, mid_lse, num_kv_splits)
+    launch_merge(o, mid_o, mid_lse, num_kv_splits, pdl=True)

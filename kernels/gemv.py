@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import dot_args, mma
+from prefixrt.kernels._common import dot_args, mma, pdl_args, pdl_begin, pdl_trigger, pdl_wait
 from prefixrt.kernels.activation import ACTIVATIONS, gated_act
 
 MAX_M = 64  # the tallest input tile; larger batches go to cuBLAS
@@ -46,12 +46,33 @@ class GemvConfig:
 
 
 @triton.jit
+def _load_w(w_rows, offs_k, mask_n, k_hi, EVEN: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] weight tile."""
+    if EVEN:  # N % BLOCK_N == 0 and K % (SPLIT_K * BLOCK_K) == 0: unmasked, vectorised weight loads
+        return tl.load(w_rows + offs_k[None, :])
+    return tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_x(x_rows, offs_k, mask_m, k_hi, K, ACT: tl.constexpr, dtype: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] input tile (act(gate) * up from the fused gate_up row [gate (K) | up (K)] with
+    ACT), in the weight's dtype."""
+    mask_x = mask_m[:, None] & (offs_k < k_hi)[None, :]
+    if ACT == "none":
+        return tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
+    g = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+    u = tl.load(x_rows + K + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
+    return (gated_act(g, ACT) * u).to(dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     X, W, Bias, Y, Partial, M, N, K, stride_xm, stride_wn, stride_ym, stride_ps,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_trigger(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -65,19 +86,17 @@ def _gemv_kernel(
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = X + offs_m[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_first = k_lo
+    if USE_PDL:  # the first weight tile is read while the kernel before this one finishes (W is never written)
+        w0 = _load_w(w_rows, k_lo + offs_kb, mask_n, k_hi, EVEN)
+        pdl_wait(USE_PDL)
+        x0 = _load_x(x_rows, k_lo + offs_kb, mask_m, k_hi, K, ACT, w0.dtype)
+        acc += mma(x0, tl.trans(w0), DOT_PRECISION, UPCAST_DOT)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + offs_kb
-        if EVEN:  # N % BLOCK_N == 0 and K % (SPLIT_K * BLOCK_K) == 0: unmasked, vectorised weight loads
-            w = tl.load(w_rows + offs_k[None, :])
-        else:
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < k_hi)[None, :], other=0.0)
-        mask_x = mask_m[:, None] & (offs_k < k_hi)[None, :]
-        if ACT == "none":
-            x = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0)
-        else:  # x = act(gate) * up from the fused gate_up row [gate (K) | up (K)]
-            g = tl.load(x_rows + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            u = tl.load(x_rows + K + offs_k[None, :], mask=mask_x, other=0.0).to(tl.float32)
-            x = (gated_act(g, ACT) * u).to(w.dtype)
+        w = _load_w(w_rows, offs_k, mask_n, k_hi, EVEN)
+        x = _load_x(x_rows, offs_k, mask_m, k_hi, K, ACT, w.dtype)
         acc += mma(x, tl.trans(w), DOT_PRECISION, UPCAST_DOT)
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -92,8 +111,9 @@ def _gemv_kernel(
 @triton.jit
 def _sum_splits_kernel(
     Partial, Bias, Y, M, N, stride_ps, stride_ym,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_begin(USE_PDL)
     m = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -136,13 +156,13 @@ def gemv(
         weight.stride(0), y.stride(0), partial.stride(0) if split > 1 else 0,
         HAS_BIAS=bias is not None, ACT=act_input or "none", BLOCK_M=block_m(num_rows), BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, SPLIT_K=split, EVEN=even, num_warps=c.num_warps, num_stages=c.num_stages,
-        **dot_args(weight.dtype),
+        **dot_args(weight.dtype), **pdl_args(weight),
     )  # fmt: skip
     if split > 1:
         block = min(triton.next_power_of_2(n), 1024)
         _sum_splits_kernel[(num_rows, triton.cdiv(n, block))](
             partial, bias if bias is not None else weight, y, num_rows, n, partial.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4,
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4, **pdl_args(weight),
         )  # fmt: skip
     return y
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from prefixrt.kernels._common import pdl_args, pdl_begin
 
 
 @triton.jit
 def _add_rms_norm_kernel(
     X, R, W, Out, Summed,
     stride_x, stride_r, stride_o, stride_s, N, eps,
-    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_begin(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -66,5 +68,6 @@ def add_rms_norm(
     _add_rms_norm_kernel[(num_rows,)](
         x, r, weight, out, summed, x.stride(0), r.stride(0), out.stride(0), summed.stride(0), n, eps,
         HAS_RESIDUAL=residual is not None, GEMMA=gemma, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        **pdl_args(x),
     )  # fmt: skip
     return out, summed

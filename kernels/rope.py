@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from prefixrt.kernels._common import pdl_args, pdl_begin
 
 
 @triton.jit
@@ -51,8 +52,9 @@ def _qk_norm_rope_store_kernel(
     stride_vb_n, stride_vb_h, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, GEMMA: tl.constexpr,
+    NORM: tl.constexpr, GEMMA: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_begin(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_half = tl.arange(0, BLOCK_HALF)
     mask_half = offs_half < HALF
@@ -131,5 +133,6 @@ def qk_norm_rope_store(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, GEMMA=gemma_norm, num_warps=4,
+        **pdl_args(qkv),
     )  # fmt: skip
     return q_out

@@ -32,6 +32,11 @@ class EngineConfig:
     # Shared-prefix (cascade) decode inside the decode graphs (CUDA, Triton backend): running requests that
     # share a cached prefix read its K/V once per tile. None: the engine's default (builder.CASCADE_DECODE).
     cascade_decode: bool | None = None
+    # Programmatic dependent launch (kernels/_common.py) for the fused decode-path kernels (CUDA, Hopper and
+    # later, Triton backend): each kernel is scheduled while the one before it finishes and the GEMV reads its
+    # first weight tile meanwhile; small-batch linears then run the Triton GEMV wherever the table knows the
+    # shape. None: the engine's default (builder.PDL).
+    pdl: bool | None = None
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
     overlap_schedule: bool | None = None

@@ -56,7 +56,13 @@ def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device,
         from prefixrt.model.layers import use_fused_kernels
 
         t = time.perf_counter()
-        use_fused_kernels(model)  # before warm-up and capture: the graphs record the fused kernels
+        from prefixrt.engine.builder import pdl_enabled
+        from prefixrt.kernels._common import pdl_supported
+
+        pdl = pdl_enabled(config) and pdl_supported(device)
+        use_fused_kernels(model, pdl=pdl)  # before warm-up and capture: the graphs record the fused kernels
+        if startup is not None:
+            startup["pdl"] = pdl
         if startup is not None:
             startup["fused_kernels_s"] = time.perf_counter() - t
         if say is not None:

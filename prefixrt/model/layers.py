@@ -11,6 +11,7 @@ the two). The engine switches it on when attention runs on the Triton backend on
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
@@ -35,11 +36,11 @@ MAX_GEMV_ROWS = 64  # = prefixrt.kernels.gemv.MAX_M
 def _kernels() -> SimpleNamespace:
     """The Triton kernels of the fused path, imported on first use: the torch path never needs Triton, and
     TRITON_INTERPRET must be set before the kernel modules are first imported."""
-    from prefixrt.kernels import activation, gemv, norm, rope
+    from prefixrt.kernels import _common, activation, gemv, norm, rope
 
     return SimpleNamespace(act_mul=activation.act_mul, gemv=gemv.gemv, GemvConfig=gemv.GemvConfig,
                            choose_gemv_config=gemv.choose_config, add_rms_norm=norm.add_rms_norm,
-                           qk_norm_rope_store=rope.qk_norm_rope_store)
+                           qk_norm_rope_store=rope.qk_norm_rope_store, set_pdl=_common.set_pdl)
 
 # ----------------------------------------------------------------------------------------------- norms
 
@@ -360,12 +361,14 @@ def gemv_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, 
     return _GEMV_CHOICES[key]
 
 
-def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None) -> dict[int, GemvConfig]:
+def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None, prefer_gemv: bool = False
+                  ) -> dict[int, GemvConfig]:
     """rows (1..MAX_GEMV_ROWS) -> GEMV config, for one weight; row counts left out run cuBLAS. gemv:
     "table" (CUDA: the choices measured on this GPU model and checked in; shapes not in it run cuBLAS, so
     start-up measures nothing), "measure" (CUDA: like "table", but shapes missing from it are measured
     now: the fastest of the Triton layouts and cuBLAS per measured row count), "always" (the default layout
-    for every row count: tests, the interpreter) or "never" (cuBLAS)."""
+    for every row count: tests, the interpreter) or "never" (cuBLAS). prefer_gemv: where cuBLAS won a row
+    count of a shape that has a GEMV layout at another row count, use that layout anyway (see gemv_fallback)."""
     if gemv == "never":
         return {}
     if gemv == "always":
@@ -384,6 +387,8 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None) -> di
             key = (n, k, rows, act, weight.dtype, gpu)
             cached = _GEMV_CHOICES.get(key)  # measured earlier in this process (a benchmark)
             measured[rows] = cached[0] if cached else _table_choice(n, k, rows, act, weight.dtype, gpu)[1]
+    if prefer_gemv:
+        measured = gemv_fallback(measured)
     plan = {}
     for rows in range(1, MAX_GEMV_ROWS + 1):
         config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
@@ -392,10 +397,32 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None) -> di
     return plan
 
 
-def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table") -> None:
+def gemv_fallback(measured: dict[int, GemvConfig | None]) -> dict[int, GemvConfig | None]:
+    """Fill the row counts where cuBLAS won with the GEMV layout of the nearest row count that has one (its
+    pipeline capped at 3 stages above 16 rows, where the taller input tile needs more shared memory). A shape
+    with no layout at any row count stays on cuBLAS."""
+    have = [m for m in MEASURED_ROWS if measured.get(m) is not None]
+    if not have:
+        return dict(measured)
+    out = {}
+    for rows in MEASURED_ROWS:
+        config = measured.get(rows)
+        if config is None:
+            config = measured[min(have, key=lambda m: (abs(m - rows), m))]
+            if rows > 16 and config.num_stages > 3:
+                config = dataclasses.replace(config, num_stages=3)
+        out[rows] = config
+    return out
+
+
+def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table", pdl: bool = False) -> None:
     """Switch every norm, MLP, attention block and linear of `model` to the Triton kernels (enabled) or
-    back to the torch reference path. gemv: see gemv_plan_for. Mutates the modules' `fused` flags and GEMV
-    plans only; weights are untouched. Call before capturing CUDA graphs: the plans are part of them."""
+    back to the torch reference path. gemv: see gemv_plan_for. pdl: launch the kernels with programmatic
+    dependent launch (kernels/_common.py; process-wide) and run the GEMV for every row count of a shape the
+    table knows (a cuBLAS launch would end each overlap). Mutates the modules' `fused` flags and GEMV plans
+    only; weights are untouched. Call before capturing CUDA graphs: the plans are part of them."""
+    if enabled or pdl:
+        _kernels().set_pdl(enabled and pdl)
     for module in model.modules():
         if hasattr(module, "fused"):
             module.fused = enabled
@@ -403,4 +430,4 @@ def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table
             act = module.fused_act
             module.down_act_plan = gemv_plan_for(module.down_proj.weight, gemv, act) if enabled and act else {}
         if isinstance(module, Linear):
-            module.gemv_plan = gemv_plan_for(module.weight, gemv) if enabled else {}
+            module.gemv_plan = gemv_plan_for(module.weight, gemv, prefer_gemv=pdl) if enabled else {}

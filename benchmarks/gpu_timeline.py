@@ -1,0 +1,299 @@
+"""Where a decode step's wall time goes on the GPU host: the device timeline of the loop, step by step.
+
+CUDA events are recorded around each forward (inside EngineCore.launch) and around each draw (the sampling
+kernels), so the device timestamps show, per step: the forward's device time, the sampling's, and the two
+places the GPU can sit idle waiting for the host (between a forward's end and its draw being enqueued, and
+between the draw's end and the next forward being enqueued). A gap near zero means the device had the next
+work queued already; a positive gap is time the GPU waited for the host. Host wall time of each loop unit
+is timed too. Cases: the RAG case streamed with text, decode at batch 256 (1024 prompt), batch-1 decode at
+4k context; each against the captured graph replayed alone right after. `nvidia-smi dmon` runs beside it.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_timeline.py [--only rag,b256,b1] [--cascade 0|1]
+    PYTHONPATH=$PWD python benchmarks/gpu_timeline.py --smoke      # tiny shapes on the CPU, to test the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import prefixrt  # noqa: E402
+from prefixrt.bench import workloads as W  # noqa: E402
+
+RESULTS: dict = {}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+class Timeline:
+    """Events around runner.forward and core.draw, host times of the loop units; installed on the loop thread."""
+
+    UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.cuda = torch.cuda.is_available() and eng.core.device.type == "cuda"
+        self.fwd: list = []  # (event before, event after, kind, tokens, seqs)
+        self.draws: list = []  # (event before, event after)
+        self.host = dict.fromkeys(self.UNITS, 0.0)
+        self.steps = 0
+
+    def _ev(self):
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def install(self):
+        core, runner = self.eng.core, self.eng.core.runner
+        orig_fwd = runner.forward
+        tl = self
+
+        def fwd(fb):
+            before = dict(runner.replays)
+            a = tl._ev()
+            out = orig_fwd(fb)
+            b = tl._ev()
+            kind = next((k for k, v in runner.replays.items() if v != before.get(k)), "?")
+            tl.fwd.append((a, b, kind, int(fb.input_ids.shape[0]), int(fb.batch_size), time.perf_counter()))
+            return out
+
+        def wrap(name):
+            f = getattr(core, name)
+
+            def timed(*a, **k):
+                t = time.perf_counter()
+                ev0 = tl._ev() if name == "draw" else None
+                try:
+                    return f(*a, **k)
+                finally:
+                    if name == "draw":
+                        tl.draws.append((ev0, tl._ev()))
+                    tl.host[name] += time.perf_counter() - t
+                    if name == "process":
+                        tl.steps += 1
+            setattr(core, name, timed)
+
+        def go():
+            runner.forward = fwd
+            for n in self.UNITS:
+                wrap(n)
+        self.eng._run_on_loop(go)
+        return self
+
+    def uninstall(self) -> dict:
+        core, runner = self.eng.core, self.eng.core.runner
+
+        def go():
+            runner.__dict__.pop("forward", None)
+            for n in self.UNITS:
+                core.__dict__.pop(n, None)
+        self.eng._run_on_loop(go)
+        if self.cuda:
+            torch.cuda.synchronize()
+        return self.summary()
+
+    def summary(self) -> dict:
+        out = {"forwards": len(self.fwd), "draws": len(self.draws),
+               "host_ms_per_step": {k: round(v / max(self.steps, 1) * 1000, 3) for k, v in self.host.items()}}
+        if not self.cuda or not self.fwd:
+            return out
+        # Pair each forward with the draw that follows it in stream order (draw(N) is enqueued after
+        # build(N+1) and before launch(N+1)): draw i belongs to the last forward enqueued before it.
+        rows = []
+        t0 = self.fwd[0][0]
+        fwd_t = [(t0.elapsed_time(a), t0.elapsed_time(b), kind, n, s) for a, b, kind, n, s, _ in self.fwd]
+        draw_t = sorted((t0.elapsed_time(a), t0.elapsed_time(b)) for a, b in self.draws if a is not None)
+        j = 0
+        for i, (fa, fb, kind, n, s) in enumerate(fwd_t):
+            nxt = fwd_t[i + 1][0] if i + 1 < len(fwd_t) else None
+            d = None
+            while j < len(draw_t) and draw_t[j][0] < fb - 1e-3:
+                j += 1
+            if j < len(draw_t) and (nxt is None or draw_t[j][0] <= nxt + 1e-3):
+                d = draw_t[j]
+                j += 1
+            rows.append({"kind": kind, "tokens": n, "seqs": s, "fwd_ms": fb - fa,
+                         "gap_to_draw_ms": (d[0] - fb) if d else None, "draw_ms": (d[1] - d[0]) if d else None,
+                         "gap_to_next_ms": (nxt - (d[1] if d else fb)) if nxt is not None else None,
+                         "period_ms": (nxt - fa) if nxt is not None else None})
+        groups: dict = {}
+        for r in rows:
+            groups.setdefault((r["kind"], 1 << max(0, r["tokens"] - 1).bit_length()), []).append(r)
+
+        def med(rs, key):
+            v = [r[key] for r in rs if r[key] is not None]
+            return round(statistics.median(v), 4) if v else None
+
+        def mean(rs, key):
+            v = [r[key] for r in rs if r[key] is not None]
+            return round(sum(v) / len(v), 4) if v else None
+        out["by_kind"] = [{"kind": k, "tokens_le": b, "count": len(rs),
+                           **{f"{key}_p50": med(rs, key) for key in ("fwd_ms", "gap_to_draw_ms", "draw_ms",
+                                                                   "gap_to_next_ms", "period_ms")},
+                           **{f"{key}_mean": mean(rs, key) for key in ("fwd_ms", "gap_to_draw_ms", "draw_ms",
+                                                                    "gap_to_next_ms", "period_ms")}}
+                          for (k, b), rs in sorted(groups.items())]
+        out["device_span_ms"] = round(fwd_t[-1][1] - fwd_t[0][0], 2)
+        out["fwd_total_ms"] = round(sum(r["fwd_ms"] for r in rows), 2)
+        out["draw_total_ms"] = round(sum(r["draw_ms"] or 0 for r in rows), 2)
+        out["idle_total_ms"] = round(sum((r["gap_to_draw_ms"] or 0) + (r["gap_to_next_ms"] or 0) for r in rows), 2)
+        return out
+
+
+async def _stream_text(eng, prompts, max_new: int, concurrency: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    ttfts, toks = [], [0]
+
+    async def one(p):
+        async with sem:
+            t0 = time.perf_counter()
+            first = None
+            async for ch in eng.astream(p, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}):
+                if first is None and ch.token_ids:
+                    first = time.perf_counter()
+                toks[0] += len(ch.token_ids)
+            ttfts.append((first or time.perf_counter()) - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(p) for p in prompts))
+    dt = time.perf_counter() - t0
+    ttfts.sort()
+    return {"seconds": round(dt, 3), "out_tok_s": round(toks[0] / dt, 1),
+            "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1000, 1)}
+
+
+def replay_alone(eng, bs: int, iters: int = 50) -> float | None:
+    g = eng.core.runner.graphs
+    if g is None or bs not in g.graphs or g.graphs[bs][0] is None:
+        return None
+    graph = g.graphs[bs][0]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return round(a.elapsed_time(b) / iters, 4)
+
+
+def case_rag(eng, smoke: bool) -> dict:
+    vocab = eng.vocab_size
+    w = W.rag(vocab) if not smoke else W.rag(vocab, requests=4, shared_len=64, unique_len=8, output_len=6)
+    prompts = [s[0].new_tokens for s in w.sessions]
+    max_new = w.sessions[0][0].max_new_tokens
+    res = {"warm": asyncio.run(_stream_text(eng, prompts, max_new, 64))}
+    eng.flush_cache()
+    res["plain"] = asyncio.run(_stream_text(eng, prompts, max_new, 64))
+    eng.flush_cache()
+    tl = Timeline(eng).install()
+    res["timed"] = asyncio.run(_stream_text(eng, prompts, max_new, 64))
+    res["timeline"] = tl.uninstall()
+    eng.flush_cache()
+    return res
+
+
+def case_decode(eng, bs: int, ctx: int, steps: int, smoke: bool) -> dict:
+    vocab = eng.vocab_size
+    rng = random.Random(bs)
+    prompts = [[rng.randrange(16, vocab) for _ in range(ctx)] for _ in range(bs)]
+    p = {"temperature": 0, "ignore_eos": True, "detokenize": False}
+    eng.flush_cache()
+    eng.generate(prompts, {"max_new_tokens": 0})
+    eng.generate(prompts, {**p, "max_new_tokens": 4})  # warm
+    t0 = time.perf_counter()
+    eng.generate(prompts, {**p, "max_new_tokens": 1})
+    t1 = time.perf_counter()
+    eng.generate(prompts, {**p, "max_new_tokens": 1 + steps})
+    t2 = time.perf_counter()
+    res = {"step_ms": round(((t2 - t1) - (t1 - t0)) / steps * 1000, 4)}
+    if eng.core.device.type == "cuda":
+        res["replay_alone_ms"] = replay_alone(eng, bs)
+    tl = Timeline(eng).install()
+    eng.generate(prompts, {**p, "max_new_tokens": 1 + steps})
+    res["timeline"] = tl.uninstall()
+    if eng.core.device.type == "cuda":
+        res["replay_alone_after_ms"] = replay_alone(eng, bs)
+    eng.flush_cache()
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default="rag,b256,b64,b1")
+    ap.add_argument("--cascade", default=None)
+    ap.add_argument("--pdl", default=None, help="1/0: EngineConfig.pdl (programmatic dependent launch)")
+    args = ap.parse_args()
+    smoke = args.smoke
+    out = os.environ.get("OUT")
+    tag = "" if args.pdl is None else f"_pdl{args.pdl}"
+    dmon = None
+    if not smoke and out:
+        dmon = subprocess.Popen(["nvidia-smi", "dmon", "-s", "pucm", "-d", "1", "-f", os.path.join(out, f"dmon{tag}.txt")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kw = dict(load_format="dummy", kv_cache_tokens=330_000 if not smoke else 4000)
+    if args.cascade is not None:
+        kw["cascade_decode"] = args.cascade == "1"
+    if args.pdl is not None:
+        kw["pdl"] = args.pdl == "1"
+    if smoke:
+        kw.update(device="cpu", attention_backend="torch")
+    t = time.perf_counter()
+    eng = prefixrt.Engine("llama-3-8b" if not smoke else "qwen3-0.6b", **kw)
+    RESULTS["startup_s"] = round(time.perf_counter() - t, 1)
+    RESULTS["pdl"] = eng._built.startup.get("pdl") if hasattr(eng, "_built") and hasattr(eng._built, "startup") else None
+    log(f"engine up in {RESULTS['startup_s']}s, pdl {RESULTS['pdl']}")
+    only = args.only.split(",")
+    try:
+        if "rag" in only:
+            RESULTS["rag"] = case_rag(eng, smoke)
+            log("rag", json.dumps(RESULTS["rag"]))
+        for name, bs, ctx, steps in (("b256", 256, 1024, 64), ("b64", 64, 1024, 64), ("b1", 1, 4096, 128)):
+            if name in only:
+                if smoke:
+                    bs, ctx, steps = min(bs, 4), 32, 4
+                RESULTS[name] = case_decode(eng, bs, ctx, steps, smoke)
+                log(name, json.dumps(RESULTS[name]))
+    finally:
+        eng.shutdown()
+        if dmon is not None:
+            dmon.terminate()
+    if out:
+        with open(os.path.join(out, f"gpu_timeline{tag}.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    log("\ncase | out tok/s or step ms | fwd p50 | gap->draw p50 | draw p50 | gap->next p50 | period p50 | replay alone")
+    for name, r in RESULTS.items():
+        if not isinstance(r, dict) or "timeline" not in r and "timed" not in r:
+            continue
+        tl = r.get("timeline", {})
+        head = r["timed"]["out_tok_s"] if "timed" in r else r.get("step_ms")
+        for k in tl.get("by_kind", []):
+            if k["count"] < 3:
+                continue
+            log(f"{name} {k['kind']}<= {k['tokens_le']} x{k['count']} | {head} | {k['fwd_ms_p50']} | "
+                f"{k['gap_to_draw_ms_p50']} | {k['draw_ms_p50']} | {k['gap_to_next_ms_p50']} | {k['period_ms_p50']} | "
+                f"{r.get('replay_alone_ms')}/{r.get('replay_alone_after_ms')}")
+        log(f"{name} host ms/step {tl.get('host_ms_per_step')} idle total {tl.get('idle_total_ms')} ms "
+            f"of span {tl.get('device_span_ms')}")
+
+
+if __name__ == "__main__":
+    main()
