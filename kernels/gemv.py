@@ -26,6 +26,7 @@ from prefixrt.kernels._common import dot_args, mma, pdl_args, pdl_begin, pdl_tri
 from prefixrt.kernels.activation import ACTIVATIONS, gated_act
 
 MAX_M = 64  # the tallest input tile; larger batches go to cuBLAS
+PDL_SMEM_BYTES = 200 << 10  # shared memory the pipelined tiles may take with PDL (Hopper: 227 KB a block)
 
 
 def block_m(num_rows: int) -> int:
@@ -151,12 +152,17 @@ def gemv(
     even = n % c.block_n == 0 and k % (split * c.block_k) == 0
     partial = torch.empty((split, num_rows, n), dtype=torch.float32, device=weight.device) if split > 1 else y
     grid = (triton.cdiv(n, c.block_n), split)
+    pdl = pdl_args(weight)
+    stages = c.num_stages
+    if pdl:  # the tile read before the wait takes one pipeline stage's worth of shared memory more
+        tile_bytes = (block_m(num_rows) + c.block_n) * c.block_k * weight.element_size()
+        stages = max(1, min(stages, PDL_SMEM_BYTES // tile_bytes - 1))
     _gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, y, partial, num_rows, n, k, x.stride(0),
         weight.stride(0), y.stride(0), partial.stride(0) if split > 1 else 0,
         HAS_BIAS=bias is not None, ACT=act_input or "none", BLOCK_M=block_m(num_rows), BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, SPLIT_K=split, EVEN=even, num_warps=c.num_warps, num_stages=c.num_stages,
-        **dot_args(weight.dtype), **pdl_args(weight),
+        BLOCK_K=c.block_k, SPLIT_K=split, EVEN=even, num_warps=c.num_warps, num_stages=stages,
+        **dot_args(weight.dtype), **pdl,
     )  # fmt: skip
     if split > 1:
         block = min(triton.next_power_of_2(n), 1024)
