@@ -78,7 +78,7 @@ def paged_slots(RowPtr, n0, end, BLOCK_N: tl.constexpr, PAGE_SPAN: tl.constexpr)
 # ------------------------------------------------------------------ programmatic dependent launch (PDL)
 # On Hopper and later a kernel launched with PDL may start while the kernel before it in the stream is still
 # running: its programs are scheduled as soon as every program of that kernel has signalled (pdl_trigger, which
-# the decode-path kernels do first thing), and `pdl_wait` then blocks until that kernel has completed and its
+# the decode-path kernels do right after their own wait), and `pdl_wait` then blocks until that kernel has completed and its
 # writes are visible. A kernel may do work that depends on nothing the earlier kernels write before the wait
 # (the GEMV loads its first weight tile there); everything else, every write included, comes after it. The
 # launch and the kernel's own constexpr both follow `pdl_args`, so with PDL off (the default, the CPU, the
@@ -127,6 +127,8 @@ def pdl_wait(USE_PDL: tl.constexpr):
 
 @triton.jit
 def pdl_begin(USE_PDL: tl.constexpr):
-    """pdl_trigger, then pdl_wait: a kernel whose every access may depend on the kernel before it."""
-    pdl_trigger(USE_PDL)
+    """pdl_wait, then pdl_trigger: a kernel whose every access may depend on the kernel before it. Signalling
+    only once past the wait keeps at most one kernel waiting behind the running one (a kernel that signalled
+    first would let the whole rest of the forward become resident and wait)."""
     pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)

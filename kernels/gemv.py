@@ -73,7 +73,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl_trigger(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -91,6 +90,7 @@ def _gemv_kernel(
     if USE_PDL:  # the first weight tile is read while the kernel before this one finishes (W is never written)
         w0 = _load_w(w_rows, k_lo + offs_kb, mask_n, k_hi, EVEN)
         pdl_wait(USE_PDL)
+        pdl_trigger(USE_PDL)
         x0 = _load_x(x_rows, k_lo + offs_kb, mask_m, k_hi, K, ACT, w0.dtype)
         acc += mma(x0, tl.trans(w0), DOT_PRECISION, UPCAST_DOT)
         k_first = k_lo + BLOCK_K
