@@ -238,7 +238,7 @@ def case_decode(eng, bs: int, ctx: int, steps: int, smoke: bool) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--only", default="rag,b256,b64,b1")
+    ap.add_argument("--only", default="rag,b256,b64,b8,b1")
     ap.add_argument("--cascade", default=None)
     ap.add_argument("--pdl", default=None, help="1/0: EngineConfig.pdl (programmatic dependent launch)")
     args = ap.parse_args()
@@ -266,7 +266,8 @@ def main():
         if "rag" in only:
             RESULTS["rag"] = case_rag(eng, smoke)
             log("rag", json.dumps(RESULTS["rag"]))
-        for name, bs, ctx, steps in (("b256", 256, 1024, 64), ("b64", 64, 1024, 64), ("b1", 1, 4096, 128)):
+        for name, bs, ctx, steps in (("b256", 256, 1024, 64), ("b64", 64, 1024, 64), ("b8", 8, 2048, 64),
+                                     ("b1", 1, 4096, 128)):
             if name in only:
                 if smoke:
                     bs, ctx, steps = min(bs, 4), 32, 4

@@ -104,9 +104,15 @@ def pdl_supported(device: torch.device) -> bool:
     return _PDL_DEVICES[index]
 
 
-def pdl_args(t: torch.Tensor) -> dict:
-    """Kernel launch arguments: {} (PDL off), or the kernel's USE_PDL constexpr plus Triton's launch flag."""
-    if _PDL["enabled"] and t.is_cuda and pdl_supported(t.device):
+PDL_MAX_ROWS = 16  # PDL only for launches of at most this many rows (tokens): measured faster at batch 1 on an
+# H200 (4.79 -> 4.57 ms a decode step at 4k context) and slower at batch 64 (7.03 -> 7.49 ms, where cuBLAS
+# launches give way to the GEMV and its pipeline loses a stage to the tile read before the wait)
+
+
+def pdl_args(t: torch.Tensor, rows: int) -> dict:
+    """Kernel launch arguments for a launch over `rows` rows (tokens or sequences): {} (PDL off), or the
+    kernel's USE_PDL constexpr plus Triton's launch flag."""
+    if _PDL["enabled"] and rows <= PDL_MAX_ROWS and t.is_cuda and pdl_supported(t.device):
         return {"USE_PDL": True, "launch_pdl": True}
     return {}
 

@@ -50,5 +50,5 @@ def act_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 2048)
     grid = (num_rows, triton.cdiv(inter, block))
     _act_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, ACT=act, BLOCK=block,
-                          num_warps=4, **pdl_args(gate_up))
+                          num_warps=4, **pdl_args(gate_up, num_rows))
     return out

@@ -202,7 +202,7 @@ def launch_decode_stage1(
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None, **dot_args(q.dtype), **cfg,
-        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **(pdl_args(q) if pdl else {}),
+        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **(pdl_args(q, batch_size) if pdl else {}),
     )  # fmt: skip
 
 
@@ -216,7 +216,7 @@ def launch_merge(o, mid_o, mid_lse, num_splits, kv_start=None, num_guarded=0, pd
         o.stride(0), o.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), NUM_GUARDED=num_guarded,
-        num_warps=1 if interpreting() else 4, **(pdl_args(o) if pdl else {}),
+        num_warps=1 if interpreting() else 4, **(pdl_args(o, batch_size) if pdl else {}),
     )  # fmt: skip
 
 

@@ -152,7 +152,7 @@ def gemv(
     even = n % c.block_n == 0 and k % (split * c.block_k) == 0
     partial = torch.empty((split, num_rows, n), dtype=torch.float32, device=weight.device) if split > 1 else y
     grid = (triton.cdiv(n, c.block_n), split)
-    pdl = pdl_args(weight)
+    pdl = pdl_args(weight, num_rows)
     stages = c.num_stages
     if pdl:  # the tile read before the wait takes one pipeline stage's worth of shared memory more
         tile_bytes = (block_m(num_rows) + c.block_n) * c.block_k * weight.element_size()
@@ -168,7 +168,7 @@ def gemv(
         block = min(triton.next_power_of_2(n), 1024)
         _sum_splits_kernel[(num_rows, triton.cdiv(n, block))](
             partial, bias if bias is not None else weight, y, num_rows, n, partial.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4, **pdl_args(weight),
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4, **pdl_args(weight, num_rows),
         )  # fmt: skip
     return y
 

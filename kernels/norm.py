@@ -68,6 +68,6 @@ def add_rms_norm(
     _add_rms_norm_kernel[(num_rows,)](
         x, r, weight, out, summed, x.stride(0), r.stride(0), out.stride(0), summed.stride(0), n, eps,
         HAS_RESIDUAL=residual is not None, GEMMA=gemma, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-        **pdl_args(x),
+        **pdl_args(x, num_rows),
     )  # fmt: skip
     return out, summed

@@ -133,6 +133,6 @@ def qk_norm_rope_store(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, GEMMA=gemma_norm, num_warps=4,
-        **pdl_args(qkv),
+        **pdl_args(qkv, num_tokens),
     )  # fmt: skip
     return q_out

@@ -387,8 +387,10 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None, prefe
             key = (n, k, rows, act, weight.dtype, gpu)
             cached = _GEMV_CHOICES.get(key)  # measured earlier in this process (a benchmark)
             measured[rows] = cached[0] if cached else _table_choice(n, k, rows, act, weight.dtype, gpu)[1]
-    if prefer_gemv:
-        measured = gemv_fallback(measured)
+    if prefer_gemv:  # the row counts that launch with PDL (kernels/_common.py)
+        from prefixrt.kernels._common import PDL_MAX_ROWS
+
+        measured = gemv_fallback(measured, PDL_MAX_ROWS)
     plan = {}
     for rows in range(1, MAX_GEMV_ROWS + 1):
         config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
@@ -397,17 +399,18 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None, prefe
     return plan
 
 
-def gemv_fallback(measured: dict[int, GemvConfig | None]) -> dict[int, GemvConfig | None]:
-    """Fill the row counts where cuBLAS won with the GEMV layout of the nearest row count that has one (its
-    pipeline capped at 3 stages above 16 rows, where the taller input tile needs more shared memory). A shape
-    with no layout at any row count stays on cuBLAS."""
+def gemv_fallback(measured: dict[int, GemvConfig | None], max_rows: int = MAX_GEMV_ROWS
+                  ) -> dict[int, GemvConfig | None]:
+    """Fill the row counts up to max_rows where cuBLAS won with the GEMV layout of the nearest row count that
+    has one (its pipeline capped at 3 stages above 16 rows, where the taller input tile needs more shared
+    memory). A shape with no layout at any row count stays on cuBLAS."""
     have = [m for m in MEASURED_ROWS if measured.get(m) is not None]
     if not have:
         return dict(measured)
     out = {}
     for rows in MEASURED_ROWS:
         config = measured.get(rows)
-        if config is None:
+        if config is None and rows <= max_rows:
             config = measured[min(have, key=lambda m: (abs(m - rows), m))]
             if rows > 16 and config.num_stages > 3:
                 config = dataclasses.replace(config, num_stages=3)
