@@ -104,9 +104,10 @@ def pdl_supported(device: torch.device) -> bool:
     return _PDL_DEVICES[index]
 
 
-PDL_MAX_ROWS = 16  # PDL only for launches of at most this many rows (tokens): measured faster at batch 1 on an
-# H200 (4.79 -> 4.57 ms a decode step at 4k context) and slower at batch 64 (7.03 -> 7.49 ms, where cuBLAS
-# launches give way to the GEMV and its pipeline loses a stage to the tile read before the wait)
+PDL_MAX_ROWS = 1  # PDL only for launches of at most this many rows (tokens). Measured on an H200 (Llama-3-8B
+# shape, docs/benchmarks.md): batch 1 at 4k context 4.79 -> 4.57 ms a decode step; batch 8 5.29 -> 5.34 ms with
+# PDL up to 16 rows (the GEMV then replaces cuBLAS on gate_up and down, which costs more than the overlap
+# saves); batch 64 7.03 -> 7.49 ms with it up to 64 rows (the GEMV's pipeline also loses a stage there)
 
 
 def pdl_args(t: torch.Tensor, rows: int) -> dict:

@@ -35,7 +35,7 @@ class EngineConfig:
     # Programmatic dependent launch (kernels/_common.py) for the fused decode-path kernels (CUDA, Hopper and
     # later, Triton backend): each kernel is scheduled while the one before it finishes and the GEMV reads its
     # first weight tile meanwhile; small-batch linears then run the Triton GEMV wherever the table knows the
-    # shape. None: the engine's default (builder.PDL).
+    # shape. None: the engine's default (rank_setup.PDL).
     pdl: bool | None = None
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.

