@@ -43,6 +43,9 @@ class ReqToTokenTable:
         """The queued writes, in order, as one int64 [3, n] host tensor (rows, cols, slots). Built in numpy: a request
         admitted with a long cached prefix writes thousands of slots, which Python-level list building
         would walk element by element (~2 ms for 3500 slots)."""
+        if all(len(w[2]) == 1 for w in writes):  # a decode step: one new slot per request, in one pass
+            rows, starts, slots = zip(*writes)
+            return torch.tensor([rows, starts, [s[0] for s in slots]], dtype=torch.int64)
         blocks, run = [], ([], [], [])  # run: consecutive one-slot writes, kept in order
         for row, start, slots in writes:
             n = len(slots)

@@ -29,6 +29,15 @@ def test_indices_equal_reference_in_order():
         assert torch.equal(ReqToTokenTable._indices(writes), reference_indices(writes))
 
 
+def test_indices_of_a_decode_step_equal_reference():
+    """Every write one slot (a decode step): the one-pass path gives the same indices, in order."""
+    rng = random.Random(2)
+    for n in (1, 2, 256):
+        writes = [(rng.randrange(300), rng.randrange(4096), [rng.randrange(1, 10**6)]) for _ in range(n)]
+        got = ReqToTokenTable._indices(writes)
+        assert got.dtype == torch.int64 and torch.equal(got, reference_indices(writes))
+
+
 def test_flush_applies_queued_writes_in_order():
     rng = random.Random(1)
     table = ReqToTokenTable(6, 500, "cpu")
