@@ -148,6 +148,12 @@ class Timeline:
                            **{f"{key}_mean": mean(rs, key) for key in ("fwd_ms", "gap_to_draw_ms", "draw_ms",
                                                                     "gap_to_next_ms", "period_ms")}}
                           for (k, b), rs in sorted(groups.items())]
+        # Where the GPU waited: the steps with the longest idle gaps (index, gap before the draw, before the next
+        # forward, the forward's own time), and how many steps waited over 0.2 ms.
+        idle = [(i, r["gap_to_draw_ms"] or 0, r["gap_to_next_ms"] or 0, r["fwd_ms"]) for i, r in enumerate(rows)]
+        out["idle_top"] = [[i, round(a, 3), round(b, 3), round(f, 3)]
+                           for i, a, b, f in sorted(idle, key=lambda t: -(t[1] + t[2]))[:8]]
+        out["steps_idle_over_0p2ms"] = sum(1 for _, a, b, _ in idle if a + b > 0.2)
         out["device_span_ms"] = round(fwd_t[-1][1] - fwd_t[0][0], 2)
         out["fwd_total_ms"] = round(sum(r["fwd_ms"] for r in rows), 2)
         out["draw_total_ms"] = round(sum(r["draw_ms"] or 0 for r in rows), 2)
