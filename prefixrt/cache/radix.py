@@ -35,12 +35,21 @@ class _Node:
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # fast path in C for the common full-match case
+    for i in range(min(n, 16)):  # an early difference, found without copying
+        if a[i] != b[i]:
+            return i
+    if a[:n] == b[:n]:  # the common full match, compared in C
         return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
+    lo, hi = 16, n  # a[:lo] == b[:lo]; the first difference is in [lo, hi): halve it with slice compares
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 class RadixCache(PrefixCache):
