@@ -253,9 +253,9 @@ class ProcessEngine(EngineFront):
         self._streams[rid] = _InFlight(stream, set(range(p.n)))  # before sending: outputs may come at once
         try:
             if p.constraint_kind not in (None, "choices"):
-                self._ask(lambda call_id: Add(call_id, rid, ids, p))  # compiles in the child: wait for its verdict
+                self._ask(lambda call_id: Add.of(call_id, rid, ids, p))  # compiles in the child: wait for its verdict
             else:
-                self._send(Add(None, rid, ids, p))
+                self._send(Add.of(None, rid, ids, p))
         except BaseException:
             self._streams.pop(rid, None)
             raise
