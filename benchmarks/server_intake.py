@@ -13,7 +13,9 @@ Reported per --rounds round (one row each, then the best): the time from the fir
 streamed event of the last request (`all_first_s`: every request has reached the engine and had its first
 token), TTFT p50 / max, the whole run's wall time, and the CPU seconds the server process and the engine
 process spent over the intake (until `all_first_s`) and over the whole run, per request. --inprocess adds a
-row for the same prompts through Engine.astream in this process (no HTTP) as the floor.
+row for the same prompts through Engine.astream in this process (no HTTP) as the floor. --wire prints instead what
+the engine-process messages cost to pickle and unpickle: one Add of a RAG prompt, one step's Outputs for every
+request.
 """
 
 from __future__ import annotations
@@ -166,6 +168,40 @@ async def inprocess_round(eng, prompts: list[list[int]], output: int, cold: bool
             "ttft_max_ms": round(1000 * ttft[-1], 1), "wall_s": round(time.perf_counter() - t0, 3)}
 
 
+def wire_costs(requests: int, prompt_len: int, repeat: int = 2000) -> dict:
+    """Microseconds to send (build and pickle, as the pipe does) and receive (unpickle, the prompt ids as a list)
+    an Add of a prompt_len-id prompt, and one decode step's Outputs for `requests` requests; best of 5 rounds."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from prefixrt.engine import messages as M
+    from prefixrt.engine.stream import StepOutput
+    from prefixrt.params import SamplingParams
+
+    ids = workload(1, prompt_len, 0, 128_000)[0]
+    params = SamplingParams(max_new_tokens=200, temperature=0, ignore_eos=True, request_id=f"gen-{'0' * 32}")
+    make = getattr(M.Add, "of", M.Add)  # (Add.of packs the ids; an Add without it carries the list itself)
+    outputs = M.Outputs([(f"gen-{k:032x}", StepOutput(index=0, token_ids=[1234], text=None, prompt_tokens=prompt_len,
+                                                      cached_tokens=3500)) for k in range(requests)])
+    # The Add from the ids to bytes, and from bytes to the ids as a list; a step's Outputs to bytes and back.
+    ops = {"add_send": lambda: ForkingPickler.dumps(make(None, params.request_id, ids, params)),
+           "add_receive": lambda: pickle.loads(add_data).prompt_ids,
+           "outputs_send": lambda: ForkingPickler.dumps(outputs),
+           "outputs_receive": lambda: pickle.loads(outputs_data)}
+    add_data = bytes(ops["add_send"]())
+    outputs_data = bytes(ops["outputs_send"]())
+    out: dict = {"add_bytes": len(add_data), "outputs_bytes": len(outputs_data)}
+    for name, fn in ops.items():
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / repeat)
+        out[f"{name}_us"] = round(1e6 * best, 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
@@ -180,7 +216,11 @@ def main() -> None:
     ap.add_argument("--inprocess", action="store_true", help="add the in-process row (Engine.astream)")
     ap.add_argument("--hold", type=float, default=0.0,
                     help="seconds to wait after start-up before the rounds (to attach a profiler)")
+    ap.add_argument("--wire", action="store_true", help="only the pipe messages' pickling costs (no server)")
     args = ap.parse_args()
+    if args.wire:
+        print(json.dumps(wire_costs(args.requests, args.prefix + args.unique), indent=1))
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = str(long_context_model(Path(tmp)))

@@ -210,10 +210,14 @@ class EngineFront:
         with self._tok_lock:
             return self._tokenizer.decode(ids)
 
-    def _validate_ids(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate_ids(self, ids: list[int], params: SamplingParams, id_range: tuple[int, int] | None = None
+                      ) -> None:
+        """Raise InvalidRequest unless ids is a non-empty prompt within the vocabulary and the limits (and
+        params.logit_bias within the vocabulary). id_range: (min(ids), max(ids)) when the caller has them."""
         if not ids:
             raise InvalidRequest("prompt is empty", param="prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C-speed scans: prompts run to 100k+ tokens)
+        lowest, highest = id_range if id_range is not None else (min(ids), max(ids))  # (C-speed scans)
+        if lowest < 0 or highest >= self.vocab_size:
             bad = [t for t in ids if t < 0 or t >= self.vocab_size]
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  param="prompt")

@@ -21,6 +21,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from prefixrt.engine.stream import StepOutput
 from prefixrt.params import SamplingParams
 
@@ -37,6 +39,12 @@ def pack_token_ids(ids: list[int]) -> bytes:
 def unpack_token_ids(data: bytes) -> list[int]:
     """The inverse of pack_token_ids: a new list of ints."""
     return array(_ID_TYPECODE, data).tolist()
+
+
+def packed_id_range(data: bytes) -> tuple[int, int]:
+    """(smallest, largest) of packed token ids (at least one), read off the buffer without unpacking it."""
+    view = np.frombuffer(data, dtype=np.dtype(_ID_TYPECODE))
+    return int(view.min()), int(view.max())
 
 
 # ---------------------------------------------------------------------------------------------- server -> engine

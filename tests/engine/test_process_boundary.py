@@ -119,3 +119,29 @@ def test_step_outputs_pickle_every_field():
                       finished=True, finish_reason="stop", matched_stop="b", prompt_tokens=7, cached_tokens=3,
                       choice_scores={"a": -1.0}, final_text="ab", input_logprobs=[-0.25])
     assert pickle.loads(pickle.dumps(M.Outputs([("r", full)]))) == M.Outputs([("r", full)])
+
+
+def _verdict(prepare, *args):
+    try:
+        got = prepare(*args)
+    except InvalidRequest as e:
+        return "error", e.message, e.param
+    return "ok", got.prompt_ids, got.params, [(r.prompt_ids, r.index) for r in got.reqs]
+
+
+def test_prepare_packed_is_prepare_on_token_ids(make_engine):
+    """What the engine process does with an Add: the same checks, errors and prepared request as prepare()."""
+    eng = make_engine()
+    vocab, context = eng.vocab_size, eng.max_context
+    prompts = [[1, 2, 3], [0], [vocab - 1] * 5, [], [vocab], [5, -1, 7], [2**31 - 1], list(range(context + 3)),
+               [k % vocab for k in range(context - 1)]]
+    params = [SamplingParams(max_new_tokens=2, n=2, request_id="r"), SamplingParams(logit_bias={vocab: 1.0})]
+    for ids in prompts:
+        for p in params:
+            want = _verdict(eng.prepare, ids, p)
+            assert _verdict(eng.prepare_packed, M.pack_token_ids(ids), p) == want, (ids[:5], p)
+    prepared = eng.prepare_packed(M.pack_token_ids([1, 2, 3]), {"max_new_tokens": 2, "temperature": 0})
+    stream = RequestStream()
+    eng.enqueue(prepared, stream)
+    got = eng._wait(prepared.request_id, stream, prepared.prompt_ids, prepared.params)
+    assert got.token_ids == eng.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0}).token_ids
