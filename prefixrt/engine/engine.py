@@ -25,6 +25,7 @@ from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
 from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
+from prefixrt.engine.messages import packed_id_range, unpack_token_ids
 from prefixrt.engine.postprocess import jump_forward
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
@@ -200,6 +201,21 @@ class Engine(EngineFront):
         p = SamplingParams.coerce(params)
         ids = self._tokenize(prompt)
         self._validate_ids(ids, p)
+        return self._prepare_ids(ids, p, req_fields)
+
+    def prepare_packed(self, packed_ids: bytes, params) -> PreparedRequest:
+        """prepare() for a token-id prompt packed by messages.pack_token_ids (what a ProcessEngine's server process
+        sends): the same checks and the same result, with the id range read off the packed buffer and the ids
+        unpacked once (no Python step per id). Raises InvalidRequest."""
+        if self._stopped:
+            raise EngineDeadError("engine is shut down")
+        p = SamplingParams.coerce(params)
+        ids = unpack_token_ids(packed_ids)
+        self._validate_ids(ids, p, packed_id_range(packed_ids) if ids else None)
+        return self._prepare_ids(ids, p, {})
+
+    def _prepare_ids(self, ids: list[int], p: SamplingParams, req_fields: dict) -> PreparedRequest:
+        """The rest of prepare() for validated ids and params: compile the constraint, build one Req per sample."""
         compiled = None
         if p.constraint_kind not in (None, "choices"):
             compiled = self._compile(p)

@@ -155,7 +155,7 @@ class EngineFront:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
-            if not all(type(t) is int for t in prompt):  # (bool, an int subclass, is no token id)
+            if not _INT_ONLY.issuperset(map(type, prompt)):  # (bool, an int subclass, is no token id)
                 raise InvalidRequest("a token-id prompt must be a list of integers", param="prompt")
             return list(prompt)
         raise InvalidRequest(f"prompt must be str, list[int] or chat messages, not {type(prompt).__name__}",
@@ -210,10 +210,14 @@ class EngineFront:
         with self._tok_lock:
             return self._tokenizer.decode(ids)
 
-    def _validate_ids(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate_ids(self, ids: list[int], params: SamplingParams, id_range: tuple[int, int] | None = None
+                      ) -> None:
+        """Raise InvalidRequest unless ids is a non-empty prompt within the vocabulary and the limits (and
+        params.logit_bias within the vocabulary). id_range: (min(ids), max(ids)) when the caller has them."""
         if not ids:
             raise InvalidRequest("prompt is empty", param="prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C-speed scans: prompts run to 100k+ tokens)
+        lowest, highest = id_range if id_range is not None else (min(ids), max(ids))  # (C-speed scans)
+        if lowest < 0 or highest >= self.vocab_size:
             bad = [t for t in ids if t < 0 or t >= self.vocab_size]
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                  param="prompt")
@@ -420,6 +424,7 @@ async def _aiter_one(awaitable):
     yield await awaitable
 
 
+_INT_ONLY = frozenset({int})  # a token-id prompt's element types (a C-speed scan, not a Python step per id)
 _FAST_ENCODE_CHARS = 100_000  # texts longer than this skip the Python tokenizer wrapper (see _encode_text)
 _HEAD_CHARS_PER_TOKEN = 16  # a long text's head is this many characters per token of the limit (+ slack)
 _HEAD_SLACK_TOKENS = 64

@@ -54,6 +54,8 @@ from prefixrt.engine.messages import (
     Progress,
     Reply,
     Shutdown,
+    pack_token_ids,
+    packed_id_range,
 )
 from prefixrt.engine.process_child import child_main
 from prefixrt.engine.stream import RequestStream, StepOutput
@@ -242,7 +244,8 @@ class ProcessEngine(EngineFront):
             raise EngineDeadError(self._closed)
         p = SamplingParams.coerce(params)
         ids = self._tokenize(prompt)
-        self._validate_ids(ids, p)
+        packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
+        self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
         if isinstance(p.json_schema, type):  # a pydantic class: send its schema, not the class
             p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -253,9 +256,9 @@ class ProcessEngine(EngineFront):
         self._streams[rid] = _InFlight(stream, set(range(p.n)))  # before sending: outputs may come at once
         try:
             if p.constraint_kind not in (None, "choices"):
-                self._ask(lambda call_id: Add(call_id, rid, ids, p))  # compiles in the child: wait for its verdict
+                self._ask(lambda call_id: Add(call_id, rid, packed, p))  # compiles in the child: wait for its verdict
             else:
-                self._send(Add(None, rid, ids, p))
+                self._send(Add(None, rid, packed, p))
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -344,6 +347,14 @@ class ProcessEngine(EngineFront):
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _pack_if_int32(ids: list[int]) -> bytes | None:
+    """pack_token_ids(ids), or None for an id beyond int32 (outside any vocabulary: _validate_ids names it)."""
+    try:
+        return pack_token_ids(ids)
+    except OverflowError:
+        return None
 
 
 def _pickle(msg) -> bytes:

@@ -155,7 +155,7 @@ class EngineProcessServer:
     def add(self, msg: Add) -> None:
         rid, call_id = msg.request_id, msg.call_id
         try:
-            self.engine.enqueue(self.engine.prepare(msg.prompt_ids, msg.params), PipeSink(rid))
+            self.engine.enqueue(self.engine.prepare_packed(msg.packed_prompt_ids, msg.params), PipeSink(rid))
         except Exception as e:
             with self.compiling_lock:
                 self.compiling.pop(rid, None)

@@ -45,8 +45,8 @@ def test_prepare_attaches_constraint_matchers_per_sample(make_engine):
 
 
 MESSAGES = [
-    M.Add(3, "req-1", [1, 2, 3], SamplingParams(max_new_tokens=2, stop="x")),
-    M.Add(None, "req-2", [4], SamplingParams()),
+    M.Add.of(3, "req-1", [1, 2, 3], SamplingParams(max_new_tokens=2, stop="x")),
+    M.Add.of(None, "req-2", [4], SamplingParams()),
     M.Abort("req-1"),
     M.Call(7, "stats", ()),
     M.Shutdown(),
@@ -78,3 +78,70 @@ def test_unpicklable_errors_are_replaced_by_their_text():
     assert isinstance(e, RuntimeError) and str(e) == "Local: boom"
     ok = InvalidRequest("bad", param="regex")
     assert M.picklable(ok) is ok
+
+
+@pytest.mark.parametrize("ids", [[], [0], [2**31 - 1], list(range(5000)), [7, 0, 123456, 99]])
+def test_packed_token_ids_round_trip(ids):
+    data = M.pack_token_ids(ids)
+    assert isinstance(data, bytes) and len(data) == 4 * len(ids)
+    back = M.unpack_token_ids(data)
+    assert back == ids and type(back) is list and all(type(t) is int for t in back)
+    msg = M.Add.of(None, "r", ids, SamplingParams())
+    assert msg.prompt_ids == ids
+
+
+def test_an_add_carries_its_prompt_as_one_buffer():
+    from multiprocessing.reduction import ForkingPickler
+
+    ids = [100_000 + k for k in range(4000)]
+    msg = M.Add.of(None, "r", ids, SamplingParams(max_new_tokens=3))
+    data = bytes(ForkingPickler.dumps(msg))
+    assert len(data) < 4 * len(ids) + 1024  # the ids as int32 bytes, not a pickle opcode per id
+    back = pickle.loads(data)
+    assert back.prompt_ids == ids and back.params == msg.params and back.request_id == "r"
+
+
+def test_ids_outside_int32_cannot_be_packed():
+    with pytest.raises(OverflowError):
+        M.pack_token_ids([2**31])
+    with pytest.raises(OverflowError):
+        M.pack_token_ids([-(2**31) - 1])
+
+
+def test_step_outputs_pickle_every_field():
+    """StepOutput.__reduce__ lists the fields by hand: a field added to the dataclass must be added there too."""
+    values = {f.name: f"value-{k}" for k, f in enumerate(dataclasses.fields(StepOutput))}
+    out = StepOutput(**values)
+    assert list(out.__reduce__()[1]) == list(values.values())
+    back = pickle.loads(pickle.dumps(out))
+    assert type(back) is StepOutput and back == out
+    full = StepOutput(index=1, token_ids=[5, 6], text="ab", logprobs=[{"token_id": 5, "logprob": -0.5}],
+                      finished=True, finish_reason="stop", matched_stop="b", prompt_tokens=7, cached_tokens=3,
+                      choice_scores={"a": -1.0}, final_text="ab", input_logprobs=[-0.25])
+    assert pickle.loads(pickle.dumps(M.Outputs([("r", full)]))) == M.Outputs([("r", full)])
+
+
+def _verdict(prepare, *args):
+    try:
+        got = prepare(*args)
+    except InvalidRequest as e:
+        return "error", e.message, e.param
+    return "ok", got.prompt_ids, got.params, [(r.prompt_ids, r.index) for r in got.reqs]
+
+
+def test_prepare_packed_is_prepare_on_token_ids(make_engine):
+    """What the engine process does with an Add: the same checks, errors and prepared request as prepare()."""
+    eng = make_engine()
+    vocab, context = eng.vocab_size, eng.max_context
+    prompts = [[1, 2, 3], [0], [vocab - 1] * 5, [], [vocab], [5, -1, 7], [2**31 - 1], list(range(context + 3)),
+               [k % vocab for k in range(context - 1)]]
+    params = [SamplingParams(max_new_tokens=2, n=2, request_id="r"), SamplingParams(logit_bias={vocab: 1.0})]
+    for ids in prompts:
+        for p in params:
+            want = _verdict(eng.prepare, ids, p)
+            assert _verdict(eng.prepare_packed, M.pack_token_ids(ids), p) == want, (ids[:5], p)
+    prepared = eng.prepare_packed(M.pack_token_ids([1, 2, 3]), {"max_new_tokens": 2, "temperature": 0})
+    stream = RequestStream()
+    eng.enqueue(prepared, stream)
+    got = eng._wait(prepared.request_id, stream, prepared.prompt_ids, prepared.params)
+    assert got.token_ids == eng.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0}).token_ids

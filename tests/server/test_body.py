@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import random
 import signal
 
 import pytest
 from starlette.testclient import TestClient
 
 from prefixrt.server.app import create_app
-from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
+from prefixrt.server.body import OFFLOAD_BYTES, BodyParser, loads_json
 
 GREEDY = {"temperature": 0, "max_new_tokens": 2}  # /generate's spelling
 PAD = "pad " * 80_000  # 320 KB: above OFFLOAD_BYTES, so `prefixrt serve` sends it to the parser process too
@@ -113,3 +115,57 @@ def test_a_dead_parser_process_is_replaced():
         assert parser._pool is not None and parser._pool is not pool
     finally:
         parser.close()
+
+
+# Bodies where a JSON parser could differ from json.loads: numbers at the edges of float and int, escapes, bytes
+# that are not UTF-8, a BOM, duplicate keys, non-standard constants, nesting, whitespace, trailing garbage.
+EDGE_BODIES = [
+    b'{"a":1}', b'{"a":1,}', b'[1,2,]', b"01", b"-0", b"-0.0", b"1.", b".5", b"+1", b"NaN", b"Infinity", b"-Infinity",
+    b"nan", b"[1e400]", b"[-1e400]", b"1e-400", b"[1.5e1000000]", b"2.2250738585072011e-308",
+    b'{"a": 1.7976931348623157e308}', b"123456789012345678901234567890", b"-123456789012345678901234567890",
+    b"1" * 5000, b'"\\ud800"', b'"\\udc00x"', b'"\\ud83d\\ude00"', b'"a\x01b"', b'"a\tb"', b'"\\u0000"', b'"\\/"',
+    b'"\xed\xa0\x80"', b'"\xff"', b'\xef\xbb\xbf{"a":1}', '"é"'.encode("utf-16"), '"é😀"'.encode(),
+    b'{"a":1,"a":2}', b"  [1]  ", b"[1] x", b"", b'{"a":1}\n', b"\t\r\n 1", b"[1,\x0c2]", b"\x00",
+    b"[" * 300 + b"]" * 300, b"[" * 5000 + b"]" * 5000, b'{"a":"\\x"}', b"{1:2}", b"{'a':1}", b"// c\n1",
+    b"true", b"null", b"[true,false,null]", b"1E5", b"0.1",
+]
+
+
+def _same(x, y) -> bool:
+    """x and y are the same JSON value: same types all the way down, floats equal bit for bit (or both NaN)."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, float):
+        return (math.isnan(x) and math.isnan(y)) or (x == y and math.copysign(1, x) == math.copysign(1, y))
+    if isinstance(x, list):
+        return len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
+    if isinstance(x, dict):
+        return list(x) == list(y) and all(_same(x[k], y[k]) for k in x)
+    return x == y
+
+
+def _verdict(loads, body: bytes):
+    try:
+        return "value", loads(body)
+    except RecursionError as e:
+        return "error", (type(e), str(e))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
+        return "error", (type(e), str(e))
+
+
+@pytest.mark.parametrize("body", EDGE_BODIES, ids=range(len(EDGE_BODIES)))
+def test_loads_json_is_json_loads(body):
+    """The same value, or the same exception with the same message."""
+    want, got = _verdict(json.loads, body), _verdict(loads_json, body)
+    assert want[0] == got[0], body[:40]
+    assert _same(want[1], got[1]) if want[0] == "value" else want[1] == got[1], body[:40]
+
+
+def test_loads_json_numbers_are_json_loads_numbers():
+    rng = random.Random(0)
+    numbers = [repr(rng.uniform(-1e6, 1e6)) for _ in range(2000)]
+    numbers += [f"{rng.randrange(10**17)}e{rng.randrange(-330, 310)}" for _ in range(2000)]
+    numbers += [f"0.{rng.randrange(10**25):025d}" for _ in range(1000)]
+    numbers += [str(rng.randrange(-(2**70), 2**70)) for _ in range(1000)]
+    body = ("[" + ",".join(numbers) + "]").encode()
+    assert _same(json.loads(body), loads_json(body))
