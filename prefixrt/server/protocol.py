@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+# A token-id prompt: integers only. pydantic's lax int would take `true` as 1 and 2.0 as 2; the OpenAI API and
+# the in-process engine refuse both, so the server does too (a 400 naming the prompt).
+TokenIds = list[StrictInt]
 
 
 class _Body(BaseModel):
@@ -133,7 +137,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -143,15 +147,15 @@ class CompletionRequest(_Sampling):
 class GenerateRequest(_Body):
     """Native /generate: one prompt (text, token ids or chat messages) or a batch, and SamplingParams fields."""
 
-    prompt: str | list[int] | list[dict[str, Any]] | None = None
-    prompts: list[str | list[int] | list[dict[str, Any]]] | None = None
-    input_ids: list[int] | None = None
+    prompt: str | TokenIds | list[dict[str, Any]] | None = None
+    prompts: list[str | TokenIds | list[dict[str, Any]]] | None = None
+    input_ids: TokenIds | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
 
 
 class CachePrefixRequest(_Body):
-    prompt: str | list[int] | list[dict[str, Any]]
+    prompt: str | TokenIds | list[dict[str, Any]]
     cache_salt: str | None = None
 
 

@@ -19,6 +19,8 @@ GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     ([], "prompt"),
     ([1, 2.5], "prompt"),
     ([1, "x"], "prompt"),
+    ([1, True], "prompt"),  # a boolean is no token id (pydantic's lax int would read it as 1)
+    ([1, 2.0], "prompt"),
     (list(range(1, 300)) * 40, "tokens"),  # longer than the context
 ])
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
