@@ -168,7 +168,7 @@ def gemv(
         block = min(triton.next_power_of_2(n), 1024)
         _sum_splits_kernel[(num_rows, triton.cdiv(n, block))](
             partial, bias if bias is not None else weight, y, num_rows, n, partial.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4, **pdl_args(weight, num_rows),
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4, **pdl,
         )  # fmt: skip
     return y
 

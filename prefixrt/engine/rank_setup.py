@@ -67,7 +67,6 @@ def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device,
         use_fused_kernels(model, pdl=pdl)  # before warm-up and capture: the graphs record the fused kernels
         if startup is not None:
             startup["pdl"] = pdl
-        if startup is not None:
             startup["fused_kernels_s"] = time.perf_counter() - t
         if say is not None:
             say(f"fused Triton layer kernels on (small-batch GEMV layouts from the measured table) in "
