@@ -186,17 +186,21 @@ def main_json(args) -> None:
     rows = []
     for b in (int(x) for x in args.batch.split(",")):
         eng = build_json(args.json, b, args.grammar_backend)
-        measure_json(eng, min(b, 8), True)  # warm: compile the schema, first steps
-        for jf in (True, False):
-            runs = [measure_json(eng, b, jf) for _ in range(args.repeats)]
-            best = {k: min(r[k] for r in runs) for k in runs[0] if k != "digest"}
-            rows.append((b, jf, best))
+        backend = eng.grammar_compiler().backend
+        for lengths in args.string_lengths.split(","):
+            if hasattr(backend, "string_lengths"):  # llguidance: maxLength beside the grammar (on) or in it (off)
+                backend.string_lengths = lengths == "on"
+            measure_json(eng, min(b, 8), True)  # warm: compile the schema, first steps
+            for jf in (True, False):
+                runs = [measure_json(eng, b, jf) for _ in range(args.repeats)]
+                best = {k: min(r[k] for r in runs) for k in runs[0] if k != "digest"}
+                rows.append((b, jf, lengths, best))
         eng.shutdown()
-    keys = list(rows[0][2])
+    keys = list(rows[0][3])
     print(f"grammar backend {args.grammar_backend}")
-    print("batch   jf " + " ".join(f"{k:>19}" for k in keys))
-    for b, jf, best in rows:
-        print(f"{b:>5} {'on ' if jf else 'off'} " + " ".join(
+    print("batch   jf lengths " + " ".join(f"{k:>19}" for k in keys))
+    for b, jf, lengths, best in rows:
+        print(f"{b:>5} {'on ' if jf else 'off'} {lengths:>7} " + " ".join(
             f"{best[k]:19.3f}" if isinstance(best[k], float) else f"{best[k]:>19}" for k in keys))
 
 
@@ -206,6 +210,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="MODEL_DIR", default=None)
+    ap.add_argument("--string-lengths", default="on", help="(--json, llguidance) on,off: JSON string lengths checked "
+                    "beside the grammar or compiled into it, one row set each")
     ap.add_argument("--grammar-backend", default="llguidance")
     args = ap.parse_args()
     torch.set_num_threads(1)

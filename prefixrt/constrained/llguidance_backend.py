@@ -15,12 +15,14 @@ from typing import Any
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 
 from prefixrt.constrained import spec as specs
 from prefixrt.constrained.base import CompiledGrammar, GrammarBackend, Matcher
 from prefixrt.constrained.budget import BudgetMatcher
 from prefixrt.constrained.logits import fill_only
+from prefixrt.constrained.string_lengths import LengthRule, LengthTracker, TokenTable, split_lengths
 from prefixrt.errors import InvalidRequest
 
 
@@ -84,6 +86,13 @@ class LLGuidanceMatcher(Matcher):
         self._grammar = grammar  # None: never shares a mask
         self._ids: list[int] = []
         self._hashes: list[int] = [0]
+        # The schema's string lengths, checked beside llguidance (string_lengths.py); None: none to check.
+        self._lengths: LengthTracker | None = None
+        if grammar is not None and grammar.lengths is not None:
+            self._lengths = grammar.lengths.tracker()
+            self._token_bytes = grammar.lengths.table.token_bytes
+            self._tokenize = backend.ll_tokenizer.tokenize_bytes
+            self._closing_cache: tuple | None = None  # (state, _closing_run's answer)
 
     def _record(self, token_ids: list[int]) -> None:
         h = self._hashes
@@ -107,6 +116,71 @@ class LLGuidanceMatcher(Matcher):
             fill_only(bitmask, row, self._eos)
             return
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        self.narrow(bitmask, row)
+
+    def narrow(self, bitmask: torch.Tensor, row: int) -> None:
+        """Take from `bitmask[row]` (llguidance's mask) the tokens that would break a string length."""
+        if self._lengths is not None and not self._eos_accepted:
+            self.narrow_words(bitmask[row].numpy())
+
+    def narrow_words(self, words: np.ndarray) -> None:
+        """`narrow` on one row's int32 words (a numpy view of the bitmask row)."""
+        if self._lengths is not None and not self._eos_accepted:
+            self._lengths.narrow(words)
+            closing = self._closing_run()
+            if closing:  # as the grammar with the bound would: only the forced run's first token
+                keep = closing[0]
+                bit = (int(words[keep >> 5]) >> (keep & 31)) & 1
+                words[:] = 0
+                if bit:
+                    words[keep >> 5] = np.int32(-(1 << 31)) if keep & 31 == 31 else np.int32(1 << (keep & 31))
+
+    def _closing_run(self, alone_too: bool = False) -> list[int]:
+        """At a bounded string's maximum the grammar with the bound forces the closing quote and what the grammar
+        forces after it, as one run in the tokenizer's canonical tokens (e.g. `",` then ` "next_key":`). Here the
+        quote is a choice, so that run is found on a copy: the quote accepted, llguidance's forced tokens after it,
+        then the quote and those bytes tokenized together. Empty when not at a maximum or nothing is forced after
+        the quote, except with alone_too (forced_tokens): then the quote itself where it is the only token left."""
+        lengths = self._lengths
+        if lengths is None or not lengths.at_maximum():
+            return []
+        state = (self._num_accepted, self._hashes[-1], alone_too)
+        if self._closing_cache is None or self._closing_cache[0] != state:
+            self._closing_cache = (state, self._closing_run_uncached(alone_too))
+        return self._closing_cache[1]
+
+    def _closing_run_uncached(self, alone_too: bool) -> list[int]:
+        quote = self._lengths.table.quote_id
+        twin = self._m.deep_copy()
+        if quote is None or twin.validate_tokens([quote]) != 1 or not twin.consume_token(quote):
+            return []
+        after = [t for t in twin.compute_ff_tokens() if t not in self._eos]
+        if after:
+            return self._tokenize(b'"' + b"".join(self._token_bytes(t) for t in after))
+        if alone_too:
+            bitmask = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+            self.fill_bitmask(bitmask, 0)
+            if int((bitmask != 0).sum()) == 1 and int(bitmask[0, quote >> 5]) == 1 << (quote & 31):
+                return [quote]
+        return []
+
+    def _lengths_take(self, token_ids: list[int]) -> tuple[int, LengthTracker | None]:
+        """How many of token_ids (from the first) keep every string length, and the tracker after those (a new
+        one: the matcher's is unchanged; None without lengths)."""
+        if self._lengths is None:
+            return len(token_ids), None
+        state = self._lengths
+        for n, t in enumerate(token_ids):
+            probe = state.copy()
+            if not probe.feed_token(t):
+                return n, state
+            state = probe
+        return len(token_ids), state
+
+    def _lengths_feed(self, token_ids: list[int]) -> None:
+        if self._lengths is not None:
+            for t in token_ids:
+                self._lengths.feed_token(t)
 
     def accept_token(self, token_id: int) -> bool:
         if self._eos_accepted:
@@ -117,8 +191,15 @@ class LLGuidanceMatcher(Matcher):
             self._eos_accepted = True
         else:
             # consume_token on a rejected token would put llguidance in a permanent error state: check first.
+            lengths = None
+            if self._lengths is not None:  # fed on a copy: kept only if llguidance accepts the token too
+                lengths = self._lengths.copy()
+                if not lengths.feed_token(token_id):
+                    return False
             if self._m.validate_tokens([token_id]) != 1 or not self._m.consume_token(token_id):
                 return False
+            if lengths is not None:
+                self._lengths = lengths
             self._record([token_id])
         self._num_accepted += 1
         if self._template is not None and self.is_finished():
@@ -129,8 +210,11 @@ class LLGuidanceMatcher(Matcher):
         if self._eos_accepted or any(t in self._eos for t in token_ids):
             return super().accept_tokens(token_ids)
         n = self._m.validate_tokens(token_ids)
+        n, lengths = self._lengths_take(token_ids[:n])
         if n and not self._m.consume_tokens(token_ids[:n]):
             raise RuntimeError(f"llguidance rejected tokens it had validated: {self._m.get_error()}")
+        if lengths is not None:
+            self._lengths = lengths
         self._record(token_ids[:n])
         self._num_accepted += n
         if self._template is not None and self.is_finished():
@@ -149,6 +233,9 @@ class LLGuidanceMatcher(Matcher):
         if remaining:
             del self._ids[-remaining:]
             del self._hashes[-remaining:]
+            if self._lengths is not None:  # its state is a function of the tokens: replay those kept
+                self._lengths = self._lengths.rule.tracker()
+                self._lengths_feed(self._ids)
         self._num_accepted -= num_tokens
 
     def fork(self) -> LLGuidanceMatcher:
@@ -156,12 +243,17 @@ class LLGuidanceMatcher(Matcher):
         twin = object.__new__(LLGuidanceMatcher)
         twin.__dict__.update(self.__dict__)
         twin._m = self._m.deep_copy()
+        twin._ids, twin._hashes = list(self._ids), list(self._hashes)
+        if self._lengths is not None:
+            twin._lengths = self._lengths.copy()
         return twin
 
     def forced_tokens(self) -> list[int]:
         if self.is_finished():
             return []
-        return [t for t in self._m.compute_ff_tokens() if t not in self._eos]
+        # (The grammar without the bounds never forces a string's characters, so its forced runs keep them; and
+        # accept_tokens checks them all the same.)
+        return [t for t in self._m.compute_ff_tokens() if t not in self._eos] or self._closing_run(alone_too=True)
 
     def is_finished(self) -> bool:
         return self._eos_accepted or self._m.is_stopped() or self._m.is_error()
@@ -179,6 +271,7 @@ class _Grammar:
 
     text: str
     template: _Template
+    lengths: LengthRule | None = None  # string lengths taken out of the grammar (string_lengths.py)
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -194,6 +287,8 @@ class LLGuidanceBackend(GrammarBackend):
     requests, see _Template) instead of a fresh matcher. Off by default: measured on an H200 host (Llama-3-8B
     shape, long-keys JSON at batch 64, 14 mask threads), the copies made the parallel mask fill several times
     slower (jump-forward on 2406 vs 6068 tok/s with fresh matchers), while on one thread they save ~12%.
+    string_lengths: a JSON schema's maxLength / minLength, where `split_lengths` can place them, are checked
+    beside the grammar (string_lengths.py: the same masks, several times cheaper) instead of compiled into it.
     """
 
     name = "llguidance"
@@ -208,9 +303,13 @@ class LLGuidanceBackend(GrammarBackend):
         limits: llguidance.LLParserLimits | None = None,
         mask_threads: int = 2,
         warm_lexer: bool = False,
+        string_lengths: bool = True,
     ):
         self._set_vocab(tokenizer, vocab_size, eos_token_ids)
         self.warm_lexer = warm_lexer
+        self.string_lengths = string_lengths
+        self._table_lock = threading.Lock()
+        self._token_table: TokenTable | None = None
         self._json_options: dict = (
             {"whitespace_flexible": True}
             if json_whitespace_flexible
@@ -237,35 +336,48 @@ class LLGuidanceBackend(GrammarBackend):
             self.vocab_size,
             self.eos_token_ids,
             tuple(sorted(self._json_options.items())),
+            self.string_lengths,
         )
 
     # ------------------------------------------------------------------ compile
-    def _grammar_text(self, kind: str, spec: Any) -> str:
+    def _grammar_text(self, kind: str, spec: Any) -> tuple[str, dict]:
+        """(llguidance grammar text, the string bounds taken out of a JSON schema: string_lengths.py)."""
         specs.check_kind(kind)
         if kind == "regex":
             # \\d means [0-9] (as in JSON Schema patterns and in xgrammar), not Rust's Unicode digits.
             lark_regex = llguidance.regex_to_lark(specs.check_text(kind, spec), use_ascii="d")
-            return llguidance.LLMatcher.grammar_from_lark(f"start: /{lark_regex}/")
+            return llguidance.LLMatcher.grammar_from_lark(f"start: /{lark_regex}/"), {}
         if kind in ("json_schema", "json_object"):
             schema = specs.JSON_OBJECT_SCHEMA if kind == "json_object" else specs.load_json_schema(spec)
             specs.check_json_schema_refs(schema)
+            bounds: dict = {}
+            if self.string_lengths:
+                schema, bounds = split_lengths(schema)
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self._json_options)
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self._json_options), bounds
             except ValueError as e:
                 raise InvalidRequest(f"invalid json_schema: {e}", param="json_schema") from e
         if kind == "grammar":
             try:
-                return llguidance.grammar_from("grammar", specs.check_text(kind, spec))
+                return llguidance.grammar_from("grammar", specs.check_text(kind, spec)), {}
             except ValueError as e:  # GBNF -> Lark conversion failed
                 raise InvalidRequest(f"invalid grammar: {e}", param="grammar") from e
         choices = specs.check_choices(spec)
         return llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(specs.lark_string_literal(c) for c in choices)
-        )
+        ), {}
+
+    def token_table(self) -> TokenTable:
+        """The tokenizer's TokenTable for string lengths (built on first use, ~1-3 s for 128k tokens)."""
+        with self._table_lock:
+            if self._token_table is None:
+                raw = [self.ll_tokenizer.decode_bytes([t]) for t in range(len(self.tokenizer))]
+                self._token_table = TokenTable(raw, self.vocab_size)
+            return self._token_table
 
     def compile(self, kind: str, spec: Any) -> CompiledGrammar:
         spec_text = specs.canonical_spec(kind, spec)
-        grammar = self._grammar_text(kind, spec)
+        grammar, bounds = self._grammar_text(kind, spec)
         param = specs._param_for(kind)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, self.ll_tokenizer, limits=self._limits
@@ -279,8 +391,9 @@ class LLGuidanceBackend(GrammarBackend):
             probe.compute_bitmask()
         if probe.is_error():
             raise InvalidRequest(f"{kind} matches no output: {_first_line(probe.get_error())}", param=param)
+        lengths = LengthRule(bounds, self.token_table()) if bounds else None
         return CompiledGrammar(kind=kind, spec_text=spec_text, backend_name=self.name,
-                               handle=_Grammar(grammar, _Template(probe)))
+                               handle=_Grammar(grammar, _Template(probe), lengths))
 
     def matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         if compiled.backend_name != self.name:
@@ -306,6 +419,7 @@ class LLGuidanceBackend(GrammarBackend):
         if budgeted:  # the grammar's rows in parallel, then the budget rule narrows its rows
             rows = [(m.inner if isinstance(m, BudgetMatcher) else m, row) for m, row in rows]
         native: list[tuple[llguidance.LLMatcher, int]] = []
+        narrowed: list[tuple[LLGuidanceMatcher, int]] = []  # native rows with string lengths to check
         rest: list[tuple[Matcher, int]] = []
         copies: list[tuple[int, int]] = []  # (row computed, row that gets its mask)
         leaders: dict[tuple, list[tuple[LLGuidanceMatcher, int]]] = {}
@@ -322,6 +436,8 @@ class LLGuidanceBackend(GrammarBackend):
                     continue
                 same.append((m, row))
             native.append((m._m, row))
+            if m._lengths is not None:
+                narrowed.append((m, row))
         if len(native) > 1 and self._mask_threads > 0:
             with self._executor_lock:
                 if self._executor is None:
@@ -330,6 +446,10 @@ class LLGuidanceBackend(GrammarBackend):
         else:
             for m, row in native:
                 llguidance.torch.fill_next_token_bitmask(m, bitmask, row)
+        if narrowed:
+            words = bitmask.numpy()
+            for m, row in narrowed:
+                m.narrow_words(words[row])
         for m, row in rest:
             m.fill_bitmask(bitmask, row)
         for lead, row in copies:

@@ -32,8 +32,10 @@ SPECS = [
 
 
 def _fresh(backend, compiled) -> LLGuidanceMatcher:
-    """The oracle: a matcher built from the grammar text, with no template behind it."""
-    return LLGuidanceMatcher(llguidance.LLMatcher(backend.ll_tokenizer, compiled.handle.text, log_level=0), backend)
+    """The oracle: a matcher built from the grammar text, with no template behind it (and the grammar's string
+    lengths, checked beside it)."""
+    return LLGuidanceMatcher(llguidance.LLMatcher(backend.ll_tokenizer, compiled.handle.text, log_level=0), backend,
+                             None, compiled.handle)
 
 
 @pytest.mark.parametrize("case", range(len(SPECS)), ids=[k for k, _ in SPECS])
