@@ -120,8 +120,6 @@ def measure(eng: Engine, prompts: list[list[int]], output_tokens: int, followers
     finally:
         eng._run_on_loop(uninstall)
     assert all(len(r.token_ids) == output_tokens for r in res)
-    if os.environ.get("ADMIT_DEBUG"):
-        print([(c["unit"], c["admitted"], round(c["cpu"] * 1e3, 2)) for c in calls])
     hits = [c for c in calls if c["admitted"] == followers]
     units = [c["unit"] for c in hits]
     assert units == ["schedule", "build"], f"expected one step admitting {followers} followers, saw {units}"
