@@ -59,6 +59,10 @@ class KVManager:
         self.debug = debug
         self.evicted_tokens_total = 0
         self._running: dict[int, Any] = {}  # row -> request (or held record) holding it
+        # Prefix rows (_write_cached_prefix): lock handle -> (row, cached tokens) of a running request admitted on it,
+        # and the reverse map, to drop the entry when that request releases.
+        self._prefix_rows: dict[Any, tuple[int, int]] = {}
+        self._prefix_row_handles: dict[int, Any] = {}
         # Fence of the latest launched forward: an object with query() -> bool (done) and wait(). None: no
         # forward in flight, frees are immediate.
         self.write_fence = None
@@ -152,10 +156,13 @@ class KVManager:
         if self._fetches:
             self._fetches[0].done.wait(timeout_s)
 
-    def admit(self, req: Req) -> None:
-        """Give req a table row and lock its cached prefix. Re-matches, so the lock is never stale. With a host
-        tier, a host-resident part of the match gets pool pages and a load (its forward waits for it)."""
-        m = self.match(req)
+    def admit(self, req: Req, m: MatchResult | None = None) -> None:
+        """Give req a table row and lock its cached prefix. m: req's match (self.match(req)) if the caller has
+        one; it is used only if the cache has not changed since (else, and without one, req is re-matched), so
+        the lock is never stale. With a host tier, a host-resident part of the match gets pool pages and a load
+        (its forward waits for it)."""
+        if m is None or m.version != getattr(self.cache, "version", None):
+            m = self.match(req)
         if self.tiered is not None:
             m, req.cache_handle = self._admit_tiered(req, m)
         else:
@@ -165,9 +172,37 @@ class KVManager:
         ps = self.page_size
         req.pages = _page_ids(m.slots, 0, m.length, ps)
         req.kv_len = req.cached_len = m.length
-        self.table.write(req.row, 0, m.slots)
+        self._write_cached_prefix(req, m)
         if req.num_cached_tokens is None:  # reported as prompt tokens reused (forced output is not prompt)
             req.num_cached_tokens = min(m.length, len(req.prompt_ids))
+
+    def _write_cached_prefix(self, req: Req, m: MatchResult) -> None:
+        """table[req.row, :m.length] = m.slots, for a request just admitted on the locked match m.
+
+        Fast path: the first request admitted on a tree node (its lock handle) registers its row as the node's
+        prefix row; a later one admitted on the same node while that request runs copies that row's first
+        m.length cells on the device instead of converting m.slots on the host (the RAG case: 3500 cached slots
+        per follower). Exact because while the registered request runs, the node's path stays locked (its slots
+        never change) and the row's first m.length cells are never rewritten (later writes start at cached_len
+        >= m.length); release() drops the registration. The reference is the plain write (debug mode checks the
+        two agree through the pages they were built from)."""
+        handle = req.cache_handle
+        source = self._prefix_rows.get(handle) if handle is not None else None
+        if source is not None and source[1] == m.length:
+            if self.debug:
+                holder = self._running[source[0]]
+                assert holder.pages[: len(req.pages)] == req.pages, "prefix row holds other slots than the match"
+            self.table.copy_prefix(req.row, source[0], m.length, m.slots)
+            return
+        self.table.write(req.row, 0, m.slots)
+        if handle is not None and source is None and m.length:
+            self._prefix_rows[handle] = (req.row, m.length)
+            self._prefix_row_handles[req.row] = handle
+
+    def _forget_prefix_row(self, row: int) -> None:
+        handle = self._prefix_row_handles.pop(row, None)
+        if handle is not None:
+            del self._prefix_rows[handle]
 
     def _admit_tiered(self, req: Req, m: MatchResult):
         cache, ps = self.tiered, self.page_size
@@ -400,6 +435,7 @@ class KVManager:
         (it may be admitted again); while a forward is in flight the rest waits for its fence (see reclaim)."""
         if req.row is None:
             return
+        self._forget_prefix_row(req.row)
         fence = self.write_fence
         if fence is not None and not fence.query():
             held = _HeldKV(all_ids=req.all_ids[: req.kv_len], namespace=req.namespace, row=req.row,

@@ -27,7 +27,7 @@ from typing import Any
 from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult
 from prefixrt.cache.host_pool import HostKVPool
-from prefixrt.cache.radix import RadixCache, _common_prefix_len, _Node
+from prefixrt.cache.radix import RadixCache, _common_prefix_len, _matched_len, _Node
 from prefixrt.cache.transfer import KVTransfer, Transfer
 from prefixrt.config import WRITE_POLICIES
 
@@ -115,12 +115,12 @@ class TieredRadixCache(RadixCache):
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
                 break
-            n = self._align(_common_prefix_len(child.key, tokens[pos:limit]))
+            n = self._align(_matched_len(child.key, tokens, pos, limit))
             if n == 0:
                 break
             self._touch(child, tick)
             if child.slots is not None:
-                slots.extend(child.slots[:n])
+                slots.extend(child.slots if n == len(child.slots) else child.slots[:n])
                 gpu_end, gpu_handle, gpu_off = pos + n, child, n
             else:
                 host_handle, host_off = child, n

@@ -188,3 +188,56 @@ def test_integrity_check_catches_a_leaked_page():
     a.pages.pop()  # the request forgets a page it owns: nobody accounts for it any more
     with pytest.raises(AssertionError, match="KV leak"):
         kv.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_followers_on_one_cached_prefix_copy_the_first_ones_row_and_match_the_host_write(page_size):
+    """Requests admitted on the same cached prefix: the first writes its row from the host and registers it; the
+    next ones copy that row on the device. Each row's first cells equal the reference (the match's slots, written
+    from the host). Once the registered request leaves, the next one writes from the host and registers again."""
+    kv = make_kv(num_slots=256, page_size=page_size)
+    shared = list(range(100, 124))  # 24 tokens: whole pages for both page sizes
+    leader = req(shared + [1, 2, 3, 4], rid="leader")
+    kv.admit(leader)
+    compute(kv, leader)
+    kv.cache_unfinished(leader)
+    followers = [req(shared + [10 + i] * 5, rid=f"f{i}") for i in range(4)]
+    for f in followers:
+        kv.admit(f)
+        assert f.cached_len == 24
+    assert len(kv.table._copies) == 3  # the first follower wrote from the host, three copied its row
+    kv.table.flush()
+    for f in followers:
+        m = kv.cache.match_prefix(f.all_ids, max_len=24)
+        assert kv.table.table[f.row, :24].tolist() == m.slots == kv.slots_of(f, 0, 24)
+        compute(kv, f)
+    kv.check_integrity()
+
+    source = followers[0]
+    kv.release(source)
+    late = req(shared + [50] * 5, rid="late")
+    kv.admit(late)
+    assert kv.table._copies == []  # its source left: a host write, and late is the new source
+    assert kv._prefix_rows[late.cache_handle] == (late.row, 24)
+    kv.table.flush()
+    assert kv.table.table[late.row, :24].tolist() == kv.slots_of(late, 0, 24)
+    for r in (leader, *followers[1:], late):
+        kv.release(r)
+    kv.check_integrity()
+    assert kv._prefix_rows == {} and kv.cache.locked_tokens == 0
+    assert kv.free_tokens + kv.evictable_tokens == kv.total_tokens
+
+
+def test_admit_uses_a_current_match_and_rematches_a_stale_one():
+    kv = make_kv(num_slots=64)
+    a = req([5, 6, 7, 8, 9], rid="a")
+    kv.admit(a)
+    compute(kv, a)
+    b = req([5, 6, 7, 8, 1], rid="b")
+    stale = kv.match(b)  # nothing cached yet
+    kv.cache_unfinished(a)  # the tree changes
+    kv.admit(b, stale)
+    assert b.cached_len == 4  # re-matched, not admitted on the stale empty match
+    kv.release(a)
+    kv.release(b)
+    kv.check_integrity()

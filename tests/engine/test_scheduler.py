@@ -164,3 +164,58 @@ def test_admission_stops_when_memory_runs_out_and_keeps_order():
     finish(s, a)
     assert [r.rid for r in step(s).reqs] == ["b"]
     finish(s, b)
+
+
+def test_uncached_prefix_index_answers_as_the_reference():
+    """UncachedPrefixIndex.shares against Scheduler._shares_uncached_prefix over random leaders, requests,
+    namespaces, lengths and matched positions, leaders added between questions."""
+    import random
+
+    from prefixrt.engine.scheduler import UncachedPrefixIndex
+
+    rng = random.Random(0)
+    k = PREFIX_DEDUP_MIN_TOKENS
+    for trial in range(40):
+        base = [rng.randrange(3, 9) for _ in range(3 * k)]
+
+        def make(i, base=base):
+            cut = rng.randrange(len(base))
+            ids = base[:cut] + [rng.randrange(3, 5) for _ in range(rng.randrange(2 * k))]
+            r = req(ids or [3], f"r{i}")
+            r.namespace = rng.choice([None, "s"])
+            return r
+
+        leaders = [make(i) for i in range(rng.randrange(4))]
+        index = UncachedPrefixIndex(leaders)
+        for i in range(30):
+            if rng.random() < 0.3:
+                leader = make(100 + i)
+                leaders.append(leader)
+                index.add(leader)
+            r = make(200 + i)
+            matched = rng.choice([0, k, rng.randrange(len(r.all_ids) + 1)])
+            assert index.shares(r, matched) == Scheduler._shares_uncached_prefix(r, matched, leaders), trial
+
+
+def test_followers_of_a_shared_prefix_are_admitted_together_in_policy_order_with_their_rows():
+    """The RAG shape: a leader prefills a shared prefix while its followers wait; the step after it is published
+    admits every follower in policy order (lpm: equal matches, so arrival order), each row holding its cached
+    prefix (copied from the first follower's row but the first) and its new tokens."""
+    shared = list(range(1000, 1040))
+    s = make_scheduler(num_slots=512, rows=8)
+    leader = req(shared + [1, 2], "leader", arrival=0.0)
+    followers = [req(shared + [10 + i, 20 + i], f"f{i}", arrival=1.0 + (5 - i) % 5) for i in range(5)]
+    for r in [leader, *followers]:
+        s.add(r)
+    assert [r.rid for r in step(s).reqs] == ["leader"]
+    b = step(s)
+    expected = ["leader"] + [r.rid for r in sorted(followers, key=lambda r: r.arrival)]
+    assert [r.rid for r in b.reqs] == expected
+    assert all(r.num_cached_tokens == 40 for r in followers)
+    assert s.waiting == []
+    s.kv.table.flush()
+    for r in followers:
+        assert s.kv.table.table[r.row, :42].tolist() == s.kv.slots_of(r, 0, 42)
+    for r in [leader, *followers]:
+        finish(s, r)
+    assert s.kv.cache.locked_tokens == 0

@@ -1,0 +1,171 @@
+"""The host work of admitting requests that share a long cached prefix, without a GPU: the RAG case (64 requests,
+one shared 3500-token prefix + 80 unique tokens each, all submitted at once). The leader prefills the prefix while
+the 63 followers are held back (dedup_shared_prefill); once the prefix is cached, one scheduler step admits the
+followers and one build packs their EXTEND batch (63 x 80 tokens over 3500 cached each). On a GPU the device idles
+for that host work. Here the forward is replaced by constant logits on a tiny checkpoint (as in host_loop.py), so
+what is timed is exactly that step's schedule() and build(): thread CPU time and wall time, minimum over repeats
+(robust to a loaded machine); --profile N: one more run under cProfile, its N costliest functions.
+
+    PYTHONPATH=$PWD python benchmarks/host_admission.py [--requests 64] [--prefix 3500] [--suffix 80] [--repeats 7]
+        [--profile 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import cProfile
+import io
+import os
+import pstats
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefixrt.engine.engine import Engine  # noqa: E402
+from prefixrt.hub.loader import load_model  # noqa: E402
+from tests.helpers.checkpoints import build_hf_model  # noqa: E402
+from tests.helpers.engines import make_tiny_tokenizer  # noqa: E402
+
+UNITS = ("schedule", "build")
+
+
+def build_engine(requests: int, max_context: int) -> Engine:
+    """A tiny llama (long enough positions for the prompts) whose forward returns constant logits."""
+    path = Path(tempfile.mkdtemp())
+    build_hf_model("llama", max_position_embeddings=max_context).save_pretrained(str(path))
+    model = load_model(path, dtype="float32", device="cpu")
+    resolved = SimpleNamespace(name="tiny-llama", revision="bench", extra_eos_token_ids=(), path=str(path))
+    eng = Engine("tiny-llama", _parts=(model, make_tiny_tokenizer(), resolved), device="cpu",
+                 kv_cache_tokens=requests * max_context, max_running_requests=requests, overlap_schedule=True)
+    vocab = model.vocab_size
+    cache: dict[int, torch.Tensor] = {}
+
+    def constant_forward(fb):
+        n = int(fb.logits_indices.shape[0])
+        if n not in cache:
+            cache[n] = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
+        return cache[n]
+
+    eng._run_on_loop(lambda: setattr(eng.core.runner, "forward", constant_forward))
+    return eng
+
+
+def rag_prompts(requests: int, prefix: int, suffix: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(3, vocab) for _ in range(prefix)]
+    return [shared + [rng.randrange(3, vocab) for _ in range(suffix)] for _ in range(requests)]
+
+
+def submit_at_once(eng: Engine, prompts: list[list[int]], params: dict) -> list:
+    """generate(prompts, params) with every request in the loop's inbox before its next step (as when they arrive
+    during a long forward on a GPU; here the forward is instant and they would trickle in)."""
+    gate = threading.Event()
+    eng._inbox.put(("call", lambda: gate.wait(60), concurrent.futures.Future()))  # hold the loop
+    out: list = []
+    caller = threading.Thread(target=lambda: out.append(eng.generate(prompts, params)))
+    caller.start()
+    deadline = time.monotonic() + 60
+    while eng._inbox.qsize() < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    gate.set()
+    caller.join()
+    return out[0]
+
+
+def measure(eng: Engine, prompts: list[list[int]], output_tokens: int, followers: int, profile: bool = False) -> dict:
+    """One RAG run on an empty cache: the schedule() that admits the followers and the build() of that batch
+    (profile: under cProfile, whose overhead inflates the times)."""
+    core = eng.core
+    calls: list[dict] = []  # per call: unit, thread CPU s, wall s, profile, admitted count
+
+    def install():
+        for name in UNITS:
+            f = getattr(core, name)
+
+            def timed(*a, _f=f, _name=name, **k):
+                prof = cProfile.Profile() if profile else None
+                w, t = time.perf_counter(), time.thread_time()
+                if prof is not None:
+                    prof.enable()
+                try:
+                    out = _f(*a, **k)
+                finally:
+                    if prof is not None:
+                        prof.disable()
+                    cpu, wall = time.thread_time() - t, time.perf_counter() - w
+                batch = out if _name == "schedule" else (out.batch if out is not None else None)
+                admitted = sum(1 for n in batch.num_tokens if n > 1) if batch is not None else 0
+                calls.append({"unit": _name, "cpu": cpu, "wall": wall, "admitted": admitted, "profile": prof})
+                return out
+            setattr(core, name, timed)
+
+    def uninstall():
+        for name in UNITS:
+            core.__dict__.pop(name, None)
+
+    eng.flush_cache()
+    eng._run_on_loop(install)
+    try:
+        res = submit_at_once(eng, prompts, {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True,
+                                            "detokenize": False})
+    finally:
+        eng._run_on_loop(uninstall)
+    assert all(len(r.token_ids) == output_tokens for r in res)
+    hits = [c for c in calls if c["admitted"] == followers]
+    units = [c["unit"] for c in hits]
+    assert units == ["schedule", "build"], f"expected one step admitting {followers} followers, saw {units}"
+    sched, build = hits
+    return {"schedule_cpu_ms": sched["cpu"] * 1e3, "build_cpu_ms": build["cpu"] * 1e3,
+            "total_cpu_ms": (sched["cpu"] + build["cpu"]) * 1e3,
+            "schedule_wall_ms": sched["wall"] * 1e3, "build_wall_ms": build["wall"] * 1e3,
+            "total_wall_ms": (sched["wall"] + build["wall"]) * 1e3,
+            "profiles": (sched["profile"], build["profile"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=3500)
+    ap.add_argument("--suffix", type=int, default=80)
+    ap.add_argument("--output-tokens", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    max_context = 1 << (args.prefix + args.suffix + args.output_tokens + 64).bit_length()
+    eng = build_engine(args.requests, max_context)
+    prompts = rag_prompts(args.requests, args.prefix, args.suffix, eng.vocab_size)
+    try:
+        measure(eng, prompts, args.output_tokens, args.requests - 1)  # warm
+        runs = [measure(eng, prompts, args.output_tokens, args.requests - 1) for _ in range(args.repeats)]
+        if args.profile:
+            profiled = measure(eng, prompts, args.output_tokens, args.requests - 1, profile=True)
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    keys = [k for k in runs[0] if k != "profiles"]
+    best = {k: min(r[k] for r in runs) for k in keys}
+    print(f"{args.requests} requests, {args.prefix} shared + {args.suffix} unique tokens: the step admitting "
+          f"{args.requests - 1} followers (min of {args.repeats})")
+    for k in keys:
+        print(f"  {k:>17} {best[k]:9.3f}")
+    if args.profile:
+        for unit, prof in zip(UNITS, profiled["profiles"]):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
+            print(f"--- profile of {unit}() (one more run, under cProfile; by own time)")
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
