@@ -140,7 +140,7 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
         for threads in (int(x) for x in os.environ["MASK_THREADS"].split(",")):
             backend._mask_threads, backend._executor = threads, None
             spent = [0.0, 0]
-            orig = backend.fill_bitmasks
+            orig = backend.fill_bitmasks_native  # the worker's part (finish_bitmasks runs at the draw)
 
             def timed(rows, bitmask, _orig=orig, spent=spent):
                 t = time.perf_counter()
@@ -149,14 +149,14 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
                 finally:
                     spent[0] += time.perf_counter() - t
                     spent[1] += 1
-            backend.fill_bitmasks = timed
+            backend.fill_bitmasks_native = timed
             eng.flush_cache()
             t0 = time.perf_counter()
             s0 = eng.stats().forward_passes_total
             eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
                                    "jump_forward": False})
             dt, passes = time.perf_counter() - t0, eng.stats().forward_passes_total - s0
-            del backend.fill_bitmasks
+            del backend.fill_bitmasks_native
             out["mask_fill"][threads] = {"fill_ms_per_call": spent[0] / max(1, spent[1]) * 1000,
                                          "calls": spent[1], "step_ms": dt / passes * 1000}
     if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):

@@ -1,12 +1,15 @@
-"""Long-keys JSON at batch 64 (gpu_engine.json_bench) under three matcher set-ups in one engine: matchers copied
-from a warmed per-grammar template (LLGuidanceBackend warm_lexer=True), fresh matchers built from the grammar
-text (the default), and the budget rule switched off (with template copies, as in the run of 2026-12-01).
+"""Long-keys JSON at batch 64 (gpu_engine.json_bench) under matcher set-ups in one engine, each with its own
+unconstrained baseline: string lengths checked beside the grammar (LLGuidanceBackend string_lengths=True, the
+default) or compiled into it (False, as before), then optionally the older set-ups (SETUPS=all): matchers copied
+from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_json_diag.py
+    PYTHONPATH=$PWD python benchmarks/gpu_json_diag.py [--order on,off]
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -21,15 +24,20 @@ import prefixrt.engine.engine as E  # noqa: E402
 
 def main() -> None:
     eng = prefixrt.Engine("llama-3-8b", load_format="dummy", kv_cache_tokens=200_000)
-    backend = eng.core.grammar_backend
+    backend = eng.grammar_compiler().backend
     plain_budget = E.budget_matcher
-    rows = []
-    for name, warm, budget in (("template copies", True, True), ("fresh matchers", False, True),
-                               ("template copies, no budget rule", True, False)):
+    rows, raw = [], {}
+    order = sys.argv[sys.argv.index("--order") + 1].split(",") if "--order" in sys.argv else ["on", "off"]
+    setups = [(f"string lengths {'beside' if o == 'on' else 'in'} the grammar", False, True, o == "on") for o in order]
+    if os.environ.get("SETUPS") == "all":
+        setups += [("template copies", True, True, True), ("template copies, no budget rule", True, False, True)]
+    for name, warm, budget, lengths in setups:
         backend.warm_lexer = warm
+        backend.string_lengths = lengths
         E.budget_matcher = plain_budget if budget else (lambda b, c, n: b.matcher(c))
         try:
             r = G.json_bench(eng, eng.vocab_size, 64)
+            raw[name] = r
             rows.append((name, round(r["jf_on"]["tok_s"]), round(r["jf_off"]["tok_s"]), round(r["jf_off"]["step_ms"], 2),
                          round(r["unconstrained"]["step_ms"], 2)))
         except Exception as e:
@@ -39,6 +47,9 @@ def main() -> None:
     print("set-up | jump-forward on tok/s | off tok/s | constrained step ms | unconstrained step ms")
     for r in rows:
         print(" | ".join(str(x) for x in r))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "json_diag.json"), "w") as f:
+            json.dump({"rows": rows, "raw": raw}, f, indent=1, default=str)
     eng.shutdown()
 
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -50,6 +52,8 @@ class Timeline:
         self.draws: list = []  # (event before, event after)
         self.host = dict.fromkeys(self.UNITS, 0.0)
         self.steps = 0
+        self.gcs: list = []  # (generation, ms, forwards launched so far, thread name): the collector's pauses
+        self._gc_start = None
 
     def _ev(self):
         if not self.cuda:
@@ -93,10 +97,21 @@ class Timeline:
             for n in self.UNITS:
                 wrap(n)
         self.eng._run_on_loop(go)
+        gc.callbacks.append(self._on_gc)
         return self
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.gcs.append((info["generation"], round((time.perf_counter() - self._gc_start) * 1000, 3), len(self.fwd),
+                             threading.current_thread().name))
+            self._gc_start = None
 
     def uninstall(self) -> dict:
         core, runner = self.eng.core, self.eng.core.runner
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
         def go():
             runner.__dict__.pop("forward", None)
@@ -108,7 +123,11 @@ class Timeline:
         return self.summary()
 
     def summary(self) -> dict:
-        out = {"forwards": len(self.fwd), "draws": len(self.draws),
+        by_gen = {g: [ms for gen, ms, _, _ in self.gcs if gen == g] for g in (0, 1, 2)}
+        out = {"gc": {f"gen{g}": {"count": len(v), "total_ms": round(sum(v), 2), "max_ms": max(v, default=0)}
+                      for g, v in by_gen.items()},
+               "gc_over_2ms": [list(x) for x in self.gcs if x[1] > 2][:12],
+               "forwards": len(self.fwd), "draws": len(self.draws),
                "host_ms_per_step": {k: round(v / max(self.steps, 1) * 1000, 3) for k, v in self.host.items()}}
         if not self.cuda or not self.fwd:
             return out

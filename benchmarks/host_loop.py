@@ -7,7 +7,8 @@ and wall time per step, at several batch sizes, minimum over repeats (robust to 
 
 --json MODEL_DIR: the constrained case instead (gpu_engine.py's long-keys JSON schema, greedy, jump-forward on and
 off) on a checkpoint directory with a real tokenizer (e.g. a tiny Llama-3-tokenizer model, load_format="dummy"):
-per step, the CPU time of the grammar masks (the backend's fill_bitmasks with every row on the timing thread —
+per step, the CPU time of the grammar masks (the backend's fill_bitmasks_native and finish_bitmasks, every row on the
+timing thread —
 llguidance with mask_threads 0 — so the figure is independent of the mask worker's threads and of the load on the
 machine) and of process(), and the wall time
 per step. Each row's logits differ (a fixed pool of random rows, picked by the request's table row and
@@ -129,12 +130,13 @@ def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
     orig_process = core.process
 
     serial = hasattr(backend, "shared_mask_rows_total")  # llguidance: its own fill, on the calling thread
-    orig_fill = backend.fill_bitmasks
+    orig_native, orig_finish = backend.fill_bitmasks_native, backend.finish_bitmasks
 
-    def fill_timed(rows, bitmask):  # the same masks, all computed on this thread
+    def fill_timed(rows, bitmask):  # the same masks, all computed on this thread (the draw's part too)
         t = time.thread_time()
         if serial:
-            orig_fill(rows, bitmask)
+            orig_native(rows, bitmask)
+            orig_finish(rows, bitmask)
         else:
             for m, row in rows:
                 m.fill_bitmask(bitmask, row)
@@ -152,13 +154,15 @@ def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
     threads = getattr(backend, "_mask_threads", None)
 
     def install():
-        backend.fill_bitmasks = fill_timed
+        backend.fill_bitmasks_native = fill_timed
+        backend.finish_bitmasks = lambda rows, bitmask: None  # (done in fill_timed)
         core.process = timed_process
         if serial:
             backend._mask_threads = 0
 
     def uninstall():
-        backend.__dict__.pop("fill_bitmasks", None)
+        backend.__dict__.pop("fill_bitmasks_native", None)
+        backend.__dict__.pop("finish_bitmasks", None)
         core.__dict__.pop("process", None)
         if serial:
             backend._mask_threads = threads

@@ -185,5 +185,16 @@ class GrammarBackend(ABC):
 
         Backends override this to compute the rows in parallel outside the GIL.
         """
+        self.fill_bitmasks_native(rows, bitmask)
+        self.finish_bitmasks(rows, bitmask)
+
+    def fill_bitmasks_native(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """The part of `fill_bitmasks` that runs in the grammar library (outside the GIL where it can): for a
+        worker thread. `finish_bitmasks` on the same rows completes them; the two together are fill_bitmasks."""
         for matcher, row in rows:
             matcher.fill_bitmask(bitmask, row)
+
+    def finish_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """The Python part of `fill_bitmasks` (rules narrowing the grammar's rows), for the thread that owns the
+        matchers: run there it does not wait for the GIL behind that thread's own work. Default: nothing."""
+        return None

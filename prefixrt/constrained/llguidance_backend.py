@@ -411,15 +411,13 @@ class LLGuidanceBackend(GrammarBackend):
     def token_text(self, token_id: int) -> str:
         return self.ll_tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
 
-    def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
-        """Rows whose matchers are in the same state (same grammar, same accepted tokens: often so for the rows
-        of one schema at the same point of its fixed text) are computed once and copied; the other llguidance
-        rows in parallel on the executor (mask_threads 0: on this thread); other matchers row by row."""
-        budgeted = [(m, row) for m, row in rows if isinstance(m, BudgetMatcher)]
-        if budgeted:  # the grammar's rows in parallel, then the budget rule narrows its rows
-            rows = [(m.inner if isinstance(m, BudgetMatcher) else m, row) for m, row in rows]
+    def fill_bitmasks_native(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """llguidance's masks: rows whose matchers are in the same state (same grammar, same accepted tokens: often
+        so for the rows of one schema at the same point of its fixed text) are computed once and copied; the other
+        llguidance rows in parallel on the executor (mask_threads 0: on this thread); other matchers row by row.
+        The string-length and budget rules are `finish_bitmasks`'."""
+        rows = [(m.inner if isinstance(m, BudgetMatcher) else m, row) for m, row in rows]
         native: list[tuple[llguidance.LLMatcher, int]] = []
-        narrowed: list[tuple[LLGuidanceMatcher, int]] = []  # native rows with string lengths to check
         rest: list[tuple[Matcher, int]] = []
         copies: list[tuple[int, int]] = []  # (row computed, row that gets its mask)
         leaders: dict[tuple, list[tuple[LLGuidanceMatcher, int]]] = {}
@@ -436,8 +434,6 @@ class LLGuidanceBackend(GrammarBackend):
                     continue
                 same.append((m, row))
             native.append((m._m, row))
-            if m._lengths is not None:
-                narrowed.append((m, row))
         if len(native) > 1 and self._mask_threads > 0:
             with self._executor_lock:
                 if self._executor is None:
@@ -446,14 +442,21 @@ class LLGuidanceBackend(GrammarBackend):
         else:
             for m, row in native:
                 llguidance.torch.fill_next_token_bitmask(m, bitmask, row)
-        if narrowed:
-            words = bitmask.numpy()
-            for m, row in narrowed:
-                m.narrow_words(words[row])
         for m, row in rest:
             m.fill_bitmask(bitmask, row)
         for lead, row in copies:
             bitmask[row].copy_(bitmask[lead])
         self.shared_mask_rows_total += len(copies)
-        for m, row in budgeted:
-            m.steer(bitmask, row)
+
+    def finish_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+        """The rows' string lengths (`LLGuidanceMatcher.narrow`), then the budget rule of BudgetMatcher rows."""
+        words = None
+        for m, row in rows:
+            inner = m.inner if isinstance(m, BudgetMatcher) else m
+            if isinstance(inner, LLGuidanceMatcher) and inner._lengths is not None and not inner._eos_accepted:
+                if words is None:
+                    words = bitmask.numpy()
+                inner.narrow_words(words[row])
+        for m, row in rows:
+            if isinstance(m, BudgetMatcher):
+                m.steer(bitmask, row)

@@ -200,12 +200,12 @@ class XGrammarBackend(GrammarBackend):
         self.json_sampleable_mask = pack_bitmask(json_sampleable)[0]
         self._json_unsampleable_ids = frozenset(bad) - set(self.eos_token_ids)
 
-    def fill_bitmasks(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
+    def fill_bitmasks_native(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Several rows at once: xgrammar's batch fill (its own threads, outside the GIL), then each row
         narrowed to what it may sample, as fill_bitmask does row by row."""
         native = [(m, row) for m, row in rows if isinstance(m, XGrammarMatcher) and not m._eos_accepted]
         if len(native) < 2:
-            return super().fill_bitmasks(rows, bitmask)
+            return super().fill_bitmasks_native(rows, bitmask)
         if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=self._mask_threads)
         self._batch_matcher.batch_fill_next_token_bitmask([m._m for m, _ in native], bitmask,

@@ -490,8 +490,9 @@ class EngineCore:
 
     def _fill_rows(self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor) -> None:
         """(On the mask worker.) Fill the given rows of bitmask from their requests' matchers."""
-        if self.grammar_backend is not None:  # the backend fills rows in parallel where it can
-            self.grammar_backend.fill_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
+        if self.grammar_backend is not None:  # the backend fills rows in parallel where it can; its Python
+            # rules run at the draw, on the loop thread (finish_masks), not here behind the loop thread's GIL
+            self.grammar_backend.fill_bitmasks_native([(reqs[i].matcher, i) for i in rows], bitmask)
         else:
             for i in rows:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
@@ -512,6 +513,7 @@ class EngineCore:
             apply = None
             if masks is not None:
                 bitmask = masks.result()
+                self._finish_masks(reqs, masks)
                 apply = lambda logits: self._apply_masks(logits, bitmask)  # noqa: E731
             return self.sampler.sample_on_device(logits, reqs, apply, self.eos_token_ids, live)
         except Exception:
@@ -531,6 +533,12 @@ class EngineCore:
                 live[i] = False
         return _HostSample(torch.tensor(toks, dtype=torch.int64, device=logits.device), SampleOutput(toks, lps))
 
+    def _finish_masks(self, reqs: list[Req], masks: _MaskFill) -> None:
+        """The backend's Python part of the masks (`GrammarBackend.finish_bitmasks`), for every filled row."""
+        if self.grammar_backend is not None and masks.submitted:
+            self.grammar_backend.finish_bitmasks([(reqs[i].matcher, i) for i in sorted(masks.submitted)],
+                                                 masks.bitmask)
+
     def _mask_fn(self, reqs: list[Req], live: list[bool]):
         """The row-by-row fallback's masks: filled on the loop thread when the sampler applies them."""
         rows = [i for i, r in enumerate(reqs) if r.matcher is not None and live[i]]
@@ -540,6 +548,8 @@ class EngineCore:
         def apply(logits: torch.Tensor) -> None:
             bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1], pinned=logits.is_cuda)
             self._fill_rows(reqs, rows, bitmask)
+            if self.grammar_backend is not None:
+                self.grammar_backend.finish_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             self._apply_masks(logits, bitmask)
 
         return apply

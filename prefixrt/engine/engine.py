@@ -23,6 +23,7 @@ from typing import Any
 from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
+from prefixrt.engine.busy_gc import BusyGC
 from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
 from prefixrt.engine.messages import packed_id_range, unpack_token_ids
@@ -116,9 +117,12 @@ class Engine(EngineFront):
 
     def _run_loop(self) -> None:
         core = self.core
+        collector = BusyGC(enabled=self.device.type == "cuda")  # no collector pauses inside busy stretches
         while True:
             try:
                 block = not core.has_work
+                if block:
+                    collector.idle()
                 while True:
                     try:
                         msg = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
@@ -127,9 +131,11 @@ class Engine(EngineFront):
                     block = False
                     if msg is None:
                         self._drain_on_exit()
+                        collector.idle()
                         return
                     self._handle(msg)
                 if core.has_work:
+                    collector.busy()
                     core.step()
             except Exception:  # never let the loop die silently
                 log.exception("scheduler loop error")
