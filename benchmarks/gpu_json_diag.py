@@ -1,7 +1,8 @@
 """Long-keys JSON at batch 64 (gpu_engine.json_bench) under matcher set-ups in one engine, each with its own
 unconstrained baseline: string lengths checked beside the grammar (LLGuidanceBackend string_lengths=True, the
 default) or compiled into it (False, as before), then optionally the older set-ups (SETUPS=all): matchers copied
-from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off.
+from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off; SWITCH_INTERVALS=a,b runs
+every set-up under each GIL switch interval (seconds).
 
     PYTHONPATH=$PWD python benchmarks/gpu_json_diag.py [--order on,off]
 """
@@ -31,7 +32,14 @@ def main() -> None:
     setups = [(f"string lengths {'beside' if o == 'on' else 'in'} the grammar", False, True, o == "on") for o in order]
     if os.environ.get("SETUPS") == "all":
         setups += [("template copies", True, True, True), ("template copies, no budget rule", True, False, True)]
-    for name, warm, budget, lengths in setups:
+    if os.environ.get("SWITCH_INTERVALS"):  # the same set-ups again under other GIL switch intervals (seconds)
+        setups = [(f"{n}, switch interval {x}", w, b, ln, float(x)) for x in os.environ["SWITCH_INTERVALS"].split(",")
+                  for n, w, b, ln in setups]
+    else:
+        setups = [(*s, None) for s in setups]
+    default_interval = sys.getswitchinterval()
+    for name, warm, budget, lengths, interval in setups:
+        sys.setswitchinterval(interval or default_interval)
         backend.warm_lexer = warm
         backend.string_lengths = lengths
         E.budget_matcher = plain_budget if budget else (lambda b, c, n: b.matcher(c))
