@@ -2,7 +2,7 @@
 unconstrained baseline: string lengths checked beside the grammar (LLGuidanceBackend string_lengths=True, the
 default) or compiled into it (False, as before), then optionally the older set-ups (SETUPS=all): matchers copied
 from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off; SWITCH_INTERVALS=a,b runs
-every set-up under each GIL switch interval (seconds).
+every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each EngineCore.mask_parts.
 
     PYTHONPATH=$PWD python benchmarks/gpu_json_diag.py [--order on,off]
 """
@@ -37,9 +37,15 @@ def main() -> None:
                   for n, w, b, ln in setups]
     else:
         setups = [(*s, None) for s in setups]
+    if os.environ.get("MASK_PARTS"):  # the same set-ups again with the next step's masks in other numbers of parts
+        setups = [(f"{n}, mask parts {k}", w, b, ln, x, int(k)) for k in os.environ["MASK_PARTS"].split(",")
+                  for n, w, b, ln, x in setups]
+    else:
+        setups = [(*s, None) for s in setups]
     default_interval = sys.getswitchinterval()
-    for name, warm, budget, lengths, interval in setups:
+    for name, warm, budget, lengths, interval, parts in setups:
         sys.setswitchinterval(interval or default_interval)
+        eng.core.mask_parts = parts or 4
         backend.warm_lexer = warm
         backend.string_lengths = lengths
         E.budget_matcher = plain_budget if budget else (lambda b, c, n: b.matcher(c))

@@ -184,6 +184,9 @@ class EngineCore:
         self._stop_hits: queue.SimpleQueue = queue.SimpleQueue()  # requests a stop string ended (worker thread)
         self.auditor = None  # CacheAuditor when cache_audit_rate > 0 (set by the builder)
         self._masks_pool = None  # the mask worker (a one-thread executor), started on first use
+        # The next step's masks are submitted in this many parts as the rows of the step before are post-processed
+        # (each part one parallel fill on the worker); 1: one fill of every row once all are post-processed.
+        self.mask_parts = 4
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -466,7 +469,7 @@ class EngineCore:
         pending = sorted((where.get(id(r), -1), i) for i, r in enumerate(step.sampled) if r.matcher is not None)
         if not pending:
             return None
-        chunk = max(8, len(prev.sampled) // 4)
+        chunk = max(8, len(prev.sampled) // self.mask_parts) if self.mask_parts > 1 else len(prev.sampled) + 1
 
         def on_rows(done: int) -> None:  # prev rows [0, done) are post-processed
             if done % chunk and done != len(prev.sampled):
