@@ -127,10 +127,13 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
     n = max(1, out["jf_off"]["output_tokens"] // batch)
     eng.flush_cache()
     s0 = eng.stats().forward_passes_total
+    timer = PhaseTimer(eng).install()
     t0 = time.perf_counter()
     eng.generate(prompts, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
     dt = time.perf_counter() - t0
     passes = eng.stats().forward_passes_total - s0
+    timer.uninstall()
+    out["unconstrained_phases_ms_per_step"] = timer.per_step_ms(passes)
     out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
     out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
     backend = eng.core.grammar_backend

@@ -2,7 +2,9 @@
 unconstrained baseline: string lengths checked beside the grammar (LLGuidanceBackend string_lengths=True, the
 default) or compiled into it (False, as before), then optionally the older set-ups (SETUPS=all): matchers copied
 from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off; SWITCH_INTERVALS=a,b runs
-every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each EngineCore.mask_parts.
+every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each EngineCore.mask_parts;
+TORCH_THREADS=n sets torch's intra-op threads (torch.set_num_threads) before the engine starts; PROFILE=n prints the loop thread's cProfile (n lines)
+of one more jump-forward-off batch of the last set-up.
 
     PYTHONPATH=$PWD python benchmarks/gpu_json_diag.py [--order on,off]
 """
@@ -15,6 +17,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_engine as G  # noqa: E402
@@ -23,8 +27,32 @@ import prefixrt  # noqa: E402
 import prefixrt.engine.engine as E  # noqa: E402
 
 
+def profile_jf_off(eng, lines: int) -> None:
+    """cProfile of the loop thread over one jump-forward-off batch (cumulative, then own time)."""
+    import cProfile
+    import io
+    import pstats
+    import random
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(16, eng.vocab_size) for _ in range(64)] for _ in range(64)]
+    eng.flush_cache()
+    prof = cProfile.Profile()
+    eng._run_on_loop(prof.enable)
+    eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": G.LONG_KEYS_SCHEMA,
+                           "jump_forward": False})
+    eng._run_on_loop(prof.disable)
+    for key in ("cumulative", "tottime"):
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(lines)
+        print(s.getvalue(), flush=True)
+
+
 def main() -> None:
+    if os.environ.get("TORCH_THREADS"):
+        torch.set_num_threads(int(os.environ["TORCH_THREADS"]))
     eng = prefixrt.Engine("llama-3-8b", load_format="dummy", kv_cache_tokens=200_000)
+    print("torch threads after start-up:", torch.get_num_threads(), flush=True)
     backend = eng.grammar_compiler().backend
     plain_budget = E.budget_matcher
     rows, raw = [], {}
@@ -61,6 +89,8 @@ def main() -> None:
     print("set-up | jump-forward on tok/s | off tok/s | constrained step ms | unconstrained step ms")
     for r in rows:
         print(" | ".join(str(x) for x in r))
+    if os.environ.get("PROFILE"):
+        profile_jf_off(eng, int(os.environ["PROFILE"]))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "json_diag.json"), "w") as f:
             json.dump({"rows": rows, "raw": raw}, f, indent=1, default=str)

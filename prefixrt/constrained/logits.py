@@ -23,8 +23,12 @@ def allocate_bitmask(batch_size: int, vocab_size: int, device: torch.device | st
     Matchers fill CPU bitmasks; copy to the logits' device before `apply_token_bitmask`. pinned: in page-locked
     host memory, so that copy is asynchronous (a copy from pageable memory waits for the stream's prior work).
     """
-    return torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32, device=device,
-                      pin_memory=pinned)
+    shape = (batch_size, bitmask_width(vocab_size))
+    if torch.device(device).type != "cpu":
+        return torch.full(shape, -1, dtype=torch.int32, device=device)
+    mask = torch.empty(shape, dtype=torch.int32, pin_memory=pinned)
+    mask.numpy().fill(-1)  # one thread: torch.full over this many words would wake every OpenMP worker
+    return mask
 
 
 def _to_int32(bit_word: int) -> int:
