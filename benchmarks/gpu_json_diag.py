@@ -3,7 +3,8 @@ unconstrained baseline: string lengths checked beside the grammar (LLGuidanceBac
 default) or compiled into it (False, as before), then optionally the older set-ups (SETUPS=all): matchers copied
 from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off; SWITCH_INTERVALS=a,b runs
 every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each EngineCore.mask_parts;
-TORCH_THREADS=n sets torch's intra-op threads (torch.set_num_threads) before the engine starts; PROFILE=n prints the loop thread's cProfile (n lines)
+ALLOCS=numpy,full runs every set-up with the step's host bitmask allocated as now (numpy fill, one thread) and as
+before (torch.full, which wakes torch's OpenMP workers); TORCH_THREADS=n sets torch's intra-op threads (torch.set_num_threads) before the engine starts; PROFILE=n prints the loop thread's cProfile (n lines)
 of one more jump-forward-off batch of the last set-up.
 
     PYTHONPATH=$PWD python benchmarks/gpu_json_diag.py [--order on,off]
@@ -70,8 +71,19 @@ def main() -> None:
                   for n, w, b, ln, x in setups]
     else:
         setups = [(*s, None) for s in setups]
+    import prefixrt.constrained.logits as L
+
+    allocs = {"numpy": L.allocate_bitmask,
+              "full": lambda b, v, device="cpu", pinned=False: torch.full(
+                  (b, L.bitmask_width(v)), -1, dtype=torch.int32, device=device, pin_memory=pinned)}
+    if os.environ.get("ALLOCS"):
+        setups = [(f"{n}, bitmask {a}", w, b, ln, x, k, a) for a in os.environ["ALLOCS"].split(",")
+                  for n, w, b, ln, x, k in setups]
+    else:
+        setups = [(*s, "numpy") for s in setups]
     default_interval = sys.getswitchinterval()
-    for name, warm, budget, lengths, interval, parts in setups:
+    for name, warm, budget, lengths, interval, parts, alloc in setups:
+        L.allocate_bitmask = allocs[alloc]
         sys.setswitchinterval(interval or default_interval)
         eng.core.mask_parts = parts or 4
         backend.warm_lexer = warm
@@ -79,14 +91,17 @@ def main() -> None:
         E.budget_matcher = plain_budget if budget else (lambda b, c, n: b.matcher(c))
         try:
             r = G.json_bench(eng, eng.vocab_size, 64)
-            raw[name] = r
+            raw[f"{len(raw)}: {name}"] = r
             rows.append((name, round(r["jf_on"]["tok_s"]), round(r["jf_off"]["tok_s"]), round(r["jf_off"]["step_ms"], 2),
-                         round(r["unconstrained"]["step_ms"], 2)))
+                         round(r["unconstrained"]["step_ms"], 2), round(r["jf_speedup"], 3),
+                         round(r["constrained_step_over_unconstrained"], 3)))
         except Exception as e:
             traceback.print_exc()
             rows.append((name, "FAILED", str(e)[:100], None, None))
         print(rows[-1], flush=True)
-    print("set-up | jump-forward on tok/s | off tok/s | constrained step ms | unconstrained step ms")
+    L.allocate_bitmask = allocs["numpy"]
+    print("set-up | jump-forward on tok/s | off tok/s | constrained step ms | unconstrained step ms | jf on/off | "
+          "constrained/unconstrained")
     for r in rows:
         print(" | ".join(str(x) for x in r))
     if os.environ.get("PROFILE"):
