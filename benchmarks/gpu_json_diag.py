@@ -5,7 +5,7 @@ from a warmed per-grammar template (warm_lexer=True) and the budget rule switche
 every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each EngineCore.mask_parts;
 ALLOCS=numpy,full runs every set-up with the step's host bitmask allocated as now (numpy fill, one thread) and as
 before (torch.full, which wakes torch's OpenMP workers); TORCH_THREADS=n sets torch's intra-op threads (torch.set_num_threads) before the engine starts; PROFILE=n prints the loop thread's cProfile (n lines)
-of one more jump-forward-off batch of the last set-up.
+of one more batch of the last set-up, jump-forward off (PROFILE_JF=on: on).
 
     PYTHONPATH=$PWD python benchmarks/gpu_json_diag.py [--order on,off]
 """
@@ -28,8 +28,8 @@ import prefixrt  # noqa: E402
 import prefixrt.engine.engine as E  # noqa: E402
 
 
-def profile_jf_off(eng, lines: int) -> None:
-    """cProfile of the loop thread over one jump-forward-off batch (cumulative, then own time)."""
+def profile_batch(eng, lines: int, jump_forward: bool) -> None:
+    """cProfile of the loop thread over one batch (cumulative, then own time)."""
     import cProfile
     import io
     import pstats
@@ -41,7 +41,7 @@ def profile_jf_off(eng, lines: int) -> None:
     prof = cProfile.Profile()
     eng._run_on_loop(prof.enable)
     eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": G.LONG_KEYS_SCHEMA,
-                           "jump_forward": False})
+                           "jump_forward": jump_forward})
     eng._run_on_loop(prof.disable)
     for key in ("cumulative", "tottime"):
         s = io.StringIO()
@@ -105,7 +105,7 @@ def main() -> None:
     for r in rows:
         print(" | ".join(str(x) for x in r))
     if os.environ.get("PROFILE"):
-        profile_jf_off(eng, int(os.environ["PROFILE"]))
+        profile_batch(eng, int(os.environ["PROFILE"]), os.environ.get("PROFILE_JF") == "on")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "json_diag.json"), "w") as f:
             json.dump({"rows": rows, "raw": raw}, f, indent=1, default=str)

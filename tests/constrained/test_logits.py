@@ -56,6 +56,19 @@ def test_apply_bf16_and_validation():
         apply_token_bitmask(logits[:1], bitmask)
 
 
+def test_allocate_bitmask_all_ones_on_one_thread(monkeypatch):
+    # The host bitmask is filled without torch.full (which would wake torch's OpenMP workers every step).
+    def no_full(*a, **k):
+        raise AssertionError("torch.full on the host")
+
+    monkeypatch.setattr(torch, "full", no_full)
+    for batch, vocab in [(1, 1), (3, 70), (64, 128256)]:
+        bm = allocate_bitmask(batch, vocab)
+        assert bm.dtype == torch.int32 and bm.shape == (batch, (vocab + 31) // 32) and bm.device.type == "cpu"
+        assert bool((bm == -1).all())
+        assert unpack_bitmask(bm, vocab).all()
+
+
 def test_pack_unpack_roundtrip_and_sign_bit():
     allowed = torch.rand(4, 77, generator=torch.Generator().manual_seed(0)) < 0.5
     allowed[:, 31] = True  # bit 31: the int32 sign bit
