@@ -40,6 +40,9 @@ class EngineConfig:
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
     overlap_schedule: bool | None = None
+    # Build the grammar backend (vocabulary tables) at start-up rather than on the first constrained request.
+    # None: on for CUDA engines, off on the CPU.
+    grammar_warm_up: bool | None = None
     cache_audit_rate: float = 0.0  # fraction of cache hits whose K/V is recomputed and checked (cache_audit.py)
     debug: bool = False  # check KV accounting every idle step; poison freed slots with NaN
     # Host tier of the KV cache (cache/tiered_radix.py): tokens of K/V kept in (pinned) host memory under the

@@ -84,6 +84,11 @@ class Engine(EngineFront):
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
+        warm = self.config.grammar_warm_up
+        if warm or (warm is None and self.device.type == "cuda"):
+            spent = self.warm_grammar()  # the first constrained request should not build the vocabulary tables
+            self._built.startup["total_s"] = self._built.startup.get("total_s", 0.0) + spent
+            log.info("grammar backend ready in %.1fs", spent)
         if self.device.type == "cuda":
             # Everything built so far (model, graphs, tokenizer) lives as long as the engine: keep it out of the
             # cyclic collector, whose full passes over it would otherwise stall the loop thread at random steps.
@@ -184,6 +189,22 @@ class Engine(EngineFront):
                 self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
                 self.core.grammar_backend = grammar_backend
             return self._compiler
+
+    def warm_grammar(self) -> float:
+        """Build the grammar backend and its vocabulary tables now, which the first constrained request would
+        otherwise wait for (several seconds for a 128k-token vocabulary). Start-up does this where
+        EngineConfig.grammar_warm_up says so (default: on CUDA). Returns the seconds spent, also in the start-up
+        report as `grammar_warm_s`; a failure is logged, and the first constrained request meets it again."""
+        t = time.perf_counter()
+        try:
+            backend = self.grammar_compiler().backend
+            if getattr(backend, "string_lengths", False):
+                backend.token_table()  # llguidance: JSON string lengths checked beside the grammar
+        except Exception:
+            log.warning("grammar backend warm-up failed", exc_info=True)
+        spent = time.perf_counter() - t
+        self._built.startup["grammar_warm_s"] = spent
+        return spent
 
     def _compile(self, p: SamplingParams):
         kind = p.constraint_kind
