@@ -1,13 +1,15 @@
 """The host work of admitting requests that share a long cached prefix, without a GPU: the RAG case (64 requests,
 one shared 3500-token prefix + 80 unique tokens each, all submitted at once). The leader prefills the prefix while
 the 63 followers are held back (dedup_shared_prefill); once the prefix is cached, one scheduler step admits the
-followers and one build packs their EXTEND batch (63 x 80 tokens over 3500 cached each). On a GPU the device idles
-for that host work. Here the forward is replaced by constant logits on a tiny checkpoint (as in host_loop.py), so
+followers and one build packs their EXTEND batch (63 x 80 tokens over 3500 cached each); the process() of that step
+publishes each follower's prompt to the prefix cache. On a GPU the device idles for that host work. Here the forward is replaced by constant logits on a tiny checkpoint (as in host_loop.py), so
 what is timed is exactly that step's schedule() and build(): thread CPU time and wall time, minimum over repeats
-(robust to a loaded machine); --profile N: one more run under cProfile, its N costliest functions.
+(robust to a loaded machine); --profile N: one more run under cProfile, its N costliest functions;
+--insert reference,below: the followers' prompts published by radix insert + match from the root (the reference)
+or from each follower's locked node (RadixCache.insert_below, the engine's default), one engine each way.
 
     PYTHONPATH=$PWD python benchmarks/host_admission.py [--requests 64] [--prefix 3500] [--suffix 80] [--repeats 7]
-        [--profile 25]
+        [--profile 25] [--insert reference,below]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from prefixrt.hub.loader import load_model  # noqa: E402
 from tests.helpers.checkpoints import build_hf_model  # noqa: E402
 from tests.helpers.engines import make_tiny_tokenizer  # noqa: E402
 
-UNITS = ("schedule", "build")
+UNITS = ("schedule", "build", "process")
 
 
 def build_engine(requests: int, max_context: int) -> Engine:
@@ -102,7 +104,10 @@ def measure(eng: Engine, prompts: list[list[int]], output_tokens: int, followers
                     if prof is not None:
                         prof.disable()
                     cpu, wall = time.thread_time() - t, time.perf_counter() - w
-                batch = out if _name == "schedule" else (out.batch if out is not None else None)
+                if _name == "process":
+                    batch = a[0].batch
+                else:
+                    batch = out if _name == "schedule" else (out.batch if out is not None else None)
                 admitted = sum(1 for n in batch.num_tokens if n > 1) if batch is not None else 0
                 calls.append({"unit": _name, "cpu": cpu, "wall": wall, "admitted": admitted, "profile": prof})
                 return out
@@ -122,13 +127,16 @@ def measure(eng: Engine, prompts: list[list[int]], output_tokens: int, followers
     assert all(len(r.token_ids) == output_tokens for r in res)
     hits = [c for c in calls if c["admitted"] == followers]
     units = [c["unit"] for c in hits]
-    assert units == ["schedule", "build"], f"expected one step admitting {followers} followers, saw {units}"
-    sched, build = hits
-    return {"schedule_cpu_ms": sched["cpu"] * 1e3, "build_cpu_ms": build["cpu"] * 1e3,
-            "total_cpu_ms": (sched["cpu"] + build["cpu"]) * 1e3,
-            "schedule_wall_ms": sched["wall"] * 1e3, "build_wall_ms": build["wall"] * 1e3,
-            "total_wall_ms": (sched["wall"] + build["wall"]) * 1e3,
-            "profiles": (sched["profile"], build["profile"])}
+    assert units == list(UNITS), f"expected one step admitting {followers} followers, saw {units}"
+    out = {}
+    for c in hits:
+        out[f"{c['unit']}_cpu_ms"] = c["cpu"] * 1e3
+    out["total_cpu_ms"] = sum(c["cpu"] for c in hits) * 1e3
+    for c in hits:
+        out[f"{c['unit']}_wall_ms"] = c["wall"] * 1e3
+    out["total_wall_ms"] = sum(c["wall"] for c in hits) * 1e3
+    out["profiles"] = tuple(c["profile"] for c in hits)
+    return out
 
 
 def main() -> None:
@@ -139,26 +147,34 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
+    ap.add_argument("--insert", default="below")
     args = ap.parse_args()
     torch.set_num_threads(1)
     max_context = 1 << (args.prefix + args.suffix + args.output_tokens + 64).bit_length()
-    eng = build_engine(args.requests, max_context)
-    prompts = rag_prompts(args.requests, args.prefix, args.suffix, eng.vocab_size)
-    try:
-        measure(eng, prompts, args.output_tokens, args.requests - 1)  # warm
-        runs = [measure(eng, prompts, args.output_tokens, args.requests - 1) for _ in range(args.repeats)]
-        if args.profile:
-            profiled = measure(eng, prompts, args.output_tokens, args.requests - 1, profile=True)
-        eng.check_integrity()
-    finally:
-        eng.shutdown()
+    for way in args.insert.split(","):
+        eng = build_engine(args.requests, max_context)
+        if way == "reference":
+            eng.core.kv.cache.supports_insert_below = False
+        prompts = rag_prompts(args.requests, args.prefix, args.suffix, eng.vocab_size)
+        try:
+            measure(eng, prompts, args.output_tokens, args.requests - 1)  # warm
+            runs = [measure(eng, prompts, args.output_tokens, args.requests - 1) for _ in range(args.repeats)]
+            if args.profile:
+                profiled = measure(eng, prompts, args.output_tokens, args.requests - 1, profile=True)
+            eng.check_integrity()
+        finally:
+            eng.shutdown()
+        report(args, way, runs, profiled if args.profile else None)
+
+
+def report(args, way: str, runs: list[dict], profiled: dict | None) -> None:
     keys = [k for k in runs[0] if k != "profiles"]
     best = {k: min(r[k] for r in runs) for k in keys}
     print(f"{args.requests} requests, {args.prefix} shared + {args.suffix} unique tokens: the step admitting "
-          f"{args.requests - 1} followers (min of {args.repeats})")
+          f"{args.requests - 1} followers (min of {args.repeats}); prompts published by insert {way}")
     for k in keys:
         print(f"  {k:>17} {best[k]:9.3f}")
-    if args.profile:
+    if profiled is not None:
         for unit, prof in zip(UNITS, profiled["profiles"]):
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)

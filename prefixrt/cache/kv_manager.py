@@ -416,14 +416,21 @@ class KVManager:
         if n <= req.cached_len:
             return
         tokens = req.all_ids[:n]
-        existing = self.cache.insert(tokens, self.slots_of(req, 0, n), req.namespace)
-        m = self.cache.match_prefix(tokens, req.namespace)
+        start = req.cached_len
+        if req.cache_handle is not None and getattr(self.cache, "supports_insert_below", False):
+            # from req's locked node: only the tokens past its cached prefix are compared (the reference below)
+            existing, have, m = self.cache.insert_below(req.cache_handle, start, tokens,
+                                                        self.slots_of(req, start, n))
+        else:
+            existing = self.cache.insert(tokens, self.slots_of(req, 0, n), req.namespace)
+            m = self.cache.match_prefix(tokens, req.namespace)
+            have = m.slots[start:existing]
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
-        if existing > req.cached_len:
-            first, last = req.cached_len // ps, existing // ps
+        if existing > start:
+            first, last = start // ps, existing // ps
             self._free_pages_after_fence(req.pages[first:last])
-            req.pages[first:last] = _page_ids(m.slots, req.cached_len, existing, ps)
-            self.table.write(req.row, req.cached_len, m.slots[req.cached_len : existing])
+            req.pages[first:last] = _page_ids(have, 0, existing - start, ps)
+            self.table.write(req.row, start, have[: existing - start])
         handle = self.cache.lock(m)
         self.cache.unlock(req.cache_handle)
         req.cache_handle = handle

@@ -63,6 +63,7 @@ def _matched_len(key: list[int], tokens: list[int], pos: int, limit: int) -> int
 
 class RadixCache(PrefixCache):
     retains = True
+    supports_insert_below = True  # insert_below (a subclass whose insert does more sets this False)
 
     def __init__(self, allocator: PageAllocator, on_evict=None):
         self.allocator = allocator
@@ -192,6 +193,41 @@ class RadixCache(PrefixCache):
             pos += n
             node = child
         return pos
+
+    def insert_below(self, handle: _Node, start: int, tokens: list[int], slots: list[int]
+                     ) -> tuple[int, list[int], MatchResult]:
+        """`insert(tokens, ...)` then `match_prefix(tokens)`, for a request extending its own cached prefix: the
+        first `start` tokens are the path of `handle`, a node the caller holds locked (so it is in the tree and its
+        path ends at `start`), and `slots` are those of tokens[start:]. The walk starts at handle instead of the
+        root (a running request re-publishing a long prefix compares only what it added). Returns insert's
+        answer (tokens the tree already had), the tree's slots for tokens [start, that), and the match of all the
+        tokens for `lock` (its `slots` are left empty: the caller has them)."""
+        n_total = self._align(len(tokens))
+        tick = next(self._clock)
+        up = handle
+        while up.parent is not None:  # the LRU stamps insert's walk from the root would set
+            up.last_access = tick
+            up = up.parent
+        node, pos, have = handle, start, []
+        while pos < n_total:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None:
+                new = _Node(list(tokens[pos:n_total]), list(slots[pos - start:n_total - start]), node, tick)
+                node.children[self._page_key(new.key, 0)] = new
+                self._num_nodes += 1
+                self._evictable += n_total - pos
+                self._count(node, n_total - pos)
+                self.version += 1
+                self._push_if_evictable_leaf(new)
+                return pos, have, MatchResult(n_total, [], new, len(new.key), self.version)
+            n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
+            if n < len(child.key):
+                child = self._split(child, n)
+            self._touch(child, tick)
+            have.extend(child.slots)
+            pos += n
+            node = child
+        return pos, have, MatchResult(n_total, [], node, len(node.key), self.version)
 
     def evict(self, num_tokens: int) -> int:
         freed = 0

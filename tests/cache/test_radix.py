@@ -171,3 +171,86 @@ def test_random_operations_keep_accounting(seed, page_size):
     c.flush()
     check()
     assert a.free_tokens == a.total_tokens
+
+
+def _tree(c: RadixCache) -> list[tuple]:
+    """Every node as (path tokens, slots, lock count), in path order."""
+    out = []
+
+    def walk(node, path):
+        for child in node.children.values():
+            p = path + tuple(child.key)
+            out.append((p, tuple(child.slots), child.lock_ref))
+            walk(child, p)
+
+    for ns, root in c._roots.items():
+        walk(root, (ns,))
+    return sorted(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 4]))
+def test_insert_below_equals_insert_then_match(seed, page_size):
+    """A running request re-publishing its prefix from its locked node (insert_below) leaves the tree, the
+    counters and the LRU order exactly as insert + match_prefix from the root (the reference) do."""
+    rng = random.Random(seed)
+    caches = [RadixCache(PageAllocator(256 * page_size, page_size)) for _ in range(2)]
+    running: list[list] = []  # per request: [tokens, [handle in each cache], cached_len, private slots per cache]
+    vocab = [0, 1, 2]
+    for _ in range(150):
+        op = rng.random()
+        if op < 0.3:  # admit: match + lock a prefix, the rest computed privately
+            toks = [rng.choice(vocab) for _ in range(rng.randint(1, 10) * page_size)]
+            ms = [c.match_prefix(toks) for c in caches]
+            assert ms[0].length == ms[1].length and ms[0].slots == ms[1].slots
+            need = len(toks) - ms[0].length
+            if any(c.allocator.free_tokens < need for c in caches):
+                continue
+            own = [_alloc_slots(c.allocator, need) for c in caches]
+            assert own[0] == own[1]
+            running.append([toks, [c.lock(m) for c, m in zip(caches, ms)], ms[0].length, own])
+        elif op < 0.6 and running:  # publish: maybe grow first, then insert (reference) / insert_below (fast)
+            r = running[rng.randrange(len(running))]
+            toks, handles, cached, own = r
+            grow = rng.randint(0, 3) * page_size
+            if grow and all(c.allocator.free_tokens >= grow for c in caches):
+                toks.extend(rng.choice(vocab) for _ in range(grow))
+                for c, o in zip(caches, own):
+                    o.extend(_alloc_slots(c.allocator, grow))
+            if len(toks) <= cached:
+                continue
+            answers, ms = [], []
+            for i, c in enumerate(caches):
+                if i == 0 or handles[i] is None:  # the reference (the engine's path without a locked node)
+                    existing = c.insert(toks, c.match_prefix(toks[:cached]).slots + own[i])
+                    m = c.match_prefix(toks)
+                    answers.append((existing, m.slots[cached:existing], m.length))
+                else:
+                    existing, have, m = c.insert_below(handles[i], cached, toks, own[i])
+                    answers.append((existing, have, m.length))
+                ms.append(m)
+            assert answers[0] == answers[1] and answers[0][2] == len(toks)
+            existing0 = answers[0][0]
+            new_handles = [c.lock(m) for c, m in zip(caches, ms)]
+            for c, h in zip(caches, handles):
+                c.unlock(h)
+            for c, o in zip(caches, own):  # the tree took [cached, existing): those private slots go back
+                c.allocator.free_slots(o[: existing0 - cached])
+            r[1], r[2], r[3] = new_handles, len(toks), [o[len(toks) - cached:] for o in own]
+        elif op < 0.75 and running:  # finish: unlock, free what is private
+            toks, handles, cached, own = running.pop(rng.randrange(len(running)))
+            for c, h, o in zip(caches, handles, own):
+                c.allocator.free_slots(o)
+                c.unlock(h)
+        else:
+            k = rng.randint(1, 40)
+            assert caches[0].evict(k) == caches[1].evict(k)
+        assert _tree(caches[0]) == _tree(caches[1])
+        for c in caches:
+            c.check_integrity()
+        assert [c.evictable_tokens for c in caches][0] == caches[1].evictable_tokens
+        assert caches[0].locked_tokens == caches[1].locked_tokens
+        assert caches[0].allocator.free_tokens == caches[1].allocator.free_tokens
+    while caches[0].evictable_tokens:  # the LRU order is the same: the same slots go back, step by step
+        assert caches[0].evict(page_size) == caches[1].evict(page_size)
+        assert _tree(caches[0]) == _tree(caches[1])
