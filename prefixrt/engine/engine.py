@@ -200,6 +200,16 @@ class Engine(EngineFront):
             backend = self.grammar_compiler().backend
             if getattr(backend, "string_lengths", False):
                 backend.token_table()  # llguidance: JSON string lengths checked beside the grammar
+            ops = self.core.bitmask_ops
+            if self.device.type == "cuda" and ops is not None:
+                import torch
+
+                # The mask kernel (a Triton kernel compiled on first use): row counts 1, a multiple of 16 and
+                # neither, the variants Triton specialises integer arguments into.
+                for rows in (1, 16, 17):
+                    logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+                    ops.apply_token_bitmask(logits, ops.allocate_bitmask(rows, self.vocab_size).to(self.device))
+                torch.cuda.synchronize(self.device)
         except Exception:
             log.warning("grammar backend warm-up failed", exc_info=True)
         spent = time.perf_counter() - t
