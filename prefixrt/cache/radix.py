@@ -64,6 +64,7 @@ def _matched_len(key: list[int], tokens: list[int], pos: int, limit: int) -> int
 class RadixCache(PrefixCache):
     retains = True
     supports_insert_below = True  # insert_below (a subclass whose insert does more sets this False)
+    _node_class = _Node
 
     def __init__(self, allocator: PageAllocator, on_evict=None):
         self.allocator = allocator
@@ -97,6 +98,17 @@ class RadixCache(PrefixCache):
     def _touch(self, node: _Node, tick: int) -> None:
         node.last_access = tick
         self._push_if_evictable_leaf(node)
+
+    def _add_leaf(self, parent: _Node, key: list[int], slots: list[int], tick: int) -> _Node:
+        """A new leaf under parent holding key's K/V at slots (copied), counted as evictable."""
+        new = self._node_class(list(key), list(slots), parent, tick)
+        parent.children[self._page_key(new.key, 0)] = new
+        self._num_nodes += 1
+        self._evictable += len(new.key)
+        self._count(parent, len(new.key))
+        self.version += 1
+        self._push_if_evictable_leaf(new)
+        return new
 
     def _split(self, node: _Node, offset: int) -> _Node:
         """Split node after `offset` tokens; returns the new upper node. Counters are unchanged."""
@@ -178,13 +190,7 @@ class RadixCache(PrefixCache):
         while pos < n_total:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                new = _Node(list(tokens[pos:n_total]), list(slots[pos:n_total]), node, tick)
-                node.children[self._page_key(new.key, 0)] = new
-                self._num_nodes += 1
-                self._evictable += n_total - pos
-                self._count(node, n_total - pos)
-                self.version += 1
-                self._push_if_evictable_leaf(new)
+                self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick)
                 return pos
             n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
             if n < len(child.key):
@@ -212,13 +218,7 @@ class RadixCache(PrefixCache):
         while pos < n_total:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                new = _Node(list(tokens[pos:n_total]), list(slots[pos - start:n_total - start]), node, tick)
-                node.children[self._page_key(new.key, 0)] = new
-                self._num_nodes += 1
-                self._evictable += n_total - pos
-                self._count(node, n_total - pos)
-                self.version += 1
-                self._push_if_evictable_leaf(new)
+                new = self._add_leaf(node, tokens[pos:n_total], slots[pos - start:n_total - start], tick)
                 return pos, have, MatchResult(n_total, [], new, len(new.key), self.version)
             n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
             if n < len(child.key):

@@ -43,6 +43,7 @@ class _TNode(_Node):
 
 class TieredRadixCache(RadixCache):
     supports_insert_below = False  # its insert also revives host-only nodes: KVManager uses insert + match
+    _node_class = _TNode
     def __init__(self, allocator: PageAllocator, host: HostKVPool, transfer: KVTransfer,
                  policy: str = "write_through", write_threshold: int = 2, debug: bool = False):
         super().__init__(allocator)
@@ -230,13 +231,7 @@ class TieredRadixCache(RadixCache):
         while pos < n_total:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                new = _TNode(list(tokens[pos:n_total]), list(slots[pos:n_total]), node, tick)
-                node.children[self._page_key(new.key, 0)] = new
-                self._num_nodes += 1
-                self._evictable += n_total - pos
-                self._count(node, n_total - pos)
-                self.version += 1
-                self._push_if_evictable_leaf(new)
+                new = self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick)
                 if self.policy == "write_through":
                     self._backup(new)
                 return pos if existing is None else existing
