@@ -44,6 +44,7 @@ class _TNode(_Node):
 class TieredRadixCache(RadixCache):
     supports_insert_below = False  # its insert also revives host-only nodes: KVManager uses insert + match
     _node_class = _TNode
+
     def __init__(self, allocator: PageAllocator, host: HostKVPool, transfer: KVTransfer,
                  policy: str = "write_through", write_threshold: int = 2, debug: bool = False):
         super().__init__(allocator)
