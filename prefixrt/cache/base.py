@@ -29,6 +29,7 @@ class MatchResult:
 class PrefixCache(ABC):
     page_size: int
     retains: bool  # False: nothing is ever kept (the no-reuse ablation)
+    supports_insert_below = False  # RadixCache: insert_below, the walk from a locked node (kv_manager.cache_unfinished)
 
     @abstractmethod
     def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:

@@ -417,7 +417,7 @@ class KVManager:
             return
         tokens = req.all_ids[:n]
         start = req.cached_len
-        if req.cache_handle is not None and getattr(self.cache, "supports_insert_below", False):
+        if req.cache_handle is not None and self.cache.supports_insert_below:
             # from req's locked node: only the tokens past its cached prefix are compared (the reference below)
             existing, have, m = self.cache.insert_below(req.cache_handle, start, tokens,
                                                         self.slots_of(req, start, n))

@@ -248,7 +248,7 @@ def test_insert_below_equals_insert_then_match(seed, page_size):
         assert _tree(caches[0]) == _tree(caches[1])
         for c in caches:
             c.check_integrity()
-        assert [c.evictable_tokens for c in caches][0] == caches[1].evictable_tokens
+        assert caches[0].evictable_tokens == caches[1].evictable_tokens
         assert caches[0].locked_tokens == caches[1].locked_tokens
         assert caches[0].allocator.free_tokens == caches[1].allocator.free_tokens
     while caches[0].evictable_tokens:  # the LRU order is the same: the same slots go back, step by step
