@@ -375,6 +375,7 @@ def sdpa_lower_right(q, k, v):
 EXTEND_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 3),
                 (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3),
                 (64, 32, 4, 3)]
+PACKED_SWEEP = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2)]
 
 
 def bench_extend_case(name, prefix, ext, sweep=False, contiguous_too=True):
@@ -384,12 +385,13 @@ def bench_extend_case(name, prefix, ext, sweep=False, contiguous_too=True):
     o = torch.empty_like(q)
     flops = extend_flops(prefix, ext, num_heads, head_dim)
     row = {"case": name, "flops": flops}
-    for contiguous in (False, True) if contiguous_too else (False,):
-        kw = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
-        ms = bench(lambda kw=kw: extend_attention(q, o, *args, **kw))
-        label = f"{name} ({'new K/V contiguous' if contiguous else 'all from pool'})"
-        record_time("extend", label, ms, TFLOPs=flops / (ms / 1e3) / 1e12)
-        row["contiguous" if contiguous else "pool"] = flops / (ms / 1e3) / 1e12
+    for pack in (False, True):  # one program per query head, or a kv head's query heads packed into its rows
+        for contiguous in (False, True) if contiguous_too else (False,):
+            kw = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
+            ms = bench(lambda kw=kw, pack=pack: extend_attention(q, o, *args, pack_heads=pack, **kw))
+            label = f"{name} ({'new K/V contiguous' if contiguous else 'all from pool'}{', heads packed' if pack else ''})"
+            record_time("extend", label, ms, TFLOPs=flops / (ms / 1e3) / 1e12)
+            row[("contiguous" if contiguous else "pool") + ("_packed" if pack else "")] = flops / (ms / 1e3) / 1e12
     # Reference for the checks and the SDPA baseline: each sequence's whole K/V gathered contiguously.
     rows = args[3].tolist()
     outs = []
@@ -414,24 +416,28 @@ def bench_extend_case(name, prefix, ext, sweep=False, contiguous_too=True):
             outs.append(sdpa_lower_right(qd, k, v)[0].transpose(0, 1))
         expected = torch.cat(outs)
     if expected is not None:
-        extend_attention(q, o, *args)
-        record_check(f"extend {name} vs SDPA", rel_err(o, expected), dtype)
+        for pack in (False, True):
+            o.zero_()
+            extend_attention(q, o, *args, pack_heads=pack)
+            record_check(f"extend {name}{' heads packed' if pack else ''} vs SDPA", rel_err(o, expected), dtype)
     if sweep and not SMOKE:
         best = None
-        for bm, bn, w, st in EXTEND_SWEEP:
-            cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-            try:
-                o.zero_()
-                extend_attention(q, o, *args, block_m=bm, config=cfg)
-                err = rel_err(o, expected) if expected is not None else 0.0
-                ms = bench(lambda bm=bm, cfg=cfg: extend_attention(q, o, *args, block_m=bm, config=cfg))
-            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                print(f"  config {bm, bn, w, st} failed: {type(e).__name__}: {str(e)[:120]}")
-                continue
-            tf = flops / (ms / 1e3) / 1e12
-            record_time("sweep", f"{name} M{bm} N{bn} w{w} s{st}", ms, TFLOPs=tf, rel_err=err)
-            if err < TOL[dtype] and (best is None or tf > best[1]):
-                best = ((bm, bn, w, st), tf)
+        for pack, configs in ((False, EXTEND_SWEEP), (True, PACKED_SWEEP)):
+            for bm, bn, w, st in configs:
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+                try:
+                    o.zero_()
+                    extend_attention(q, o, *args, config=cfg, pack_heads=pack)
+                    err = rel_err(o, expected) if expected is not None else 0.0
+                    ms = bench(lambda cfg=cfg, pack=pack: extend_attention(q, o, *args, config=cfg, pack_heads=pack))
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+                    print(f"  config {bm, bn, w, st} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                tf = flops / (ms / 1e3) / 1e12
+                record_time("sweep", f"{name} {'packed ' if pack else ''}M{bm} N{bn} w{w} s{st}", ms, TFLOPs=tf,
+                            rel_err=err)  # fmt: skip
+                if err < TOL[dtype] and (best is None or tf > best[1]):
+                    best = (("packed" if pack else "per-head", bm, bn, w, st), tf)
         row["best"] = best
     RESULTS.setdefault("extend_rows", []).append(row)
 
@@ -443,9 +449,9 @@ def bench_extend():
         bench_extend_case(f"1 x 2048 new over {cached} cached", [size(cached)], [size(2048)], sweep, False)
     bench_extend_case("64 x 80 new over 3500 prefix", [size(3500)] * size(64), [size(80)] * size(64), sweep)
     bench_extend_case("1 x 80 new over 3500 prefix", [size(3500)], [size(80)], False, False)
-    print("\n| extend case | pool TFLOP/s | SDPA TFLOP/s | best swept config (TFLOP/s) |\n|---|---|---|---|")
+    print("\n| extend case | pool TFLOP/s | heads packed | SDPA TFLOP/s | best swept config (TFLOP/s) |\n|---|---|---|---|---|")
     for r in RESULTS.get("extend_rows", []):
-        print(f"| {r['case']} | {r.get('pool', 0):.0f} | {r.get('sdpa', 0):.0f} | {r.get('best')} |")
+        print(f"| {r['case']} | {r.get('pool', 0):.0f} | {r.get('pool_packed', 0):.0f} | {r.get('sdpa', 0):.0f} | {r.get('best')} |")
 
 
 def main():

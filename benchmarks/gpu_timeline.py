@@ -266,10 +266,16 @@ def main():
     ap.add_argument("--only", default="rag,b256,b64,b8,b1")
     ap.add_argument("--cascade", default=None)
     ap.add_argument("--pdl", default=None, help="1/0: EngineConfig.pdl (programmatic dependent launch)")
+    ap.add_argument("--pack", default=None, help="1/0: extend attention packs a kv head's query heads (default: "
+                    "kernels.extend_attention.pack_heads_by_default)")
     args = ap.parse_args()
+    if args.pack is not None:
+        from prefixrt.kernels import extend_attention as ext
+
+        ext.pack_heads_by_default = lambda heads_per_kv, has_map, on=args.pack == "1": on and heads_per_kv > 1 and not has_map
     smoke = args.smoke
     out = os.environ.get("OUT")
-    tag = "" if args.pdl is None else f"_pdl{args.pdl}"
+    tag = ("" if args.pdl is None else f"_pdl{args.pdl}") + ("" if args.pack is None else f"_pack{args.pack}")
     dmon = None
     if not smoke and out:
         dmon = subprocess.Popen(["nvidia-smi", "dmon", "-s", "pucm", "-d", "1", "-f", os.path.join(out, f"dmon{tag}.txt")],

@@ -23,7 +23,12 @@ import torch
 import triton
 from prefixrt.kernels import decode_attention as dec
 from prefixrt.kernels._common import dot_args
-from prefixrt.kernels.cascade_decode import _cascade_prefix_kernel, _prefix_config, cascade_decode_attention
+from prefixrt.kernels.cascade_decode import (
+    LOG2E,
+    _cascade_prefix_kernel,
+    _prefix_config,
+    cascade_decode_attention,
+)
 from prefixrt.kernels.cascade_plan import plan_cascade
 from prefixrt.kernels.gemv import GemvConfig, candidate_configs, measure
 
@@ -123,7 +128,7 @@ class RagShape:
         _cascade_prefix_kernel[grid](
             self.q[i], self.k[i], self.v[i], self.req_to_token, self.rows, plan.group_prefix_lens,
             plan.group_lead_seq, plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs,
-            mo, ml, self.scale, 0.0,
+            mo, ml, self.scale * LOG2E, 0.0,
             self.q[i].stride(0), self.q[i].stride(1), self.k[i].stride(0), self.k[i].stride(1),
             self.v[i].stride(0), self.v[i].stride(1), self.req_to_token.stride(0),
             mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1),
@@ -135,7 +140,7 @@ class RagShape:
         mo, ml = self.mid_o, self.mid_lse
         dec._decode_stage1[(BATCH, NUM_KV_HEADS, ss)](
             self.q[i], self.k[i], self.v[i], self.req_to_token, self.rows, self.seq_lens, plan.suffix_start,
-            mo, ml, self.scale, 0.0, 0,
+            mo, ml, self.scale * LOG2E, 0.0, 0,
             self.q[i].stride(0), self.q[i].stride(1), self.k[i].stride(0), self.k[i].stride(1),
             self.v[i].stride(0), self.v[i].stride(1), self.req_to_token.stride(0),
             mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1), sp,
@@ -314,8 +319,50 @@ def bench_decode_configs() -> None:
             TABLE.append((f"decode B={batch} ctx={ctx} N{bn} w{w} s{st}", f"{us:.1f} us", f"{gb / us * 1e6:.0f} GB/s"))
 
 
+def bench_merge() -> None:
+    """The merge's launch (heads per program, warps), alone at the engine's split counts and inside the whole
+    cascade (RAG shape, tile 16)."""
+    import prefixrt.kernels.cascade_decode as cd
+
+    r = RagShape()
+    plan = plan_cascade([(PREFIX, list(range(BATCH)))], r.seq_lens_cpu, DEV, queries_per_tile=16)
+    variants = [(1, 4), (1, 2), (1, 1), (2, 4), (4, 4), (4, 8), (8, 8)][: 2 if SMOKE else None]
+    default = dict(cd.MERGE_LAUNCH)  # the defaults: launch_merge's own
+    for sp, ss in ((9, 2), (4, 1)):
+        expected = None
+        for hm, w in variants:
+            o = torch.empty_like(r.q[0])
+            r.prefix(0, plan, sp, _prefix_config(HEAD_DIM, NUM_HEADS // NUM_KV_HEADS, 16))
+            r.suffix(0, plan, sp, ss, {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3})
+            dec.launch_merge(o, r.mid_o, r.mid_lse, sp + ss, kv_start=plan.suffix_start, num_guarded=sp,
+                             heads_per_program=hm, num_warps=w)
+            err = rel_err(o, r.plain[0])
+            us = graph_us(lambda o=o, hm=hm, w=w, sp=sp, ss=ss: [dec.launch_merge(o, r.mid_o, r.mid_lse, sp + ss,
+                                                                  kv_start=plan.suffix_start, num_guarded=sp,
+                                                                  heads_per_program=hm, num_warps=w)
+                                                 for _ in range(LAYERS)]) / LAYERS
+            cd.MERGE_LAUNCH.update(heads_per_program=hm, num_warps=w)
+            outs = [torch.empty_like(q) for q in r.q]
+
+            def run(outs=outs, sp=sp, ss=ss):
+                for i in range(LAYERS):
+                    cascade_decode_attention(r.q[i], outs[i], r.k[i], r.v[i], r.req_to_token, r.rows, r.seq_lens,
+                                             r.scale, plan, num_prefix_splits=sp, num_suffix_splits=ss,
+                                             mid_o=r.mid_o, mid_lse=r.mid_lse)
+
+            whole = graph_us(run) / LAYERS
+            cd.MERGE_LAUNCH.clear()
+            cd.MERGE_LAUNCH.update(default)
+            expected = expected if expected is not None else o.clone()
+            name = f"merge S={sp}+{ss} heads/program {hm} warps {w}"
+            RESULTS["cascade"].append({"variant": name, "us_per_layer": us, "whole_us": whole, "rel_err": err,
+                                       "same_as_first": bool(torch.equal(o, expected))})
+            print(f"  {name}: merge {us:.1f} us, whole cascade {whole:.1f} us/layer, err {err:.1e}", flush=True)
+            TABLE.append((name, f"{us:.1f} us merge", f"whole cascade {whole:.1f} us/layer, err {err:.1e}"))
+
+
 def main():
-    sections = {"gemm": bench_gemm, "cascade": bench_cascade, "decode": bench_decode_configs}
+    sections = {"gemm": bench_gemm, "cascade": bench_cascade, "decode": bench_decode_configs, "merge": bench_merge}
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(sections))
     t0 = time.perf_counter()
     for key in only:

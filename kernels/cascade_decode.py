@@ -36,12 +36,15 @@ from prefixrt.kernels._common import (
 from prefixrt.kernels.cascade_plan import CascadePlan
 from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
 
+LOG2E = 1.4426950408889634
+MERGE_LAUNCH: dict = {}  # launch_merge's launch parameters when not its defaults (benchmarks/gpu_tune.py --only=merge)
+
 
 @triton.jit
 def _cascade_prefix_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, GroupPrefixLens, GroupLeadSeq, GroupSeqIds,
     TileGroup, TileSeqStart, TileNumSeqs, MidO, MidLse,
-    sm_scale, logit_softcap,
+    qk_scale, logit_softcap,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     HEADS_PER_KV: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -94,13 +97,15 @@ def _cascade_prefix_kernel(
             slots = tl.load(ReqToToken + lead_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * sm_scale  # s: [rows, BLOCK_N]
+        # Scores in base 2 (exp2 is one instruction): qk_scale is sm_scale * log2(e), or sm_scale alone with a
+        # softcap, which applies to the natural-scale scores first.
+        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [rows, BLOCK_N]
         if HAS_SOFTCAP:
-            s = softcap_scores(s, logit_softcap)
+            s = softcap_scores(s, logit_softcap) * 1.4426950408889634
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
@@ -110,7 +115,7 @@ def _cascade_prefix_kernel(
     if end > start:
         o_ptrs = MidO + seqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
         tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & mask_d[None, :])
-        tl.store(lse_ptrs, m_i + tl.log(l_i), mask=row_ok)
+        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # natural-log LSE
     else:
         tl.store(lse_ptrs, tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32), mask=row_ok)
 
@@ -192,7 +197,8 @@ def cascade_decode_attention(
     )  # fmt: skip
     if concurrent:
         main.wait_stream(side)  # the merge reads both stages' partials
-    launch_merge(o, mid_o, mid_lse, num_splits, kv_start=plan.suffix_start, num_guarded=num_prefix_splits)
+    launch_merge(o, mid_o, mid_lse, num_splits, kv_start=plan.suffix_start, num_guarded=num_prefix_splits,
+                 **MERGE_LAUNCH)
 
 
 def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
@@ -204,7 +210,7 @@ def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o,
         _cascade_prefix_kernel[grid](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, plan.group_prefix_lens, plan.group_lead_seq,
             plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs, mid_o, mid_lse,
-            sm_scale, logit_softcap or 0.0,
+            sm_scale if logit_softcap else sm_scale * LOG2E, logit_softcap or 0.0,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
             v_buffer.stride(1), req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -1,8 +1,9 @@
 """Extend (prefill / chunked prefill / multi-token) attention over the paged pool.
 
 Grid [B, H, cdiv(max_extend_len, BLOCK_M)]: one program per (sequence, query head, block of BLOCK_M new
-tokens). It streams keys from the start of the visible range up to its last query's position, with an
-online softmax in fp32. The new tokens' K/V is already in the pool, so by default everything is read
+tokens); with pack_heads, [B, KVH, cdiv(max_extend_len * G, BLOCK_M)]: one program per (sequence, kv head,
+block of BLOCK_M / G new tokens), its rows being each token's G query heads of that kv head. It streams keys
+from the start of the visible range up to its last query's position, with an online softmax in fp32. The new tokens' K/V is already in the pool, so by default everything is read
 through req_to_token; with k_extend/v_extend the new tokens are read from those contiguous tensors
 instead (one indirection less per key block on the diagonal part).
 
@@ -72,8 +73,12 @@ def _extend_kernel(
     CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BlockSeq, BlockMb, HAS_BLOCK_MAP: tl.constexpr,
     MidO, MidLse, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, NUM_SPLITS: tl.constexpr,
-    PAGE_SPAN: tl.constexpr = 1,
+    PAGE_SPAN: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
 ):  # fmt: skip
+    # BLOCK_G > 1 packs the query heads of one kv head into the rows: row r is token r // BLOCK_G of the
+    # block and head r % BLOCK_G of the group (grid axis 1 then runs over kv heads), so a block of BLOCK_M
+    # rows holds BLOCK_M // BLOCK_G tokens and each K/V block it loads serves every head of the group.
+    TOKENS: tl.constexpr = BLOCK_M // BLOCK_G
     if HAS_BLOCK_MAP:  # grid [num_blocks, H]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
         h = tl.program_id(1)
         b = tl.load(BlockSeq + tl.program_id(0))
@@ -85,31 +90,38 @@ def _extend_kernel(
         h = tl.program_id(1)
         mb = tl.num_programs(2) - 1 - tl.program_id(2)
     extend_len = tl.load(ExtendLens + b)
-    if mb * BLOCK_M >= extend_len:
+    if mb * TOKENS >= extend_len:
         return
     prefix_len = tl.load(PrefixLens + b)
     start_loc = tl.load(ExtendStart + b)
     req_row = tl.load(ReqPoolIdx + b).to(tl.int64)
-    kv_head = h // HEADS_PER_KV
+    if BLOCK_G > 1:
+        kv_head = h
+        first_head = h * HEADS_PER_KV
+    else:
+        kv_head = h // HEADS_PER_KV
+        first_head = h
 
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = mb * TOKENS + offs_r // BLOCK_G  # each row's token, within the sequence's new tokens
+    heads = first_head + offs_r % BLOCK_G  # each row's query head
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < extend_len
+    mask_m = (offs_m < extend_len) & (offs_r % BLOCK_G < HEADS_PER_KV)
     mask_d = offs_d < HEAD_DIM
     rows = (start_loc + offs_m).to(tl.int64)
     q = tl.load(
-        Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     )  # q: [BLOCK_M, BLOCK_D]
     q_pos = prefix_len + offs_m
 
     # Visible keys of this query block: [kv_lo, kv_hi).
-    kv_hi = prefix_len + tl.minimum((mb + 1) * BLOCK_M, extend_len)
+    kv_hi = prefix_len + tl.minimum((mb + 1) * TOKENS, extend_len)
     kv_lo = kv_hi * 0
     if HAS_WINDOW:
-        kv_lo = tl.maximum(prefix_len + mb * BLOCK_M - sliding_window + 1, 0)
+        kv_lo = tl.maximum(prefix_len + mb * TOKENS - sliding_window + 1, 0)
         kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -121,7 +133,7 @@ def _extend_kernel(
     pool_hi = kv_hi
     if CONTIGUOUS_NEW_KV:
         pool_hi = prefix_len
-    unmasked_hi = kv_lo + (tl.maximum(tl.minimum(pool_hi, prefix_len + mb * BLOCK_M) - kv_lo, 0) // BLOCK_N) * BLOCK_N
+    unmasked_hi = kv_lo + (tl.maximum(tl.minimum(pool_hi, prefix_len + mb * TOKENS) - kv_lo, 0) // BLOCK_N) * BLOCK_N
     # Split-KV (grid axis 2): this program takes keys [s_lo, s_hi) of [kv_lo, pool_hi), cut at BLOCK_N
     # multiples from kv_lo, so the unmasked/masked boundary above stays on a block edge.
     s_lo = kv_lo
@@ -186,14 +198,14 @@ def _extend_kernel(
         lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         split_id = tl.program_id(2)
         tl.store(
-            MidO + rows[:, None] * stride_mot + h * stride_moh + split_id * stride_mos + offs_d[None, :],
+            MidO + rows[:, None] * stride_mot + heads[:, None] * stride_moh + split_id * stride_mos + offs_d[None, :],
             out,
             mask=mask_m[:, None] & mask_d[None, :],
         )
-        tl.store(MidLse + rows * stride_mlt + h * stride_mlh + split_id, lse, mask=mask_m)
+        tl.store(MidLse + rows * stride_mlt + heads * stride_mlh + split_id, lse, mask=mask_m)
         return
     tl.store(
-        Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
@@ -210,6 +222,11 @@ def _config(head_dim: int, max_extend_len: int, block_m: int | None = None) -> d
     if block_m == 128:  # measured on an H200 (benchmarks/gpu_kernels.py sweep): 4 warps, 3 stages
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def pack_heads_by_default(heads_per_kv: int, has_map: bool) -> bool:
+    """Whether extend_attention packs a kv head's query heads into one program when not told."""
+    return 1 < heads_per_kv <= 16 and not has_map  # 16: the interpreter's 16-row blocks hold a token
 
 
 def block_m_for(head_dim: int, max_extend_len: int, block_m: int | None = None) -> int:
@@ -255,6 +272,7 @@ def extend_attention(
     num_splits: int = 1,
     config: dict | None = None,
     page_size: int = 1,
+    pack_heads: bool | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
@@ -267,7 +285,9 @@ def extend_attention(
     block's keys into that many ranges run by separate programs, merged by their log-sum-exp afterwards:
     parallelism for a few new tokens over a long cached prefix (hot-prefix prefills). config overrides
     launch parameters (BLOCK_N, num_warps, num_stages; benchmarks/gpu_kernels.py sweeps them). page_size: the
-    pool's; above 1 pool keys are read a page run per table lookup."""
+    pool's; above 1 pool keys are read a page run per table lookup. pack_heads: put the query heads that share
+    a kv head into one program's rows (K/V loaded once for the group, short extends fill the tile); None
+    decides by pack_heads_by_default. Only without a block map (whose blocks count tokens of one head)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
@@ -277,14 +297,22 @@ def extend_attention(
         raise ValueError(f"k_extend/v_extend must both be [T, KVH, D]; got {k_extend.shape}")
     k_ext = k_extend if contiguous else k_buffer
     v_ext = v_extend if contiguous else v_buffer
-    cfg = _config(head_dim, max_extend_len, block_m)
+    has_map = block_seq is not None
+    heads_per_kv = num_heads // num_kv_heads
+    if pack_heads is None:
+        pack_heads = pack_heads_by_default(heads_per_kv, has_map)
+    if pack_heads and has_map:
+        raise ValueError("pack_heads needs the grid sized from max_extend_len (no block map)")
+    block_g = triton.next_power_of_2(heads_per_kv) if pack_heads else 1
+    cfg = _config(head_dim, max_extend_len * block_g, block_m)
     if config:
         cfg = {**cfg, **config}
+    if block_g > cfg["BLOCK_M"]:
+        raise ValueError(f"pack_heads: {heads_per_kv} heads per kv head do not fit a {cfg['BLOCK_M']}-row block")
     if num_splits > 1:  # split partials: [T, H, S, D] and [T, H, S] fp32 (a graph's pool holds them)
         mid_o, mid_lse = decode_workspace(q.shape[0], num_heads, head_dim, num_splits, q.device)
     else:
         mid_o, mid_lse = o.unsqueeze(2), o[:, :, 0]  # placeholders, never touched
-    has_map = block_seq is not None
     if num_splits > 1 and (not has_map or contiguous):
         raise ValueError("num_splits > 1 needs a block map and pool K/V (no k_extend)")
     if has_map:
@@ -292,7 +320,7 @@ def extend_attention(
             raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
         grid = (block_seq.shape[0], num_heads, num_splits)
     else:
-        grid = (batch_size, num_heads, triton.cdiv(max_extend_len, cfg["BLOCK_M"]))
+        grid = (batch_size, num_kv_heads if pack_heads else num_heads, triton.cdiv(max_extend_len * block_g, cfg["BLOCK_M"]))
     _extend_kernel[grid](
         q, o, k_buffer, v_buffer, k_ext, v_ext, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, sm_scale if logit_softcap else sm_scale * LOG2E, logit_softcap or 0.0, sliding_window or 0,
@@ -306,7 +334,7 @@ def extend_attention(
         HAS_BLOCK_MAP=has_map,
         MidO=mid_o, MidLse=mid_lse, stride_mot=mid_o.stride(0), stride_moh=mid_o.stride(1),
         stride_mos=mid_o.stride(2), stride_mlt=mid_lse.stride(0), stride_mlh=mid_lse.stride(1),
-        NUM_SPLITS=num_splits, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]),
+        NUM_SPLITS=num_splits, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), BLOCK_G=block_g,
     )  # fmt: skip
     if num_splits > 1:
         launch_merge(o, mid_o, mid_lse, num_splits)

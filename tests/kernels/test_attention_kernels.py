@@ -111,16 +111,19 @@ EXTEND_CASES = [  # (heads_per_kv, head_dim, window, softcap, contiguous, dtype)
     (2, 80, None, None, False, torch.float32),
     (4, 64, 8, None, False, torch.bfloat16),
     (2, 128, None, None, True, torch.float16),
+    (3, 64, 8, None, False, torch.float32),  # packed: a group padded from 3 to 4 rows per token
+    (8, 64, None, None, True, torch.bfloat16),
 ]
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["per-head", "packed-heads"])
 @pytest.mark.parametrize("heads_per_kv,head_dim,window,softcap,contiguous,dtype", EXTEND_CASES)
-def test_extend_attention(heads_per_kv, head_dim, window, softcap, contiguous, dtype):
+def test_extend_attention(heads_per_kv, head_dim, window, softcap, contiguous, dtype, pack):
     rng = random.Random(f"{heads_per_kv}-{head_dim}-{window}-{dtype}")
     q, args, k_new, v_new = make_extend_case(rng, heads_per_kv, head_dim, dtype)
     extra = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
     out, expected = torch.empty_like(q), torch.empty_like(q)
-    extend_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, **extra)
+    extend_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, pack_heads=pack, **extra)
     ref.extend_attention(q, expected, *args, sliding_window=window, logit_softcap=softcap)
     assert rel_err(out, expected) < TOL[dtype]
 
@@ -313,7 +316,8 @@ def test_extend_attention_paged(page_size, heads_per_kv, head_dim, window, softc
                                              prefix_lens=prefix_lens)
     extra = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
     out, expected = torch.empty_like(q), torch.empty_like(q)
-    extend_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, page_size=page_size, **extra)
+    extend_attention(q, out, *args, sliding_window=window, logit_softcap=softcap, page_size=page_size,
+                     pack_heads=heads_per_kv > 1, **extra)
     ref.extend_attention(q, expected, *args, sliding_window=window, logit_softcap=softcap)
     assert rel_err(out, expected) < TOL[dtype]
 
@@ -558,3 +562,34 @@ def test_prefix_grouper_groups_shared_tree_pages():
     paged = PrefixGrouper(page_size=16, min_prefix_len=32)
     two = [req(0, [4, 5, 6, 7], 64), req(1, [4, 5, 6, 8], 60)]
     assert paged.groups(two) == [(48, [0, 1])]
+
+
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
+def test_merge_splits_equals_lse_weighted_mean(heads_per_program):
+    """launch_merge vs the LSE-weighted mean in torch, at several heads per program (6 heads: a partial last
+    program). Dead splits hold NaN partials, the guarded (cascade prefix) splits count only where kv_start > 0,
+    and a sequence with no live split gets zeros."""
+    from prefixrt.kernels.decode_attention import launch_merge
+
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, splits, dim, guarded = 4, 6, 5, 32, 2
+    mid_o = torch.randn(batch, heads, splits, dim, generator=gen)
+    mid_lse = torch.randn(batch, heads, splits, generator=gen) * 3
+    mid_lse[0, :, 3] = float("-inf")  # a split past the sequence's end ...
+    mid_o[0, :, 3] = float("nan")  # ... whose partial is stale
+    mid_lse[3] = float("-inf")  # a padded entry: nothing live
+    kv_start = torch.tensor([5, 0, 7, 0], dtype=torch.int32)  # sequences 1 and 3 are in no prefix group
+    mid_o[1, :, :guarded] = float("nan")  # their prefix splits are stale workspace
+    live = mid_lse > float("-inf")
+    live[:, :, :guarded] &= (kv_start > 0)[:, None, None]
+    lse = torch.where(live, mid_lse, float("-inf"))
+    w = torch.where(live, torch.softmax(lse.clamp_min(-1e30), dim=-1), 0.0)
+    expected = (torch.where(live[..., None], mid_o, 0.0) * w[..., None]).sum(2)
+    expected[3] = 0
+    out = torch.empty(batch, heads, dim)
+    dev = {"device": DEVICE}
+    out = out.to(**dev)
+    launch_merge(out, mid_o.to(**dev), mid_lse.to(**dev), splits, kv_start=kv_start.to(**dev), num_guarded=guarded,
+                 heads_per_program=heads_per_program)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert rel_err(out.cpu(), expected) < 1e-5
