@@ -272,7 +272,8 @@ def main():
     if args.pack is not None:
         from prefixrt.kernels import extend_attention as ext
 
-        ext.pack_heads_by_default = lambda heads_per_kv, has_map, on=args.pack == "1": on and heads_per_kv > 1 and not has_map
+        default_rule = ext.pack_heads_by_default
+        ext.pack_heads_by_default = lambda g, has_map, on=args.pack == "1": on and default_rule(g, has_map)
     smoke = args.smoke
     out = os.environ.get("OUT")
     tag = ("" if args.pdl is None else f"_pdl{args.pdl}") + ("" if args.pack is None else f"_pack{args.pack}")

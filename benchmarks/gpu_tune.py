@@ -22,13 +22,8 @@ import time
 import torch
 import triton
 from prefixrt.kernels import decode_attention as dec
-from prefixrt.kernels._common import dot_args
-from prefixrt.kernels.cascade_decode import (
-    LOG2E,
-    _cascade_prefix_kernel,
-    _prefix_config,
-    cascade_decode_attention,
-)
+from prefixrt.kernels._common import dot_args, qk_scale
+from prefixrt.kernels.cascade_decode import _cascade_prefix_kernel, _prefix_config, cascade_decode_attention
 from prefixrt.kernels.cascade_plan import plan_cascade
 from prefixrt.kernels.gemv import GemvConfig, candidate_configs, measure
 
@@ -128,7 +123,7 @@ class RagShape:
         _cascade_prefix_kernel[grid](
             self.q[i], self.k[i], self.v[i], self.req_to_token, self.rows, plan.group_prefix_lens,
             plan.group_lead_seq, plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs,
-            mo, ml, self.scale * LOG2E, 0.0,
+            mo, ml, qk_scale(self.scale, None), 0.0,
             self.q[i].stride(0), self.q[i].stride(1), self.k[i].stride(0), self.k[i].stride(1),
             self.v[i].stride(0), self.v[i].stride(1), self.req_to_token.stride(0),
             mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1),
@@ -140,7 +135,7 @@ class RagShape:
         mo, ml = self.mid_o, self.mid_lse
         dec._decode_stage1[(BATCH, NUM_KV_HEADS, ss)](
             self.q[i], self.k[i], self.v[i], self.req_to_token, self.rows, self.seq_lens, plan.suffix_start,
-            mo, ml, self.scale * LOG2E, 0.0, 0,
+            mo, ml, qk_scale(self.scale, None), 0.0, 0,
             self.q[i].stride(0), self.q[i].stride(1), self.k[i].stride(0), self.k[i].stride(1),
             self.v[i].stride(0), self.v[i].stride(1), self.req_to_token.stride(0),
             mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1), sp,
@@ -322,12 +317,9 @@ def bench_decode_configs() -> None:
 def bench_merge() -> None:
     """The merge's launch (heads per program, warps), alone at the engine's split counts and inside the whole
     cascade (RAG shape, tile 16)."""
-    import prefixrt.kernels.cascade_decode as cd
-
     r = RagShape()
     plan = plan_cascade([(PREFIX, list(range(BATCH)))], r.seq_lens_cpu, DEV, queries_per_tile=16)
     variants = [(1, 4), (1, 2), (1, 1), (2, 4), (4, 4), (4, 8), (8, 8)][: 2 if SMOKE else None]
-    default = dict(cd.MERGE_LAUNCH)  # the defaults: launch_merge's own
     for sp, ss in ((9, 2), (4, 1)):
         expected = None
         for hm, w in variants:
@@ -341,18 +333,16 @@ def bench_merge() -> None:
                                                                   kv_start=plan.suffix_start, num_guarded=sp,
                                                                   heads_per_program=hm, num_warps=w)
                                                  for _ in range(LAYERS)]) / LAYERS
-            cd.MERGE_LAUNCH.update(heads_per_program=hm, num_warps=w)
             outs = [torch.empty_like(q) for q in r.q]
 
-            def run(outs=outs, sp=sp, ss=ss):
+            def run(outs=outs, sp=sp, ss=ss, hm=hm, w=w):
+                launch = {"heads_per_program": hm, "num_warps": w}
                 for i in range(LAYERS):
                     cascade_decode_attention(r.q[i], outs[i], r.k[i], r.v[i], r.req_to_token, r.rows, r.seq_lens,
                                              r.scale, plan, num_prefix_splits=sp, num_suffix_splits=ss,
-                                             mid_o=r.mid_o, mid_lse=r.mid_lse)
+                                             mid_o=r.mid_o, mid_lse=r.mid_lse, merge_launch=launch)
 
             whole = graph_us(run) / LAYERS
-            cd.MERGE_LAUNCH.clear()
-            cd.MERGE_LAUNCH.update(default)
             expected = expected if expected is not None else o.clone()
             name = f"merge S={sp}+{ss} heads/program {hm} warps {w}"
             RESULTS["cascade"].append({"variant": name, "us_per_layer": us, "whole_us": whole, "rel_err": err,

@@ -56,6 +56,15 @@ def softcap_scores(s, logit_softcap):
     return logit_softcap * tl.where(x < 0, -th, th)
 
 
+LOG2E = 1.4426950408889634  # scores are kept in base 2 (exp2 is one instruction; exp is exp2 and a multiply)
+
+
+def qk_scale(sm_scale: float, logit_softcap: float | None) -> float:
+    """The kernels' score scale: sm_scale * log2(e), giving base-2 scores; sm_scale alone with a soft-cap, which
+    applies to the natural-scale scores first (the kernels multiply by log2(e) after it)."""
+    return sm_scale if logit_softcap else sm_scale * LOG2E
+
+
 def page_span(page_size: int, block_n: int) -> int:
     """Positions the kernels read per request-table lookup (their PAGE_SPAN): gcd(page_size, block_n), so a
     run never crosses a page and a BLOCK_N block holds whole runs. 1 for page_size 1 (slot by slot)."""

@@ -31,13 +31,11 @@ from prefixrt.kernels._common import (
     mma,
     page_span,
     paged_slots,
+    qk_scale,
     softcap_scores,
 )
 from prefixrt.kernels.cascade_plan import CascadePlan
 from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
-
-LOG2E = 1.4426950408889634
-MERGE_LAUNCH: dict = {}  # launch_merge's launch parameters when not its defaults (benchmarks/gpu_tune.py --only=merge)
 
 
 @triton.jit
@@ -168,13 +166,15 @@ def cascade_decode_attention(
     mid_lse: torch.Tensor | None = None,
     page_size: int = 1,
     concurrent_stages: bool = True,
+    merge_launch: dict | None = None,
 ) -> None:
     """Decode attention for a batch with shared-prefix groups (see plan_cascade); equals decode_attention.
     Workspace: mid_o [>=B, H, >=Sp+Ss, D], mid_lse [>=B, H, >=Sp+Ss] fp32 (allocated when None).
     page_size: the pool's; above 1 both stages read the table once per page run (any prefix length, a
     prefix ending mid-page included, as long as each row keeps the page layout of paged_slots).
     concurrent_stages: on CUDA, run the prefix stage on a side stream beside the suffix stage (the same
-    result; False runs them one after the other)."""
+    result; False runs them one after the other). merge_launch: launch_merge's launch parameters
+    (heads_per_program, num_warps) in place of its defaults."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = q.shape[0]
     num_splits = num_prefix_splits + num_suffix_splits
@@ -198,7 +198,7 @@ def cascade_decode_attention(
     if concurrent:
         main.wait_stream(side)  # the merge reads both stages' partials
     launch_merge(o, mid_o, mid_lse, num_splits, kv_start=plan.suffix_start, num_guarded=num_prefix_splits,
-                 **MERGE_LAUNCH)
+                 **(merge_launch or {}))
 
 
 def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
@@ -210,7 +210,7 @@ def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o,
         _cascade_prefix_kernel[grid](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, plan.group_prefix_lens, plan.group_lead_seq,
             plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs, mid_o, mid_lse,
-            sm_scale if logit_softcap else sm_scale * LOG2E, logit_softcap or 0.0,
+            qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
             v_buffer.stride(1), req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

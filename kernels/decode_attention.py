@@ -34,6 +34,7 @@ from prefixrt.kernels._common import (
     paged_slots,
     pdl_args,
     pdl_begin,
+    qk_scale,
     softcap_scores,
 )
 
@@ -201,7 +202,7 @@ def launch_decode_stage1(
     _decode_stage1[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         kv_start if kv_start is not None else seq_lens, mid_o, mid_lse,
-        sm_scale if logit_softcap else sm_scale * 1.4426950408889634, logit_softcap or 0.0, sliding_window or 0,
+        qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

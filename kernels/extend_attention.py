@@ -3,9 +3,10 @@
 Grid [B, H, cdiv(max_extend_len, BLOCK_M)]: one program per (sequence, query head, block of BLOCK_M new
 tokens); with pack_heads, [B, KVH, cdiv(max_extend_len * G, BLOCK_M)]: one program per (sequence, kv head,
 block of BLOCK_M / G new tokens), its rows being each token's G query heads of that kv head. It streams keys
-from the start of the visible range up to its last query's position, with an online softmax in fp32. The new tokens' K/V is already in the pool, so by default everything is read
-through req_to_token; with k_extend/v_extend the new tokens are read from those contiguous tensors
-instead (one indirection less per key block on the diagonal part).
+from the start of the visible range up to its last query's position, with an online softmax in fp32. The new
+tokens' K/V is already in the pool, so by default everything is read through req_to_token; with
+k_extend/v_extend the new tokens are read from those contiguous tensors instead (one indirection less per key
+block on the diagonal part).
 
 Visibility: a query at position p sees keys k with k <= p, and p - window < k when sliding_window is set.
 
@@ -27,11 +28,10 @@ from prefixrt.kernels._common import (
     mma,
     page_span,
     paged_slots,
+    qk_scale,
     softcap_scores,
 )
 from prefixrt.kernels.decode_attention import decode_workspace, launch_merge
-
-LOG2E = 1.4426950408889634  # scores are kept in base 2 (exp2 is one instruction; exp is exp2 and a multiply)
 
 
 @triton.jit
@@ -323,7 +323,7 @@ def extend_attention(
         grid = (batch_size, num_kv_heads if pack_heads else num_heads, triton.cdiv(max_extend_len * block_g, cfg["BLOCK_M"]))
     _extend_kernel[grid](
         q, o, k_buffer, v_buffer, k_ext, v_ext, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start_loc, sm_scale if logit_softcap else sm_scale * LOG2E, logit_softcap or 0.0, sliding_window or 0,
+        extend_start_loc, qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), k_ext.stride(0), k_ext.stride(1), v_ext.stride(0),
         v_ext.stride(1), req_to_token.stride(0),

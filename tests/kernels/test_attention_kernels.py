@@ -586,10 +586,8 @@ def test_merge_splits_equals_lse_weighted_mean(heads_per_program):
     w = torch.where(live, torch.softmax(lse.clamp_min(-1e30), dim=-1), 0.0)
     expected = (torch.where(live[..., None], mid_o, 0.0) * w[..., None]).sum(2)
     expected[3] = 0
-    out = torch.empty(batch, heads, dim)
-    dev = {"device": DEVICE}
-    out = out.to(**dev)
-    launch_merge(out, mid_o.to(**dev), mid_lse.to(**dev), splits, kv_start=kv_start.to(**dev), num_guarded=guarded,
+    out = torch.empty(batch, heads, dim, device=DEVICE)
+    launch_merge(out, mid_o.to(DEVICE), mid_lse.to(DEVICE), splits, kv_start=kv_start.to(DEVICE), num_guarded=guarded,
                  heads_per_program=heads_per_program)  # fmt: skip
     assert torch.isfinite(out).all()
     assert rel_err(out.cpu(), expected) < 1e-5
