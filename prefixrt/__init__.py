@@ -5,14 +5,11 @@ Public names are listed in __all__ and documented in docs/ and docs/api.md; ever
 
 from __future__ import annotations
 
-import os as _os
+from prefixrt import source_tree as _source_tree
 
-# Running from a source checkout (PYTHONPATH=<repo>): `adapters/` and `kernels/` live beside this package
-# and are mapped to prefixrt.adapters / prefixrt.kernels by pyproject's package-dir. Make the same mapping
-# hold without an install by letting the repo root serve as a second search path for subpackages.
-_repo_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_repo_root, "kernels", "__init__.py")) and _repo_root not in __path__:
-    __path__.append(_repo_root)
+# From a source checkout, prefixrt.kernels / prefixrt.adapters live in the repo's top-level folders (see
+# prefixrt/source_tree.py); an installed prefixrt has them in place and this does nothing.
+_source_tree.install_finder(__file__)
 
 from prefixrt.errors import InvalidRequest  # noqa: E402
 from prefixrt.outputs import Chunk, Completion, EngineStats  # noqa: E402
