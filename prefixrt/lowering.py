@@ -10,7 +10,16 @@ routes) and the DSPy and LangChain adapters all lower requests here:
   for exactly one call, else an llguidance Lark grammar), how calls are written, and `parse` for the reply;
 - `engine_messages` / `tools_prompt`: OpenAI chat messages -> what the chat template renders, with the
   tools given to the template when it has a tool format (`<tool_call>` tags, as Qwen and Hermes templates
-  write them), else described in a system message (`tools_prompt`, the documented fallback).
+  write them), else described in a system message (`tools_prompt`, the documented fallback);
+- `lower_chat`: all of the above for one chat request (messages, tools, tool_choice, response_format) -> a
+  `LoweredChat`. The server, the DSPy adapter and the LangChain adapter each turn their own request into
+  OpenAI-shaped dicts and call it, so one request lowers the same way whichever door it came in by.
+
+tools together with response_format (one rule, in `lower_chat`):
+  no callable tool    the response format constrains the reply;
+  "auto"              the reply is one or more calls, or an answer in the response format (the format takes
+                      the place of plain text in the grammar);
+  "required" / named  the reply is a call, so the response format has nothing to constrain and is unused.
 
 Tool calls are JSON objects `{"name": <tool>, "arguments": {...}}`, one per call, separated by a newline
 (inside `<tool_call>` tags when the template uses them). Decoding is constrained, so a call always names a
@@ -566,3 +575,55 @@ def template_tools(tools: list[Tool]) -> list[dict]:
     """Tools in the form chat templates read (`apply_chat_template(tools=...)`)."""
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}} for t in tools]
+
+
+# ---------------------------------------------------------------------------------------------- one chat request
+
+
+@dataclass
+class LoweredChat:
+    """A chat request lowered: what the chat template renders, what decoding is held to, how the reply reads."""
+
+    messages: list[dict]  # {role, content} dicts (plus tool_calls / tool messages when the template renders tools)
+    constraint: dict  # {kind: spec} for SamplingParams ({} when the reply is free text)
+    tools: ToolPlan | None  # the tool plan, when a tool may be called
+    template_tools: list[dict] | None  # tools for apply_chat_template(tools=...), when the template renders them
+    constraint_param: str = "response_format"  # the request field the constraint comes from (for errors)
+
+    def apply(self, params: dict) -> dict:
+        """params (a SamplingParams dict) with the constraint added; InvalidRequest if it already has one."""
+        merge_constraint(params, self.constraint, self.constraint_param)
+        return params
+
+
+def lower_chat(messages: list[dict], *, tools: list[dict] | None = None, tool_choice: Any = None,
+               parallel_tool_calls: bool | None = None, response_format: dict | None = None,
+               syntax: CallSyntax | None = None, tool_prompt: bool = True, schema_note: bool = False) -> LoweredChat:
+    """One chat request in OpenAI's vocabulary -> a LoweredChat (InvalidRequest when it is malformed).
+
+    messages: OpenAI chat messages (dicts; assistant `tool_calls`, `tool` results). tools / tool_choice /
+    parallel_tool_calls / response_format: as OpenAI's chat API takes them (tools also in the Responses API's
+    flat form). syntax: the chat template's own call syntax when it renders tools (`template_call_syntax`),
+    else None: calls are then written BARE and the tools are described in a system message, unless
+    `tool_prompt` is False (the caller's prompt already describes them). schema_note: say the response
+    format's JSON schema in the system message too (for callers whose prompt does not describe the reply).
+    The rule for tools beside a response format is the module docstring's."""
+    answer = response_format_constraint(response_format)
+    specs = tools_from_openai(tools)
+    syntax = syntax if specs else None
+    text_schema = answer.get("json_schema") or ("json_object" if answer else None)
+    plan = plan_tools(specs, tool_choice, parallel_tool_calls, syntax or BARE, text_schema=text_schema)
+    in_template = syntax is not None and plan is not None
+    out = engine_messages(messages, template_tools=in_template, syntax=syntax or BARE)
+    if plan is not None and not in_template and tool_prompt:
+        out = with_tools_prompt(out, plan)
+    if plan is None:
+        constraint = answer
+        schema = answer.get("json_schema")
+        if schema_note and isinstance(schema, dict):
+            note = json.dumps(schema, separators=(",", ":"))
+            out = with_system_note(out, f"Reply with a JSON object matching this JSON schema: {note}")
+    else:
+        constraint = plan.constraint
+    return LoweredChat(out, constraint, plan, template_tools(plan.tools) if in_template else None,
+                       "response_format" if plan is None else "tool_choice")

@@ -79,24 +79,14 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
     rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
-    answer = lowering.response_format_constraint(rf)
-
-    tools = lowering.tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     syntax = lowering.template_call_syntax(eng.tokenizer) if tools and req.tool_prompt else None
     choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
-    plan = lowering.plan_tools(tools, choice, req.parallel_tool_calls, syntax or lowering.BARE,
-                               text_schema=answer.get("json_schema") or ("json_object" if answer else None))
-    if plan is None:  # with tools, "auto" folds the answer's schema into its plan; a forced call has no answer
-        lowering.merge_constraint(params, answer, "response_format")
-    if plan is not None:
-        lowering.merge_constraint(params, plan.constraint, "tool_choice")
-    in_template = syntax is not None and plan is not None
-    messages = lowering.engine_messages([m.model_dump(exclude_none=True) for m in req.messages],
-                                        template_tools=in_template, syntax=syntax or lowering.BARE)
-    if plan is not None and not in_template and req.tool_prompt:
-        messages = lowering.with_tools_prompt(messages, plan)
-    return ChatLowered(messages, _finish_params(params), plan,
-                       lowering.template_tools(plan.tools) if in_template else None)
+    lowered = lowering.lower_chat([m.model_dump(exclude_none=True) for m in req.messages], tools=tools,
+                                  tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
+                                  response_format=rf, syntax=syntax, tool_prompt=req.tool_prompt)
+    lowered.apply(params)
+    return ChatLowered(lowered.messages, _finish_params(params), lowered.tools, lowered.template_tools)
 
 
 def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
