@@ -81,10 +81,32 @@ OPTION_NAMES = {
 }
 
 
+# OpenAI's output limits: at least one token (as OpenAI and vLLM answer; the engine's own max_new_tokens may be 0).
+OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+OPENAI_SEED_MIN, OPENAI_SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as vLLM checks it
+
+
+def check_output_limit(value: Any, param: str) -> None:
+    """InvalidRequest naming `param` unless an OpenAI output limit (max_tokens, ...) is None or an integer >= 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"{param} must be at least 1, got {value!r}", param=param)
+
+
+def check_seed(value: Any, param: str = "seed") -> None:
+    """InvalidRequest unless an OpenAI seed is None or a signed 64-bit integer."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not OPENAI_SEED_MIN <= value <= OPENAI_SEED_MAX:
+        raise InvalidRequest(f"{param} must be an integer in [-2**63, 2**63 - 1], got {value!r}", param=param)
+
+
 def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
     """Options under OpenAI names -> a SamplingParams dict. None values mean "engine default".
 
-    Raises InvalidRequest naming an option prefixrt has no meaning for; `what` says who passed it."""
+    Raises InvalidRequest naming an option prefixrt has no meaning for, or an OpenAI output limit below 1 or a
+    seed outside the signed 64-bit range; `what` says who passed it."""
     params: dict[str, Any] = {}
     for key, value in options.items():
         if value is None:
@@ -92,6 +114,10 @@ def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
         name = OPTION_NAMES.get(key)
         if name is None:
             raise InvalidRequest(f"{what}: prefixrt has no sampling option {key!r}", param=key)
+        if key in OUTPUT_LIMITS:
+            check_output_limit(value, key)
+        if key == "seed":
+            check_seed(value)
         if name == "stop":
             value = [value] if isinstance(value, str) else list(value)
             if not value:

@@ -71,6 +71,8 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+    lowering.check_output_limit(req.max_tokens, "max_tokens")
+    lowering.check_output_limit(req.max_completion_tokens, "max_completion_tokens")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No limit given: generate until EOS or the context is full (the engine stops at max_context).
     params = _base_params(req, limit, eng.max_context)
@@ -118,6 +120,7 @@ def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
         raise InvalidRequest("best_of other than n is not supported", param="best_of")
     if req.echo and req.stream and req.logprobs is not None:
         raise InvalidRequest("echo with logprobs is not supported when streaming", param="echo")
+    lowering.check_output_limit(req.max_tokens, "max_tokens")
     params = _base_params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.lowering import ToolCall, ToolPlan, content_text, new_call_id
+from prefixrt.lowering import ToolCall, ToolPlan, check_output_limit, content_text, new_call_id
 from prefixrt.server import convert
 from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed
@@ -264,6 +264,7 @@ async def create_response(body: ResponsesRequest, request: Request):
                                  param="previous_response_id")
         history = prev[0]
     conversation = history + input_messages(body.input)
+    check_output_limit(body.max_output_tokens, "max_output_tokens")
     chat = _chat_request(body, conversation)
     check_body(chat)
     lowered = convert.chat_params(chat, eng)

@@ -29,9 +29,9 @@ from dspy.lm15 import (  # noqa: E402
     ToolResultPart,
 )
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
-
 from prefixrt.adapters.dspy import lower_request  # noqa: E402
 from prefixrt.adapters.langchain import ChatPrefixRT  # noqa: E402
+
 from prefixrt.server import convert  # noqa: E402
 from prefixrt.server.protocol import ChatCompletionRequest  # noqa: E402
 

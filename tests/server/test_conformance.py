@@ -261,7 +261,10 @@ def test_chat_message_forms(oai):
 
 def test_errors_conform(http):
     for body in ({"model": SERVED_NAME, "messages": []}, {"model": SERVED_NAME, "messages": MSGS, "n": 0},
-                 {"model": SERVED_NAME, "messages": MSGS, "stream_options": {"include_usage": True}}):
+                 {"model": SERVED_NAME, "messages": MSGS, "stream_options": {"include_usage": True}},
+                 {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 0},
+                 {"model": SERVED_NAME, "messages": MSGS, "max_completion_tokens": 0},
+                 {"model": SERVED_NAME, "messages": MSGS, "seed": 2**63}):
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400
         conforms("ErrorResponse", r.json())

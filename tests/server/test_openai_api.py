@@ -145,6 +145,27 @@ def test_bad_params_are_400_with_param(client, kwargs, param):
     assert client.chat.completions.create(model="m", messages=MSGS, max_tokens=1).choices  # still serving
 
 
+def test_zero_output_limits_and_seeds_outside_int64_are_400(client):
+    """max_tokens / max_completion_tokens / max_output_tokens 0 and a seed outside the signed 64-bit range are
+    a 400 naming the parameter (as OpenAI and vLLM answer), on chat, completions and responses."""
+    calls = [
+        ("max_tokens", lambda: client.chat.completions.create(model="m", messages=MSGS, max_tokens=0)),
+        ("max_completion_tokens",
+         lambda: client.chat.completions.create(model="m", messages=MSGS, max_completion_tokens=0)),
+        ("max_tokens", lambda: client.completions.create(model="m", prompt="Hi", max_tokens=0)),
+        ("max_output_tokens", lambda: client.responses.create(model="m", input="Hi", max_output_tokens=0)),
+        ("max_tokens", lambda: client.chat.completions.create(model="m", messages=MSGS, max_tokens=-3)),
+        ("seed", lambda: client.chat.completions.create(model="m", messages=MSGS, max_tokens=1, seed=2**63)),
+        ("seed", lambda: client.completions.create(model="m", prompt="Hi", max_tokens=1, seed=-(2**63) - 1)),
+    ]
+    for param, call in calls:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.param == param, e.value.body
+    for seed in (2**63 - 1, -(2**63)):  # the ends of the range are served
+        assert client.completions.create(model="m", prompt="Hi", max_tokens=1, seed=seed).choices
+
+
 def test_prompt_too_long_and_bad_token_ids(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="m", prompt="x " * 400, max_tokens=1)
