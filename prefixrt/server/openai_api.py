@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 
 from prefixrt.lowering import ToolPlan
 from prefixrt.server import convert
 from prefixrt.server.body import OffloadedBodyRoute
-from prefixrt.server.errors import RequestFailed
+from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
@@ -70,29 +69,29 @@ def _model_name(request: Request) -> str:
     return request.app.state.model_name
 
 
-def _model_card(request: Request) -> dict:
+def _model_card(request: Request, name: str) -> dict:
     eng = _engine(request)
-    return {"id": _model_name(request), "object": "model", "created": request.app.state.created,
+    return {"id": name, "object": "model", "created": request.app.state.created,
             "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
             "vocab_size": getattr(eng, "vocab_size", None), "revision": getattr(eng, "model_revision", None)}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return JSON({"object": "list", "data": [_model_card(request)]})
+    return JSON({"object": "list", "data": [_model_card(request, n) for n in request.app.state.model_names]})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    if model_id != _model_name(request):
-        raise HTTPException(404, f"the model {model_id!r} does not exist; this server serves "
-                                 f"{_model_name(request)!r}")
-    return JSON(_model_card(request))
+    if model_id not in request.app.state.model_names:
+        raise model_not_found(request.app.state, model_id)
+    return JSON(_model_card(request, model_id))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
+    check_model(request.app.state, body.model)
     check_body(body)
     lowered = convert.chat_params(body, eng)
     ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
@@ -176,6 +175,7 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
+    check_model(request.app.state, body.model)
     check_body(body)
     prompts, params = convert.completion_params(body)
     encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
@@ -192,14 +192,9 @@ async def completions(body: CompletionRequest, request: Request):
         with lc.serving(eng, rids):
             cs = await until_disconnect(request, run())
         _raise_if_aborted(lc, cs)
-        echo = None
-        if body.echo:
-            if body.logprobs is not None:
-                echo = [await run_in_threadpool(convert.prompt_entries, eng, ids) for ids in encoded]
-                echo = [(convert.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, echo)]
-            else:
-                echo = [(convert.prompt_text(eng, p), None) for p in prompts]
+        echo = await _echo_heads(eng, body, prompts, encoded)
         return JSON(convert.completion_response(list(cs), rid, model, created, echo))
+    heads = await _echo_heads(eng, body, prompts, encoded)  # prompt logprobs go in the first chunk (as vLLM)
     opened = await asyncio.gather(*(eng.astream_open(ids, sp, coalesce=True) for ids, sp in zip(encoded, per_prompt)),
                                   return_exceptions=True)
     failed = [x for x in opened if isinstance(x, BaseException)]

@@ -32,7 +32,7 @@ from prefixrt.errors import InvalidRequest
 from prefixrt.lowering import ToolCall, ToolPlan, check_output_limit, content_text, new_call_id
 from prefixrt.server import convert
 from prefixrt.server.body import OffloadedBodyRoute
-from prefixrt.server.errors import RequestFailed
+from prefixrt.server.errors import RequestFailed, check_model
 from prefixrt.server.protocol import ChatCompletionRequest, _Body
 from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
 from prefixrt.server.validate import check_body
@@ -255,6 +255,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     eng = request.app.state.engine
+    check_model(request.app.state, body.model)
     store = _store(request)
     history: list[dict] = []
     if body.previous_response_id is not None:

@@ -47,7 +47,7 @@ class Person(pydantic.BaseModel):
 def test_json_schema(client, stream):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in range(3):
-        kw = dict(model="m", messages=MSGS, temperature=1.0, seed=seed, response_format=rf)
+        kw = dict(model="tiny-llama", messages=MSGS, temperature=1.0, seed=seed, response_format=rf)
         if stream:
             text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                            if c.choices)
@@ -60,14 +60,14 @@ def test_json_schema(client, stream):
 
 @needs_constrained_decoding()
 def test_json_object(client):
-    out = client.chat.completions.create(model="m", messages=MSGS, temperature=0,
+    out = client.chat.completions.create(model="tiny-llama", messages=MSGS, temperature=0,
                                          response_format={"type": "json_object"})
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
 @needs_constrained_decoding()
 def test_parse_pydantic(client):
-    out = client.chat.completions.parse(model="m", messages=MSGS, temperature=0.7, seed=1,
+    out = client.chat.completions.parse(model="tiny-llama", messages=MSGS, temperature=0.7, seed=1,
                                         response_format=Person)
     person = out.choices[0].message.parsed
     assert isinstance(person, Person) and 0 <= person.age <= 150
@@ -76,7 +76,7 @@ def test_parse_pydantic(client):
 @needs_constrained_decoding()
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_call(client, choice):
-    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
+    out = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "add 2 and 3"}],
                                          temperature=0, tools=TOOLS, tool_choice=choice,
                                          parallel_tool_calls=False, extra_body={"tool_prompt": False})
     c = out.choices[0]
@@ -88,7 +88,7 @@ def test_forced_tool_call(client, choice):
     jsonschema.validate(json.loads(call.function.arguments), tool["parameters"])
     assert call.id.startswith("call_") and call.type == "function"
     # Streaming gives the same call, as one tool_calls delta.
-    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "add 2 and 3"}],
                                                  temperature=0, tools=TOOLS, tool_choice=choice,
                                                  parallel_tool_calls=False, stream=True,
                                                  extra_body={"tool_prompt": False}))
@@ -99,10 +99,10 @@ def test_forced_tool_call(client, choice):
 
 @needs_constrained_decoding()
 def test_regex_and_choices_extra_body(client):
-    out = client.completions.create(model="m", prompt="Phone:", max_tokens=20, temperature=1.0, seed=0,
+    out = client.completions.create(model="tiny-llama", prompt="Phone:", max_tokens=20, temperature=1.0, seed=0,
                                     extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})
     assert len(out.choices[0].text) == 8 and out.choices[0].text[3] == "-"
-    out = client.chat.completions.create(model="m", messages=MSGS, max_tokens=5,
+    out = client.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=5,
                                          extra_body={"choices": ["alpha", "beta"]})
     assert out.choices[0].message.content in ("alpha", "beta")
 
@@ -113,11 +113,11 @@ def test_invalid_schema_is_400(client):
 
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=MSGS, max_tokens=5, response_format=rf)
+        client.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=5, response_format=rf)
     assert e.value.param == "json_schema"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="x", max_tokens=5, extra_body={"regex": "(unclosed"})
-    assert client.completions.create(model="m", prompt="x", max_tokens=1).choices
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=5, extra_body={"regex": "(unclosed"})
+    assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=1).choices
 
 
 @needs_constrained_decoding()
