@@ -118,8 +118,6 @@ def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
         raise InvalidRequest("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of other than n is not supported", param="best_of")
-    if req.echo and req.stream and req.logprobs is not None:
-        raise InvalidRequest("echo with logprobs is not supported when streaming", param="echo")
     lowering.check_output_limit(req.max_tokens, "max_tokens")
     params = _base_params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:

@@ -204,14 +204,25 @@ async def completions(body: CompletionRequest, request: Request):
         raise failed[0]
     lc.register(eng, rids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    heads = [convert.prompt_text(eng, p) for p in prompts] if body.echo else None
     gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
     return EventStream(gen, on_close=_stream_close(eng, lc, rids))
 
 
-async def _completion_events(streams, n: int, rid: str, model: str, created: int,
-                             include_usage: bool, lc, heads: list[str] | None = None) -> AsyncIterator[str]:
-    """heads: with echo, each prompt's text, sent first on each of its samples."""
+async def _echo_heads(eng, body: CompletionRequest, prompts: list, encoded: list[list[int]]
+                      ) -> list[tuple[str, list[dict] | None]] | None:
+    """With echo: per prompt, its text (token-id prompts decoded) and, with logprobs, its tokens' logprob
+    entries; None without echo."""
+    if not body.echo:
+        return None
+    if body.logprobs is None:
+        return [(convert.prompt_text(eng, p), None) for p in prompts]
+    scored = [await run_in_threadpool(convert.prompt_entries, eng, ids) for ids in encoded]
+    return [(convert.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, scored)]
+
+
+async def _completion_events(streams, n: int, rid: str, model: str, created: int, include_usage: bool, lc,
+                             heads: list[tuple[str, list[dict] | None]] | None = None) -> AsyncIterator[str]:
+    """heads: with echo, each prompt's (text, logprob entries or None), sent first on each of its samples."""
     usage = convert.StreamUsage()
     # choice index -> text_offset of its next token: the lengths of the token strings before it (and of the
     # echoed prompt), as the whole response counts them, so offsets do not depend on how tokens were chunked.
@@ -224,17 +235,19 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
             return
         usage.add(k, ch)
         index = k * n + ch.index
-        text = ch.text
+        text, entries = ch.text, ch.logprobs
         if index not in next_offset:
-            head = heads[k] if heads is not None else ""
+            head, head_entries = heads[k] if heads is not None else ("", None)
             text = head + text
-            next_offset[index] = len(head)
-        lps = convert.completion_logprobs(ch.logprobs, next_offset[index])
-        if ch.logprobs:
-            next_offset[index] += sum(len(e["token"]) for e in ch.logprobs)
+            next_offset[index] = 0 if head_entries is not None else len(head)
+            if head_entries is not None:
+                entries = head_entries + (entries or [])
+        lps = convert.completion_logprobs(entries, next_offset[index])
+        if entries:
+            next_offset[index] += sum(len(e["token"]) for e in entries)
         if lps is None and (text or ch.finish_reason is not None):
             yield text_events.event(index, text, ch.finish_reason)
-        elif text or ch.logprobs or ch.finish_reason is not None:
+        elif text or entries or ch.finish_reason is not None:
             yield sse(convert.completion_chunk(rid, model, created, index, text, ch.finish_reason, lps))
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))

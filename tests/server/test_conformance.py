@@ -154,6 +154,30 @@ def test_completion_echo(oai):
     assert streamed == echoed.choices[0].text
 
 
+def test_completion_echo_of_token_ids_and_streamed_prompt_logprobs(oai, tiny_tokenizer):
+    """echo with a prompt given as token ids echoes the decoded prompt; echo with logprobs under stream: true
+    is served, the prompt's logprobs in each sample's first chunk (as vLLM serves it)."""
+    prompt = "The quick brown fox"
+    ids = tiny_tokenizer.encode(prompt, add_special_tokens=False)
+    assert tiny_tokenizer.decode(ids) == prompt
+    plain = oai.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=4, temperature=0)
+    echoed = oai.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+
+    kw = dict(model=SERVED_NAME, max_tokens=4, temperature=0, echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    for p in (prompt, ids):
+        whole = oai.completions.create(prompt=p, **kw).choices[0]
+        chunks = [c.choices[0] for c in oai.completions.create(prompt=p, stream=True, **kw) if c.choices]
+        assert "".join(c.text for c in chunks) == whole.text
+        first = chunks[0].logprobs
+        n_prompt = len(whole.logprobs.tokens) - 4
+        assert first.tokens[:n_prompt] == whole.logprobs.tokens[:n_prompt] and first.token_logprobs[0] is None
+        streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
+        offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        assert offsets == whole.logprobs.text_offset
+
+
 def test_completion_streaming_matches_and_stream_options(oai, http):
     kw = dict(model=SERVED_NAME, prompt="Once upon a time", max_tokens=8, temperature=0)
     text = oai.completions.create(**kw).choices[0].text
