@@ -46,7 +46,7 @@ from typing import Any
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
 from prefixrt.errors import InvalidRequest
 from prefixrt.json_schema import embed, strict_schema, to_json_schema, with_defs
-from prefixrt.params import CONSTRAINT_FIELDS
+from prefixrt.params import CONSTRAINT_FIELDS, checked_logit_bias
 
 # ---------------------------------------------------------------------------------------------- options
 
@@ -132,19 +132,9 @@ def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
 
 def logit_bias(bias: dict) -> dict[int, float]:
     """OpenAI's logit_bias ({"<token id>": bias}, ids as JSON strings) -> {int id: float}; ids are checked
-    against the vocabulary when the request is submitted, values here ([-100, 100], as OpenAI)."""
-    if not isinstance(bias, dict):
-        raise InvalidRequest("logit_bias must be an object mapping token ids to numbers", param="logit_bias")
-    out: dict[int, float] = {}
-    for k, v in bias.items():
-        try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {v!r}", param="logit_bias")
-        out[tid] = float(v)
-    return out
+    against the vocabulary when the request is submitted, values here ([-100, 100], as OpenAI). One
+    InvalidRequest names every offending key (prefixrt.params.checked_logit_bias)."""
+    return checked_logit_bias(bias)
 
 
 def merge_constraint(params: dict, constraint: dict, param: str) -> None:

@@ -227,6 +227,24 @@ def test_logit_bias(oai, http):
         oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=1, logit_bias={"5": 300})
 
 
+def test_logit_bias_names_every_bad_key(oai, http):
+    """One 400 names every offending logit_bias key, not only the first: keys that are not token ids, values
+    outside [-100, 100], ids outside the vocabulary."""
+    cases = [({"abc": 1, "-4": 2, "7": 3}, ["'abc'", "'-4'"]),
+             ({"5": 300, "6": -101, "7": 1}, ["'5': 300", "'6': -101"]),
+             ({"1000000": 5, "2000000": 5, "7": 1}, ["1000000", "2000000"])]
+    for bias, named in cases:
+        for call in (lambda: oai.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=1, logit_bias=bias),
+                     lambda: oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=1,
+                                                         logit_bias=bias)):
+            with pytest.raises(openai.BadRequestError) as e:
+                call()
+            assert e.value.param == "logit_bias" and all(n in e.value.message for n in named), e.value.message
+    r = http.post("/generate", json={"prompt": "Hi", "sampling_params": {"max_new_tokens": 1,
+                                                                      "logit_bias": {"x": 1, "y": 2}}})
+    assert r.status_code == 400 and "'x'" in r.text and "'y'" in r.text
+
+
 # ---------------------------------------------------------------------------------------------- chat
 
 
