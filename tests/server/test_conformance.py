@@ -234,9 +234,10 @@ def test_logit_bias_names_every_bad_key(oai, http):
              ({"5": 300, "6": -101, "7": 1}, ["'5': 300", "'6': -101"]),
              ({"1000000": 5, "2000000": 5, "7": 1}, ["1000000", "2000000"])]
     for bias, named in cases:
-        for call in (lambda: oai.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=1, logit_bias=bias),
-                     lambda: oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=1,
-                                                         logit_bias=bias)):
+        for call in (lambda b=bias: oai.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=1,
+                                                           logit_bias=b),
+                     lambda b=bias: oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=1,
+                                                                logit_bias=b)):
             with pytest.raises(openai.BadRequestError) as e:
                 call()
             assert e.value.param == "logit_bias" and all(n in e.value.message for n in named), e.value.message
