@@ -45,7 +45,7 @@ from typing import Any
 
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import embed, strict_schema, to_json_schema, with_defs
+from prefixrt.json_schema import embed, normalized_types, strict_schema, to_json_schema, with_defs
 from prefixrt.params import CONSTRAINT_FIELDS, checked_logit_bias
 
 # ---------------------------------------------------------------------------------------------- options
@@ -102,11 +102,12 @@ def check_seed(value: Any, param: str = "seed") -> None:
         raise InvalidRequest(f"{param} must be an integer in [-2**63, 2**63 - 1], got {value!r}", param=param)
 
 
-def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
+def sampling_options(options: dict[str, Any], *, what: str, warnings: list[str] | None = None) -> dict[str, Any]:
     """Options under OpenAI names -> a SamplingParams dict. None values mean "engine default".
 
     Raises InvalidRequest naming an option prefixrt has no meaning for, or an OpenAI output limit below 1 or a
-    seed outside the signed 64-bit range; `what` says who passed it."""
+    seed outside the signed 64-bit range; `what` says who passed it. A `json_schema` has its type names
+    normalised (`json_schema.normalized_types`), each rename appended to `warnings`."""
     params: dict[str, Any] = {}
     for key, value in options.items():
         if value is None:
@@ -124,6 +125,8 @@ def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
                 continue
         if name == "logit_bias":
             value = logit_bias(value)
+        if name == "json_schema" and not isinstance(value, type):
+            value = schema_types(to_json_schema(value), "json_schema", warnings)
         if name in params and params[name] != value:
             raise InvalidRequest(f"{what}: {key} conflicts with another option for {name}", param=key)
         params[name] = value
@@ -135,6 +138,15 @@ def logit_bias(bias: dict) -> dict[int, float]:
     against the vocabulary when the request is submitted, values here ([-100, 100], as OpenAI). One
     InvalidRequest names every offending key (prefixrt.params.checked_logit_bias)."""
     return checked_logit_bias(bias)
+
+
+def schema_types(schema: Any, param: str, warnings: list[str] | None) -> Any:
+    """`schema` with its type names normalised (Python's `int`, `str`, ... -> JSON Schema's), the renames
+    appended to `warnings`; InvalidRequest naming the path of a type name that is neither."""
+    out, renamed = normalized_types(schema, param)
+    if warnings is not None:
+        warnings.extend(renamed)
+    return out
 
 
 def merge_constraint(params: dict, constraint: dict, param: str) -> None:
@@ -150,7 +162,8 @@ def merge_constraint(params: dict, constraint: dict, param: str) -> None:
 # ---------------------------------------------------------------------------------------------- response_format
 
 
-def response_format_constraint(response_format: dict | None, param: str = "response_format") -> dict[str, Any]:
+def response_format_constraint(response_format: dict | None, param: str = "response_format",
+                               warnings: list[str] | None = None) -> dict[str, Any]:
     """A response format -> {"json_schema": ...} for constrained decoding ({} for plain text).
 
     Accepts chat's {"type": "json_schema", "json_schema": {"schema", "strict"}}, the Responses API's
@@ -172,7 +185,7 @@ def response_format_constraint(response_format: dict | None, param: str = "respo
         # Decoding is strict whatever "strict" says (as vLLM and xgrammar do): clients send "strict": false for
         # schemas they cannot make strict-valid (LangChain's TypedDicts), and an open object lets a small model
         # invent keys until max_tokens.
-        return {"json_schema": strict_schema(to_json_schema(schema))}
+        return {"json_schema": strict_schema(schema_types(to_json_schema(schema), param, warnings))}
     raise InvalidRequest(f"unsupported {param} type {kind!r}", param=param)
 
 
@@ -189,9 +202,11 @@ class Tool:
     strict: bool | None = None
 
 
-def tools_from_openai(tools: list[dict] | None, param: str = "tools") -> list[Tool]:
+def tools_from_openai(tools: list[dict] | None, param: str = "tools", warnings: list[str] | None = None
+                      ) -> list[Tool]:
     """Chat's [{"type": "function", "function": {...}}] or the Responses API's [{"type": "function", "name",
-    ...}] -> Tools. Names must be unique; parameters must be an object schema."""
+    ...}] -> Tools. Names must be unique; parameters must be an object schema (type names normalised, the
+    renames appended to `warnings`)."""
     out: list[Tool] = []
     for t in tools or []:
         if t.get("type", "function") != "function":
@@ -202,6 +217,8 @@ def tools_from_openai(tools: list[dict] | None, param: str = "tools") -> list[To
             raise InvalidRequest("every tool needs a name", param=param)
         params = fn.get("parameters")
         where = f"{param}[{len(out)}].function.parameters" if "function" in t else f"{param}[{len(out)}].parameters"
+        if isinstance(params, dict):
+            params = schema_types(params, where, warnings)
         check_tool_parameters(name, params, where)
         if params is None:
             params = {"type": "object", "properties": {}}
@@ -605,6 +622,7 @@ class LoweredChat:
     tools: ToolPlan | None  # the tool plan, when a tool may be called
     template_tools: list[dict] | None  # tools for apply_chat_template(tools=...), when the template renders them
     constraint_param: str = "response_format"  # the request field the constraint comes from (for errors)
+    warnings: list[str] = field(default_factory=list)  # what was read other than as written (schema type names)
 
     def apply(self, params: dict) -> dict:
         """params (a SamplingParams dict) with the constraint added; InvalidRequest if it already has one."""
@@ -624,8 +642,9 @@ def lower_chat(messages: list[dict], *, tools: list[dict] | None = None, tool_ch
     `tool_prompt` is False (the caller's prompt already describes them). schema_note: say the response
     format's JSON schema in the system message too (for callers whose prompt does not describe the reply).
     The rule for tools beside a response format is the module docstring's."""
-    answer = response_format_constraint(response_format)
-    specs = tools_from_openai(tools)
+    warnings: list[str] = []
+    answer = response_format_constraint(response_format, warnings=warnings)
+    specs = tools_from_openai(tools, warnings=warnings)
     syntax = syntax if specs else None
     text_schema = answer.get("json_schema") or ("json_object" if answer else None)
     plan = plan_tools(specs, tool_choice, parallel_tool_calls, syntax or BARE, text_schema=text_schema)
@@ -642,4 +661,4 @@ def lower_chat(messages: list[dict], *, tools: list[dict] | None = None, tool_ch
     else:
         constraint = plan.constraint
     return LoweredChat(out, constraint, plan, template_tools(plan.tools) if in_template else None,
-                       "response_format" if plan is None else "tool_choice")
+                       "response_format" if plan is None else "tool_choice", warnings)

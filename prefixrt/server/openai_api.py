@@ -107,14 +107,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(ids, params))
         _raise_if_aborted(lc, [c])
-        return JSON(convert.chat_response(c, rid, model, created, mode))
+        return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode)), lowered.warnings)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
     chunks = await eng.astream_open(ids, params, coalesce=True)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc))
-    return EventStream(gen, on_close=_stream_close(eng, lc, [rid]))
+    return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])), lowered.warnings)
 
 
 async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
@@ -177,7 +177,8 @@ async def completions(body: CompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_model(request.app.state, body.model)
     check_body(body)
-    prompts, params = convert.completion_params(body)
+    warnings: list[str] = []
+    prompts, params = convert.completion_params(body, warnings)
     encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
@@ -193,7 +194,7 @@ async def completions(body: CompletionRequest, request: Request):
             cs = await until_disconnect(request, run())
         _raise_if_aborted(lc, cs)
         echo = await _echo_heads(eng, body, prompts, encoded)
-        return JSON(convert.completion_response(list(cs), rid, model, created, echo))
+        return convert.with_warnings(JSON(convert.completion_response(list(cs), rid, model, created, echo)), warnings)
     heads = await _echo_heads(eng, body, prompts, encoded)  # prompt logprobs go in the first chunk (as vLLM)
     opened = await asyncio.gather(*(eng.astream_open(ids, sp, coalesce=True) for ids, sp in zip(encoded, per_prompt)),
                                   return_exceptions=True)
@@ -205,7 +206,7 @@ async def completions(body: CompletionRequest, request: Request):
     lc.register(eng, rids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
-    return EventStream(gen, on_close=_stream_close(eng, lc, rids))
+    return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, rids)), warnings)
 
 
 async def _echo_heads(eng, body: CompletionRequest, prompts: list, encoded: list[list[int]]

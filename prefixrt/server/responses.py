@@ -292,7 +292,8 @@ async def create_response(body: ResponsesRequest, request: Request):
             c = await until_disconnect(request, eng.agenerate(ids, params))
         if c.finish_reason == "abort":
             raise RequestFailed.for_abort(lc, c.error)
-        return JSON(finish(c.text, c.finish_reason, _usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
+        return convert.with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
+            c.prompt_tokens, c.completion_tokens, c.cached_tokens))), lowered.warnings)
     chunks = await eng.astream_open(ids, params, coalesce=True)  # a bad request raises before any byte is sent
     lc.register(eng, [rid])
 
@@ -300,7 +301,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         eng.abort(rid)
         lc.release([rid])
 
-    return EventStream(_events(chunks, shell, lowered.tools, finish, lc), on_close=close)
+    return convert.with_warnings(EventStream(_events(chunks, shell, lowered.tools, finish, lc), on_close=close),
+                                 lowered.warnings)
 
 
 def _event(seq: list[int], kind: str, **fields) -> str:

@@ -322,6 +322,21 @@ PERSON_OPEN = {"type": "object", "required": ["name", "age"],  # no additionalPr
 
 
 @needs_constrained_decoding()
+def test_json_schema_with_python_type_names(oai):
+    """SGLang's server tests write schemas with Python's type names ("int", "str"); SGLang serves them, and so
+    does prefixrt (normalised, with a warning header)."""
+    schema = {"type": "object", "properties": {"name": {"type": "str", "maxLength": 8},
+                                               "population": {"type": "int", "minimum": 0, "maximum": 10**6}},
+              "required": ["name", "population"]}
+    out = oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=48, temperature=0,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "city", "schema": schema}})
+    if out.choices[0].finish_reason == "stop":
+        value = json.loads(out.choices[0].message.content)
+        assert isinstance(value["name"], str) and isinstance(value["population"], int)
+
+
+@needs_constrained_decoding()
 def test_json_schema_without_additional_properties_is_closed(oai):
     for seed in range(4):
         out = oai.chat.completions.create(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pydantic
 import pytest
 
@@ -134,3 +135,43 @@ def test_gemma_tool_call_with_tool_prompt(gemma_client):
     plain = gemma_client.chat.completions.create(
         model="gemma-3-270m", messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=1)
     assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 2 * len(TOOLS)
+
+
+@needs_constrained_decoding()
+def test_python_type_names_are_read_as_json_schema_types(client):
+    """Schemas as people write them (SGLang's own server tests send "int", "str", "float", "bool"): served, the
+    names normalised and said in the x-prefixrt-warning header; an unknown name is a 400 naming its node."""
+    schema = {"type": "object", "properties": {"name": {"type": "str", "maxLength": 6},
+                                               "age": {"type": "int", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "bool"}, "w": {"type": ["Float", "null"]}},
+              "required": ["name", "age", "ok", "w"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    raw = client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MSGS, max_tokens=60,
+                                                            temperature=0, response_format=fmt)
+    warning = raw.headers.get("x-prefixrt-warning")
+    assert warning and "'int' at /properties/age/type read as 'integer'" in warning, warning
+    assert "'Float' at /properties/w/type/0 read as 'number'" in warning
+    out = raw.parse().choices[0]
+    if out.finish_reason == "stop":
+        value = json.loads(out.message.content)
+        assert isinstance(value["age"], int) and isinstance(value["ok"], bool) and isinstance(value["name"], str)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "int", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=MSGS, max_tokens=80, temperature=0, tools=[tool], tool_choice="required",
+        extra_body={"tool_prompt": False})
+    assert "tools[0].function.parameters: type 'int' at /properties/n/type" in raw.headers["x-prefixrt-warning"]
+    call = raw.parse().choices[0].message.tool_calls[0]
+    assert isinstance(json.loads(call.function.arguments)["n"], int)
+    plain = client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MSGS, max_tokens=2)
+    assert "x-prefixrt-warning" not in plain.headers
+
+    bad = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "strng"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "b", "schema": bad}})
+    assert "'strng' at /properties/tags/items/type" in e.value.message and e.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2,
+                                  extra_body={"json_schema": {"type": "integr"}})
+    assert "'integr' at /type" in e.value.message
