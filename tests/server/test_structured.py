@@ -175,3 +175,25 @@ def test_python_type_names_are_read_as_json_schema_types(client):
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2,
                                   extra_body={"json_schema": {"type": "integr"}})
     assert "'integr' at /type" in e.value.message
+
+
+@needs_constrained_decoding()
+def test_cached_tokens_of_repeated_forced_calls(client):
+    """cached_tokens is at most prompt_tokens: a plain repeat reuses prompt_tokens - 1 (the last prompt token is
+    computed); a repeat whose reply begins with forced tokens (a forced tool call's `{"name": "f", ...`) reuses
+    the whole prompt, the forced tokens being computed instead, and counted as completion tokens."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False}}}
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Call f, forced and cached."}],
+              max_tokens=80, temperature=0, tools=[tool], tool_choice="required", extra_body={"tool_prompt": False})
+    client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)
+    u = again.usage
+    assert u.prompt_tokens_details.cached_tokens == u.prompt_tokens
+    arguments = again.choices[0].message.tool_calls[0].function.arguments
+    assert u.completion_tokens >= 4 and json.loads(arguments)["n"] in range(10)
+    plain = dict(model="tiny-llama", messages=[{"role": "user", "content": "A plain repeat, cached."}], max_tokens=3)
+    client.chat.completions.create(**plain)
+    u = client.chat.completions.create(**plain).usage
+    assert u.prompt_tokens_details.cached_tokens == u.prompt_tokens - 1
