@@ -47,10 +47,14 @@ def with_warnings(response, warnings: list[str]):
 
 
 def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int,
-                 warnings: list[str] | None = None) -> dict[str, Any]:
+                 warnings: list[str] | None = None, defaults: dict | None = None) -> dict[str, Any]:
+    """SamplingParams fields of the request; `defaults` (the model's generation config, hub/generation.py) fill
+    the sampling settings it leaves out."""
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     params = lowering.sampling_options({k: getattr(req, k) for k in _OPTIONS}, what="request", warnings=warnings)
+    for name, value in (defaults or {}).items():
+        params.setdefault(name, value)
     params["max_new_tokens"] = default_max if max_new_tokens is None else max_new_tokens
     if req.min_tokens is not None:
         params["min_new_tokens"] = req.min_tokens
@@ -75,9 +79,10 @@ class ChatLowered:
     warnings: list[str] = dataclasses.field(default_factory=list)  # for the response's WARNING_HEADER
 
 
-def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
+def chat_params(req: ChatCompletionRequest, eng, defaults: dict | None = None) -> ChatLowered:
     """The messages, SamplingParams and tool plan for a chat request (InvalidRequest when bad); the route
-    renders the messages with `eng.encode_chat` (tools given to the template when it renders them)."""
+    renders the messages with `eng.encode_chat` (tools given to the template when it renders them). `defaults`:
+    sampling settings for those the request leaves out (the model's generation config)."""
     if req.functions is not None or req.function_call is not None:
         raise InvalidRequest("functions / function_call are deprecated; pass tools / tool_choice",
                              param="functions" if req.functions is not None else "function_call")
@@ -89,7 +94,7 @@ def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No limit given: generate until EOS or the context is full (the engine stops at max_context).
     warnings: list[str] = []
-    params = _base_params(req, limit, eng.max_context, warnings)
+    params = _base_params(req, limit, eng.max_context, warnings, defaults)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if req.logprobs:
@@ -127,15 +132,16 @@ def fit_max_tokens(params: SamplingParams, requested: int | None, prompt_tokens:
     return dataclasses.replace(params, max_new_tokens=room)
 
 
-def completion_params(req: CompletionRequest, warnings: list[str] | None = None) -> tuple[list, SamplingParams]:
+def completion_params(req: CompletionRequest, warnings: list[str] | None = None, defaults: dict | None = None
+                      ) -> tuple[list, SamplingParams]:
     """The prompts (one or a batch) and SamplingParams for a completions request (what was read other than as
-    written appended to `warnings`)."""
+    written appended to `warnings`; `defaults` as for chat_params)."""
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of other than n is not supported", param="best_of")
     lowering.check_output_limit(req.max_tokens, "max_tokens")
-    params = _base_params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, warnings)
+    params = _base_params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, warnings, defaults)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
     p = req.prompt

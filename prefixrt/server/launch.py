@@ -242,6 +242,7 @@ def _make_server(config, lifecycle):
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from prefixrt.hub.generation import generation_defaults
     from prefixrt.server.app import create_app
     from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
     from prefixrt.server.lifecycle import Lifecycle
@@ -254,6 +255,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"[prefixrt] node {config.node_rank}: running tensor-parallel ranks of {args.model!r}, rendezvous "
               f"at {config.dist_init_addr}", file=sys.stderr, flush=True)
         return run_node(config)
+    defaults = generation_defaults(args.model, args.generation_config)  # a bad folder fails before the engine starts
     worker = None
     try:
         if args.role == "standalone":
@@ -267,8 +269,11 @@ def serve(args: argparse.Namespace) -> int:
     if hasattr(eng, "on_death"):
         eng.on_death = lifecycle.engine_died
     try:
+        print(f"[prefixrt] sampling defaults for requests that leave them out: "
+              f"{' '.join(f'{k}={v:g}' for k, v in defaults.items()) or 'the engine defaults (temperature 1.0)'} "
+              f"(--generation-config {args.generation_config})", file=sys.stderr, flush=True)
         app = create_app(eng, served_model_name=args.served_model_name, any_model_name=args.any_model_name,
-                         api_key=args.api_key,
+                         generation_defaults=defaults, api_key=args.api_key,
                          admin_api_key=args.admin_api_key, max_request_bytes=args.max_request_bytes,
                          lifecycle=lifecycle)
         app.state.body_parser = BodyParser(OFFLOAD_BYTES)  # large JSON bodies decoded in a parser process
@@ -297,6 +302,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names requests may give (aliases; the first is reported in responses and "
                         "listed first by /v1/models); default: --model. Another name is a 404 model_not_found")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for requests that leave them out: auto (default) = the model's "
+                        "generation_config.json (the catalogue's recommendation for a built-in model), vllm = the "
+                        "engine's own (temperature 1.0), or a folder's generation_config.json")
     p.add_argument("--any-model-name", action="store_true",
                    help="serve requests whatever `model` they name (for code that hard-codes a vendor's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -73,7 +73,8 @@ def _model_card(request: Request, name: str) -> dict:
     eng = _engine(request)
     return {"id": name, "object": "model", "created": request.app.state.created,
             "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
-            "vocab_size": getattr(eng, "vocab_size", None), "revision": getattr(eng, "model_revision", None)}
+            "vocab_size": getattr(eng, "vocab_size", None), "revision": getattr(eng, "model_revision", None),
+            "sampling_defaults": request.app.state.generation_defaults}
 
 
 @router.get("/v1/models")
@@ -93,7 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_model(request.app.state, body.model)
     check_body(body)
-    lowered = convert.chat_params(body, eng)
+    lowered = convert.chat_params(body, eng, request.app.state.generation_defaults)
     ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
                                   body.continue_final_message)
     params, mode = lowered.params, lowered.tools
@@ -178,7 +179,7 @@ async def completions(body: CompletionRequest, request: Request):
     check_model(request.app.state, body.model)
     check_body(body)
     warnings: list[str] = []
-    prompts, params = convert.completion_params(body, warnings)
+    prompts, params = convert.completion_params(body, warnings, request.app.state.generation_defaults)
     encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]

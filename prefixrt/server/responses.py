@@ -268,7 +268,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     check_output_limit(body.max_output_tokens, "max_output_tokens")
     chat = _chat_request(body, conversation)
     check_body(chat)
-    lowered = convert.chat_params(chat, eng)
+    lowered = convert.chat_params(chat, eng, request.app.state.generation_defaults)
     if lowered.params.n != 1:
         raise InvalidRequest("n must be 1 on /v1/responses", param="n")
     ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools)
