@@ -7,6 +7,10 @@ from dataclasses import dataclass
 POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/policy.py implements each
 # host_kv_write_policy names (cache/tiered_radix.py): when a node's K/V is copied to the host tier.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+# host_kv_prefetch names (engine/scheduler.py): loading a waiting request's host-tier prefix into the pool ahead of
+# its admission. off: loaded at admission; best_effort: prefetched, admitted whether or not the load is done (its
+# first forward waits for it); wait_complete: prefetched, admitted once the load is done (others run meanwhile).
+PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class EngineConfig:
     host_kv_write_policy: str = "write_through"  # one of WRITE_POLICIES
     host_kv_write_threshold: int = 2  # write_through_selective: hits before a node is copied to the host
     host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
+    host_kv_prefetch: str = "wait_complete"  # one of PREFETCH_POLICIES
     # Disk tier below the host tier (cache/disk_radix.py): host evictions are written to files in this directory
     # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
     kv_disk_dir: str | None = None
@@ -99,6 +104,8 @@ class EngineConfig:
             bad(f"host_kv_write_policy must be one of {WRITE_POLICIES}, got {self.host_kv_write_policy!r}")
         if self.host_kv_write_threshold < 1:
             bad("host_kv_write_threshold must be >= 1")
+        if self.host_kv_prefetch not in PREFETCH_POLICIES:
+            bad(f"host_kv_prefetch must be one of {PREFETCH_POLICIES}, got {self.host_kv_prefetch!r}")
         if not self.host_kv_debug_delay_s >= 0:
             bad("host_kv_debug_delay_s must be >= 0")
         if self.kv_disk_dir is not None and not (self.host_kv_cache_tokens and self.radix_cache):

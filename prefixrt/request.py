@@ -47,6 +47,8 @@ class Req:
     cached_len: int = 0  # leading tokens whose pages belong to the radix tree (locked via cache_handle)
     cache_handle: Any = None
     disk_lookup: Any = None  # disk tier: the read in flight for its prefix, or the match end last looked up
+    prefetch: Any = None  # host tier: the lock handle of its path, loaded into the pool while it waits
+    kv_load: Any = None  # host tier: the latest load into its path that its next forward must wait for
     # Reporting
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission (None: not admitted yet)
     prompt_counted: bool = False  # its prompt/cached tokens are in EngineStats (counted once, at first forward)

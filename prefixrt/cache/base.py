@@ -68,6 +68,16 @@ class PrefixCache(ABC):
     def flush(self) -> int:
         """Evict every unlocked entry; returns tokens freed."""
 
+    def unlocked_on_path(self, match: MatchResult) -> int:
+        """Pool tokens of match's path that no lock covers now: what locking it takes out of evictable_tokens.
+        Read-only."""
+        return 0
+
+    def shared_on_path(self, handle: Any) -> int:
+        """Pool tokens of the path to a locked handle that another lock holds too (a request's prefix shared with
+        others: releasing the request frees none of them). Read-only."""
+        return 0
+
     def check_integrity(self) -> None:
         """Raise AssertionError if internal counters disagree with the structure (default: nothing to check)."""
         return None

@@ -1,8 +1,8 @@
 """RadixCache: a radix tree over token ids whose nodes own the KV slots of their tokens.
 
 Invariants (docs/design.md): matches compare tokens, never hashes; a lookup never changes the tree's shape (only
-lock and insert split nodes); every node on a matched path has its recency refreshed; only unlocked leaves
-are evicted, least recently used first, from an incremental heap (lazy deletion, compacted when stale
+lock, insert and evict split nodes); every node on a matched path has its recency refreshed; only unlocked leaves
+are evicted (a long one may lose only its tail: EVICT_MIN_TOKENS), least recently used first, from an incremental heap (lazy deletion, compacted when stale
 entries outnumber live ones); each namespace (cache_salt) has its own root.
 Keys are page-aligned: every node holds a whole number of pages.
 """
@@ -17,6 +17,9 @@ from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.base import MatchResult, PrefixCache
 
 _ANY = object()  # _evict_lru: leaves of any namespace
+# Eviction takes whole leaves, except that a leaf longer than what is needed plus this gives up only its tail of
+# max(needed, this) tokens: a session's context evicted to make room for a few pages keeps its head as a hit.
+EVICT_MIN_TOKENS = 512
 
 
 class _Node:
@@ -178,6 +181,25 @@ class RadixCache(PrefixCache):
                 self._push_if_evictable_leaf(node)
             node = node.parent
 
+    def unlocked_on_path(self, match: MatchResult) -> int:
+        # Unlocked nodes form the lower end of a path (a locked node's ancestors are locked); a partly matched
+        # node counts its matched tokens only (lock splits it there).
+        node, n = match.handle, match.offset
+        total = 0
+        while node is not None and not self._is_root(node) and node.lock_ref == 0 and node.slots is not None:
+            total += n
+            node = node.parent
+            n = len(node.key) if node is not None else 0
+        return total
+
+    def shared_on_path(self, handle) -> int:
+        node, total = handle, 0
+        while node is not None and not self._is_root(node):
+            if node.lock_ref > 1 and node.slots is not None:
+                total += len(node.key)
+            node = node.parent
+        return total
+
     def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
         n_total = self._align(len(tokens))
         if n_total == 0:
@@ -251,6 +273,9 @@ class RadixCache(PrefixCache):
             if namespace is not _ANY and self._ns_of(node) != namespace:
                 others.append(entry)
                 continue
+            keep = len(node.key) - max(self._align(num_tokens - freed + self.page_size - 1), EVICT_MIN_TOKENS)
+            if keep >= EVICT_MIN_TOKENS:  # a long leaf gives up its tail only: its head stays a prefix hit
+                self._split(node, self._align(keep))  # node is now the tail
             freed += self._evict_node(node)
         for entry in others:
             heapq.heappush(self._heap, entry)

@@ -33,12 +33,13 @@ from prefixrt.config import WRITE_POLICIES
 
 
 class _TNode(_Node):
-    __slots__ = ("host_slots", "hits")
+    __slots__ = ("host_slots", "hits", "load")
 
     def __init__(self, key, slots, parent, last_access, host_slots=None):
         super().__init__(key, slots, parent, last_access)
         self.host_slots = host_slots  # None: no host copy
         self.hits = 0  # admissions that used this node (write_through_selective)
+        self.load: Transfer | None = None  # the load that gave it its pool slots (a reader waits for it)
 
 
 class TieredRadixCache(RadixCache):
@@ -91,6 +92,7 @@ class TieredRadixCache(RadixCache):
                        node.last_access, None if node.host_slots is None else node.host_slots[:offset])
         upper.lock_ref = node.lock_ref
         upper.hits = node.hits
+        upper.load = node.load
         parent.children[self._page_key(upper.key, 0)] = upper
         node.key = node.key[offset:]
         if node.slots is not None:
@@ -207,7 +209,36 @@ class TieredRadixCache(RadixCache):
         self._count(handle, len(slots))
         self.version += 1
         self.host_hit_tokens_total += len(slots)
-        return self.transfer.load(src, list(slots))
+        load = self.transfer.load(src, list(slots))
+        for n in path:
+            n.load = load
+        return load
+
+    def load_on_path(self, handle) -> Transfer | None:
+        """The latest load into the pool slots of the path to handle that may still be in flight (None: all
+        done). The copies run in one FIFO: waiting for the latest covers the others. Clears finished marks."""
+        latest, node = None, handle
+        while node is not None and node.parent is not None:
+            t = node.load
+            if t is not None:
+                if t.query():
+                    node.load = None
+                elif latest is None or t.seq > latest.seq:
+                    latest = t
+            node = node.parent
+        return latest
+
+    def backup_path(self, handle) -> int:
+        """Give every pool-resident node on the path to handle a host copy, whatever the write policy (a retracted
+        request's K/V, kept for its resume). Returns the tokens copied; stops early if the host tier is full."""
+        copied, node = 0, handle
+        while node is not None and node.parent is not None:
+            if node.slots is not None and node.host_slots is None:
+                if not self._backup(node):
+                    break
+                copied += len(node.key)
+            node = node.parent
+        return copied
 
     def record_hit(self, handle) -> None:
         """An admission used the path to handle: count a hit on each node; the policy may back nodes up now."""

@@ -17,6 +17,7 @@ stream) so a missing wait reads slots that are not loaded yet: poisoned with NaN
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -28,10 +29,14 @@ from prefixrt.cache.kv_pool import KVPool
 
 
 class Transfer:
-    """One batched copy of num_tokens tokens' K/V, all layers."""
+    """One batched copy of num_tokens tokens' K/V, all layers. `seq` orders the copies of one FIFO (KVTransfer):
+    a copy with a higher seq completes after every copy with a lower one."""
+
+    _seq = itertools.count()
 
     def __init__(self, kind: str, num_layers: int, num_tokens: int, cuda: bool):
         self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: cache/kv_transport.py)
+        self.seq = next(Transfer._seq)
         self.num_tokens = num_tokens
         self.cuda = cuda
         self.error: BaseException | None = None

@@ -136,6 +136,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         chunked_prefill_tokens=config.chunked_prefill_tokens,
         max_running_requests=max_running,
         aging_s=config.aging_s,
+        prefetch=config.host_kv_prefetch,
     ))
     runner = make_runner(config, model, pool, device, max_running, startup, say, ranks, table)
     attention = runner.attn_backend

@@ -371,7 +371,7 @@ class EngineCore:
                 prefix_groups=(self.prefix_grouper.groups(batch.reqs)
                                if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
             )
-            fb.kv_ready = self.kv.load_waiter()  # host-tier loads in flight (None without a host tier)
+            fb.kv_ready = self.kv.load_waiter(batch.reqs)  # host-tier loads into their paths (None: nothing)
             if holes:
                 idx = torch.tensor([holes, hole_rows], dtype=torch.int64)
                 step.hole_idx = idx.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
@@ -676,6 +676,9 @@ class EngineCore:
             s.host_hit_tokens_total = tiered.host_hit_tokens_total
             s.host_evicted_tokens_total = tiered.host_evicted_tokens_total
             s.host_load_failures_total = self.kv.load_failures_total
+            s.host_prefetch_tokens_total = self.kv.prefetch_tokens_total
+            s.host_prefetch_hits_total = self.kv.prefetch_hits_total
+            s.retracted_to_host_tokens_total = self.kv.retracted_to_host_tokens_total
             t = tiered.transfer.stats()
             bpt = tiered.host.bytes_per_token
             s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]

@@ -1,7 +1,8 @@
 """Scheduling policies: the order in which waiting requests are admitted.
 
 - fcfs: arrival order.
-- lpm: longest cached prefix first (maximises reuse while the prefix is still in the cache).
+- lpm: longest cached prefix first, pool and host tier alike (maximises reuse while the prefix is still
+  in the cache).
 - dfs: depth-first over the radix tree, heaviest subtrees (most waiting requests) first, so requests
   sharing a prefix run back to back (SGLang's DFS-weight).
 All policies put aged requests (waiting longer than aging_s) first, in arrival order, so nothing waits
@@ -30,13 +31,18 @@ def order_waiting(
     if policy == "fcfs":
         fresh.sort(key=lambda r: (-r.params.priority, r.arrival))
     elif policy == "lpm":
-        lengths = {id(r): match(r).length for r in fresh}
+        lengths = {id(r): _cached_len(match(r)) for r in fresh}
         fresh.sort(key=lambda r: (-r.params.priority, -lengths[id(r)], r.arrival))
     elif policy == "dfs":
         fresh = _dfs_order(fresh, match)
     else:
         raise ValueError(f"unknown schedule_policy {policy!r}; choose one of {POLICIES}")
     return aged + fresh
+
+
+def _cached_len(m: MatchResult) -> int:
+    """Tokens of a match cached in any tier: a host-tier hit loads in a fraction of its recomputation's time."""
+    return m.length + m.host_length
 
 
 def _dfs_order(reqs: list[Req], match: Callable[[Req], MatchResult]) -> list[Req]:

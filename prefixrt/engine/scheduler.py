@@ -4,9 +4,18 @@ Each step: every running request feeds its pending tokens (one for decode; a sam
 grammar-forced tokens after jump-forward; a chunk for a long prefill), then waiting requests are admitted
 in policy order while the prefill token budget, the running-request cap and memory allow. Requests that
 share a not-yet-cached prefix with a request already prefilling it are held back one step so the prefix is
-prefilled once (the leader publishes it to the cache after each chunk). When memory runs out, the most
-recently admitted running requests are retracted: they release their K/V (published to the cache, so the
-resume usually re-matches it) and go back to waiting with their output so far.
+prefilled once (the leader publishes it to the cache after each chunk).
+Admission knows the budget: a waiting request is admitted only if the pool (free + evictable pages) holds its
+own need (host part to load, uncached prompt, expected decode: admission.DecodeEstimate) on top of what every
+running and prefetching request still needs, so a pool that cannot hold every active session runs fewer at a
+time at full speed instead of admitting, growing and retracting. The first request is always admitted.
+With a host tier, waiting requests next in line get their host-resident prefix loaded into the pool ahead of
+admission (prefetch, overlapped with the running batch); under `wait_complete` a request is admitted once its
+load is done, others going first meanwhile.
+Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
+request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
+running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
+(retract to host), and goes back to waiting with its output so far.
 With overlap scheduling a request's last token may still be on the device (Req.num_unresolved): it counts in
 seq_len and is fed from the device; a request whose unresolved token is its last is not scheduled again.
 The scheduler knows requests and token counts; KVManager knows memory; neither knows tensors' layouts.
@@ -18,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
+from prefixrt.engine.admission import DecodeEstimate
 from prefixrt.engine.policy import order_waiting
 from prefixrt.request import Req, ReqState
 
@@ -48,6 +58,8 @@ class SchedulerConfig:
     max_running_requests: int = 256
     aging_s: float = 5.0
     dedup_shared_prefill: bool = True
+    prefetch: str = "wait_complete"  # config.PREFETCH_POLICIES (host tier only)
+    max_prefetching: int = 8  # waiting requests with a prefetched prefix at once
 
 
 class Scheduler:
@@ -57,6 +69,8 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.retracted_total = 0
+        self.estimate = DecodeEstimate()
+        self.prefetching: list[Req] = []  # waiting requests whose host-tier prefix is loaded (or loading) for them
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
@@ -70,6 +84,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if req in self.prefetching:
+            self.prefetching.remove(req)
+        if req.finish_reason in ("stop", "length"):
+            self.estimate.finished(req)
         self.kv.release(req)
         self._match_cache.pop(id(req), None)
         req.state = ReqState.FINISHED
@@ -101,6 +119,9 @@ class Scheduler:
                 pages += pages_for(req, n)
             if self.kv.ensure_pages(pages):
                 break
+            if self.prefetching:  # memory held for waiting requests goes before running work
+                self.kv.cancel_prefetch(self.prefetching.pop())
+                continue
             victim = self._pick_victim()
             if len(self.running) == 1:
                 # Alone and still out of memory: it can never continue. Stop it (finish_reason "length").
@@ -120,7 +141,7 @@ class Scheduler:
                 budget -= n
 
         # 2. Admit waiting requests.
-        if self.waiting and budget > 0:
+        if self.waiting:
             self._admit(batch, budget, prefilling)
             if batch.is_empty and not self.running:
                 self.kv.wait_disk(0.002)
@@ -137,7 +158,9 @@ class Scheduler:
         req.kv_len = kv_len + n
 
     def _admit(self, batch: ScheduledBatch, budget: int, prefilling: list[Req]) -> None:
-        kv = self.kv
+        """Admit waiting requests in policy order while they fit (see the module docstring); with a host tier, start
+        the prefetch of those next in line that cannot or should not run yet."""
+        kv, est = self.kv, self.estimate
         now = time.monotonic()
         version = getattr(kv.cache, "version", 0)
 
@@ -151,14 +174,38 @@ class Scheduler:
         order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s)
         leaders = UncachedPrefixIndex(prefilling)
         admitted: set[int] = set()
+        # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
+        # prefetching ones will need once admitted.
+        reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
+        prefetch_need = {id(r): kv.pages_to_admit(r, match(r), est.remaining(r)) for r in self.prefetching}
+        reserved += sum(prefetch_need.values())
+        prefetch = kv.tiered is not None and self.config.prefetch != "off"
+        wait_complete = self.config.prefetch == "wait_complete"
         reserve_pages = len(self.running)  # keep one page per running request for its next decode step
         for req in order:
-            if len(self.running) >= self.config.max_running_requests or kv.table.free_rows == 0 or budget <= 0:
-                break
             m = match(req)
             if not kv.disk_ready(req, m):  # its prefix is being read from the disk tier
                 continue
             if self.config.dedup_shared_prefill and kv.cache.retains and leaders.shares(req, m.length):
+                continue
+            if req.prefetch is not None and wait_complete and self.running and not kv.prefetch_ready(req):
+                continue  # still loading (its need is in reserved): others go first
+            growth = est.remaining(req)
+            others = reserved - prefetch_need.pop(id(req), 0)
+            need = kv.pages_to_admit(req, m, growth)
+            if self.running and need + others > kv.available_pages:
+                break  # the pool cannot hold it beside what is running: it waits, and nothing overtakes it
+            can_run = (len(self.running) < self.config.max_running_requests and kv.table.free_rows > 0
+                       and budget > 0)
+            if not can_run or (prefetch and wait_complete and self.running and m.host_length):
+                # Next in line but not running this step: load its host part meanwhile, and keep its room.
+                if prefetch and m.host_length and len(self.prefetching) < self.config.max_prefetching \
+                        and kv.prefetch(req, m):
+                    self.prefetching.append(req)
+                    version = getattr(kv.cache, "version", 0)
+                    need = kv.pages_to_admit(req, match(req), growth)
+                    prefetch_need[id(req)] = need
+                reserved = others + need
                 continue
             first_admission = req.num_cached_tokens is None
             kv.admit(req, m)
@@ -171,9 +218,12 @@ class Scheduler:
                 break
             admitted.add(id(req))
             self._match_cache.pop(id(req), None)
+            if req in self.prefetching:
+                self.prefetching.remove(req)
             req.state = ReqState.RUNNING
             self.running.append(req)
             self._add_to_batch(batch, req, n)
+            reserved = others + kv.pages_to_finish(req, growth)
             budget -= n
             leaders.add(req)
             version = getattr(kv.cache, "version", 0)
@@ -200,16 +250,19 @@ class Scheduler:
     def _pick_victim(self) -> Req | None:
         if not self.running:
             return None
-        # Lowest priority first, then the most recently arrived: it has made the least progress.
-        return min(self.running, key=lambda r: (r.params.priority, -r.arrival))
+        # Lowest priority first, then the one that costs least to resume: fewest tokens of its own (its prefix
+        # shared with other running requests stays in the pool), then the most recently arrived.
+        shared = self.kv.cache.shared_on_path
+        return min(self.running, key=lambda r: (r.params.priority, r.kv_len - shared(r.cache_handle), -r.arrival))
 
     def _retract(self, req: Req) -> None:
         self._match_cache.pop(id(req), None)  # it runs on: its tokens, and so its match, change
         self.running.remove(req)
-        self.kv.release(req)
+        self.kv.release(req, to_host=True)
         req.state = ReqState.WAITING
         req.retractions += 1
         self.retracted_total += 1
+        self.estimate.retracted()
         self.waiting.insert(0, req)
 
 

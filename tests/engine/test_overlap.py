@@ -71,7 +71,7 @@ def _run_mixed(eng, prompts, aborts: set[int]):
     return asyncio.run(go())
 
 
-def test_overlap_on_equals_off_mixed_workload(make_engine):
+def test_overlap_on_equals_off_mixed_workload(make_engine, underestimated_decode):
     prompts = [p[:60] for p in _tree_workload(200, seed=11)]
     aborts = set(range(7, 200, 16))
     small = dict(kv_cache_tokens=320, chunked_prefill_tokens=16)

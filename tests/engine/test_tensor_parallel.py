@@ -105,7 +105,7 @@ def _logits_of(engine, prompt: list[int], n: int) -> tuple[list[int], torch.Tens
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_tokenizer):
+def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_tokenizer, underestimated_decode):
     from prefixrt.engine.engine import Engine
     from tests.helpers.checkpoints import build_hf_model
 
