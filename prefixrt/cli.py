@@ -8,8 +8,9 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from prefixrt.default_models import BASE_MODEL, CHAT_MODEL
     from prefixrt.errors import InvalidRequest
-    from prefixrt.server.launch import BASE_MODEL, CHAT_MODEL, build_engine
+    from prefixrt.server.launch import build_engine
 
     if args.model is None:
         args.model = CHAT_MODEL if args.chat else BASE_MODEL

@@ -19,15 +19,14 @@ import sys
 import time
 from typing import Any
 
+from prefixrt.default_models import CHAT_MODEL
+
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
                 "dist_init_addr", "cascade_decode")
 
-
-CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
-BASE_MODEL = "gemma-3-270m"  # the embedded base model: the default for plain-text completion
 
 
 def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT_MODEL) -> None:
