@@ -436,25 +436,14 @@ def constant_logits_engine(checkpoint: Path, kv_cache_tokens: int, max_running_r
 
 
 def tiny_model_dir(root: Path) -> Path:
-    """The test suite's tiny random Llama (2 layers, hidden 64, vocab 320) with a byte-level BPE tokenizer trained
-    on its corpus, saved under root: a model step so cheap that every serving overhead shows."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """The test suite's tiny random Llama (2 layers, hidden 64, vocab 320) with its byte-level BPE tokenizer, saved
+    under root: a model step so cheap that every serving overhead shows."""
     from tests.helpers.checkpoints import save_tiny_checkpoint
-    from tests.helpers.engines import CORPUS
+    from tests.helpers.engines import make_tiny_tokenizer
 
     path = root / "tiny-llama"
     save_tiny_checkpoint("llama", path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([CORPUS], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                            pad_token="<pad>").save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
     return path
 
 
