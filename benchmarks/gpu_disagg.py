@@ -18,27 +18,16 @@ Writes $OUT/gpu_disagg.json when $OUT is set.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
 import sys
 import time
 
 import torch
 
+from benchmarks.common import free_port, log, script_parser
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
-
-
-def log(*a) -> None:
-    print(*a, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weights_checksum(engine) -> float:
@@ -102,7 +91,7 @@ def prefill_main(model: str, engine_kw: dict, addr: str, conn) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = script_parser(__doc__)
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32", help="float32 (exact check) or bfloat16")

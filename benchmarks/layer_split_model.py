@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from benchmarks.common import script_parser
+
 GIB = 2**30
 
 
@@ -78,7 +80,7 @@ def table(a: argparse.Namespace) -> str:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = script_parser(__doc__)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

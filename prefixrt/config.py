@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixrt.default_models import BASE_MODEL
+
 POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/policy.py implements each
 # host_kv_write_policy names (cache/tiered_radix.py): when a node's K/V is copied to the host tier.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -15,7 +17,7 @@ PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "gemma-3-270m"
+    model: str = BASE_MODEL
     load_format: str = "auto"  # "auto" | "dummy"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"

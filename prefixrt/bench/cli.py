@@ -24,13 +24,14 @@ import sys
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 from prefixrt.bench.compute_floor import H200_BF16_DENSE_TFLOPS, ModelShape, floor_report, format_floor
+from prefixrt.default_models import BASE_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="prefixrt bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context"], default="shared-prefix")
-    ap.add_argument("--model", default="gemma-3-270m", help="registry name or local folder")
+    ap.add_argument("--model", default=BASE_MODEL, help="registry name or local folder")
     ap.add_argument("--model-config", dest="model", help="alias of --model (e.g. llama-3-8b with dummy weights)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--url", default=None, help="benchmark a running `prefixrt serve` instead")

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from prefixrt.cache.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, local_groups
+from prefixrt.default_models import BASE_MODEL
 from prefixrt.engine.disagg_messages import Bye, Cancel, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
 from prefixrt.engine.prefill_worker import PrefillWorker
@@ -66,7 +67,7 @@ class DecodeEngine(Engine):
     requests not fetched (already cached here, one-token prompt, no live peer or no free pages); of the aborted,
     those whose K/V was being written at the abort."""
 
-    def __init__(self, model: str = "gemma-3-270m", **kwargs: Any):
+    def __init__(self, model: str = BASE_MODEL, **kwargs: Any):
         super().__init__(model, **kwargs)
         self._links: list[_DecodeLink] = []
         self._rr = itertools.count()
@@ -301,7 +302,7 @@ class DisaggPair:
     DisaggPair(model, prefill_kwargs=None, decode_kwargs=None, delay_s=0.0, **engine_kwargs); `_parts` (tests)
     is passed to both engines (they then share the injected model's weights)."""
 
-    def __init__(self, model: str = "gemma-3-270m", prefill_kwargs: dict | None = None,
+    def __init__(self, model: str = BASE_MODEL, prefill_kwargs: dict | None = None,
                  decode_kwargs: dict | None = None, delay_s: float = 0.0, **kwargs: Any):
         self.prefill = Engine(model, **{**kwargs, **(prefill_kwargs or {})})
         try:

@@ -23,6 +23,7 @@ from typing import Any
 from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
+from prefixrt.default_models import BASE_MODEL
 from prefixrt.engine.busy_gc import BusyGC
 from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
@@ -51,7 +52,7 @@ class PreparedRequest:
 class Engine(EngineFront):
     """See docs/api.md. `Engine(model="gemma-3-270m", ...)`; use as a context manager or call shutdown()."""
 
-    def __init__(self, model: str = "gemma-3-270m", **kwargs: Any):
+    def __init__(self, model: str = BASE_MODEL, **kwargs: Any):
         progress = kwargs.pop("progress", None)
         parts = kwargs.pop("_parts", None)  # (model, tokenizer, resolved): tests inject a ready model
         self.config = EngineConfig(model=model if isinstance(model, str) else "custom", **kwargs)

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixrt.default_models import BASE_MODEL
 from prefixrt.engine.front import EngineFront
 from prefixrt.engine.messages import (
     Abort,
@@ -83,7 +84,7 @@ class ProcessEngine(EngineFront):
     on_death: Callable[[str], None] | None = None
     heartbeat_timeout_s: float = 30.0
 
-    def __init__(self, model: str = "gemma-3-270m", progress: Callable[[str], None] | None = None,
+    def __init__(self, model: str = BASE_MODEL, progress: Callable[[str], None] | None = None,
                  **engine_kwargs: Any):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child_conn = ctx.Pipe()

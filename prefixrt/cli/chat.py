@@ -12,13 +12,13 @@ import argparse
 import sys
 from typing import Any, TextIO
 
+from prefixrt.engine_flags import add_engine_args, start_engine
+
 PROMPT = ">>> "
 HELP = "commands: /reset (new conversation), /stats, /exit (or Ctrl-D)"
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
-    from prefixrt.server.launch import add_engine_args
-
     add_engine_args(p)
     p.add_argument("--url", default=None, help="chat with a running `prefixrt serve` instead of a local engine")
     p.add_argument("--api-key", default=None, help="the server's API key (with --url)")
@@ -32,9 +32,9 @@ def _provider(args: argparse.Namespace):
         from prefixrt.remote import RemoteEngine
 
         return RemoteEngine(args.url, api_key=args.api_key)
-    from prefixrt.server.launch import build_engine
+    from prefixrt.engine.engine import Engine
 
-    return build_engine(args)
+    return start_engine(args, Engine)
 
 
 def chat_loop(provider, params: dict[str, Any], system: str | None, stdin: TextIO, stdout: TextIO) -> int:
