@@ -70,7 +70,7 @@ class DiskTieredRadixCache(TieredRadixCache):
     def spill(self, wait: bool = False) -> None:
         """Snapshot the held host copies whose marker passed (wait=True: all) into the disk's write queue and
         free their host slots; then apply the disk's finished writes to its index (loop thread)."""
-        keep, layers = [], self.host.num_layers
+        keep = []
         for rec in self._held:
             mark, slots, ns, tokens, start = rec
             if wait:
@@ -78,9 +78,7 @@ class DiskTieredRadixCache(TieredRadixCache):
             if keep or not mark.query():  # FIFO: a later mark cannot pass before an earlier one
                 keep.append(rec)
                 continue
-            idx = torch.tensor(slots, dtype=torch.int64)
-            k = torch.stack([self.host.k_buffers[i].index_select(0, idx) for i in range(layers)])
-            v = torch.stack([self.host.v_buffers[i].index_select(0, idx) for i in range(layers)])
+            k, v = self.host.read(slots)
             self.disk.write(ns, tokens, start, k, v)  # [layers, n, kv_heads, head_dim]; skipped if the queue is full
             self._held_tokens -= len(slots)
             self._return_host_slots(slots)
@@ -132,10 +130,7 @@ class DiskTieredRadixCache(TieredRadixCache):
                 self._return_host_slots(host)
                 break
             self.transfer.barrier()
-            idx = torch.tensor(host, dtype=torch.int64)
-            for i in range(self.host.num_layers):  # k, v: [layers, end - start, kv_heads, head_dim]
-                self.host.k_buffers[i].index_copy_(0, idx, k[i, pos - start:].to(self.host.dtype))
-                self.host.v_buffers[i].index_copy_(0, idx, v[i, pos - start:].to(self.host.dtype))
+            self.host.write(host, k[:, pos - start:], v[:, pos - start:])  # k, v: [layers, end - start, kvh, d]
             if node is None:
                 node = self._roots[namespace] = _TNode([], [], None, 0)
             elif off < len(node.key):
@@ -168,18 +163,16 @@ class DiskTieredRadixCache(TieredRadixCache):
         self.spill(wait=True)
         self.transfer.barrier()
         pool = self.transfer.pool
-        layers = self.host.num_layers
         for node in list(self._iter_nodes()):  # parents before children
             ns = self._ns_of(node)
             tokens = self._path_tokens(node)
             if not self.disk.storable(ns) or self.disk.has(ns, tokens):
                 continue
             if node.host_slots is not None:
-                idx, kb, vb = torch.tensor(node.host_slots, dtype=torch.int64), self.host.k_buffers, self.host.v_buffers
+                k, v = self.host.read(node.host_slots)
             else:
-                idx, kb, vb = torch.tensor(node.slots, dtype=torch.int64, device=pool.device), pool.k_buffers, pool.v_buffers
-            k = torch.stack([kb[i].index_select(0, idx) for i in range(layers)]).cpu()
-            v = torch.stack([vb[i].index_select(0, idx) for i in range(layers)]).cpu()
+                idx = torch.tensor(node.slots, dtype=torch.int64, device=pool.device)
+                k, v = pool.k_all.index_select(1, idx).cpu(), pool.v_all.index_select(1, idx).cpu()
             if self.disk.write(ns, tokens, len(tokens) - len(node.key), k, v, block=True):
                 written += len(node.key)
         self.disk.flush()
