@@ -52,9 +52,10 @@ def _pool(w, fraction: float) -> int:
 
 @pytest.fixture(scope="module")
 def unbounded(tiny_checkpoints, tiny_tokenizer):
+    from types import SimpleNamespace
+
     from prefixrt.engine.engine import Engine
     from prefixrt.hub.loader import load_model
-    from types import SimpleNamespace
 
     path, _ = tiny_checkpoints("llama")
     resolved = SimpleNamespace(name="tiny-llama", revision="test", extra_eos_token_ids=(), path=str(path))
