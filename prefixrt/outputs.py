@@ -126,6 +126,7 @@ class EngineStats:
     host_load_failures_total: int = 0  # admissions whose host part found no pool room (recomputed instead)
     host_prefetch_tokens_total: int = 0  # host-tier tokens loaded for waiting requests ahead of their admission
     host_prefetch_hits_total: int = 0  # admissions that found their host part already loaded by a prefetch
+    host_prefetch_misses_total: int = 0  # admissions that started their host-part load themselves
     retracted_to_host_tokens_total: int = 0  # retracted requests' tokens given a host copy at retraction
     # Disk tier (kv_disk_dir; all 0 when off). Disk hits are loaded disk -> host -> pool, so they are in
     # host_hit_tokens_total and cached_tokens_total too.

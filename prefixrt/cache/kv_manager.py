@@ -77,6 +77,7 @@ class KVManager:
         self.load_failures_total = 0  # admissions whose host part could not get pool pages (recomputed)
         self.prefetch_tokens_total = 0  # host-tier tokens loaded for waiting requests (prefetch)
         self.prefetch_hits_total = 0  # admissions of requests whose host part a prefetch had loaded
+        self.prefetch_misses_total = 0  # admissions that started loading their host part themselves
         self.retracted_to_host_tokens_total = 0  # retracted requests' tokens copied to the host tier at retraction
         self._incoming: dict[int, IncomingKV] = {}  # id -> a receive whose pages it owns (not yet published)
         self.lifetime_violations = 0  # the checker's count: pages freed or reused while a write was pending
@@ -238,6 +239,7 @@ class KVManager:
             end = m.length + m.host_length
             handle = self._load_host_part(m)
             if handle is not None:
+                self.prefetch_misses_total += 1
                 m = cache.match_prefix(req.all_ids, req.namespace, max_len=end)  # the locked path, now on the pool
                 assert m.length == end and m.handle is handle, "load_back did not make the locked path pool-resident"
                 cache.record_hit(handle)

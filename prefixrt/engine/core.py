@@ -678,6 +678,7 @@ class EngineCore:
             s.host_load_failures_total = self.kv.load_failures_total
             s.host_prefetch_tokens_total = self.kv.prefetch_tokens_total
             s.host_prefetch_hits_total = self.kv.prefetch_hits_total
+            s.host_prefetch_misses_total = self.kv.prefetch_misses_total
             s.retracted_to_host_tokens_total = self.kv.retracted_to_host_tokens_total
             t = tiered.transfer.stats()
             bpt = tiered.host.bytes_per_token

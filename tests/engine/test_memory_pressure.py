@@ -141,3 +141,28 @@ def test_host_tier_larger_than_the_machine_is_refused(make_engine, monkeypatch):
     monkeypatch.setattr(host_pool, "available_host_bytes", lambda: (6 * 2**30, 16 * 2**30))
     with pytest.raises(ValueError, match=r"needs .* GiB of host memory but this machine has 6.0 GiB available"):
         make_engine("llama", kv_cache_tokens=256, host_kv_cache_tokens=10**9)
+
+
+def test_tier_metrics_agree_with_stats(make_engine):
+    """/metrics shows the tier's figures an operator needs: per-tier hit rates, copy bandwidth, prefetch hits and
+    misses, retract-to-host tokens, each equal to what stats() says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixrt.engine.metrics import Metrics, tier_hit_rates
+
+    w = _workload()
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048, chunked_prefill_tokens=16)
+    _run(eng, w)
+    s = eng.stats()
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+               for fam in text_string_to_metric_families(Metrics.for_engine(eng).render().decode()) for x in fam.samples}
+    assert samples[("prefixrt_host_prefetch_hits_total", ())] == s.host_prefetch_hits_total > 0
+    assert samples[("prefixrt_host_prefetch_misses_total", ())] == s.host_prefetch_misses_total
+    assert samples[("prefixrt_retracted_to_host_tokens_total", ())] == s.retracted_to_host_tokens_total
+    rates = tier_hit_rates(s)
+    assert rates["host"] > 0 and rates["pool"] > 0
+    assert abs(sum(rates.values()) - s.cache_hit_rate) < 1e-9
+    for tier, rate in rates.items():
+        assert samples[("prefixrt_tier_hit_rate", (("tier", tier),))] == pytest.approx(rate)
+    gbps = samples[("prefixrt_host_copy_gbps", (("direction", "load"),))]
+    assert gbps == pytest.approx(s.host_load_bytes_total / s.host_load_seconds_total / 1e9)
