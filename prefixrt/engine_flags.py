@@ -21,6 +21,7 @@ from prefixrt.default_models import CHAT_MODEL
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
+                "host_kv_prefetch",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
                 "dist_init_addr", "cascade_decode")
 
@@ -50,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    default="write_through", help="when a prefix is copied to the host tier (docs/serving.md)")
     p.add_argument("--host-kv-write-threshold", type=int, default=2,
                    help="write_through_selective: hits before a prefix is copied to the host tier")
+    p.add_argument("--host-kv-prefetch", choices=["wait_complete", "best_effort", "off"], default="wait_complete",
+                   help="load a waiting request's host-tier prefix into the GPU pool ahead of its admission: "
+                        "wait_complete admits it once loaded (others run meanwhile), best_effort whenever it fits "
+                        "(its first forward waits for the load), off loads at admission (docs/serving.md)")
     p.add_argument("--kv-disk-dir", default=None,
                    help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
                         "evicted from host memory are written there and read back on a hit; they outlive the "

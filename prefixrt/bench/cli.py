@@ -30,7 +30,8 @@ from prefixrt.default_models import BASE_MODEL
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="prefixrt bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context"], default="shared-prefix")
+    ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context", "agent"],
+                    default="shared-prefix")
     ap.add_argument("--model", default=BASE_MODEL, help="registry name or local folder")
     ap.add_argument("--model-config", dest="model", help="alias of --model (e.g. llama-3-8b with dummy weights)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -54,9 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--sessions", type=int, default=None, help="multi-turn: 32; long-context: 4")
-    ap.add_argument("--turns", type=int, default=None, help="multi-turn: 4; long-context: 8")
-    ap.add_argument("--append-len", type=int, default=4000, help="long-context: tokens appended a turn")
+    ap.add_argument("--sessions", type=int, default=None, help="multi-turn: 32; long-context: 4; agent: 16")
+    ap.add_argument("--turns", type=int, default=None, help="multi-turn: 4; long-context: 8; agent: 6")
+    ap.add_argument("--append-len", type=int, default=None,
+                    help="tokens appended a turn (long-context: 4000; agent: 2048)")
+    ap.add_argument("--shared-len", type=int, default=16384, help="agent: the context every session shares")
+    ap.add_argument("--own-len", type=int, default=8192, help="agent: each session's own first context")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS,
                     help="dense bf16 peak for the compute floor (long-context)")
     # engine flags
@@ -71,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-kv-cache-tokens", type=int, default=None, help="host tier of the KV cache (tokens)")
     ap.add_argument("--host-kv-write-policy", default="write_through",
                     choices=["write_through", "write_through_selective", "write_back"])
+    ap.add_argument("--host-kv-prefetch", default="wait_complete", choices=["wait_complete", "best_effort", "off"])
     return ap
 
 
@@ -83,8 +88,11 @@ def make_workload(args, vocab: int) -> W.Workload:
     if args.workload == "random":
         return W.random_prompts(vocab, args.requests or 256, args.input_len, args.output_len or 256, args.seed)
     if args.workload == "long-context":
-        return W.long_context(vocab, args.sessions or 4, args.turns or 8, args.append_len,
+        return W.long_context(vocab, args.sessions or 4, args.turns or 8, args.append_len or 4000,
                               args.output_len or 32, args.seed)
+    if args.workload == "agent":
+        return W.agent(vocab, args.sessions or 16, args.turns or 6, args.shared_len, args.own_len,
+                       args.append_len or 2048, args.output_len or 64, args.seed)
     return W.multi_turn(vocab, args.sessions or 32, args.turns or 4, output_len=args.output_len or 64, seed=args.seed)
 
 
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                              chunked_prefill_tokens=args.chunked_prefill_tokens,
                              max_running_requests=args.max_running_requests, seed=args.seed,
                              host_kv_cache_tokens=args.host_kv_cache_tokens,
-                             host_kv_write_policy=args.host_kv_write_policy)
+                             host_kv_write_policy=args.host_kv_write_policy, host_kv_prefetch=args.host_kv_prefetch)
         baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
         w = None
         path = dtype = device = None
