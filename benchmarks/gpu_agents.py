@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import statistics
 import time
 from fractions import Fraction
@@ -153,7 +154,9 @@ def copy_bandwidth(model: str, engine_kw: dict, sizes_tokens: list[int]) -> list
             b.synchronize()
             plain.append(nbytes / (a.elapsed_time(b) / 1000) / 1e9)
         del src, dst
-        gpu = list(range(n_max + 16, n_max + 16 + n))  # scattered pool slots would be the same cost
+        pages = list(range((n_max + 16) // 16, (2 * n_max + 16) // 16))
+        random.Random(n).shuffle(pages)  # scattered pool pages, as a loaded path's are
+        gpu = [p * 16 + i for p in pages[: -(-n // 16)] for i in range(16)][:n]
         hs = list(range(16, 16 + n))
         rates = {"load": [], "backup": []}
         for _ in range(3):
