@@ -58,6 +58,9 @@ class EngineConfig:
     host_kv_write_threshold: int = 2  # write_through_selective: hits before a node is copied to the host
     host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
     host_kv_prefetch: str = "wait_complete"  # one of PREFETCH_POLICIES
+    # A new request that has waited this long for pool memory preempts running requests that have already
+    # streamed (retracted to the host tier, resumed later); host tier only. None: never.
+    host_kv_preempt_after_s: float | None = 0.5
     # Disk tier below the host tier (cache/disk_radix.py): host evictions are written to files in this directory
     # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
     kv_disk_dir: str | None = None
@@ -106,6 +109,8 @@ class EngineConfig:
             bad(f"host_kv_write_policy must be one of {WRITE_POLICIES}, got {self.host_kv_write_policy!r}")
         if self.host_kv_write_threshold < 1:
             bad("host_kv_write_threshold must be >= 1")
+        if self.host_kv_preempt_after_s is not None and not self.host_kv_preempt_after_s >= 0:
+            bad("host_kv_preempt_after_s must be >= 0 or None")
         if self.host_kv_prefetch not in PREFETCH_POLICIES:
             bad(f"host_kv_prefetch must be one of {PREFETCH_POLICIES}, got {self.host_kv_prefetch!r}")
         if not self.host_kv_debug_delay_s >= 0:

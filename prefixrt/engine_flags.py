@@ -21,7 +21,7 @@ from prefixrt.default_models import CHAT_MODEL
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
                 "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "host_kv_prefetch",
+                "host_kv_prefetch", "host_kv_preempt_after_s",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
                 "dist_init_addr", "cascade_decode")
 
@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    help="load a waiting request's host-tier prefix into the GPU pool ahead of its admission: "
                         "wait_complete admits it once loaded (others run meanwhile), best_effort whenever it fits "
                         "(its first forward waits for the load), off loads at admission (docs/serving.md)")
+    p.add_argument("--host-kv-preempt-after-s", type=float, default=0.5,
+                   help="with the host tier: a new request waiting this long for GPU memory preempts running "
+                        "requests that have already streamed (moved to the host, resumed later) so its first token "
+                        "comes soon; a negative value turns it off")
     p.add_argument("--kv-disk-dir", default=None,
                    help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
                         "evicted from host memory are written there and read back on a hit; they outlive the "
@@ -109,6 +113,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed flags as Engine keyword arguments."""
     kw = {name: getattr(args, name) for name in ENGINE_FLAGS}
     kw["radix_cache"] = not args.no_radix_cache
+    if kw["host_kv_preempt_after_s"] is not None and kw["host_kv_preempt_after_s"] < 0:
+        kw["host_kv_preempt_after_s"] = None
     return kw
 
 

@@ -137,6 +137,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_running_requests=max_running,
         aging_s=config.aging_s,
         prefetch=config.host_kv_prefetch,
+        preempt_after_s=config.host_kv_preempt_after_s,
     ))
     runner = make_runner(config, model, pool, device, max_running, startup, say, ranks, table)
     attention = runner.attn_backend

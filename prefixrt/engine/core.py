@@ -306,6 +306,7 @@ class EngineCore:
         for r in batch.finished_early:
             self._finish(r, "length")
         self.stats.retracted_requests_total = self.scheduler.retracted_total
+        self.stats.preempted_requests_total = self.scheduler.preempted_total
         return None if batch.is_empty else batch
 
     # ------------------------------------------------------------------ unit 2: forward

@@ -25,6 +25,8 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "requests_total": ("prefixrt_requests", "Requests submitted."),
     "aborted_requests_total": ("prefixrt_aborted_requests", "Request samples aborted."),
     "retracted_requests_total": ("prefixrt_retracted_requests", "Requests retracted under KV pressure."),
+    "preempted_requests_total": ("prefixrt_preempted_requests",
+                                 "Retracted requests preempted for a waiting request's first token (host tier)."),
     "forward_passes_total": ("prefixrt_forward_passes", "Model forward passes."),
     "cache_audits_total": ("prefixrt_cache_audits", "Cache hits whose K/V was recomputed and compared."),
     "cache_audit_mismatches_total": ("prefixrt_cache_audit_mismatch",

@@ -12,6 +12,9 @@ time at full speed instead of admitting, growing and retracting. The first reque
 With a host tier, waiting requests next in line get their host-resident prefix loaded into the pool ahead of
 admission (prefetch, overlapped with the running batch); under `wait_complete` a request is admitted once its
 load is done, others going first meanwhile.
+With a host tier, a request that has produced nothing and has waited preempt_after_s for memory preempts running
+requests that have already streamed (retracted to the host, most remaining decode first, each at most
+max_preemptions times): first tokens come soon even when the pool holds a few sessions of many.
 Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
 request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
 running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
@@ -60,6 +63,10 @@ class SchedulerConfig:
     dedup_shared_prefill: bool = True
     prefetch: str = "wait_complete"  # config.PREFETCH_POLICIES (host tier only)
     max_prefetching: int = 8  # waiting requests with a prefetched prefix at once
+    # Host tier only: a request that has produced nothing and has waited this long for memory takes the room of
+    # running requests that have already streamed (they are retracted to the host and resume later). None: off.
+    preempt_after_s: float | None = None
+    max_preemptions: int = 2  # times one request may be preempted so (it is not a victim after that)
 
 
 class Scheduler:
@@ -71,6 +78,9 @@ class Scheduler:
         self.retracted_total = 0
         self.estimate = DecodeEstimate()
         self.prefetching: list[Req] = []  # waiting requests whose host-tier prefix is loaded (or loading) for them
+        self.preempted_total = 0
+        self._preempt_for: tuple[Req, int] | None = None  # (waiting request, pages it needs): preempt next step
+        self._admit_first: Req | None = None  # the request a preemption made room for
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
@@ -100,6 +110,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [], [], [])
         budget = self.config.chunked_prefill_tokens
+        if self._preempt_for is not None:
+            self._preempt(batch)
 
         # 1. Running requests: plan their tokens, retract until their pages fit.
         pages_for = self.kv.pages_for
@@ -172,6 +184,10 @@ class Scheduler:
             return hit[1]
 
         order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s)
+        first, self._admit_first = self._admit_first, None
+        if first is not None and first in order:  # running requests were preempted to make room for it
+            order.remove(first)
+            order.insert(0, first)
         leaders = UncachedPrefixIndex(prefilling)
         admitted: set[int] = set()
         # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
@@ -194,6 +210,8 @@ class Scheduler:
             others = reserved - prefetch_need.pop(id(req), 0)
             need = kv.pages_to_admit(req, m, growth)
             if self.running and need + others > kv.available_pages:
+                if self._may_preempt_for(req, now):
+                    self._preempt_for = (req, need)
                 break  # the pool cannot hold it beside what is running: it waits, and nothing overtakes it
             can_run = (len(self.running) < self.config.max_running_requests and kv.table.free_rows > 0
                        and budget > 0)
@@ -246,6 +264,37 @@ class Scheduler:
             return True
         return False
 
+    # ------------------------------------------------------------------ preemption for a first token
+    def _preemptible(self, req: Req) -> list[Req]:
+        """Running requests that may make room for waiting req: they have streamed already, were preempted fewer
+        than max_preemptions times, are not of a higher priority; most remaining decode first (they would hold
+        their memory longest), then the latest arrival."""
+        cands = [r for r in self.running if r.output_ids and r.retractions < self.config.max_preemptions
+                 and r.params.priority <= req.params.priority]
+        return sorted(cands, key=lambda r: (-r.remaining_new_tokens, -r.arrival))
+
+    def _may_preempt_for(self, req: Req, now: float) -> bool:
+        after = self.config.preempt_after_s
+        return (after is not None and self.kv.tiered is not None and not req.output_ids
+                and now - req.arrival >= after and bool(self._preemptible(req)))
+
+    def _preempt(self, batch: ScheduledBatch) -> None:
+        """Retract (to the host) running requests until the request recorded by _admit fits, and put it first in
+        this step's admission order. Done before the running requests are planned, so no victim is in the batch."""
+        req, need = self._preempt_for
+        self._preempt_for = None
+        if req not in self.waiting:
+            return
+        kv, est = self.kv, self.estimate
+        reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
+        for victim in self._preemptible(req):
+            if need + reserved <= kv.available_pages:
+                break
+            reserved -= kv.pages_to_finish(victim, est.remaining(victim))
+            self._retract(victim, preempted=True)
+            batch.retracted.append(victim)
+        self._admit_first = req
+
     # ------------------------------------------------------------------ retraction
     def _pick_victim(self) -> Req | None:
         if not self.running:
@@ -255,14 +304,17 @@ class Scheduler:
         shared = self.kv.cache.shared_on_path
         return min(self.running, key=lambda r: (r.params.priority, r.kv_len - shared(r.cache_handle), -r.arrival))
 
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, preempted: bool = False) -> None:
         self._match_cache.pop(id(req), None)  # it runs on: its tokens, and so its match, change
         self.running.remove(req)
         self.kv.release(req, to_host=True)
         req.state = ReqState.WAITING
         req.retractions += 1
         self.retracted_total += 1
-        self.estimate.retracted()
+        if preempted:
+            self.preempted_total += 1
+        else:
+            self.estimate.retracted()  # out of memory: the estimate was too low
         self.waiting.insert(0, req)
 
 
