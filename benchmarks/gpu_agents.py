@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=None, help="requests in flight unless a run says @cN")
     ap.add_argument("--host-ratio", type=float, default=1.1, help="host tier size / working set")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--preempt-after-s", type=float, default=0.5,
+    ap.add_argument("--preempt-after-s", type=float, default=-1.0,
                     help="host tier: a new request's wait before it preempts running ones (negative: never)")
     ap.add_argument("--copy-sizes", default="512,4096,32768", help="tokens per copy in the bandwidth check ('' skips)")
     args = ap.parse_args()

@@ -59,8 +59,9 @@ class EngineConfig:
     host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
     host_kv_prefetch: str = "wait_complete"  # one of PREFETCH_POLICIES
     # A new request that has waited this long for pool memory preempts running requests that have already
-    # streamed (retracted to the host tier, resumed later); host tier only. None: never.
-    host_kv_preempt_after_s: float | None = 0.5
+    # streamed (retracted to the host tier, resumed later); host tier only. None (default): never. Measured on
+    # the agent workload (docs/benchmarks.md) it did not shorten first tokens there and cost wall time.
+    host_kv_preempt_after_s: float | None = None
     # Disk tier below the host tier (cache/disk_radix.py): host evictions are written to files in this directory
     # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
     kv_disk_dir: str | None = None

@@ -55,10 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    help="load a waiting request's host-tier prefix into the GPU pool ahead of its admission: "
                         "wait_complete admits it once loaded (others run meanwhile), best_effort whenever it fits "
                         "(its first forward waits for the load), off loads at admission (docs/serving.md)")
-    p.add_argument("--host-kv-preempt-after-s", type=float, default=0.5,
+    p.add_argument("--host-kv-preempt-after-s", type=float, default=-1.0,
                    help="with the host tier: a new request waiting this long for GPU memory preempts running "
-                        "requests that have already streamed (moved to the host, resumed later) so its first token "
-                        "comes soon; a negative value turns it off")
+                        "requests that have already streamed (moved to the host, resumed later); negative "
+                        "(default): off")
     p.add_argument("--kv-disk-dir", default=None,
                    help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
                         "evicted from host memory are written there and read back on a hit; they outlive the "
