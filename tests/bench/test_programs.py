@@ -76,7 +76,7 @@ def test_every_program_runs_on_gemma(gemma_engine_session):
         r = run_workload(eng, w, ABLATIONS["full"], w.sizes_for("ci"), num_threads=16)
         assert r.num_programs == len(r.outputs) == len(r.latency_s) > 0, name
         assert all(isinstance(o, str) for o in r.outputs), name
-        assert r.output_tokens > 0 and r.prompt_tokens > 0, name
+        assert r.prompt_tokens > 0 and (r.output_tokens > 0 or name in ("mmlu", "hellaswag")), name  # select scores
         assert 0 < r.hit_rate <= r.ideal_hit_rate + 1e-9, (name, r.hit_rate, r.ideal_hit_rate)
         assert r.hit_rate >= 0.8 * r.ideal_hit_rate, (name, r.hit_rate, r.ideal_hit_rate)
 

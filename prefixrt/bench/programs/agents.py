@@ -74,7 +74,7 @@ REACT = ProgramWorkload(
     name="react", title="ReAct agents",
     paper="ReAct agents replaying HotpotQA traces: a long shared few-shot prompt, each step extends the last",
     sizes={"ci": dict(agents=2, steps=2, examples=1, observation_words=16, thought_tokens=8),
-           "gpu": dict(agents=64, steps=4, examples=3, observation_words=60, thought_tokens=48)},
+           "gpu": dict(agents=32, steps=4, examples=3, observation_words=60, thought_tokens=48)},
     make_args=react_args, program=react_agent,
 )
 
@@ -82,6 +82,6 @@ GENERATIVE_AGENTS = ProgramWorkload(
     name="generative-agents", title="generative agents",
     paper="generative agents replaying a town simulation's calls: short calls restarting from each persona",
     sizes={"ci": dict(agents=2, events=1, persona_words=40, event_words=8),
-           "gpu": dict(agents=48, events=2, persona_words=400, event_words=12)},
+           "gpu": dict(agents=48, events=2, persona_words=300, event_words=12)},
     make_args=generative_agents_args, program=generative_agent, uses_fork=True,
 )

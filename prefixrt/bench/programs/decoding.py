@@ -56,7 +56,7 @@ JSON = ProgramWorkload(
     name="json", title="JSON decoding (regex)",
     paper="JSON decoding with a regex: city facts extracted from a Wikipedia page, one constrained gen per field",
     sizes={"ci": dict(documents=3, document_words=40),
-           "gpu": dict(documents=128, document_words=300)},
+           "gpu": dict(documents=96, document_words=200)},
     make_args=json_args, program=json_decode,
 )
 
@@ -64,7 +64,7 @@ MULTI_TURN_SHORT = ProgramWorkload(
     name="multi-turn-short", title="multi-turn chat, short outputs",
     paper="multi-turn chat: 4 turns, questions of 256-512 tokens, answers of 4-8 tokens",
     sizes={"ci": dict(sessions=3, turns=3, question_words=(20, 40), answer_tokens=(4, 8)),
-           "gpu": dict(sessions=64, turns=4, question_words=(256, 512), answer_tokens=(4, 8))},
+           "gpu": dict(sessions=64, turns=4, question_words=(192, 384), answer_tokens=(4, 8))},
     make_args=multi_turn_args, program=multi_turn_chat, frontend_ablations=False,
 )
 
@@ -72,6 +72,6 @@ MULTI_TURN_LONG = ProgramWorkload(
     name="multi-turn-long", title="multi-turn chat, long outputs",
     paper="multi-turn chat: 4 turns, questions of 256-512 tokens, answers of 256-512 tokens",
     sizes={"ci": dict(sessions=2, turns=2, question_words=(20, 40), answer_tokens=(16, 24)),
-           "gpu": dict(sessions=32, turns=4, question_words=(256, 512), answer_tokens=(128, 192))},
+           "gpu": dict(sessions=32, turns=3, question_words=(192, 384), answer_tokens=(96, 128))},
     make_args=multi_turn_args, program=multi_turn_chat, frontend_ablations=False,
 )

@@ -87,7 +87,7 @@ TREE_OF_THOUGHT = ProgramWorkload(
     name="tree-of-thought", title="tree-of-thought (GSM8K-style)",
     paper="tree-of-thought search on GSM8K questions: branches extend their parent's partial solution",
     sizes={"ci": dict(trees=2, levels=2, branches=2, node_tokens=8, question_words=30),
-           "gpu": dict(trees=16, levels=3, branches=3, node_tokens=48, question_words=80)},
+           "gpu": dict(trees=16, levels=3, branches=3, node_tokens=32, question_words=80)},
     make_args=tree_of_thought_args, program=tree_of_thought, uses_fork=True,
 )
 
@@ -103,6 +103,6 @@ LLM_JUDGE = ProgramWorkload(
     name="llm-judge", title="LLM judge (branch-solve-merge)",
     paper="branch-solve-merge judge: an article judged along 6 dimensions in 6 forks, then merged into a score",
     sizes={"ci": dict(articles=2, article_words=60, criterion_words=12, judgement_tokens=8),
-           "gpu": dict(articles=32, article_words=600, criterion_words=30, judgement_tokens=64)},
+           "gpu": dict(articles=32, article_words=400, criterion_words=30, judgement_tokens=64)},
     make_args=llm_judge_args, program=llm_judge, uses_fork=True,
 )

@@ -57,7 +57,7 @@ MMLU = ProgramWorkload(
     name="mmlu", title="5-shot MMLU (select)",
     paper="5-shot MMLU, select over A-D; questions of a subject share its 5 examples",
     sizes={"ci": dict(subjects=2, questions_per_subject=3, shots=5, question_words=20, option_words=4),
-           "gpu": dict(subjects=8, questions_per_subject=48, shots=5, question_words=60, option_words=10)},
+           "gpu": dict(subjects=4, questions_per_subject=32, shots=5, question_words=40, option_words=8)},
     make_args=mmlu_args, program=mmlu_question,
 )
 
@@ -65,6 +65,6 @@ HELLASWAG = ProgramWorkload(
     name="hellaswag", title="20-shot HellaSwag (select)",
     paper="20-shot HellaSwag, select over 4 sentence endings; every question shares the 20 examples",
     sizes={"ci": dict(questions=6, shots=20, context_words=10, ending_words=6),
-           "gpu": dict(questions=256, shots=20, context_words=30, ending_words=16)},
+           "gpu": dict(questions=96, shots=20, context_words=20, ending_words=12)},
     make_args=hellaswag_args, program=hellaswag_question,
 )
