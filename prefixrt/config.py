@@ -13,6 +13,9 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # its admission. off: loaded at admission; best_effort: prefetched, admitted whether or not the load is done (its
 # first forward waits for it); wait_complete: prefetched, admitted once the load is done (others run meanwhile).
 PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
+# prefix_cache names: the radix tree (cache/radix.py), or the hash-block table of vLLM-style prefix caching
+# (cache/block.py, full blocks of 16 tokens: the baseline of the table-cache ablation).
+PREFIX_CACHES = ("radix", "block")
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,8 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
     page_size: int = 1
-    radix_cache: bool = True
+    radix_cache: bool = True  # False: no prefix cache at all (nothing is reused)
+    prefix_cache: str = "radix"  # with radix_cache=True: which cache, one of PREFIX_CACHES
     schedule_policy: str = "lpm"
     chunked_prefill_tokens: int = 8192
     max_running_requests: int | None = None
@@ -94,6 +98,11 @@ class EngineConfig:
             bad("mem_fraction must be in (0, 1)")
         if self.page_size < 1:
             bad("page_size must be >= 1")
+        if self.prefix_cache not in PREFIX_CACHES:
+            bad(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        if self.prefix_cache == "block" and self.radix_cache and (
+                self.host_kv_cache_tokens or self.max_cached_fraction_per_salt is not None):
+            bad("prefix_cache='block' has no host tier and no per-salt quota (those need the radix tree)")
         if self.schedule_policy not in POLICIES:
             bad(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if self.chunked_prefill_tokens < 1:

@@ -19,7 +19,8 @@ from prefixrt.default_models import CHAT_MODEL
 
 # The flags that become Engine keyword arguments as they are (EngineConfig fields of the same name).
 ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
-                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
+                "page_size", "prefix_cache", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed",
+                "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
                 "host_kv_prefetch", "host_kv_preempt_after_s",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
@@ -40,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--no-radix-cache", action="store_true", help="disable cross-request prefix reuse")
     p.add_argument("--schedule-policy", choices=["lpm", "dfs", "fcfs"], default="lpm")
+    p.add_argument("--prefix-cache", choices=["radix", "block"], default="radix",
+                   help="block: a vLLM-style hash-block table cache instead of the radix tree (an ablation)")
     p.add_argument("--chunked-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,5 @@
-"""The prefix-cache contract. RadixCache is the real one; NoReuseCache is the null one (radix_cache=False).
+"""The prefix-cache contract. RadixCache is the real one; BlockCache (block.py) the hash-block baseline;
+NoReuseCache is the null one (radix_cache=False).
 
 Ownership: slots handed to `insert` belong to the cache afterwards (it frees them through the allocator on
 eviction). Slots returned by `match_prefix` stay the cache's; a caller that uses them must `lock` the match
@@ -30,6 +31,12 @@ class PrefixCache(ABC):
     page_size: int
     retains: bool  # False: nothing is ever kept (the no-reuse ablation)
     supports_insert_below = False  # RadixCache: insert_below, the walk from a locked node (kv_manager.cache_unfinished)
+
+    @property
+    def align_tokens(self) -> int:
+        """Cached prefixes are whole multiples of this many tokens (a multiple of page_size): matches have such
+        lengths and insert keeps only such a prefix. The page size, unless the cache stores larger units."""
+        return self.page_size
 
     @abstractmethod
     def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:

@@ -491,7 +491,8 @@ class KVManager:
         ps = self.page_size
         # Only tokens the host knows are published (a request that failed before its last token was read
         # has K/V past all_ids: the tree must never hold K/V under a token it cannot name).
-        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // ps * ps
+        align = self.cache.align_tokens  # a block cache keeps whole blocks only: the rest stays private
+        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // align * align
         if n <= req.cached_len:
             return
         tokens = req.all_ids[:n]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixrt.cache.allocator import PageAllocator
+from prefixrt.cache.block import BlockCache
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.no_reuse import NoReuseCache
@@ -120,11 +121,15 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
         cache = make_tiered_cache(config, pool, allocator, device, say, resolved)
+    elif not config.radix_cache:
+        cache = NoReuseCache(allocator)
+    elif config.prefix_cache == "block":
+        cache = BlockCache(allocator)
     else:
-        cache = RadixCache(allocator) if config.radix_cache else NoReuseCache(allocator)
+        cache = RadixCache(allocator)
     if config.max_cached_fraction_per_salt is not None and isinstance(cache, RadixCache):
         cache.set_salt_quota(int(config.max_cached_fraction_per_salt * allocator.total_tokens))
-    if config.debug and type(cache) is RadixCache:  # (the tiered cache frees through KVManager, which poisons)
+    if config.debug and type(cache) in (RadixCache, BlockCache):  # (the tiered cache frees through KVManager)
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
