@@ -294,7 +294,7 @@ class PhaseTimer:
         def go():
             for n in self.UNITS:
                 self._wrap(core, n)
-            from prefixrt.engine import core as core_mod
+            from prefixrt.engine.loop import core as core_mod
             orig = core_mod.StepFence.wait
             acc = self.acc
 

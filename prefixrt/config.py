@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/policy.py implements each
+POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/loop/schedule_policy.py implements each
 # host_kv_write_policy names (cache/tiered_radix.py): when a node's K/V is copied to the host tier.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -58,7 +58,7 @@ class EngineConfig:
     # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
-    # Tensor parallelism (model/parallel.py, engine/tp_worker.py): the model split over tp_size ranks, one process
+    # Tensor parallelism (parallel/layers.py, engine/tp_worker.py): the model split over tp_size ranks, one process
     # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
     # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"
     # is the torch.distributed rendezvous (None: a free port on 127.0.0.1, one node only).

@@ -65,7 +65,7 @@ class Req:
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
     retractions: int = 0
-    # Overlap scheduling (engine/core.py): samples launched on the device and not yet read by the host
+    # Overlap scheduling (engine/loop/core.py): samples launched on the device and not yet read by the host
     num_unresolved: int = 0
     future: Any = None  # (step, row): where the last unresolved token lives on the device
     chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache

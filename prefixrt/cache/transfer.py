@@ -31,7 +31,7 @@ class Transfer:
     """One batched copy of num_tokens tokens' K/V, all layers."""
 
     def __init__(self, kind: str, num_layers: int, num_tokens: int, cuda: bool):
-        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: cache/kv_transport.py)
+        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: parallel/kv_transport.py)
         self.num_tokens = num_tokens
         self.cuda = cuda
         self.error: BaseException | None = None

@@ -19,21 +19,21 @@ from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
-from prefixrt.engine.core import EngineCore
+from prefixrt.engine.loop.core import EngineCore
+from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
 from prefixrt.engine.rank_setup import (
     kv_pool_slots,
     make_runner,
     resolve_device,
     resolve_dtype,
 )
-from prefixrt.engine.scheduler import Scheduler, SchedulerConfig
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
 
 EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
 # Shared-prefix (cascade) decode inside the decode graphs, for groups of >= 2 running requests sharing
-# >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
+# >= CASCADE_MIN_PREFIX cached tokens (engine/loop/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
 # cascade_decode overrides it. On by default: on an H200 (docs/benchmarks.md) an fp32 engine gives greedy
 # outputs identical to plain decode on 64 of 64 RAG prompts (logprob rel err 9e-7), and the RAG case streamed
 # with text runs 1.31x faster in bf16. In bf16 with dummy weights greedy outputs flip on near-ties as they do
@@ -180,11 +180,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
     if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
-        from prefixrt.engine.prefix_groups import PrefixGrouper
+        from prefixrt.engine.loop.prefix_groups import PrefixGrouper
 
         core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
     if config.cache_audit_rate > 0 and cache.retains:
-        from prefixrt.engine.cache_audit import CacheAuditor
+        from prefixrt.engine.loop.cache_audit import CacheAuditor
 
         core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
                                     chunk_tokens=config.chunked_prefill_tokens)

@@ -23,11 +23,11 @@ from typing import Any
 from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
-from prefixrt.engine.busy_gc import BusyGC
 from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
-from prefixrt.engine.messages import packed_id_range, unpack_token_ids
-from prefixrt.engine.postprocess import jump_forward
+from prefixrt.engine.loop.busy_gc import BusyGC
+from prefixrt.engine.loop.postprocess import jump_forward
+from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.outputs import Completion, EngineStats

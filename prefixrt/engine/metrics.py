@@ -5,8 +5,8 @@ second set of books). Latency histograms (TTFT, inter-token latency, end-to-end)
 scheduler thread through `EngineCore.metrics_hook`. There is one Metrics (and one CollectorRegistry) per
 engine, shared by every app serving it (`Metrics.for_engine`); separate engines never collide.
 
-It lives in the engine layer because the engine process installs it (engine/process.py) and the server
-only renders it (server/app.py's /metrics). prometheus-client is an optional extra, so engine/process.py
+It lives in the engine layer because the engine process installs it (engine/process/client.py) and the server
+only renders it (server/app.py's /metrics). prometheus-client is an optional extra, so engine/process/client.py
 imports this module lazily.
 """
 

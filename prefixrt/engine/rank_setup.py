@@ -73,7 +73,7 @@ def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device,
                 f"{time.perf_counter() - t:.1f}s")
     if ranks is None:
         return ModelRunner(model, pool, attention)
-    from prefixrt.model.tp_runner import TPDriverRunner
+    from prefixrt.parallel.tp_runner import TPDriverRunner
 
     return TPDriverRunner(model, pool, attention, ranks.tp, table)
 

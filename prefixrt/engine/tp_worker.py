@@ -11,7 +11,7 @@ Start-up, in the same order on every rank (each step a collective or a message f
     4. rank 0 sends the request-table shape and max_running; each rank builds its pool slice, table copy,
        attention backend and runner
     5. rank 0's builder warms up and captures CUDA graphs through its TPDriverRunner (announced, so every rank
-       runs and captures the same); then the other ranks follow (model/tp_runner.py) until SHUTDOWN.
+       runs and captures the same); then the other ranks follow (parallel/tp_runner.py) until SHUTDOWN.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixrt.config import EngineConfig
-from prefixrt.model.parallel import TPGroup
+from prefixrt.parallel.layers import TPGroup
 
 log = logging.getLogger("prefixrt")
 
@@ -269,7 +269,7 @@ def run_rank(config: EngineConfig, tp: TPGroup, device: torch.device, model_path
     from prefixrt.engine import rank_setup
     from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import resolve_model
-    from prefixrt.model.tp_runner import follow
+    from prefixrt.parallel.tp_runner import follow
 
     dtype = rank_setup.resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)

@@ -20,7 +20,7 @@ from prefixrt.model.base import CausalLM, eos_ids_from_hf
 from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
 from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
-from prefixrt.model.parallel import TPGroup, shard_model
+from prefixrt.parallel.layers import TPGroup, shard_model
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02  # small enough that activations stay finite through any depth
@@ -112,7 +112,7 @@ def _instantiate(
 ) -> CausalLM:
     """Construct the model (hf_config: a transformers config or a ModelSpec) with uninitialised parameters of
     `dtype` on `device` (no init cost); with a tensor-parallel group of more than one rank, only this rank's
-    shard (model/parallel.py)."""
+    shard (parallel/layers.py)."""
     spec = hf_config if isinstance(hf_config, ModelSpec) else model_spec(hf_config)
     with torch.device("meta"):
         model = spec.build()

@@ -145,7 +145,7 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
         print(f"[prefixrt {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     if own_process:
-        from prefixrt.engine.process import ProcessEngine as make
+        from prefixrt.engine.process.client import ProcessEngine as make
     else:
         from prefixrt.engine.engine import Engine as make
     where = "in its own process" if own_process else "in this process"
@@ -156,13 +156,13 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
 
 
 def build_role_engine(args: argparse.Namespace):
-    """--role prefill|decode (engine/disagg.py): the engine in this process, joined to its peers through a
+    """--role prefill|decode (disagg/decode.py): the engine in this process, joined to its peers through a
     torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
     ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
-    from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine
+    from prefixrt.disagg.decode import DecodeEngine
+    from prefixrt.disagg.prefill import PrefillWorker
     from prefixrt.engine.engine import Engine
-    from prefixrt.engine.prefill_worker import PrefillWorker
+    from prefixrt.parallel.kv_transport import make_group
 
     t0 = time.monotonic()
 

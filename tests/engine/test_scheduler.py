@@ -12,7 +12,7 @@ from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
-from prefixrt.engine.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
+from prefixrt.engine.loop.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req, ReqState
 
@@ -171,7 +171,7 @@ def test_uncached_prefix_index_answers_as_the_reference():
     namespaces, lengths and matched positions, leaders added between questions."""
     import random
 
-    from prefixrt.engine.scheduler import UncachedPrefixIndex
+    from prefixrt.engine.loop.scheduler import UncachedPrefixIndex
 
     rng = random.Random(0)
     k = PREFIX_DEDUP_MIN_TOKENS

@@ -5,7 +5,7 @@ Data flow for one request on the decode engine (DecodeEngine):
   1. prepare (caller's thread, as usual), then on the loop thread: KVManager.begin_receive locks what the decode
      cache already holds of prompt[:-1] and allocates pages for the rest; a KVRequest(start, tokens) goes to a
      prefill peer (round robin). The last prompt token is always computed here (it samples the first token).
-  2. The prefill side (PrefillWorker, engine/prefill_worker.py) runs the prompt through its Engine (cache_prefix: its radix cache reuses
+  2. The prefill side (PrefillWorker, disagg/prefill.py) runs the prompt through its Engine (cache_prefix: its radix cache reuses
      what it has), locks the path, sends a header and then K/V layer by layer, and unlocks.
   3. The decode side's receiving thread writes each layer into the reserved slots and marks it; after the last
      one the loop publishes the pages in the radix cache (finish_receive) and admits the request, which matches
@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from prefixrt.cache.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, local_groups
-from prefixrt.engine.disagg_messages import Bye, Cancel, KVHeader, KVRequest
+from prefixrt.disagg.prefill import PrefillWorker
+from prefixrt.disagg.records import Bye, Cancel, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
-from prefixrt.engine.prefill_worker import PrefillWorker
+from prefixrt.parallel.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, local_groups
 
 log = logging.getLogger("prefixrt")
 

@@ -15,7 +15,7 @@ Contracts (the order of collectives is the same on every rank, so every rank iss
 - A rank reads a layer's store only while no broadcast of that layer is in flight (the owner appends after the
   layer's broadcast completed, in forward(); the next broadcast of it is issued at the next forward).
 - Replicated steps (decode: one token, computed by every rank) skip the all-gather; the prefix is still
-  broadcast per layer, which is why decode belongs on a decode engine (engine/disagg.py), not here.
+  broadcast per layer, which is why decode belongs on a decode engine (disagg/decode.py), not here.
 The model and its layers are unchanged: this is an AttentionBackend plus the per-layer wait hook.
 """
 

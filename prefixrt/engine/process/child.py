@@ -1,6 +1,6 @@
 """The engine process's side of a ProcessEngine: builds the Engine, then serves it over the pipe.
 
-`child_main` is the spawned process's entry point. EngineProcessServer receives messages (engine/messages.py)
+`child_main` is the spawned process's entry point. EngineProcessServer receives messages (engine/process/messages.py)
 on the main thread, compiles constrained requests on compile threads (so a slow grammar never holds up
 other messages), runs blocking calls on worker threads, streams each scheduler step's outputs as one
 Outputs message from the scheduler thread (the loop's deliver hook), and sends a Beat every HEARTBEAT_S.
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefixrt.engine.messages import (
+from prefixrt.engine.process.messages import (
     HEARTBEAT_S,
     Abort,
     Add,

@@ -1,4 +1,4 @@
-"""PrefillWorker: the prefill side of disaggregation (engine/disagg.py has the protocol and its abort contract).
+"""PrefillWorker: the prefill side of disaggregation (disagg/decode.py has the protocol and its abort contract).
 
 It serves KVRequests from decode engines with an ordinary Engine: the prompt is computed there (cache_prefix: its
 radix cache reuses what it holds), its cached path locked, and K/V sent layer by layer on the peer's stream.
@@ -11,9 +11,9 @@ import threading
 
 import torch
 
-from prefixrt.cache.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, sleep_s
-from prefixrt.engine.disagg_messages import Bye, KVHeader, KVRequest
+from prefixrt.disagg.records import Bye, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
+from prefixrt.parallel.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, sleep_s
 
 
 class PrefillWorker:

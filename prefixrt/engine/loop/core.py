@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from prefixrt.engine import postprocess
 from prefixrt.engine.detokenizer import DetokState
-from prefixrt.engine.scheduler import ScheduledBatch, Scheduler
+from prefixrt.engine.loop import postprocess
+from prefixrt.engine.loop.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.stream import RequestStream
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats

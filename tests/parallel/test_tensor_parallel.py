@@ -213,7 +213,7 @@ def test_shard_model_splits_heads_and_refuses_what_does_not_split(tiny_checkpoin
     from transformers import AutoConfig
 
     from prefixrt.hub.loader import _instantiate
-    from prefixrt.model.parallel import TPGroup, first_kv_head
+    from prefixrt.parallel.layers import TPGroup, first_kv_head
 
     path, _ = tiny_checkpoints("llama")  # 4 heads, 2 KV heads
     config = AutoConfig.from_pretrained(str(path))
@@ -230,8 +230,8 @@ def test_shard_model_splits_heads_and_refuses_what_does_not_split(tiny_checkpoin
 
 def test_vocab_shards_and_batch_messages_round_trip():
     """The last vocabulary shard is zero-padded; prefix groups survive the step message's encoding."""
-    from prefixrt.model.parallel import _vocab_rows, vocab_per_rank
-    from prefixrt.model.tp_runner import _decode_groups, _encode_groups
+    from prefixrt.parallel.layers import _vocab_rows, vocab_per_rank
+    from prefixrt.parallel.tp_runner import _decode_groups, _encode_groups
 
     table = torch.arange(10.0).view(5, 2)
     assert vocab_per_rank(5, 2) == 3

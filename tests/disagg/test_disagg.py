@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (engine/disagg.py) end to end on a tiny checkpoint (CPU, fp32, gloo).
+"""Prefill/decode disaggregation (disagg/decode.py) end to end on a tiny checkpoint (CPU, fp32, gloo).
 
 Oracle: the same greedy requests on one plain engine. The pair is a prefill Engine and a DecodeEngine in this
 process, joined by a two-rank gloo group (each rank's streams on their own threads). Race mode delays every
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefixrt.cache import kv_transport
+from prefixrt.parallel import kv_transport
 from tests.engine.test_engine import _tree_workload
 from tests.helpers.engines import assert_idle_and_clean
 
@@ -25,7 +25,7 @@ def make_pair(tiny_checkpoints, tiny_tokenizer):
     """make_pair(delay_s=0.0, **engine_kwargs) -> DisaggPair on the tiny llama (both engines debug=True)."""
     from types import SimpleNamespace
 
-    from prefixrt.engine.disagg import DisaggPair
+    from prefixrt.disagg.decode import DisaggPair
     from prefixrt.hub.loader import load_model
 
     pairs = []

@@ -11,7 +11,7 @@ Chunk assembly, detokenization) is EngineFront and runs in the server process; t
       reader thread: outputs -> streams  <--- Outputs (one per step) --  scheduler thread: EngineCore.step
                                          <--- Reply -----------------  worker threads: blocking calls
 
-The messages are the typed dataclasses of engine/messages.py (the whole wire protocol), pickled over a
+The messages are the typed dataclasses of engine/process/messages.py (the whole wire protocol), pickled over a
 multiprocessing Pipe.
 A request with a constraint waits for the Reply to its Add (its grammar compiles in the child, on a compile
 thread so the child keeps receiving, and may be invalid: InvalidRequest must reach the caller before anything
@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.engine.front import EngineFront
-from prefixrt.engine.messages import (
+from prefixrt.engine.process.child import child_main
+from prefixrt.engine.process.messages import (
     Abort,
     Add,
     Beat,
@@ -57,7 +58,6 @@ from prefixrt.engine.messages import (
     pack_token_ids,
     packed_id_range,
 )
-from prefixrt.engine.process_child import child_main
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.json_schema import to_json_schema

@@ -31,8 +31,8 @@ from itertools import chain
 import torch
 
 from prefixrt.model.forward_batch import ForwardBatch, ForwardMode
-from prefixrt.model.parallel import TPGroup
 from prefixrt.model.runner import ModelRunner
+from prefixrt.parallel.layers import TPGroup
 
 log = logging.getLogger("prefixrt")
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
-from prefixrt.engine.policy import order_waiting
+from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.request import Req, ReqState
 
 # Hold back a waiting request when it shares at least this many uncached tokens with a request that is

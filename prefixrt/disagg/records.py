@@ -1,5 +1,5 @@
-"""The wire records of prefill/decode disaggregation (engine/disagg.py): what travels on a KV stream besides
-the K/V layers themselves (cache/kv_transport.py), one frozen dataclass per message."""
+"""The wire records of prefill/decode disaggregation (disagg/decode.py): what travels on a KV stream besides
+the K/V layers themselves (parallel/kv_transport.py), one frozen dataclass per message."""
 
 from __future__ import annotations
 
