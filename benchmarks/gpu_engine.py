@@ -136,7 +136,7 @@ def json_bench(eng, vocab: int, batch: int) -> dict:
     out["unconstrained_phases_ms_per_step"] = timer.per_step_ms(passes)
     out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
     out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
-    backend = eng.core.grammar_backend
+    backend = eng.core.masks.backend
     if hasattr(backend, "_mask_threads") and os.environ.get("MASK_THREADS"):
         # The grammar mask fill per step with more executor threads (jump-forward off, same prompts).
         out["mask_fill"] = {}
@@ -819,7 +819,8 @@ def section_e(eng, vocab, smoke, summary) -> None:
     log("json", js)
     for name in (b for b in os.environ.get("GRAMMAR_BACKENDS", "").split(",") if b and b != eng.config.grammar_backend):
         # The next compile builds this backend (the config is frozen: replaced, as a restart would).
-        eng.config, eng._compiler = dataclasses.replace(eng.config, grammar_backend=name), None
+        eng.config = dataclasses.replace(eng.config, grammar_backend=name)
+        eng.core.hooks.grammar.use_backend(name)
         other = json_bench(eng, vocab, 64 if not smoke else 4)
         RESULTS[f"json_{name}"] = other
         log(f"json {name}", other)

@@ -19,7 +19,10 @@ from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
+from prefixrt.engine.detokenizer import DetokenizerWorker
+from prefixrt.engine.grammar import EngineGrammar
 from prefixrt.engine.loop.core import EngineCore
+from prefixrt.engine.loop.hooks import LoopHooks
 from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
 from prefixrt.engine.rank_setup import (
     kv_pool_slots,
@@ -27,6 +30,7 @@ from prefixrt.engine.rank_setup import (
     resolve_device,
     resolve_dtype,
 )
+from prefixrt.engine.stream import RequestStream
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
@@ -57,7 +61,7 @@ class Built:
     ranks: object = None  # engine/tp_worker.Ranks with tensor parallelism (stop_ranks() ends them), else None
 
 
-def build(config: EngineConfig, progress=None) -> Built:
+def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
     from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import load_tokenizer, resolve_model
 
@@ -87,7 +91,7 @@ def build(config: EngineConfig, progress=None) -> Built:
         model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device,
                            tp=ranks.tp if ranks is not None else None, spec=spec)
         load_s = time.perf_counter() - t0
-        built = assemble(config, model, tokenizer, resolved, device, dtype, say, ranks=ranks)
+        built = assemble(config, model, tokenizer, resolved, device, dtype, say, ranks=ranks, deliver=deliver)
     except BaseException:
         if ranks is not None:
             from prefixrt.engine import tp_worker
@@ -101,8 +105,10 @@ def build(config: EngineConfig, progress=None) -> Built:
     return built
 
 
-def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None) -> Built:
-    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here.
+def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None,
+             deliver=RequestStream.push_many) -> Built:
+    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core and its hooks (deliver:
+    where the loop's outputs go, LoopHooks.deliver). Tests inject models here.
     ranks: tensor parallelism (engine/tp_worker.Ranks, this is rank 0): the pool size is agreed with the other
     ranks, which get the table shape, and the runner drives them."""
     say = say or (lambda msg: log.info(msg))
@@ -170,24 +176,26 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
                  | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
-    try:
-        from prefixrt.constrained import logits as bitmask_ops
-    except ImportError:
-        bitmask_ops = None
-    core = EngineCore(
-        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size,
-        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
-        overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
+    hooks = LoopHooks(
+        deliver=deliver,
+        detokenizer=DetokenizerWorker(tokenizer, lock, deliver),  # started by the Engine
+        grammar=EngineGrammar(config.grammar_backend, tokenizer, model.vocab_size, eos, config.grammar_timeout_s),
     )
+    grouper = auditor = None
     if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
         from prefixrt.engine.loop.prefix_groups import PrefixGrouper
 
-        core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
+        grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
     if config.cache_audit_rate > 0 and cache.retains:
         from prefixrt.engine.loop.cache_audit import CacheAuditor
 
-        core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
-                                    chunk_tokens=config.chunked_prefill_tokens)
+        auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
+                               chunk_tokens=config.chunked_prefill_tokens)
+    core = EngineCore(
+        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size, max_context, device, hooks,
+        debug=config.debug, prefix_grouper=grouper, auditor=auditor,
+        overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
+    )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks)
 
 

@@ -23,7 +23,6 @@ from typing import Any
 from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
-from prefixrt.engine.detokenizer import DetokenizerWorker
 from prefixrt.engine.front import EngineFront
 from prefixrt.engine.loop.busy_gc import BusyGC
 from prefixrt.engine.loop.postprocess import jump_forward
@@ -54,16 +53,19 @@ class Engine(EngineFront):
     def __init__(self, model: str = "gemma-3-270m", **kwargs: Any):
         progress = kwargs.pop("progress", None)
         parts = kwargs.pop("_parts", None)  # (model, tokenizer, resolved): tests inject a ready model
+        # Where the loop's outputs go (LoopHooks.deliver): RequestStreams, or the engine process's pipe.
+        deliver = kwargs.pop("_deliver", None) or RequestStream.push_many
         self.config = EngineConfig(model=model if isinstance(model, str) else "custom", **kwargs)
         from prefixrt.engine import builder
 
         if parts is None:
-            built = builder.build(self.config, progress)
+            built = builder.build(self.config, progress, deliver)
         elif self.config.tp_size > 1:
             raise ValueError("tp_size > 1 loads each rank's shard itself: pass a model name or folder, not a model")
         else:
             dev = builder.resolve_device(self.config.device)
-            built = builder.assemble(self.config, *parts, dev, builder.resolve_dtype(self.config.dtype, dev))
+            built = builder.assemble(self.config, *parts, dev, builder.resolve_dtype(self.config.dtype, dev),
+                                     deliver=deliver)
         self._built = built
         self.core = built.core
         self._tokenizer = built.tokenizer
@@ -74,13 +76,9 @@ class Engine(EngineFront):
         self.vocab_size = built.model.vocab_size
         self.max_context = self.core.max_context
         self.kv_total_tokens = self.core.kv.total_tokens
-        self._compiler = None
-        self._compiler_lock = threading.Lock()
-        core = self.core
-        # Text, stop strings and logprob strings leave the loop: the worker delivers through core.deliver (which
-        # the engine process replaces) and tells the loop when a stop string ended a request.
-        core.detokenizer = DetokenizerWorker(self._tokenizer, self._tok_lock, lambda items: core.deliver(items),
-                                             core.stop_hit).start()
+        self._grammar = self.core.hooks.grammar
+        # Text, stop strings and logprob strings leave the loop on the detokenizer's thread.
+        self.core.detokenizer.start()
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
@@ -175,20 +173,7 @@ class Engine(EngineFront):
     # ------------------------------------------------------------------ submission
     def grammar_compiler(self):
         """The engine's GrammarCompiler (built on first use: the backend's vocab tables take ~1 s)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                import os
-
-                from prefixrt.constrained import GrammarCompiler, make_backend
-
-                # A mask inside a free-text JSON string walks most of the vocabulary (~1 ms a row for 128k
-                # tokens): every core but the loop's and the detokenizer's fills rows.
-                opts = {"mask_threads": max(2, min(16, (os.cpu_count() or 2) - 2))}
-                grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
-                                       sorted(self.core.eos_token_ids), **opts)
-                self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
-                self.core.grammar_backend = grammar_backend
-            return self._compiler
+        return self._grammar.compiler()
 
     def warm_grammar(self) -> float:
         """Build the grammar backend and its vocabulary tables now, which the first constrained request would
@@ -197,19 +182,7 @@ class Engine(EngineFront):
         report as `grammar_warm_s`; a failure is logged, and the first constrained request meets it again."""
         t = time.perf_counter()
         try:
-            backend = self.grammar_compiler().backend
-            if getattr(backend, "string_lengths", False):
-                backend.token_table()  # llguidance: JSON string lengths checked beside the grammar
-            ops = self.core.bitmask_ops
-            if self.device.type == "cuda" and ops is not None:
-                import torch
-
-                # The mask kernel (a Triton kernel compiled on first use): row counts 1, a multiple of 16 and
-                # neither, the variants Triton specialises integer arguments into.
-                for rows in (1, 16, 17):
-                    logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
-                    ops.apply_token_bitmask(logits, ops.allocate_bitmask(rows, self.vocab_size).to(self.device))
-                torch.cuda.synchronize(self.device)
+            self._grammar.warm(self.device)
         except Exception:
             log.warning("grammar backend warm-up failed", exc_info=True)
         spent = time.perf_counter() - t

@@ -36,7 +36,6 @@ tokenizer is never called here: outputs carry token ids to the detokenizer worke
 from __future__ import annotations
 
 import logging
-import queue
 import time
 import traceback
 
@@ -44,10 +43,12 @@ import torch
 
 from prefixrt.engine.detokenizer import DetokState
 from prefixrt.engine.loop import postprocess, stats
+from prefixrt.engine.loop.cache_audit import CacheAuditor
 from prefixrt.engine.loop.grammar_masks import GrammarMasks
+from prefixrt.engine.loop.hooks import LoopHooks
+from prefixrt.engine.loop.prefix_groups import PrefixGrouper
 from prefixrt.engine.loop.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.loop.step import HostSample, Step, StepFence
-from prefixrt.engine.stream import RequestStream
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
 from prefixrt.request import Req
@@ -66,10 +67,17 @@ class EngineCore:
         vocab_size: int,
         max_context: int,
         device: torch.device,
+        hooks: LoopHooks | None = None,
+        *,
         debug: bool = False,
-        bitmask_ops=None,
         overlap: bool = True,
+        prefix_grouper: PrefixGrouper | None = None,
+        auditor: CacheAuditor | None = None,
     ):
+        """Everything the loop uses comes in here; nothing is attached later. hooks: LoopHooks (delivery,
+        detokenizer, grammar, events; default: deliver to RequestStreams, ids only, no grammar). prefix_grouper:
+        shared-prefix groups of decode batches for cascade decode, or None; auditor: the CacheAuditor when
+        cache_audit_rate > 0, else None."""
         self.runner = runner
         self.scheduler = scheduler
         self.kv = scheduler.kv
@@ -80,20 +88,17 @@ class EngineCore:
         self.device = device
         self.debug = debug
         self.overlap = overlap
-        self.prefix_grouper = None  # engine/prefix_groups.PrefixGrouper: shared-prefix groups for decode batches
-        self.masks = GrammarMasks(bitmask_ops)  # grammar masks for the sample unit (filled on their own worker)
+        self.hooks = hooks = hooks if hooks is not None else LoopHooks()
+        self.prefix_grouper = prefix_grouper
+        self.auditor = auditor
+        self.detokenizer = hooks.detokenizer  # gets [(DetokState | None, sink, StepOutput)] per step
+        self.events = hooks.events
+        self.masks = GrammarMasks(hooks.grammar)  # grammar masks for the sample unit (filled on their own worker)
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
-        self.metrics_hook = None  # optional callable(event, **values) for Prometheus
-        # Hands one step's [(sink, StepOutput)] to their consumers (the engine process replaces it). Called by
-        # the detokenizer worker when there is one (the Engine starts it), else by the loop.
-        self.deliver = RequestStream.push_many
-        self.detokenizer = None  # DetokenizerWorker: gets [(DetokState | None, sink, StepOutput)] per step
         self._outbox: list = []  # produced this step, handed over together
         self._in_step = False
         self._inflight: Step | None = None  # overlapped loop: the step launched last, not processed yet
-        self._stop_hits: queue.SimpleQueue = queue.SimpleQueue()  # requests a stop string ended (worker thread)
-        self.auditor = None  # CacheAuditor when cache_audit_rate > 0 (set by the builder)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -122,22 +127,6 @@ class EngineCore:
         for r in reqs:
             if r.finish_reason is None:
                 self._finish(r, reason)
-
-    def stop_hit(self, req: Req) -> None:
-        """A stop string ended req's stream (called on the detokenizer thread); the loop finishes it next."""
-        self._stop_hits.put(req)
-
-    @property
-    def bitmask_ops(self):
-        return self.masks.bitmask_ops
-
-    @property
-    def grammar_backend(self):
-        return self.masks.backend
-
-    @grammar_backend.setter
-    def grammar_backend(self, backend) -> None:
-        self.masks.backend = backend
 
     @property
     def has_work(self) -> bool:
@@ -206,14 +195,13 @@ class EngineCore:
             if self.detokenizer is not None:
                 self.detokenizer.submit(out)
             else:
-                self.deliver([(sink, o) for _, sink, o in out])
+                self.hooks.deliver([(sink, o) for _, sink, o in out])
 
     def _take_stop_hits(self) -> None:
-        while True:
-            try:
-                r = self._stop_hits.get_nowait()
-            except queue.Empty:
-                return
+        """Finish the requests a stop string ended (the detokenizer worker found it, after they were scheduled)."""
+        if self.detokenizer is None:
+            return
+        for r in self.detokenizer.take_stopped():
             if r.finish_reason is None:  # its stream already ended: finish silently (the worker drops it)
                 r.matched_stop = None
                 self._finish(r, "stop")
@@ -444,8 +432,8 @@ class EngineCore:
         self.stats.generated_tokens_total += len(adv.new_tokens)
         r.finish_reason = adv.finish_reason
         r.matched_stop = adv.matched_stop
-        if self.metrics_hook is not None:
-            self.metrics_hook("tokens", req=r, num=len(adv.new_tokens), now=now)
+        if self.events.observers:
+            self.events.emit("tokens", req=r, num=len(adv.new_tokens), now=now)
         self._outbox.append((r.detok, r.sink, postprocess.step_output(r, adv, logprobs)))
         if adv.finish_reason is not None:
             self._release(r)
@@ -472,8 +460,8 @@ class EngineCore:
         samples = self.requests.get(r.rid)
         if samples is not None and all(s.state.value == "finished" for s in samples):
             del self.requests[r.rid]
-        if self.metrics_hook is not None:
-            self.metrics_hook("finished", req=r, now=time.monotonic())
+        if self.events.observers:
+            self.events.emit("finished", req=r, now=time.monotonic())
 
     def close(self) -> None:
         """Stop the mask worker (after drain: nothing is in flight)."""

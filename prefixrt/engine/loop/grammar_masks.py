@@ -49,13 +49,13 @@ class MaskFill:
 
 
 class GrammarMasks:
-    """Owns the mask worker. bitmask_ops: constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
-    (no constrained decoding installed: nothing is masked); backend: the GrammarBackend once built, else None
-    (rows are then filled matcher by matcher)."""
+    """Owns the mask worker. grammar: the engine's EngineGrammar (engine/grammar.py), or None. Its bitmask_ops
+    (constrained/logits.py: allocate_bitmask, apply_token_bitmask) may be None (no constrained decoding
+    installed: nothing is masked); its backend is None until built (rows are then filled matcher by matcher)."""
 
-    def __init__(self, bitmask_ops=None, parts: int = 4):
-        self.bitmask_ops = bitmask_ops
-        self.backend = None
+    def __init__(self, grammar=None, parts: int = 4):
+        self.grammar = grammar
+        self.bitmask_ops = grammar.bitmask_ops if grammar is not None else None
         # The next step's masks are submitted in this many parts as the rows of the step before are post-processed
         # (each part one parallel fill on the worker); 1: one fill of every row once all are post-processed.
         self.parts = parts
@@ -107,6 +107,11 @@ class GrammarMasks:
 
         return on_rows
 
+    @property
+    def backend(self):
+        """The GrammarBackend, or None (not built yet, or no grammar)."""
+        return self.grammar.backend if self.grammar is not None else None
+
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-masks")
@@ -114,17 +119,19 @@ class GrammarMasks:
 
     def fill_rows(self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor) -> None:
         """(On the mask worker.) Fill the given rows of bitmask from their requests' matchers."""
-        if self.backend is not None:  # the backend fills rows in parallel where it can; its Python rules run
-            # at the draw, on the loop thread (finish), not here behind the loop thread's GIL
-            self.backend.fill_bitmasks_native([(reqs[i].matcher, i) for i in rows], bitmask)
+        backend = self.backend
+        if backend is not None:  # the backend fills rows in parallel where it can; its Python rules run at the
+            # draw, on the loop thread (finish), not here behind the loop thread's GIL
+            backend.fill_bitmasks_native([(reqs[i].matcher, i) for i in rows], bitmask)
         else:
             for i in rows:
                 reqs[i].matcher.fill_bitmask(bitmask, i)
 
     def finish(self, reqs: list[Req], masks: MaskFill) -> None:
         """The backend's Python part of the masks (`GrammarBackend.finish_bitmasks`), for every filled row."""
-        if self.backend is not None and masks.submitted:
-            self.backend.finish_bitmasks([(reqs[i].matcher, i) for i in sorted(masks.submitted)], masks.bitmask)
+        backend = self.backend
+        if backend is not None and masks.submitted:
+            backend.finish_bitmasks([(reqs[i].matcher, i) for i in sorted(masks.submitted)], masks.bitmask)
 
     def row_fn(self, reqs: list[Req], live: list[bool]):
         """The row-by-row fallback's masks: filled on the loop thread when the sampler applies them."""
@@ -135,8 +142,9 @@ class GrammarMasks:
         def apply(logits: torch.Tensor) -> None:
             bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1], pinned=logits.is_cuda)
             self.fill_rows(reqs, rows, bitmask)
-            if self.backend is not None:
-                self.backend.finish_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
+            backend = self.backend
+            if backend is not None:
+                backend.finish_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
             self.apply(logits, bitmask)
 
         return apply
