@@ -31,6 +31,7 @@ from prefixrt.engine.rank_setup import (
     resolve_dtype,
 )
 from prefixrt.engine.stream import RequestStream
+from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
@@ -157,7 +158,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
         # On failure: plain decode graphs alone, then eager.
-        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention, config)), (0, None)):
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
@@ -249,12 +250,12 @@ def cascade_enabled(config: EngineConfig) -> bool:
     return CASCADE_DECODE if config.cascade_decode is None else config.cascade_decode
 
 
-def cascade_args(attention, config: EngineConfig) -> dict | None:
-    """DecodeGraphs.enable_cascade arguments for this backend, or None (no cascade decode graphs)."""
+def cascade_spec(attention, config: EngineConfig) -> CascadeSpec | None:
+    """The cascade decode graphs for this backend, or None (none captured)."""
     if not cascade_enabled(config) or not getattr(attention, "use_cascade", False):
         return None
-    return {"queries_per_tile": attention.cascade_queries_per_tile, "min_prefix_len": CASCADE_MIN_PREFIX,
-            "min_group_size": attention.cascade_min_group_size}
+    return CascadeSpec(queries_per_tile=attention.cascade_queries_per_tile, min_prefix_len=CASCADE_MIN_PREFIX,
+                       min_group_size=attention.cascade_min_group_size)
 
 
 def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, max_running: int,
