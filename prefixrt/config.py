@@ -35,7 +35,7 @@ class EngineConfig:
     # Programmatic dependent launch (kernels/_common.py) for the fused decode-path kernels (CUDA, Hopper and
     # later, Triton backend): each kernel is scheduled while the one before it finishes and the GEMV reads its
     # first weight tile meanwhile; small-batch linears then run the Triton GEMV wherever the table knows the
-    # shape. None: the engine's default (rank_setup.PDL).
+    # shape. None: the engine's default (model/rank_setup.py PDL).
     pdl: bool | None = None
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
@@ -58,7 +58,7 @@ class EngineConfig:
     # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
-    # Tensor parallelism (parallel/layers.py, engine/tp_worker.py): the model split over tp_size ranks, one process
+    # Tensor parallelism (parallel/layers.py, parallel/tp_worker.py): the model split over tp_size ranks, one process
     # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
     # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"
     # is the torch.distributed rendezvous (None: a free port on 127.0.0.1, one node only).

@@ -24,14 +24,10 @@ from prefixrt.engine.grammar import EngineGrammar
 from prefixrt.engine.loop.core import EngineCore
 from prefixrt.engine.loop.hooks import LoopHooks
 from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
-from prefixrt.engine.rank_setup import (
-    kv_pool_slots,
-    make_runner,
-    resolve_device,
-    resolve_dtype,
-)
+from prefixrt.engine.ranks import SingleDevice, start_ranks
 from prefixrt.engine.stream import RequestStream
 from prefixrt.model.cuda_graphs import CascadeSpec
+from prefixrt.model.rank_setup import kv_pool_slots, resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
@@ -58,18 +54,16 @@ class Built:
     model: object
     device: torch.device
     dtype: torch.dtype
+    ranks: object  # the rank strategy (engine/ranks.py; stop_ranks() ends tensor-parallel ranks)
     owns_model: bool = False  # the builder loaded the weights (release() frees them); False when injected
-    ranks: object = None  # engine/tp_worker.Ranks with tensor parallelism (stop_ranks() ends them), else None
 
 
 def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
-    from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import load_tokenizer, resolve_model
 
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
     torch.manual_seed(config.seed)
 
     say(f"resolving model {config.model!r}")
@@ -77,27 +71,15 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
     tokenizer = load_tokenizer(resolved)
-    ranks = spec = None
-    if config.tp_size > 1:
-        from prefixrt.engine import tp_worker
-        from prefixrt.hub.loader import read_model_spec
-
-        say(f"starting {config.tp_size} tensor-parallel ranks ({config.nnodes} node(s))")
-        spec = read_model_spec(resolved.path)
-        ranks = tp_worker.start(config, str(resolved.path), spec)
-        device = ranks.device
+    ranks = start_ranks(config, resolved.path, say)
     try:
-        say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {device}"
-            + (f" (rank 0 of {config.tp_size})" if ranks is not None else ""))
-        model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device,
-                           tp=ranks.tp if ranks is not None else None, spec=spec)
+        say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
+            + (f" (rank 0 of {ranks.size})" if ranks.size > 1 else ""))
+        model = ranks.load_model(resolved.path, config, dtype)
         load_s = time.perf_counter() - t0
-        built = assemble(config, model, tokenizer, resolved, device, dtype, say, ranks=ranks, deliver=deliver)
+        built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks, deliver=deliver)
     except BaseException:
-        if ranks is not None:
-            from prefixrt.engine import tp_worker
-
-            tp_worker.stop(ranks)
+        ranks.stop()
         raise
     built.owns_model = True
     built.startup["load_s"] = load_s
@@ -110,19 +92,16 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
              deliver=RequestStream.push_many) -> Built:
     """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core and its hooks (deliver:
     where the loop's outputs go, LoopHooks.deliver). Tests inject models here.
-    ranks: tensor parallelism (engine/tp_worker.Ranks, this is rank 0): the pool size is agreed with the other
-    ranks, which get the table shape, and the runner drives them."""
+    ranks: the rank strategy (engine/ranks.py; default one device). With tensor parallelism (this is rank 0) the
+    pool size is agreed with the other ranks, which get the table shape, and the runner drives them."""
     say = say or (lambda msg: log.info(msg))
+    ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    num_slots = kv_pool_slots(config, bytes_per_token, device)
-    if ranks is not None:
-        from prefixrt.engine import tp_worker
-
-        num_slots = tp_worker.agree_num_slots(ranks.tp, num_slots)
+    num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
-        f"{' per rank' if ranks is not None else ''})")
+        f"{' per rank' if ranks.size > 1 else ''})")
     pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
@@ -135,8 +114,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
-    if ranks is not None:
-        tp_worker.send_setup(ranks.tp, num_slots, table.max_requests, table.max_context, max_running)
+    ranks.send_setup(num_slots, table.max_requests, table.max_context, max_running)
     kv = KVManager(pool, allocator, table, cache, debug=config.debug)
     scheduler = Scheduler(kv, SchedulerConfig(
         policy=config.schedule_policy,
@@ -144,7 +122,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_running_requests=max_running,
         aging_s=config.aging_s,
     ))
-    runner = make_runner(config, model, pool, device, max_running, startup, say, ranks, table)
+    runner = ranks.make_runner(config, model, pool, max_running, startup, say, table)
     attention = runner.attn_backend
     triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
     pad_row = table.alloc_row() if triton_on_gpu else None  # never freed: stays all zeros (padding reads it)
@@ -164,9 +142,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
-                if ranks is not None:  # the other ranks captured (or failed) on their own: no common retry
-                    raise RuntimeError(f"CUDA graph capture failed with tensor parallelism: {e}; start with "
-                                       "cuda_graph=False to run eagerly") from e
+                ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
                 runner.release_graphs()
                 what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
                 log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
@@ -289,10 +265,7 @@ def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, 
 
 def stop_ranks(built: Built) -> None:
     """Tensor parallelism: end the other ranks and leave the group (after the loop has stopped). No-op otherwise."""
-    if built.ranks is not None:
-        from prefixrt.engine import tp_worker
-
-        tp_worker.stop(built.ranks, built.core.runner if built.core is not None else None)
+    built.ranks.stop(built.core.runner if built.core is not None else None)
 
 
 def release(built: Built) -> None:

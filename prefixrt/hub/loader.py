@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +21,9 @@ from prefixrt.model.base import CausalLM, eos_ids_from_hf
 from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
 from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
-from prefixrt.parallel.layers import TPGroup, shard_model
+
+if TYPE_CHECKING:  # a tensor-parallel rank's shard only: parallel/ is imported when one is loaded
+    from prefixrt.parallel.layers import TPGroup
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02  # small enough that activations stay finite through any depth
@@ -117,6 +120,8 @@ def _instantiate(
     with torch.device("meta"):
         model = spec.build()
         if tp is not None and tp.size > 1:
+            from prefixrt.parallel.layers import shard_model
+
             shard_model(model, tp)
     model.to(dtype=_resolve_dtype(dtype))  # still on meta: free
     model.to_empty(device=torch.device(device))

@@ -248,7 +248,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
         from prefixrt.config import EngineConfig
-        from prefixrt.engine.tp_worker import run_node
+        from prefixrt.parallel.tp_worker import run_node
 
         config = EngineConfig(model=args.model, **engine_kwargs(args))
         print(f"[prefixrt] node {config.node_rank}: running tensor-parallel ranks of {args.model!r}, rendezvous "

@@ -38,21 +38,24 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixrt.engine.detokenizer import DetokState
 from prefixrt.engine.loop import postprocess, stats
-from prefixrt.engine.loop.cache_audit import CacheAuditor
 from prefixrt.engine.loop.grammar_masks import GrammarMasks
 from prefixrt.engine.loop.hooks import LoopHooks
-from prefixrt.engine.loop.prefix_groups import PrefixGrouper
 from prefixrt.engine.loop.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.loop.step import HostSample, Step, StepFence
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
 from prefixrt.request import Req
 from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
+
+if TYPE_CHECKING:
+    from prefixrt.engine.loop.cache_audit import CacheAuditor
+    from prefixrt.engine.loop.prefix_groups import PrefixGrouper
 
 log = logging.getLogger("prefixrt")
 
