@@ -32,6 +32,10 @@ class KVPool:
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
+    def close(self) -> None:
+        """Free the K/V tensors (the pool is unusable afterwards)."""
+        self.k_buffers, self.v_buffers = [], []
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

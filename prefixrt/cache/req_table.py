@@ -27,6 +27,10 @@ class ReqToTokenTable:
         # a host int64 [3, n] (rows, cols, slots), for the other ranks' copies of the table. None: not kept.
         self.journal: list[torch.Tensor] | None = None
 
+    def close(self) -> None:
+        """Free the device table (the table is unusable afterwards)."""
+        self.table = torch.empty((0, self.max_context), dtype=torch.int32)
+
     @property
     def free_rows(self) -> int:
         return len(self._free_rows)

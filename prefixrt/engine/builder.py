@@ -272,20 +272,25 @@ def release(built: Built) -> None:
     """Free every device allocation the engine made (graphs and their pool, KV pool, request table,
     workspaces, and the weights when the builder loaded them). The engine is unusable afterwards; call only
     once its loop has stopped. CPU engines are left alone (their memory goes with the objects)."""
-    core = built.core
-    if core is None or built.device.type == "cpu":
+    if built.core is None or built.device.type == "cpu":
         return
-    runner = core.runner
-    runner.release_graphs()
-    seen: set[int] = set()
-    if not built.owns_model:
-        seen.add(id(built.model))  # injected (a test's): not ours to free
-    for root in (core, built.model, runner, runner.attn_backend, core.kv, core.scheduler, core.sampler):
-        _drop_device_tensors(root, seen)
+    free_device_memory(built)
     if built.device.type == "cuda":
         torch.cuda.synchronize(built.device)
         clear_blas_workspaces()
         torch.cuda.empty_cache()
+
+
+def free_device_memory(built: Built) -> None:
+    """Each owner frees its own: the runner its CUDA graphs and attention workspaces, the KV pool and the
+    request table their tensors (the builder made them), the model its weights when the builder loaded them (an
+    injected model is not ours to free)."""
+    core = built.core
+    core.runner.close()
+    core.kv.pool.close()
+    core.kv.table.close()
+    if built.owns_model:
+        built.model.release_weights()
 
 
 def clear_blas_workspaces() -> None:
@@ -293,39 +298,3 @@ def clear_blas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
-
-
-def _drop_device_tensors(obj, seen: set[int], depth: int = 0) -> None:
-    """Replace every non-CPU tensor reachable through prefixrt objects' attributes, lists and dicts (and
-    torch modules' parameters and buffers) by an empty CPU tensor."""
-    if id(obj) in seen or depth > 12:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.nn.Module):
-        obj.to("meta")
-    items = None
-    if isinstance(obj, dict):
-        items = list(obj.items())
-    elif isinstance(obj, list):
-        items = list(enumerate(obj))
-    elif hasattr(obj, "__dict__") and (type(obj).__module__.startswith("prefixrt")
-                                       or isinstance(obj, torch.nn.Module)):
-        items = list(vars(obj).items())
-    if items is None:
-        return
-    for key, value in items:
-        new = None
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            new = torch.empty(0, dtype=value.dtype)
-        elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in value):
-            new = tuple(torch.empty(0, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for v in value)
-        if new is not None:
-            if isinstance(obj, (dict, list)):
-                obj[key] = new
-            else:
-                try:
-                    object.__setattr__(obj, key, new)
-                except Exception:  # a slot or property: nothing to drop there
-                    pass
-        elif isinstance(value, (dict, list)) or hasattr(value, "__dict__"):
-            _drop_device_tensors(value, seen, depth + 1)

@@ -96,6 +96,12 @@ class ModelRunner:
                 bank.close()
         self.graphs = self.extend_graphs = None
 
+    def close(self) -> None:
+        """Free the runner's device memory: its CUDA graphs and the attention backend's workspaces (the pool
+        and the weights belong to others). The runner is unusable afterwards."""
+        self.release_graphs()
+        self.attn_backend.close()
+
     def warm_up(self, batches) -> float:
         """Run the given batches eagerly once (compiles the kernel variants a workload will hit, outside
         any request). Returns the seconds it took."""

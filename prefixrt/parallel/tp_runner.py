@@ -92,7 +92,7 @@ class TPDriverRunner(ModelRunner):
         self.table = table
         table.journal = []
         self.broken: str | None = None  # why the ranks may be out of step (then every forward raises)
-        self._closed = False
+        self._stopped = False  # the other ranks were told to return
 
     # ---- messages
     def _header(self, op: int, *fields: int) -> None:
@@ -154,14 +154,14 @@ class TPDriverRunner(ModelRunner):
             req_to_token, pad_row, max_batch_size, max_context, max_extend_tokens, emulate, cascade))
 
     def release_graphs(self) -> None:
-        if not self._closed and self.broken is None and (self.graphs is not None or self.extend_graphs is not None):
+        if not self._stopped and self.broken is None and (self.graphs is not None or self.extend_graphs is not None):
             self._header(RELEASE)
         super().release_graphs()
 
-    def close(self) -> None:
+    def stop_followers(self) -> None:
         """Tell the other ranks to return (once; after the loop has stopped: nothing is in flight)."""
-        if not self._closed:
-            self._closed = True
+        if not self._stopped:
+            self._stopped = True
             self._header(SHUTDOWN)
 
 

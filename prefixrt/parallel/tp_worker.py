@@ -216,8 +216,8 @@ def stop(ranks: TensorParallelRanks | None, runner=None) -> None:
     import torch.distributed as dist
 
     try:
-        if runner is not None and hasattr(runner, "close"):
-            runner.close()
+        if runner is not None:
+            runner.stop_followers()
     except Exception:
         log.error("telling the tensor-parallel ranks to stop failed: %s", traceback.format_exc())
     if ranks.workers is not None and runner is not None:  # told to return: give them the time to

@@ -153,6 +153,9 @@ class LayerSplitAttention(AttentionBackend):
         self.kv = kv
         self.pool = None  # no paged pool: the fused K/V store path is not used here
 
+    def close(self) -> None:
+        pass  # the K/V lives in LayerSplitKV, whose owner drops it
+
     def prepare(self, batch: ForwardBatch) -> None:
         return None
 
