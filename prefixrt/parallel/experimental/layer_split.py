@@ -1,5 +1,9 @@
 """Layer-split K/V for context-parallel prefill: W ranks run one long sequence together.
 
+Status: experimental. Correct on the CPU (tests/parallel/test_layer_split.py) but not part of the engine: no
+EngineConfig option reaches it, and it runs one sequence through LayerSplitRunner, with no scheduler, radix
+cache or CUDA graphs. What wiring it in would need is in docs/layer_split.md ("Status").
+
 Compute is split by tokens: rank r computes the r-th contiguous chunk of each forward's new tokens (every layer,
 every head). K/V storage is split by layer: the K/V of layer l — the cached prefix and everything computed
 since — lives on rank `owner(l) = l % W` alone, so each rank stores 1/W of the sequence's K/V instead of all of
