@@ -1,6 +1,6 @@
 """Builds an EngineCore from an EngineConfig: model, tokenizer, KV pool sizing, cache, scheduler, attention backend.
 
-Kept apart from the front (engine.py) so that the front is only about threads and requests.
+Kept apart from the Engine (engine.py) so that the Engine is only about threads and requests.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Engine: the in-process front of prefixrt (docs/api.md). Thread-safe and asyncio-friendly.
+"""Engine: prefixrt in-process (docs/api.md). Thread-safe and asyncio-friendly.
 
 Callers' threads tokenize, validate and compile grammars (so a bad request fails in the caller and the loop
 never sees it), then hand requests to the scheduler loop through an inbox. The loop runs EngineCore.step()
 on its own thread and streams StepOutputs back through one RequestStream per request. The caller-side half
-(tokenization, validation, Completion/Chunk assembly) is EngineFront (front.py), shared with ProcessEngine.
+(tokenization, validation, Completion/Chunk assembly) is EngineAPI (api.py), shared with ProcessEngine.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
-from prefixrt.engine.front import EngineFront
+from prefixrt.engine.api import EngineAPI
 from prefixrt.engine.loop.busy_gc import BusyGC
 from prefixrt.engine.loop.postprocess import jump_forward
 from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
@@ -47,7 +47,7 @@ class PreparedRequest:
     reqs: list[Req]
 
 
-class Engine(EngineFront):
+class Engine(EngineAPI):
     """See docs/api.md. `Engine(model="gemma-3-270m", ...)`; use as a context manager or call shutdown()."""
 
     def __init__(self, model: str = "gemma-3-270m", **kwargs: Any):
@@ -195,7 +195,7 @@ class Engine(EngineFront):
         return self.grammar_compiler().compile(kind, spec)
 
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
-        """See EngineFront._submit: prepare, then enqueue with a new RequestStream on `loop` as the sink."""
+        """See EngineAPI._submit: prepare, then enqueue with a new RequestStream on `loop` as the sink."""
         prepared = self.prepare(prompt, params, **req_fields)
         stream = RequestStream(loop)
         self.enqueue(prepared, stream)

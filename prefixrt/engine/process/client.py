@@ -3,7 +3,7 @@
 `prefixrt serve` uses it so that the HTTP server (parsing requests, encoding SSE, detokenizing) and the
 scheduler loop (EngineCore.step) do not share one GIL, as vLLM V1's EngineCore process and SGLang's
 scheduler process do. It has Engine's API: the caller-side half (tokenization, validation, Completion and
-Chunk assembly, detokenization) is EngineFront and runs in the server process; the child owns a full Engine.
+Chunk assembly, detokenization) is EngineAPI and runs in the server process; the child owns a full Engine.
 
     server process                                    engine process (child, spawned: process_child.py)
     ProcessEngine                                     EngineProcessServer around an Engine
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixrt.engine.front import EngineFront
+from prefixrt.engine.api import EngineAPI
 from prefixrt.engine.process.child import child_main
 from prefixrt.engine.process.messages import (
     Abort,
@@ -72,7 +72,7 @@ class _InFlight:
     unfinished: set[int] = field(default_factory=set)  # sample indexes without their final output yet
 
 
-class ProcessEngine(EngineFront):
+class ProcessEngine(EngineAPI):
     """`ProcessEngine(model, **engine_kwargs)`: Engine's API (generate, agenerate, stream, astream,
     cache_prefix, abort, stats, flush_cache, ...) with the engine in a child process. Blocks until the
     child has built the engine; `progress(text)` receives its start-up messages. Call shutdown() when done.
@@ -236,7 +236,7 @@ class ProcessEngine(EngineFront):
         self._streams.clear()
         RequestStream.push_many(pairs)
 
-    # ------------------------------------------------------------------ EngineFront hooks
+    # ------------------------------------------------------------------ EngineAPI hooks
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
         if req_fields:
             raise TypeError(f"ProcessEngine does not take {sorted(req_fields)}")
@@ -267,7 +267,7 @@ class ProcessEngine(EngineFront):
     def _select(self, prompt, p: SamplingParams) -> Completion:
         return self._call_in_engine("generate", prompt, p)
 
-    # ------------------------------------------------------------------ public API (the rest is EngineFront's)
+    # ------------------------------------------------------------------ public API (the rest is EngineAPI's)
     def health(self) -> str | None:
         """None while the engine process is alive and talking; else why not (cheap: no round trip)."""
         if self._closed is not None:

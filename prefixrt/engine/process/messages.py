@@ -85,7 +85,7 @@ class Shutdown:
 # ---------------------------------------------------------------------------------------------- engine -> server
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """What the server process needs to front the engine (EngineFront's attributes)."""
+    """What the server process needs to serve the engine's API (EngineAPI's attributes)."""
 
     model_name: str
     model_revision: str
