@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from prefixrt.disagg.records import Bye, KVHeader, KVRequest
+from prefixrt.disagg.records import EndOfStream, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
 from prefixrt.parallel.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, sleep_s
 
@@ -39,7 +39,7 @@ class PrefillWorker:
             p.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish the transfers in flight, say bye to every peer and wait for theirs."""
+        """Finish the transfers in flight, end the stream to every peer and wait for theirs to end."""
         for p in self._peers:
             p.close(timeout)
 
@@ -90,36 +90,36 @@ class _PrefillPeer:
         self._state: dict[int, str] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_inflight, thread_name_prefix=f"prefixrt-prefill-{ch.peer}")
         self._closing = False
-        self._bye_sent = False
+        self._end_sent = False
         self._listener = threading.Thread(target=self._listen, name=f"prefixrt-prefill-listen-{ch.peer}", daemon=True)
 
     def start(self) -> None:
         self._listener.start()
 
     def close(self, timeout: float) -> None:
-        self._say_bye()
+        self._end_stream()
         self._listener.join(timeout)
 
-    def _say_bye(self) -> None:
-        """Once: no new transfers; those in flight finish (or are answered); then bye."""
+    def _end_stream(self) -> None:
+        """Once: no new transfers; those in flight finish (or are answered); then EndOfStream."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
         self._pool.shutdown(wait=True)
         with self.ch.send_lock:
-            self.ch.send_obj(Bye())
+            self.ch.send_obj(EndOfStream())
 
     def _listen(self) -> None:
         while True:
             msg = self.ch.recv_obj()
-            if isinstance(msg, Bye):
-                self._say_bye()
+            if isinstance(msg, EndOfStream):
+                self._end_stream()
                 return
             if isinstance(msg, KVRequest):
                 with self._lock:
                     if self._closing:
-                        continue  # after our bye: the decode side treats it as failed
+                        continue  # after our end of stream: the decode side treats it as failed
                     self._state[msg.xfer_id] = "queued"
                     self._pool.submit(self._run, msg)
                 continue

@@ -36,5 +36,5 @@ class KVHeader:
 
 
 @dataclass(frozen=True)
-class Bye:
-    """Either way: nothing more comes on this stream (the receiver answers with its own Bye)."""
+class EndOfStream:
+    """Either way: nothing more comes on this stream (the receiver answers with its own EndOfStream)."""

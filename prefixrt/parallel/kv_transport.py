@@ -23,8 +23,8 @@ import torch
 
 from prefixrt.cache.kv_pool import KVPool
 
-TAG_TO_PREFILL = 11  # decode -> prefill: requests, cancels, bye
-TAG_TO_DECODE = 12  # prefill -> decode: headers, K/V layers, bye
+TAG_TO_PREFILL = 11  # decode -> prefill: requests, cancels, end of stream
+TAG_TO_DECODE = 12  # prefill -> decode: headers, K/V layers, end of stream
 
 
 def make_group(addr: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0):

@@ -142,8 +142,8 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
     assert [c.token_ids for c in again] == want[:8]
 
 
-def test_a_prefill_worker_that_goes_away_is_confirmed_by_its_bye(make_pair, make_engine):
-    """The prefill side closes while the decode side's requests are on their way: its bye confirms that nothing more
+def test_a_prefill_worker_that_goes_away_is_confirmed_by_its_end_of_stream(make_pair, make_engine):
+    """The prefill side closes while the decode side's requests are on their way: its end of stream confirms that nothing more
     will be written, the decode side computes those prompts itself (outputs unchanged), and later requests never go
     there."""
     prompts = _tree_workload(16, seed=21)
