@@ -55,7 +55,7 @@ class EngineConfig:
     # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
     kv_disk_dir: str | None = None
     kv_disk_max_gb: float = 64.0  # size cap of the directory's KV files (LRU files deleted beyond it)
-    # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
+    # Tenant fairness: once the pool must evict, a cache_salt holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
     # Tensor parallelism (parallel/layers.py, parallel/tp_worker.py): the model split over tp_size ranks, one process

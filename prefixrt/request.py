@@ -35,7 +35,7 @@ class Req:
     params: SamplingParams
     sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
-    namespace: Any = None  # cache_salt: requests in different namespaces never share KV
+    salt: Any = None  # the request's cache_salt: requests with different salts never share KV
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)  # prompt_ids + output_ids, kept in step with them

@@ -114,7 +114,7 @@ class DecodeEngine(Engine):
                 if link.alive:
                     self._xfers[xfer_id] = inc
                     self._pending[prepared.request_id] = _Pending(prepared, inc, link.ch.peer)
-                    link.send(KVRequest(xfer_id, inc.tokens, inc.namespace, inc.start))
+                    link.send(KVRequest(xfer_id, inc.tokens, inc.salt, inc.start))
                     return
             inc.transfer.mark_all()  # never sent: nothing will write its pages
             kv.abandon_receive(inc)

@@ -49,8 +49,8 @@ class PrefillWorker:
         eng = self.engine
         n = len(req.tokens)
         for _ in range(3):  # the path may be evicted between the prefill and the lock: prefill again
-            eng.cache_prefix(req.tokens, req.namespace)
-            locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.namespace, n))
+            eng.cache_prefix(req.tokens, req.salt)
+            locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.salt, n))
             if locked is not None:
                 return locked
         raise RuntimeError("the prompt's K/V could not be kept in the prefill engine's cache")
@@ -71,10 +71,10 @@ class PrefillWorker:
         eng._run_on_loop(lambda: eng.core.kv.cache.unlock(handle))
 
 
-def _lock_path(eng: Engine, tokens: list[int], namespace, n: int):
+def _lock_path(eng: Engine, tokens: list[int], salt, n: int):
     """(Loop thread.) Lock the cached path of tokens[:n]: (handle, its slots), or None if not all cached."""
     cache = eng.core.kv.cache
-    m = cache.match_prefix(tokens, namespace, max_len=n)
+    m = cache.match_prefix(tokens, salt, max_len=n)
     if m.length < n:
         return None
     return cache.lock(m), list(m.slots)

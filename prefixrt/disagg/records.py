@@ -9,11 +9,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class KVRequest:
-    """decode -> prefill: send K/V of positions [start, len(tokens)) of tokens (namespace = cache_salt)."""
+    """decode -> prefill: send K/V of positions [start, len(tokens)) of tokens (salt: the request's cache_salt)."""
 
     xfer_id: int
     tokens: list[int]
-    namespace: Any
+    salt: Any
     start: int
 
 

@@ -232,7 +232,7 @@ class Engine(EngineAPI):
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
         reqs = []
         for i in range(p.n):
-            r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, namespace=p.cache_salt, **req_fields)
+            r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, salt=p.cache_salt, **req_fields)
             if compiled is not None:
                 budget = min(p.max_new_tokens, self.max_context - len(ids))
                 r.matcher = budget_matcher(self.grammar_compiler().backend, compiled, budget)

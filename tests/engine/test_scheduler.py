@@ -168,7 +168,7 @@ def test_admission_stops_when_memory_runs_out_and_keeps_order():
 
 def test_uncached_prefix_index_answers_as_the_reference():
     """UncachedPrefixIndex.shares against Scheduler._shares_uncached_prefix over random leaders, requests,
-    namespaces, lengths and matched positions, leaders added between questions."""
+    salts, lengths and matched positions, leaders added between questions."""
     import random
 
     from prefixrt.engine.loop.scheduler import UncachedPrefixIndex
@@ -182,7 +182,7 @@ def test_uncached_prefix_index_answers_as_the_reference():
             cut = rng.randrange(len(base))
             ids = base[:cut] + [rng.randrange(3, 5) for _ in range(rng.randrange(2 * k))]
             r = req(ids or [3], f"r{i}")
-            r.namespace = rng.choice([None, "s"])
+            r.salt = rng.choice([None, "s"])
             return r
 
         leaders = [make(i) for i in range(rng.randrange(4))]

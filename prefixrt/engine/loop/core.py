@@ -258,8 +258,8 @@ class EngineCore:
                 r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
-                self.kv.salts.add(r.namespace, "prompt_tokens_total", len(r.prompt_ids))
-                self.kv.salts.add(r.namespace, "cached_tokens_total", r.num_cached_tokens)
+                self.kv.salts.add(r.salt, "prompt_tokens_total", len(r.prompt_ids))
+                self.kv.salts.add(r.salt, "cached_tokens_total", r.num_cached_tokens)
                 if self.auditor is not None:
                     self.auditor.on_hit(r)
         step = Step(batch, [r.row for r in batch.reqs], sampled, [r.epoch for r in sampled], StepFence(self.device))
