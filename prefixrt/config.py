@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prefixrt.default_models import BASE_MODEL
 
-POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/policy.py implements each
+POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/loop/schedule_policy.py implements each
 # host_kv_write_policy names (cache/tiered_radix.py): when a node's K/V is copied to the host tier.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # host_kv_prefetch names (engine/scheduler.py): loading a waiting request's host-tier prefix into the pool ahead of
@@ -45,7 +45,7 @@ class EngineConfig:
     # Programmatic dependent launch (kernels/_common.py) for the fused decode-path kernels (CUDA, Hopper and
     # later, Triton backend): each kernel is scheduled while the one before it finishes and the GEMV reads its
     # first weight tile meanwhile; small-batch linears then run the Triton GEMV wherever the table knows the
-    # shape. None: the engine's default (rank_setup.PDL).
+    # shape. None: the engine's default (model/rank_setup.py PDL).
     pdl: bool | None = None
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
@@ -70,10 +70,10 @@ class EngineConfig:
     # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
     kv_disk_dir: str | None = None
     kv_disk_max_gb: float = 64.0  # size cap of the directory's KV files (LRU files deleted beyond it)
-    # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
+    # Tenant fairness: once the pool must evict, a cache_salt holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
-    # Tensor parallelism (model/parallel.py, engine/tp_worker.py): the model split over tp_size ranks, one process
+    # Tensor parallelism (parallel/layers.py, parallel/tp_worker.py): the model split over tp_size ranks, one process
     # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
     # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"
     # is the torch.distributed rendezvous (None: a free port on 127.0.0.1, one node only).

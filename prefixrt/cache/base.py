@@ -39,7 +39,7 @@ class PrefixCache(ABC):
         return self.page_size
 
     @abstractmethod
-    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
         """Longest cached page-aligned prefix of tokens[:max_len]. Read-only for the tree's structure; it
         refreshes the recency of every node on the matched path."""
 
@@ -53,7 +53,7 @@ class PrefixCache(ABC):
         """Undo one lock. The slots become evictable once no lock covers them."""
 
     @abstractmethod
-    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
+    def insert(self, tokens: list[int], slots: list[int], salt: Any = None) -> int:
         """Offer tokens[:n] (n = len(tokens) rounded down to a page) with their slots. Returns how many leading
         tokens were already cached: the caller keeps ownership of slots[:that] (free them if they were private
         duplicates); the cache takes ownership of slots[that:n]."""

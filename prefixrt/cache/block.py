@@ -14,7 +14,7 @@ Invariants: a match never lies: the table's keys hold the token tuples themselve
 identity (a unique id, not a hash of it), so a hit compares every token of the prefix exactly. A block is
 evicted only once no cached block hangs under it: a locked block's ancestors are locked, and the free queue
 holds every block before its queued ancestors (refreshes and unlocks walk a path tail first), so its head
-never has a cached descendant. Each namespace (cache_salt) has its own root id. Lookups change no entry (they
+never has a cached descendant. Each cache_salt has its own root id. Lookups change no entry (they
 refresh recency only); `version` changes whenever an entry is added or removed.
 
 Differences from the tree (what the ablation measures): matches stop at a block boundary (up to
@@ -62,7 +62,7 @@ class BlockCache(PrefixCache):
         if self.block_tokens % self.page_size:
             raise ValueError(f"block_tokens {self.block_tokens} must be a multiple of page_size {self.page_size}")
         self._ids = itertools.count(1)
-        self._roots: dict[Any, int] = {}  # namespace -> the id its first blocks hang under
+        self._roots: dict[Any, int] = {}  # salt -> the id its first blocks hang under
         self._table: dict[tuple, _Block] = {}
         self._free: OrderedDict[int, _Block] = OrderedDict()  # unreferenced blocks, least recently used first
         self._locked_blocks = 0
@@ -73,15 +73,15 @@ class BlockCache(PrefixCache):
     def align_tokens(self) -> int:
         return self.block_tokens
 
-    def _root(self, namespace: Any, create: bool) -> int | None:
-        rid = self._roots.get(namespace)
+    def _root(self, salt: Any, create: bool) -> int | None:
+        rid = self._roots.get(salt)
         if rid is None and create:
-            rid = self._roots[namespace] = -next(self._ids)  # negative: never a block's id
+            rid = self._roots[salt] = -next(self._ids)  # negative: never a block's id
         return rid
 
-    def _walk(self, tokens: list[int], namespace: Any, limit: int) -> list[_Block]:
+    def _walk(self, tokens: list[int], salt: Any, limit: int) -> list[_Block]:
         """The cached blocks of tokens[:limit] from the start, up to the first missing one (read-only)."""
-        parent = self._root(namespace, create=False)
+        parent = self._root(salt, create=False)
         path: list[_Block] = []
         if parent is None:
             return path
@@ -101,9 +101,9 @@ class BlockCache(PrefixCache):
                 self._free.move_to_end(block.id)
 
     # ------------------------------------------------------------------ contract
-    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
         limit = len(tokens) if max_len is None else min(max_len, len(tokens))
-        path = self._walk(tokens, namespace, limit)
+        path = self._walk(tokens, salt, limit)
         if not path:
             return MatchResult(0, [], None, 0, self.version)
         self._refresh(path)
@@ -139,13 +139,13 @@ class BlockCache(PrefixCache):
     def shared_on_path(self, handle) -> int:
         return sum(self.block_tokens for block in handle or () if block.ref > 1)
 
-    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
+    def insert(self, tokens: list[int], slots: list[int], salt: Any = None) -> int:
         ps, b = self.page_size, self.block_tokens
         n = len(tokens) // ps * ps
         n_blocks = n // b * b
-        path = self._walk(tokens, namespace, n_blocks)
+        path = self._walk(tokens, salt, n_blocks)
         existing = len(path) * b
-        parent = path[-1].id if path else self._root(namespace, create=True)
+        parent = path[-1].id if path else self._root(salt, create=True)
         parent_block = path[-1] if path else None
         new: list[_Block] = []
         for pos in range(existing, n_blocks, b):
@@ -207,7 +207,7 @@ class BlockCache(PrefixCache):
                 seen.add(s)
             parent = block.parent
             if parent is None:
-                assert key[0] in self._roots.values(), "a first block hangs under no namespace"
+                assert key[0] in self._roots.values(), "a first block hangs under no salt"
             else:
                 assert self._table.get(parent.key) is parent and key[0] == parent.id, "a block's parent is gone"
                 assert block in parent.children, "a parent does not list its child"

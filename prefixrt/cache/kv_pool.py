@@ -37,6 +37,10 @@ class KVPool:
         self.k_buffers = list(self.k_all.unbind(0))
         self.v_buffers = list(self.v_all.unbind(0))
 
+    def close(self) -> None:
+        """Free the K/V tensors (the pool is unusable afterwards)."""
+        self.k_buffers, self.v_buffers = [], []
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -107,8 +107,8 @@ class TieredRadixCache(RadixCache):
         return upper
 
     # ------------------------------------------------------------------ contract
-    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
-        root = self._roots.get(namespace)
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
+        root = self._roots.get(salt)
         limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
         if root is None or limit == 0:
             return MatchResult(0, [], None, 0, self.version)
@@ -251,13 +251,13 @@ class TieredRadixCache(RadixCache):
                 self._backup(node)
             node = node.parent
 
-    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
+    def insert(self, tokens: list[int], slots: list[int], salt: Any = None) -> int:
         n_total = self._align(len(tokens))
         if n_total == 0:
             return 0
-        root = self._roots.get(namespace)
+        root = self._roots.get(salt)
         if root is None:
-            root = self._roots[namespace] = _TNode([], [], None, 0)
+            root = self._roots[salt] = _TNode([], [], None, 0)
         tick = next(self._clock)
         node, pos, existing = root, 0, None
         while pos < n_total:

@@ -119,10 +119,10 @@ def test_locks_count_references_and_stale_locks_raise():
 def test_namespaces_have_their_own_blocks():
     a = PageAllocator(1000, 1)
     c = BlockCache(a, block_tokens=4)
-    c.insert(list(range(8)), _slots(a, 8), namespace="tenant-a")
-    assert c.match_prefix(list(range(8)), namespace="tenant-b").length == 0
+    c.insert(list(range(8)), _slots(a, 8), salt="tenant-a")
+    assert c.match_prefix(list(range(8)), salt="tenant-b").length == 0
     assert c.match_prefix(list(range(8))).length == 0
-    assert c.match_prefix(list(range(8)), namespace="tenant-a").length == 8
+    assert c.match_prefix(list(range(8)), salt="tenant-a").length == 8
 
 
 @settings(max_examples=40, deadline=None)

@@ -111,10 +111,10 @@ def test_page_alignment(make_cache):
 def test_namespaces_never_share(make_cache):
     a = PageAllocator(1000, 1)
     c = make_cache(a)
-    c.insert(list(range(10)), _alloc_slots(a, 10), namespace="tenant-a")
-    assert c.match_prefix(list(range(10)), namespace="tenant-b").length == 0
-    assert c.match_prefix(list(range(10)), namespace=None).length == 0
-    assert c.match_prefix(list(range(10)), namespace="tenant-a").length == 10
+    c.insert(list(range(10)), _alloc_slots(a, 10), salt="tenant-a")
+    assert c.match_prefix(list(range(10)), salt="tenant-b").length == 0
+    assert c.match_prefix(list(range(10)), salt=None).length == 0
+    assert c.match_prefix(list(range(10)), salt="tenant-a").length == 10
 
 
 def test_no_reuse_cache_frees_on_insert():
@@ -197,8 +197,8 @@ def _tree(c: RadixCache) -> list[tuple]:
             out.append((p, tuple(child.slots), child.lock_ref))
             walk(child, p)
 
-    for ns, root in c._roots.items():
-        walk(root, (ns,))
+    for salt, root in c._roots.items():
+        walk(root, (salt,))
     return sorted(out)
 
 

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
-from prefixrt.engine.admission import DecodeEstimate
-from prefixrt.engine.policy import order_waiting
+from prefixrt.engine.loop.admission import DecodeEstimate
+from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.request import Req, ReqState
 
 # Hold back a waiting request when it shares at least this many uncached tokens with a request that is
@@ -251,10 +251,10 @@ class Scheduler:
     @staticmethod
     def _shares_uncached_prefix(req: Req, matched: int, leaders: list[Req]) -> bool:
         """The reference of UncachedPrefixIndex.shares: does req share the PREFIX_DEDUP_MIN_TOKENS tokens after
-        its cached `matched` with a leader (same namespace, both long enough)?"""
+        its cached `matched` with a leader (same salt, both long enough)?"""
         ids = req.all_ids
         for leader in leaders:
-            if leader.namespace != req.namespace:
+            if leader.salt != req.salt:
                 continue
             other = leader.all_ids
             n = min(len(ids) - 1, len(other))
@@ -320,7 +320,7 @@ class Scheduler:
 
 class UncachedPrefixIndex:
     """The leaders of one admission pass (requests prefilling tokens that are not cached yet), indexed for
-    Scheduler._shares_uncached_prefix's question: per position p asked about, the set of (namespace, the
+    Scheduler._shares_uncached_prefix's question: per position p asked about, the set of (salt, the
     PREFIX_DEDUP_MIN_TOKENS tokens at p) of the leaders long enough. One dict lookup per waiting request instead
     of a slice comparison per leader (64 requests on one shared prefix: 63 followers x up to 63 leaders)."""
 
@@ -342,10 +342,10 @@ class UncachedPrefixIndex:
             windows = self._by_pos[matched] = set()
             for leader in self._leaders:
                 self._index(windows, matched, leader)
-        return (req.namespace, tuple(ids[matched:matched + PREFIX_DEDUP_MIN_TOKENS])) in windows
+        return (req.salt, tuple(ids[matched:matched + PREFIX_DEDUP_MIN_TOKENS])) in windows
 
     @staticmethod
     def _index(windows: set[tuple], pos: int, leader: Req) -> None:
         other = leader.all_ids
         if len(other) - pos >= PREFIX_DEDUP_MIN_TOKENS:
-            windows.add((leader.namespace, tuple(other[pos:pos + PREFIX_DEDUP_MIN_TOKENS])))
+            windows.add((leader.salt, tuple(other[pos:pos + PREFIX_DEDUP_MIN_TOKENS])))

@@ -1,4 +1,4 @@
-"""PrefillWorker: the prefill side of disaggregation (engine/disagg.py has the protocol and its abort contract).
+"""PrefillWorker: the prefill side of disaggregation (disagg/decode.py has the protocol and its abort contract).
 
 It serves KVRequests from decode engines with an ordinary Engine: the prompt is computed there (cache_prefix: its
 radix cache reuses what it holds), its cached path locked, and K/V sent layer by layer on the peer's stream.
@@ -11,9 +11,9 @@ import threading
 
 import torch
 
-from prefixrt.cache.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, sleep_s
-from prefixrt.engine.disagg_messages import Bye, KVHeader, KVRequest
+from prefixrt.disagg.records import EndOfStream, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
+from prefixrt.parallel.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, sleep_s
 
 
 class PrefillWorker:
@@ -39,7 +39,7 @@ class PrefillWorker:
             p.start()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish the transfers in flight, say bye to every peer and wait for theirs."""
+        """Finish the transfers in flight, end the stream to every peer and wait for theirs to end."""
         for p in self._peers:
             p.close(timeout)
 
@@ -49,8 +49,8 @@ class PrefillWorker:
         eng = self.engine
         n = len(req.tokens)
         for _ in range(3):  # the path may be evicted between the prefill and the lock: prefill again
-            eng.cache_prefix(req.tokens, req.namespace)
-            locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.namespace, n))
+            eng.cache_prefix(req.tokens, req.salt)
+            locked = eng._run_on_loop(lambda: _lock_path(eng, req.tokens, req.salt, n))
             if locked is not None:
                 return locked
         raise RuntimeError("the prompt's K/V could not be kept in the prefill engine's cache")
@@ -71,10 +71,10 @@ class PrefillWorker:
         eng._run_on_loop(lambda: eng.core.kv.cache.unlock(handle))
 
 
-def _lock_path(eng: Engine, tokens: list[int], namespace, n: int):
+def _lock_path(eng: Engine, tokens: list[int], salt, n: int):
     """(Loop thread.) Lock the cached path of tokens[:n]: (handle, its slots), or None if not all cached."""
     cache = eng.core.kv.cache
-    m = cache.match_prefix(tokens, namespace, max_len=n)
+    m = cache.match_prefix(tokens, salt, max_len=n)
     if m.length < n:
         return None
     return cache.lock(m), list(m.slots)
@@ -90,36 +90,36 @@ class _PrefillPeer:
         self._state: dict[int, str] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_inflight, thread_name_prefix=f"prefixrt-prefill-{ch.peer}")
         self._closing = False
-        self._bye_sent = False
+        self._end_sent = False
         self._listener = threading.Thread(target=self._listen, name=f"prefixrt-prefill-listen-{ch.peer}", daemon=True)
 
     def start(self) -> None:
         self._listener.start()
 
     def close(self, timeout: float) -> None:
-        self._say_bye()
+        self._end_stream()
         self._listener.join(timeout)
 
-    def _say_bye(self) -> None:
-        """Once: no new transfers; those in flight finish (or are answered); then bye."""
+    def _end_stream(self) -> None:
+        """Once: no new transfers; those in flight finish (or are answered); then EndOfStream."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
         self._pool.shutdown(wait=True)
         with self.ch.send_lock:
-            self.ch.send_obj(Bye())
+            self.ch.send_obj(EndOfStream())
 
     def _listen(self) -> None:
         while True:
             msg = self.ch.recv_obj()
-            if isinstance(msg, Bye):
-                self._say_bye()
+            if isinstance(msg, EndOfStream):
+                self._end_stream()
                 return
             if isinstance(msg, KVRequest):
                 with self._lock:
                     if self._closing:
-                        continue  # after our bye: the decode side treats it as failed
+                        continue  # after our end of stream: the decode side treats it as failed
                     self._state[msg.xfer_id] = "queued"
                     self._pool.submit(self._run, msg)
                 continue

@@ -36,112 +36,28 @@ tokenizer is never called here: outputs carry token ids to the detokenizer worke
 from __future__ import annotations
 
 import logging
-import queue
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from prefixrt.engine import postprocess
 from prefixrt.engine.detokenizer import DetokState
-from prefixrt.engine.scheduler import ScheduledBatch, Scheduler
-from prefixrt.engine.stream import RequestStream
+from prefixrt.engine.loop import postprocess, stats
+from prefixrt.engine.loop.grammar_masks import GrammarMasks
+from prefixrt.engine.loop.hooks import LoopHooks
+from prefixrt.engine.loop.scheduler import ScheduledBatch, Scheduler
+from prefixrt.engine.loop.step import HostSample, Step, StepFence
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.outputs import EngineStats
 from prefixrt.request import Req
 from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
 
+if TYPE_CHECKING:
+    from prefixrt.engine.loop.cache_audit import CacheAuditor
+    from prefixrt.engine.loop.prefix_groups import PrefixGrouper
+
 log = logging.getLogger("prefixrt")
-
-
-class StepFence:
-    """Passes when the device has finished a step (its forward and sample). CUDA: an event recorded after the
-    sample; CPU: marked when the step is processed. Unrecorded: pending."""
-
-    def __init__(self, device: torch.device):
-        self.event = torch.cuda.Event() if device.type == "cuda" else None
-        self.recorded = False
-        self.done = False
-
-    def record(self) -> None:
-        if self.event is not None:
-            self.event.record()
-        self.recorded = True
-
-    def query(self) -> bool:
-        if not self.done and self.recorded and self.event is not None and self.event.query():
-            self.done = True
-        return self.done
-
-    def wait(self) -> None:
-        if not self.done:
-            assert self.recorded, "waiting on a step that was never launched to the end"
-            if self.event is not None:
-                self.event.synchronize()
-            self.done = True
-
-
-@dataclass
-class _HostSample:
-    """A step's samples already on the host (the row-by-row fallback): DeviceSample's interface."""
-
-    token_ids: torch.Tensor  # [B] int64 on the device, for the next step's unresolved inputs
-    out: SampleOutput
-
-    def read(self) -> SampleOutput:
-        return self.out
-
-
-class _Done:
-    """A Future-like result computed at once (an exception is raised by result(), as a Future's would be)."""
-
-    def __init__(self, fn, *args):
-        try:
-            self._value, self._error = fn(*args), None
-        except Exception as e:
-            self._value, self._error = None, e
-
-    def result(self):
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-class _MaskFill:
-    """One step's host bitmask, filled by one or more submissions to the mask worker (disjoint rows each):
-    result() waits for all of them and returns the bitmask (the first error is raised, as a Future's)."""
-
-    def __init__(self, bitmask: torch.Tensor):
-        self.bitmask = bitmask
-        self.parts: list = []  # Futures (or _Done) of the submissions
-        self.submitted: set[int] = set()  # rows handed to a submission
-
-    def result(self) -> torch.Tensor:
-        for part in self.parts:
-            part.result()
-        return self.bitmask
-
-
-@dataclass
-class Step:
-    """One launched forward and what the host needs to finish it."""
-
-    batch: ScheduledBatch
-    rows: list[int | None]  # each batch request's table row at launch (a retracted one has another later)
-    sampled: list[Req]  # requests with a sampled row, in row order
-    epochs: list[int]  # their Req.epoch at launch: a later change marks the row stale
-    fence: StepFence
-    logits: torch.Tensor | None = None  # [len(sampled), V] until drawn
-    result: DeviceSample | _HostSample | None = None
-    live: list[bool] = field(default_factory=list)  # rows sampled for real (not stale, not finished)
-    fb: ForwardBatch | None = None  # built, until launched
-    holes: list[int] = field(default_factory=list)  # flat positions of fb whose token is prev's device token
-    hole_idx: torch.Tensor | None = None  # [2, len(holes)]: those positions, and the rows of prev's tokens
-    scored: list = field(default_factory=list)  # (request, positions) wanting prompt logprobs
-    num_ends: int = 0  # logits rows of sampled requests (the scored rows follow)
-    masks: Any = None  # the step's _MaskFill (prepare_sample; rows may start during the previous process), or None
 
 
 class EngineCore:
@@ -154,10 +70,17 @@ class EngineCore:
         vocab_size: int,
         max_context: int,
         device: torch.device,
+        hooks: LoopHooks | None = None,
+        *,
         debug: bool = False,
-        bitmask_ops=None,
         overlap: bool = True,
+        prefix_grouper: PrefixGrouper | None = None,
+        auditor: CacheAuditor | None = None,
     ):
+        """Everything the loop uses comes in here; nothing is attached later. hooks: LoopHooks (delivery,
+        detokenizer, grammar, events; default: deliver to RequestStreams, ids only, no grammar). prefix_grouper:
+        shared-prefix groups of decode batches for cascade decode, or None; auditor: the CacheAuditor when
+        cache_audit_rate > 0, else None."""
         self.runner = runner
         self.scheduler = scheduler
         self.kv = scheduler.kv
@@ -168,25 +91,17 @@ class EngineCore:
         self.device = device
         self.debug = debug
         self.overlap = overlap
-        self.bitmask_ops = bitmask_ops  # constrained/logits.py (allocate_bitmask, apply_token_bitmask), or None
-        self.prefix_grouper = None  # engine/prefix_groups.PrefixGrouper: shared-prefix groups for decode batches
-        self.grammar_backend = None  # set by the Engine once it builds its GrammarBackend
+        self.hooks = hooks = hooks if hooks is not None else LoopHooks()
+        self.prefix_grouper = prefix_grouper
+        self.auditor = auditor
+        self.detokenizer = hooks.detokenizer  # gets [(DetokState | None, sink, StepOutput)] per step
+        self.events = hooks.events
+        self.masks = GrammarMasks(hooks.grammar)  # grammar masks for the sample unit (filled on their own worker)
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
         self.stats = EngineStats()
-        self.metrics_hook = None  # optional callable(event, **values) for Prometheus
-        # Hands one step's [(sink, StepOutput)] to their consumers (the engine process replaces it). Called by
-        # the detokenizer worker when there is one (the Engine starts it), else by the loop.
-        self.deliver = RequestStream.push_many
-        self.detokenizer = None  # DetokenizerWorker: gets [(DetokState | None, sink, StepOutput)] per step
         self._outbox: list = []  # produced this step, handed over together
         self._in_step = False
         self._inflight: Step | None = None  # overlapped loop: the step launched last, not processed yet
-        self._stop_hits: queue.SimpleQueue = queue.SimpleQueue()  # requests a stop string ended (worker thread)
-        self.auditor = None  # CacheAuditor when cache_audit_rate > 0 (set by the builder)
-        self._masks_pool = None  # the mask worker (a one-thread executor), started on first use
-        # The next step's masks are submitted in this many parts as the rows of the step before are post-processed
-        # (each part one parallel fill on the worker); 1: one fill of every row once all are post-processed.
-        self.mask_parts = 4
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -215,10 +130,6 @@ class EngineCore:
         for r in reqs:
             if r.finish_reason is None:
                 self._finish(r, reason)
-
-    def stop_hit(self, req: Req) -> None:
-        """A stop string ended req's stream (called on the detokenizer thread); the loop finishes it next."""
-        self._stop_hits.put(req)
 
     @property
     def has_work(self) -> bool:
@@ -274,7 +185,7 @@ class EngineCore:
         if step is not None:
             step = self.launch(step, prev)
         if prev is not None:
-            early = self._early_masks(step, prev) if step is not None else None
+            early = self.masks.early(step, prev) if step is not None else None
             self.process(prev, on_rows=early)
         if step is not None:
             self.prepare_sample(step)
@@ -287,14 +198,13 @@ class EngineCore:
             if self.detokenizer is not None:
                 self.detokenizer.submit(out)
             else:
-                self.deliver([(sink, o) for _, sink, o in out])
+                self.hooks.deliver([(sink, o) for _, sink, o in out])
 
     def _take_stop_hits(self) -> None:
-        while True:
-            try:
-                r = self._stop_hits.get_nowait()
-            except queue.Empty:
-                return
+        """Finish the requests a stop string ended (the detokenizer worker found it, after they were scheduled)."""
+        if self.detokenizer is None:
+            return
+        for r in self.detokenizer.take_stopped():
             if r.finish_reason is None:  # its stream already ended: finish silently (the worker drops it)
                 r.matched_stop = None
                 self._finish(r, "stop")
@@ -349,8 +259,8 @@ class EngineCore:
                 r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
-                self.kv.salts.add(r.namespace, "prompt_tokens_total", len(r.prompt_ids))
-                self.kv.salts.add(r.namespace, "cached_tokens_total", r.num_cached_tokens)
+                self.kv.salts.add(r.salt, "prompt_tokens_total", len(r.prompt_ids))
+                self.kv.salts.add(r.salt, "cached_tokens_total", r.num_cached_tokens)
                 if self.auditor is not None:
                     self.auditor.on_hit(r)
         step = Step(batch, [r.row for r in batch.reqs], sampled, [r.epoch for r in sampled], StepFence(self.device))
@@ -437,69 +347,7 @@ class EngineCore:
             return
         step.live = [r.finish_reason is None and r.epoch == e for r, e in zip(step.sampled, step.epochs)]
         rows = [i for i, r in enumerate(step.sampled) if r.matcher is not None and step.live[i]]
-        self._submit_masks(step, rows, background)
-
-    def _submit_masks(self, step: Step, rows: list[int], background: bool = True) -> None:
-        """Fill these rows of the step's bitmask (allocated all-ones on first use) on the mask worker (or at once);
-        rows already submitted are skipped. A row must be filled only once its matcher is current."""
-        if self.bitmask_ops is None or step.logits is None:
-            return
-        if step.masks is None:
-            if not rows:
-                return
-            # pinned on CUDA, so the copy to the device never waits for the forward in flight (torch's pinned
-            # allocator keeps the buffer until the copy has run)
-            step.masks = _MaskFill(self.bitmask_ops.allocate_bitmask(len(step.sampled), step.logits.shape[1],
-                                                                      pinned=step.logits.is_cuda))
-        fill = step.masks
-        rows = [i for i in rows if i not in fill.submitted]
-        if not rows:
-            return
-        fill.submitted.update(rows)
-        args = (step.sampled, rows, fill.bitmask)
-        fill.parts.append(self._mask_worker().submit(self._fill_rows, *args) if background
-                          else _Done(self._fill_rows, *args))
-
-    def _early_masks(self, step: Step, prev: Step):
-        """A hook for process(prev): after each chunk of prev's rows, start the masks of step's rows whose matcher
-        is now current (their request's row of prev is post-processed, or it had none), so the fill overlaps
-        the rest of post-processing. None when step has no constrained rows."""
-        if self.bitmask_ops is None or not step.sampled or step.logits is None:
-            return None
-        where = {id(r): k for k, r in enumerate(prev.sampled)}
-        pending = sorted((where.get(id(r), -1), i) for i, r in enumerate(step.sampled) if r.matcher is not None)
-        if not pending:
-            return None
-        chunk = max(8, len(prev.sampled) // self.mask_parts) if self.mask_parts > 1 else len(prev.sampled) + 1
-
-        def on_rows(done: int) -> None:  # prev rows [0, done) are post-processed
-            if done % chunk and done != len(prev.sampled):
-                return
-            ready = []
-            while pending and pending[0][0] < done:
-                _, i = pending.pop(0)
-                r = step.sampled[i]
-                if r.finish_reason is None and r.epoch == step.epochs[i]:
-                    ready.append(i)
-            self._submit_masks(step, ready)
-
-        return on_rows
-
-    def _mask_worker(self):
-        if self._masks_pool is None:
-            import concurrent.futures
-
-            self._masks_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-masks")
-        return self._masks_pool
-
-    def _fill_rows(self, reqs: list[Req], rows: list[int], bitmask: torch.Tensor) -> None:
-        """(On the mask worker.) Fill the given rows of bitmask from their requests' matchers."""
-        if self.grammar_backend is not None:  # the backend fills rows in parallel where it can; its Python
-            # rules run at the draw, on the loop thread (finish_masks), not here behind the loop thread's GIL
-            self.grammar_backend.fill_bitmasks_native([(reqs[i].matcher, i) for i in rows], bitmask)
-        else:
-            for i in rows:
-                reqs[i].matcher.fill_bitmask(bitmask, i)
+        self.masks.submit(step, rows, background)
 
     def draw(self, step: Step) -> None:
         """Wait for the step's masks, then penalties, masks and the draw on the device; host copies start."""
@@ -508,7 +356,7 @@ class EngineCore:
         step.logits = step.masks = None
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req], live: list[bool], masks=None
-                ) -> DeviceSample | _HostSample:
+                ) -> DeviceSample | HostSample:
         """Sample the batch on the device. If that raises (a mask fill included), its rows are sampled one by
         one (synchronously): the failing request(s) are aborted with the error, their neighbours go on. Rows
         of an aborted request and stale rows are marked not live."""
@@ -517,8 +365,8 @@ class EngineCore:
             apply = None
             if masks is not None:
                 bitmask = masks.result()
-                self._finish_masks(reqs, masks)
-                apply = lambda logits: self._apply_masks(logits, bitmask)  # noqa: E731
+                self.masks.finish(reqs, masks)
+                apply = lambda logits: self.masks.apply(logits, bitmask)  # noqa: E731
             return self.sampler.sample_on_device(logits, reqs, apply, self.eos_token_ids, live)
         except Exception:
             log.error("sampling a batch of %d failed, isolating: %s", len(reqs), traceback.format_exc())
@@ -529,37 +377,13 @@ class EngineCore:
             if not live[i]:
                 continue
             try:
-                one = self.sampler.sample(logits[i: i + 1], [r], self._mask_fn([r], [True]), self.eos_token_ids)
+                one = self.sampler.sample(logits[i: i + 1], [r], self.masks.row_fn([r], [True]), self.eos_token_ids)
                 toks[i], lps[i] = one.token_ids[0], one.logprobs[0]
             except Exception as e:
                 log.error("sampling failed for %s: %s", r.rid, traceback.format_exc())
                 self._finish(r, "abort", error=f"internal error in sampling: {e}")
                 live[i] = False
-        return _HostSample(torch.tensor(toks, dtype=torch.int64, device=logits.device), SampleOutput(toks, lps))
-
-    def _finish_masks(self, reqs: list[Req], masks: _MaskFill) -> None:
-        """The backend's Python part of the masks (`GrammarBackend.finish_bitmasks`), for every filled row."""
-        if self.grammar_backend is not None and masks.submitted:
-            self.grammar_backend.finish_bitmasks([(reqs[i].matcher, i) for i in sorted(masks.submitted)],
-                                                 masks.bitmask)
-
-    def _mask_fn(self, reqs: list[Req], live: list[bool]):
-        """The row-by-row fallback's masks: filled on the loop thread when the sampler applies them."""
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None and live[i]]
-        if not rows or self.bitmask_ops is None:
-            return None
-
-        def apply(logits: torch.Tensor) -> None:
-            bitmask = self.bitmask_ops.allocate_bitmask(len(reqs), logits.shape[1], pinned=logits.is_cuda)
-            self._fill_rows(reqs, rows, bitmask)
-            if self.grammar_backend is not None:
-                self.grammar_backend.finish_bitmasks([(reqs[i].matcher, i) for i in rows], bitmask)
-            self._apply_masks(logits, bitmask)
-
-        return apply
-
-    def _apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        self.bitmask_ops.apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+        return HostSample(torch.tensor(toks, dtype=torch.int64, device=logits.device), SampleOutput(toks, lps))
 
     # ------------------------------------------------------------------ unit 4: post-process
     def process(self, step: Step, on_rows=None) -> None:
@@ -612,8 +436,8 @@ class EngineCore:
         self.stats.generated_tokens_total += len(adv.new_tokens)
         r.finish_reason = adv.finish_reason
         r.matched_stop = adv.matched_stop
-        if self.metrics_hook is not None:
-            self.metrics_hook("tokens", req=r, num=len(adv.new_tokens), now=now)
+        if self.events.observers:
+            self.events.emit("tokens", req=r, num=len(adv.new_tokens), now=now)
         self._outbox.append((r.detok, r.sink, postprocess.step_output(r, adv, logprobs)))
         if adv.finish_reason is not None:
             self._release(r)
@@ -640,14 +464,12 @@ class EngineCore:
         samples = self.requests.get(r.rid)
         if samples is not None and all(s.state.value == "finished" for s in samples):
             del self.requests[r.rid]
-        if self.metrics_hook is not None:
-            self.metrics_hook("finished", req=r, now=time.monotonic())
+        if self.events.observers:
+            self.events.emit("finished", req=r, now=time.monotonic())
 
     def close(self) -> None:
         """Stop the mask worker (after drain: nothing is in flight)."""
-        if self._masks_pool is not None:
-            self._masks_pool.shutdown(wait=True)
-            self._masks_pool = None
+        self.masks.close()
 
     def drain(self) -> None:
         """Finish the step in flight and every held release (shutdown, or before inspecting KV state)."""
@@ -660,42 +482,5 @@ class EngineCore:
 
     # ------------------------------------------------------------------ stats
     def snapshot_stats(self) -> EngineStats:
-        s = self.stats
-        s.cache_hit_rate = s.cached_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0
-        s.evicted_tokens_total = self.kv.evicted_tokens_total
-        s.requests_running = len(self.scheduler.running)
-        s.requests_waiting = len(self.scheduler.waiting)
-        s.kv_total = self.kv.total_tokens
-        s.kv_free = self.kv.free_tokens
-        s.kv_evictable = self.kv.evictable_tokens
-        s.kv_locked = s.kv_total - s.kv_free - s.kv_evictable
-        tiered = self.kv.tiered
-        if tiered is not None:
-            s.kv_host_total = tiered.host_alloc.total_tokens
-            s.kv_host_free = tiered.host_alloc.free_tokens
-            s.kv_host_cached = tiered.host_cached_tokens
-            s.host_hit_tokens_total = tiered.host_hit_tokens_total
-            s.host_evicted_tokens_total = tiered.host_evicted_tokens_total
-            s.host_load_failures_total = self.kv.load_failures_total
-            s.host_prefetch_tokens_total = self.kv.prefetch_tokens_total
-            s.host_prefetch_hits_total = self.kv.prefetch_hits_total
-            s.host_prefetch_misses_total = self.kv.prefetch_misses_total
-            s.retracted_to_host_tokens_total = self.kv.retracted_to_host_tokens_total
-            t = tiered.transfer.stats()
-            bpt = tiered.host.bytes_per_token
-            s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]
-            s.host_backup_bytes_total, s.host_backup_seconds_total = t["backup"][1] * bpt, t["backup"][2]
-        disk = self.kv.disk
-        if disk is not None:
-            s.kv_disk_total_bytes, s.kv_disk_used_bytes = disk.max_bytes, disk.used_bytes
-            s.kv_disk_cached_tokens, s.kv_disk_files = disk.cached_tokens, disk.num_files
-            s.disk_hit_tokens_total = disk.hit_tokens_total
-            s.disk_load_bytes_total, s.disk_load_seconds_total = disk.load_bytes_total, disk.load_seconds_total
-            s.disk_write_bytes_total, s.disk_write_seconds_total = disk.write_bytes_total, disk.write_seconds_total
-            s.disk_write_skipped_total, s.disk_evicted_bytes_total = disk.write_skipped_total, disk.evicted_bytes_total
-            s.disk_rejected_files_total = disk.rejected_files_total
-        s.salts = self.kv.salt_stats()
-        if self.auditor is not None:
-            s.cache_audits_total = self.auditor.audits_total
-            s.cache_audit_mismatches_total = self.auditor.mismatches_total
-        return EngineStats(**s.to_dict())
+        """A copy of the engine's counters with the gauges read now (loop thread)."""
+        return stats.snapshot(self.stats, self.kv, self.scheduler, self.auditor)

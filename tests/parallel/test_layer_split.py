@@ -1,4 +1,4 @@
-"""Layer-split K/V for context-parallel prefill (model/layer_split.py): W ranks as threads over a gloo group
+"""Layer-split K/V for context-parallel prefill (parallel/experimental/layer_split.py): W ranks as threads over a gloo group
 (local_groups), each with its own copy of a tiny checkpoint's weights.
 
 Oracles: the unsplit engine's greedy tokens on the same prompt, and transformers' logits of the last prompt token.
@@ -14,8 +14,8 @@ import threading
 import pytest
 import torch
 
-from prefixrt.cache.kv_transport import local_groups
-from prefixrt.model.layer_split import LayerSplitRunner, chunk_bounds, owner
+from prefixrt.parallel.experimental.layer_split import LayerSplitRunner, chunk_bounds, owner
+from prefixrt.parallel.kv_transport import local_groups
 
 
 def test_chunk_bounds_cover_the_tokens_in_order():

@@ -1,5 +1,5 @@
-"""The wire records of prefill/decode disaggregation (engine/disagg.py): what travels on a KV stream besides
-the K/V layers themselves (cache/kv_transport.py), one frozen dataclass per message."""
+"""The wire records of prefill/decode disaggregation (disagg/decode.py): what travels on a KV stream besides
+the K/V layers themselves (parallel/kv_transport.py), one frozen dataclass per message."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import Any
 
 @dataclass(frozen=True)
 class KVRequest:
-    """decode -> prefill: send K/V of positions [start, len(tokens)) of tokens (namespace = cache_salt)."""
+    """decode -> prefill: send K/V of positions [start, len(tokens)) of tokens (salt: the request's cache_salt)."""
 
     xfer_id: int
     tokens: list[int]
-    namespace: Any
+    salt: Any
     start: int
 
 
@@ -36,5 +36,5 @@ class KVHeader:
 
 
 @dataclass(frozen=True)
-class Bye:
-    """Either way: nothing more comes on this stream (the receiver answers with its own Bye)."""
+class EndOfStream:
+    """Either way: nothing more comes on this stream (the receiver answers with its own EndOfStream)."""

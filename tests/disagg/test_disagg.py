@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (engine/disagg.py) end to end on a tiny checkpoint (CPU, fp32, gloo).
+"""Prefill/decode disaggregation (disagg/decode.py) end to end on a tiny checkpoint (CPU, fp32, gloo).
 
 Oracle: the same greedy requests on one plain engine. The pair is a prefill Engine and a DecodeEngine in this
 process, joined by a two-rank gloo group (each rank's streams on their own threads). Race mode delays every
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefixrt.cache import kv_transport
+from prefixrt.parallel import kv_transport
 from tests.engine.test_engine import _tree_workload
 from tests.helpers.engines import assert_idle_and_clean
 
@@ -25,7 +25,7 @@ def make_pair(tiny_checkpoints, tiny_tokenizer):
     """make_pair(delay_s=0.0, **engine_kwargs) -> DisaggPair on the tiny llama (both engines debug=True)."""
     from types import SimpleNamespace
 
-    from prefixrt.engine.disagg import DisaggPair
+    from prefixrt.disagg.decode import DisaggPair
     from prefixrt.hub.loader import load_model
 
     pairs = []
@@ -142,8 +142,8 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
     assert [c.token_ids for c in again] == want[:8]
 
 
-def test_a_prefill_worker_that_goes_away_is_confirmed_by_its_bye(make_pair, make_engine):
-    """The prefill side closes while the decode side's requests are on their way: its bye confirms that nothing more
+def test_a_prefill_worker_that_goes_away_is_confirmed_by_its_end_of_stream(make_pair, make_engine):
+    """The prefill side closes while the decode side's requests are on their way: its end of stream confirms that nothing more
     will be written, the decode side computes those prompts itself (outputs unchanged), and later requests never go
     there."""
     prompts = _tree_workload(16, seed=21)

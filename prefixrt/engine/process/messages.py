@@ -1,7 +1,7 @@
 """The messages between a ProcessEngine (server process) and its engine process: the whole wire protocol.
 
-Each is a small frozen dataclass, pickled over a multiprocessing Pipe (engine/process.py is the server end,
-engine/process_child.py the engine end). Nothing else crosses the pipe.
+Each is a small frozen dataclass, pickled over a multiprocessing Pipe (engine/process/client.py is the server end,
+engine/process/child.py the engine end). Nothing else crosses the pipe.
 
     server -> engine   Add           a validated request (call_id set: reply once its grammar compiled); its
                                      prompt ids packed as int32 bytes (pack_token_ids)
@@ -85,7 +85,7 @@ class Shutdown:
 # ---------------------------------------------------------------------------------------------- engine -> server
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
-    """What the server process needs to front the engine (EngineFront's attributes)."""
+    """What the server process needs to serve the engine's API (EngineAPI's attributes)."""
 
     model_name: str
     model_revision: str

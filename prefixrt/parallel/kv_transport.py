@@ -1,6 +1,6 @@
 """KV transport: one ordered point-to-point stream per peer over a torch.distributed process group.
 
-Used by prefill/decode disaggregation (engine/disagg.py): control messages (small picklable records) and K/V
+Used by prefill/decode disaggregation (disagg/decode.py): control messages (small picklable records) and K/V
 (one tensor [2, n, kv_heads, head_dim] per layer: K then V of n tokens) travel on the same stream, in order, so
 a record sent after a transfer's last layer arrives after every layer of it. Each direction has its own tag, and
 each side has exactly one sending and one receiving thread per peer (torch.distributed keeps order per
@@ -23,8 +23,8 @@ import torch
 
 from prefixrt.cache.kv_pool import KVPool
 
-TAG_TO_PREFILL = 11  # decode -> prefill: requests, cancels, bye
-TAG_TO_DECODE = 12  # prefill -> decode: headers, K/V layers, bye
+TAG_TO_PREFILL = 11  # decode -> prefill: requests, cancels, end of stream
+TAG_TO_DECODE = 12  # prefill -> decode: headers, K/V layers, end of stream
 
 
 def make_group(addr: str, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0):

@@ -44,7 +44,7 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 6e-2, tor
 @dataclass
 class _Audit:
     tokens: list[int]  # the hit prefix
-    namespace: Any
+    salt: Any
     slots: list[int]  # the cache's slots of those tokens (locked)
     handle: Any  # lock handle: the radix node where the hit ended
     rid: str
@@ -74,12 +74,12 @@ class CacheAuditor:
         if n == 0 or self._rng.random() >= self.rate:
             return
         cache = self.kv.cache
-        m = cache.match_prefix(req.all_ids[:n], req.namespace)
+        m = cache.match_prefix(req.all_ids[:n], req.salt)
         if m.length != n:  # cannot happen right after admission; be safe rather than audit the wrong slots
             self.skipped_total += 1
             return
         handle = cache.lock(m)
-        self.pending.append(_Audit(list(req.all_ids[:n]), req.namespace, list(m.slots), handle, req.rid))
+        self.pending.append(_Audit(list(req.all_ids[:n]), req.salt, list(m.slots), handle, req.rid))
 
     # ------------------------------------------------------------------ running audits (between steps)
     def run(self, idle: bool) -> None:
@@ -121,9 +121,9 @@ class CacheAuditor:
             if bad is not None:
                 self.mismatches_total += 1
                 layer, pos, err = bad
-                log.error("cache audit mismatch: radix node %s (namespace %r), token %d (slot %d) of a %d-token "
+                log.error("cache audit mismatch: radix node %s (salt %r), token %d (slot %d) of a %d-token "
                           "hit of request %s, layer %d: relative error %.3g",
-                          _node_covering(job.handle, pos, n), job.namespace, pos, job.slots[pos], n, job.rid,
+                          _node_covering(job.handle, pos, n), job.salt, pos, job.slots[pos], n, job.rid,
                           layer, err)
         finally:
             kv.cache.unlock(job.handle)

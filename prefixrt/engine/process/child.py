@@ -1,9 +1,9 @@
 """The engine process's side of a ProcessEngine: builds the Engine, then serves it over the pipe.
 
-`child_main` is the spawned process's entry point. EngineProcessServer receives messages (engine/messages.py)
+`child_main` is the spawned process's entry point. EngineProcessServer receives messages (engine/process/messages.py)
 on the main thread, compiles constrained requests on compile threads (so a slow grammar never holds up
 other messages), runs blocking calls on worker threads, streams each scheduler step's outputs as one
-Outputs message from the scheduler thread (the loop's deliver hook), and sends a Beat every HEARTBEAT_S.
+Outputs message from the scheduler thread (PipeEnd.deliver, the loop's delivery hook), and sends a Beat every HEARTBEAT_S.
 Requests reach the engine through its public Engine.prepare / Engine.enqueue, with a PipeSink as the sink.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefixrt.engine.messages import (
+from prefixrt.engine.process.messages import (
     HEARTBEAT_S,
     Abort,
     Add,
@@ -53,44 +53,30 @@ def child_main(conn, model: str, engine_kwargs: dict) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from prefixrt.engine.engine import Engine
 
+    pipe = PipeEnd(conn)
     try:
-        engine = Engine(model, progress=lambda text: conn.send(Progress(text)), **engine_kwargs)
+        engine = Engine(model, progress=lambda text: pipe.send(Progress(text)), _deliver=pipe.deliver, **engine_kwargs)
     except BaseException as e:
-        conn.send(Failed(picklable(e)))
+        pipe.send(Failed(picklable(e)))
         return
-    EngineProcessServer(engine, conn).run()
+    EngineProcessServer(engine, pipe).run()
 
 
-class EngineProcessServer:
-    """The engine process's side: receives requests on the main thread, streams outputs from the scheduler
-    thread, runs blocking calls on worker threads."""
+class PipeEnd:
+    """The engine process's end of the pipe: every thread sends through it (one lock), and its deliver is the
+    loop's delivery hook (LoopHooks.deliver), given to the Engine when it is built."""
 
-    def __init__(self, engine, conn):
-        self.engine, self.conn = engine, conn
+    def __init__(self, conn):
+        self.conn = conn
         self.send_lock = threading.Lock()  # the main, scheduler, worker and heartbeat threads all send
-        self.workers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="prefixrt-engine-call")
-        # Constrained adds compile their grammar here, so a slow compile never holds up other messages.
-        self.compilers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="prefixrt-engine-compile")
-        self.compiling: dict[str, bool] = {}  # request id -> aborted while compiling
-        self.compiling_lock = threading.Lock()
-        self.stopped = threading.Event()
-        self.metrics = _metrics_for(engine)
-        engine.core.deliver = self.deliver
-        self.calls: dict[str, Callable] = {
-            "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
-            "generate": engine.generate, "check_integrity": engine.check_integrity,
-            "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
-            "score_continuations": engine.score_continuations,
-            "largest_prefixes": engine.largest_prefixes,
-        }
 
     def send(self, msg) -> None:
         with self.send_lock:
             self.conn.send(msg)
 
     def deliver(self, items: list[tuple[Any, StepOutput]]) -> None:
-        """EngineCore.deliver: one message per step for the server's requests; the engine process's own
-        requests (the choices scoring and cache_prefix calls) stay local."""
+        """One message per step for the server's requests; the engine process's own requests (the choices
+        scoring and cache_prefix calls) stay local."""
         local = [(sink, out) for sink, out in items if not isinstance(sink, PipeSink)]
         remote = [(sink.request_id, out) for sink, out in items if isinstance(sink, PipeSink)]
         if local:
@@ -101,6 +87,31 @@ class EngineProcessServer:
             except OSError:
                 pass  # the server process is gone; the main thread is shutting down
 
+
+class EngineProcessServer:
+    """The engine process's side: receives requests on the main thread, streams outputs from the scheduler
+    thread, runs blocking calls on worker threads."""
+
+    def __init__(self, engine, pipe: PipeEnd):
+        self.engine, self.pipe = engine, pipe
+        self.workers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="prefixrt-engine-call")
+        # Constrained adds compile their grammar here, so a slow compile never holds up other messages.
+        self.compilers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="prefixrt-engine-compile")
+        self.compiling: dict[str, bool] = {}  # request id -> aborted while compiling
+        self.compiling_lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.metrics = _metrics_for(engine)
+        self.calls: dict[str, Callable] = {
+            "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
+            "generate": engine.generate, "check_integrity": engine.check_integrity,
+            "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
+            "score_continuations": engine.score_continuations,
+            "largest_prefixes": engine.largest_prefixes,
+        }
+
+    def send(self, msg) -> None:
+        self.pipe.send(msg)
+
     def run(self) -> None:
         eng = self.engine
         info = EngineInfo(model_name=eng.model_name, model_revision=eng.model_revision, vocab_size=eng.vocab_size,
@@ -110,7 +121,7 @@ class EngineProcessServer:
             self.send(Ready(info))
             threading.Thread(target=self.heartbeat, name="prefixrt-engine-heartbeat", daemon=True).start()
             while True:
-                msg = self.conn.recv()
+                msg = self.pipe.conn.recv()
                 if isinstance(msg, Shutdown):
                     break
                 self.handle(msg)

@@ -1,5 +1,9 @@
 """Layer-split K/V for context-parallel prefill: W ranks run one long sequence together.
 
+Status: experimental. Correct on the CPU (tests/parallel/test_layer_split.py) but not part of the engine: no
+EngineConfig option reaches it, and it runs one sequence through LayerSplitRunner, with no scheduler, radix
+cache or CUDA graphs. What wiring it in would need is in docs/layer_split.md ("Status").
+
 Compute is split by tokens: rank r computes the r-th contiguous chunk of each forward's new tokens (every layer,
 every head). K/V storage is split by layer: the K/V of layer l — the cached prefix and everything computed
 since — lives on rank `owner(l) = l % W` alone, so each rank stores 1/W of the sequence's K/V instead of all of
@@ -15,7 +19,7 @@ Contracts (the order of collectives is the same on every rank, so every rank iss
 - A rank reads a layer's store only while no broadcast of that layer is in flight (the owner appends after the
   layer's broadcast completed, in forward(); the next broadcast of it is issued at the next forward).
 - Replicated steps (decode: one token, computed by every rank) skip the all-gather; the prefix is still
-  broadcast per layer, which is why decode belongs on a decode engine (engine/disagg.py), not here.
+  broadcast per layer, which is why decode belongs on a decode engine (disagg/decode.py), not here.
 The model and its layers are unchanged: this is an AttentionBackend plus the per-layer wait hook.
 """
 
@@ -152,6 +156,9 @@ class LayerSplitAttention(AttentionBackend):
     def __init__(self, kv: LayerSplitKV):
         self.kv = kv
         self.pool = None  # no paged pool: the fused K/V store path is not used here
+
+    def close(self) -> None:
+        pass  # the K/V lives in LayerSplitKV, whose owner drops it
 
     def prepare(self, batch: ForwardBatch) -> None:
         return None

@@ -15,8 +15,8 @@ Messages, broadcast from rank 0 (host ints on the `control` group, gloo; device 
               then device int64[3T + 5B + L]: input_ids, positions, out_cache_loc, req_pool_indices, seq_lens,
               prefix_lens, extend_lens, extend_start_loc, logits_indices (input_ids as they are on the device
               at launch: tokens the overlapped loop fills from the previous step are in)
-    CAPTURE   host int64[CAPTURE_INTS]: the capture_graphs arguments (every rank captures the same graphs, its
-              collectives inside them)
+    CAPTURE   host int64[CAPTURE_INTS]: the capture_graphs arguments, the CascadeSpec's fields last (every rank
+              captures the same graphs, its collectives inside them)
     RELEASE   release_graphs()
     SHUTDOWN  the followers return (Engine.shutdown, after the loop has stopped)
 A failure on rank 0 after a message was sent leaves the ranks out of step: the driver refuses every later
@@ -25,20 +25,23 @@ forward (the engine must be restarted) rather than deadlock in a mismatched coll
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from itertools import chain
 
 import torch
 
+from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.model.forward_batch import ForwardBatch, ForwardMode
-from prefixrt.model.parallel import TPGroup
 from prefixrt.model.runner import ModelRunner
+from prefixrt.parallel.layers import TPGroup
 
 log = logging.getLogger("prefixrt")
 
 HEADER = 8
 FORWARD, CAPTURE, RELEASE, SHUTDOWN = 1, 2, 3, 4
-CAPTURE_INTS = 9
+CASCADE_FIELDS = [f.name for f in dataclasses.fields(CascadeSpec)]
+CAPTURE_INTS = 6 + len(CASCADE_FIELDS)
 
 
 def _broadcast(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -66,6 +69,18 @@ def _decode_groups(flat: list[int]) -> list[tuple[int, list[int]]] | None:
     return groups
 
 
+def _encode_capture(pad_row: int, max_batch_size: int, max_context: int, max_extend_tokens: int, emulate: bool,
+                    cascade: CascadeSpec | None) -> list[int]:
+    """capture_graphs' arguments (after req_to_token) -> CAPTURE_INTS ints, the CascadeSpec's fields last."""
+    spec = list(dataclasses.astuple(cascade)) if cascade is not None else [0] * len(CASCADE_FIELDS)
+    return [pad_row, max_batch_size, max_context, max_extend_tokens, int(emulate), int(cascade is not None), *spec]
+
+
+def _decode_capture(a: list[int]) -> tuple:
+    """_encode_capture's ints -> capture_graphs' positional arguments after req_to_token."""
+    return a[0], a[1], a[2], a[3], bool(a[4]), CascadeSpec(*a[6:]) if a[5] else None
+
+
 class TPDriverRunner(ModelRunner):
     """Rank 0's runner: ModelRunner's forward, warm_up, capture_graphs and release_graphs, each announced to the
     other ranks first. `table` is the request table (cache/req_table.py); its journal carries the writes the
@@ -77,7 +92,7 @@ class TPDriverRunner(ModelRunner):
         self.table = table
         table.journal = []
         self.broken: str | None = None  # why the ranks may be out of step (then every forward raises)
-        self._closed = False
+        self._stopped = False  # the other ranks were told to return
 
     # ---- messages
     def _header(self, op: int, *fields: int) -> None:
@@ -127,27 +142,26 @@ class TPDriverRunner(ModelRunner):
         return time.perf_counter() - t0
 
     def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
-                       max_extend_tokens: int = 0, emulate: bool = False, cascade: dict | None = None) -> list[str]:
+                       max_extend_tokens: int = 0, emulate: bool = False,
+                       cascade: CascadeSpec | None = None) -> list[str]:
         if self.broken is not None:
             raise RuntimeError(f"tensor-parallel ranks are out of step ({self.broken})")
         self.release_graphs()  # announced now (ModelRunner.capture_graphs releases too, silently: none are left)
-        c = cascade or {}
-        args = [pad_row, max_batch_size, max_context, max_extend_tokens, int(emulate), int(cascade is not None),
-                c.get("queries_per_tile", 0), c.get("min_prefix_len", 0), c.get("min_group_size", 0)]
+        args = _encode_capture(pad_row, max_batch_size, max_context, max_extend_tokens, emulate, cascade)
         self._header(CAPTURE)
         _broadcast(torch.tensor(args, dtype=torch.int64), self.tp.control)
         return self._guarded("CUDA graph capture", lambda: super(TPDriverRunner, self).capture_graphs(
             req_to_token, pad_row, max_batch_size, max_context, max_extend_tokens, emulate, cascade))
 
     def release_graphs(self) -> None:
-        if not self._closed and self.broken is None and (self.graphs is not None or self.extend_graphs is not None):
+        if not self._stopped and self.broken is None and (self.graphs is not None or self.extend_graphs is not None):
             self._header(RELEASE)
         super().release_graphs()
 
-    def close(self) -> None:
+    def stop_followers(self) -> None:
         """Tell the other ranks to return (once; after the loop has stopped: nothing is in flight)."""
-        if not self._closed:
-            self._closed = True
+        if not self._stopped:
+            self._stopped = True
             self._header(SHUTDOWN)
 
 
@@ -165,9 +179,7 @@ def follow(runner: ModelRunner, req_to_token: torch.Tensor, tp: TPGroup) -> None
             continue
         if op == CAPTURE:
             a = _broadcast(torch.empty(CAPTURE_INTS, dtype=torch.int64), tp.control).tolist()
-            cascade = dict(queries_per_tile=a[6], min_prefix_len=a[7], min_group_size=a[8]) if a[5] else None
-            runner.capture_graphs(req_to_token, a[0], a[1], a[2], max_extend_tokens=a[3], emulate=bool(a[4]),
-                                  cascade=cascade)
+            runner.capture_graphs(req_to_token, *_decode_capture(a))
             continue
         if op != FORWARD:
             raise RuntimeError(f"unknown tensor-parallel message {op}")

@@ -1,5 +1,5 @@
-"""EngineFront: the caller-side half of an engine, shared by Engine (scheduler loop on a thread) and
-ProcessEngine (scheduler loop in a child process).
+"""EngineAPI: the caller-side half of an engine (the public methods of docs/api.md that run in the caller's
+thread), shared by Engine (scheduler loop on a thread) and ProcessEngine (scheduler loop in a child process).
 
 It tokenizes and validates prompts in the caller's thread (a bad request raises InvalidRequest there and
 never reaches the loop), and turns the StepOutputs the loop streams back into Completion and Chunk objects
@@ -23,7 +23,7 @@ from prefixrt.params import SamplingParams
 from prefixrt.text_checks import check_json_value, check_text
 
 
-class EngineFront:
+class EngineAPI:
     """Set by subclasses before use: _tokenizer, _tok_lock, model_name, vocab_size, max_context,
     kv_total_tokens (the KV pool size: a longer prompt can never run).
 
@@ -384,7 +384,7 @@ class EngineFront:
 class _ChunkState:
     """Turns StepOutputs into Chunks for one streaming request (per-sample incremental detokenization)."""
 
-    def __init__(self, engine: EngineFront, ids: list[int], p: SamplingParams):
+    def __init__(self, engine: EngineAPI, ids: list[int], p: SamplingParams):
         self.engine, self.ids, self.p = engine, ids, p
         self.detoks = [IncrementalDetokenizer(engine.tokenizer, p.skip_special_tokens, engine._tok_lock)
                        for _ in range(p.n)]

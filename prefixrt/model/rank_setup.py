@@ -1,6 +1,7 @@
 """What every rank builds the same way (a single-device engine is rank 0 of 1): device, dtype, KV pool size,
 attention backend and model runner. engine/builder.py builds the rest of the engine around them on rank 0;
-engine/tp_worker.py builds only these on the other tensor-parallel ranks.
+parallel/tp_worker.py builds only these on the other tensor-parallel ranks (and rank 0's TPDriverRunner over
+make_attention's backend).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import time
 import torch
 
 from prefixrt.cache.kv_pool import KVPool
-from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
 
 CPU_DEFAULT_KV_TOKENS = 16384
@@ -50,12 +50,17 @@ PDL = True
 
 
 def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device, max_running: int,
-                startup: dict | None = None, say=None, ranks=None, table: ReqToTokenTable | None = None):
-    """The attention backend (fused layer kernels on with Triton on CUDA) and the ModelRunner over `pool`; with
-    `ranks` (tensor parallelism, rank 0) the TPDriverRunner that drives the other ranks through `table`'s journal.
-    Every rank builds its runner here."""
+                startup: dict | None = None, say=None):
+    """The ModelRunner over `pool` with make_attention's backend (a single device, or a rank that follows)."""
     from prefixrt.model.runner import ModelRunner
 
+    return ModelRunner(model, pool, make_attention(config, model, pool, device, max_running, startup, say))
+
+
+def make_attention(config: EngineConfig, model, pool: KVPool, device: torch.device, max_running: int,
+                   startup: dict | None = None, say=None):
+    """The attention backend over `pool`; with Triton on CUDA, the model's fused layer kernels are switched on
+    (startup, say: the start-up report and progress line)."""
     attention = make_attention_backend(config.attention_backend, pool, device, max_running, config.page_size)
     if device.type == "cuda" and type(attention).__name__ == "TritonAttentionBackend":
         from prefixrt.model.layers import use_fused_kernels
@@ -71,11 +76,7 @@ def make_runner(config: EngineConfig, model, pool: KVPool, device: torch.device,
         if say is not None:
             say(f"fused Triton layer kernels on (small-batch GEMV layouts from the measured table) in "
                 f"{time.perf_counter() - t:.1f}s")
-    if ranks is None:
-        return ModelRunner(model, pool, attention)
-    from prefixrt.model.tp_runner import TPDriverRunner
-
-    return TPDriverRunner(model, pool, attention, ranks.tp, table)
+    return attention
 
 
 def make_attention_backend(name: str, pool: KVPool, device: torch.device, max_batch: int, page_size: int = 1):

@@ -213,7 +213,7 @@ def test_shard_model_splits_heads_and_refuses_what_does_not_split(tiny_checkpoin
     from transformers import AutoConfig
 
     from prefixrt.hub.loader import _instantiate
-    from prefixrt.model.parallel import TPGroup, first_kv_head
+    from prefixrt.parallel.layers import TPGroup, first_kv_head
 
     path, _ = tiny_checkpoints("llama")  # 4 heads, 2 KV heads
     config = AutoConfig.from_pretrained(str(path))
@@ -230,8 +230,15 @@ def test_shard_model_splits_heads_and_refuses_what_does_not_split(tiny_checkpoin
 
 def test_vocab_shards_and_batch_messages_round_trip():
     """The last vocabulary shard is zero-padded; prefix groups survive the step message's encoding."""
-    from prefixrt.model.parallel import _vocab_rows, vocab_per_rank
-    from prefixrt.model.tp_runner import _decode_groups, _encode_groups
+    from prefixrt.model.cuda_graphs import CascadeSpec
+    from prefixrt.parallel.layers import _vocab_rows, vocab_per_rank
+    from prefixrt.parallel.tp_runner import (
+        CAPTURE_INTS,
+        _decode_capture,
+        _decode_groups,
+        _encode_capture,
+        _encode_groups,
+    )
 
     table = torch.arange(10.0).view(5, 2)
     assert vocab_per_rank(5, 2) == 3
@@ -240,3 +247,9 @@ def test_vocab_shards_and_batch_messages_round_trip():
     groups = [(256, [0, 2, 5]), (512, [1, 3])]
     assert _decode_groups(_encode_groups(groups)) == groups
     assert _decode_groups(_encode_groups(None)) is None
+    spec = CascadeSpec(queries_per_tile=16, min_prefix_len=256, min_group_size=2, max_groups=6)
+    for cascade in (spec, None):
+        args = (3, 64, 4096, 1024, True, cascade)
+        ints = _encode_capture(*args)
+        assert len(ints) == CAPTURE_INTS and all(isinstance(i, int) for i in ints)
+        assert _decode_capture(ints) == args

@@ -5,7 +5,7 @@ Data flow for one request on the decode engine (DecodeEngine):
   1. prepare (caller's thread, as usual), then on the loop thread: KVManager.begin_receive locks what the decode
      cache already holds of prompt[:-1] and allocates pages for the rest; a KVRequest(start, tokens) goes to a
      prefill peer (round robin). The last prompt token is always computed here (it samples the first token).
-  2. The prefill side (PrefillWorker, engine/prefill_worker.py) runs the prompt through its Engine (cache_prefix: its radix cache reuses
+  2. The prefill side (PrefillWorker, disagg/prefill.py) runs the prompt through its Engine (cache_prefix: its radix cache reuses
      what it has), locks the path, sends a header and then K/V layer by layer, and unlocks.
   3. The decode side's receiving thread writes each layer into the reserved slots and marks it; after the last
      one the loop publishes the pages in the radix cache (finish_receive) and admits the request, which matches
@@ -14,7 +14,7 @@ Data flow for one request on the decode engine (DecodeEngine):
 Abort contract (the production bug: a decode engine reused an aborted request's slots while a transfer was still
 writing them): the decode side frees a transfer's slots only after the prefill side has confirmed, on the same
 ordered stream, that the transfer never started (header "cancelled") or has completed (every layer delivered),
-or has closed the stream (bye: nothing more comes). An abort therefore unlocks the prefix, sends Cancel, and
+or has ended the stream (EndOfStream: nothing more comes). An abort therefore unlocks the prefix, sends Cancel, and
 hands the pages to KVManager's hold (abandon_receive); they return to the allocator at the first reclaim after
 the confirmation. A transfer starts when its header is sent: a Cancel before that is answered "cancelled"; one
 that started always completes (bounded by its size).
@@ -23,7 +23,7 @@ still its own, and the allocator side refuses pages whose transfer is pending (K
 Race mode (delay_s > 0 on the prefill side) delays each layer so aborts land mid-transfer.
 
 Threads: the decode loop owns every KVManager call; per peer, one sender thread (records out) and one receiver
-thread (headers, layers, bye in; it writes the pool and marks Transfers, nothing else), which hands completions
+thread (headers, layers, end of stream in; it writes the pool and marks Transfers, nothing else), which hands completions
 to the loop through the engine's inbox. On the prefill side, per peer one listener thread and a pool of transfer
 threads (prompts prefill concurrently, in the engine's batches; one transfer sends at a time).
 """
@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from prefixrt.cache.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, local_groups
 from prefixrt.default_models import BASE_MODEL
-from prefixrt.engine.disagg_messages import Bye, Cancel, KVHeader, KVRequest
+from prefixrt.disagg.prefill import PrefillWorker
+from prefixrt.disagg.records import Cancel, EndOfStream, KVHeader, KVRequest
 from prefixrt.engine.engine import Engine
-from prefixrt.engine.prefill_worker import PrefillWorker
+from prefixrt.parallel.kv_transport import TAG_TO_DECODE, TAG_TO_PREFILL, Channel, local_groups
 
 log = logging.getLogger("prefixrt")
 
@@ -115,7 +115,7 @@ class DecodeEngine(Engine):
                 if link.alive:
                     self._xfers[xfer_id] = inc
                     self._pending[prepared.request_id] = _Pending(prepared, inc, link.ch.peer)
-                    link.send(KVRequest(xfer_id, inc.tokens, inc.namespace, inc.start))
+                    link.send(KVRequest(xfer_id, inc.tokens, inc.salt, inc.start))
                     return
             inc.transfer.mark_all()  # never sent: nothing will write its pages
             kv.abandon_receive(inc)
@@ -191,7 +191,7 @@ class DecodeEngine(Engine):
         self._post(lambda: self._done(hdr.xfer_id, "complete"))
 
     def _peer_closed(self, link: _DecodeLink) -> None:
-        """(Receiver thread.) The peer said bye: nothing more will be written for its transfers."""
+        """(Receiver thread.) The peer ended its stream: nothing more will be written for its transfers."""
         with self._xfers_lock:
             link.alive = False
             mine = [(x, inc) for x, inc in self._xfers.items()
@@ -245,10 +245,10 @@ class _DecodeLink:
 
     def __init__(self, engine: DecodeEngine, ch: Channel):
         self.engine, self.ch = engine, ch
-        self.alive = True  # False once the peer said bye: no new transfers go to it
+        self.alive = True  # False once the peer ended its stream: no new transfers go to it
         self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._bye_sent = threading.Event()
-        self._bye_received = threading.Event()
+        self._end_sent = threading.Event()
+        self._end_received = threading.Event()
         self._threads = [threading.Thread(target=self._send_loop, name=f"prefixrt-decode-send-{ch.peer}", daemon=True),
                          threading.Thread(target=self._recv_loop, name=f"prefixrt-decode-recv-{ch.peer}", daemon=True)]
 
@@ -260,9 +260,9 @@ class _DecodeLink:
         self._out.put(msg)
 
     def close(self, timeout: float = 30.0) -> None:
-        if not self._bye_sent.is_set():
-            self._out.put(Bye())
-        self._bye_received.wait(timeout)
+        if not self._end_sent.is_set():
+            self._out.put(EndOfStream())
+        self._end_received.wait(timeout)
         self._out.put(None)
         for t in self._threads:
             t.join(timeout)
@@ -272,26 +272,26 @@ class _DecodeLink:
             msg = self._out.get()
             if msg is None:
                 return
-            if self._bye_sent.is_set():
-                continue  # after bye nothing more may go out
+            if self._end_sent.is_set():
+                continue  # after the end of the stream nothing more may go out
             self.ch.send_obj(msg)
-            if isinstance(msg, Bye):
-                self._bye_sent.set()
+            if isinstance(msg, EndOfStream):
+                self._end_sent.set()
 
     def _recv_loop(self) -> None:
         try:
             while True:
                 msg = self.ch.recv_obj()
-                if isinstance(msg, Bye):
+                if isinstance(msg, EndOfStream):
                     return
                 self.engine._receive(self, msg)
         except Exception:  # noqa: BLE001 - a broken stream: treat as closed
             log.exception("KV stream from rank %d broke", self.ch.peer)
         finally:
             self.engine._peer_closed(self)  # (sets alive False)
-            self._bye_received.set()
-            if not self._bye_sent.is_set():
-                self._out.put(Bye())
+            self._end_received.set()
+            if not self._end_sent.is_set():
+                self._out.put(EndOfStream())
 
 
 # ---------------------------------------------------------------------------------------------- in-process pair

@@ -1,4 +1,5 @@
-"""Tensor-parallel ranks: starting them, the rendezvous, and the loop of every rank but 0.
+"""Tensor-parallel ranks: starting them, the rendezvous, rank 0's strategy (TensorParallelRanks, what the engine's
+builder calls: engine/ranks.py), and the loop of every rank but 0.
 
 Rank 0 is the engine itself (the process that runs the scheduler loop: the caller's for Engine, the engine
 process for `prefixrt serve`); ranks 1..tp_size-1 are processes started here with torch.multiprocessing (spawn),
@@ -11,7 +12,7 @@ Start-up, in the same order on every rank (each step a collective or a message f
     4. rank 0 sends the request-table shape and max_running; each rank builds its pool slice, table copy,
        attention backend and runner
     5. rank 0's builder warms up and captures CUDA graphs through its TPDriverRunner (announced, so every rank
-       runs and captures the same); then the other ranks follow (model/tp_runner.py) until SHUTDOWN.
+       runs and captures the same); then the other ranks follow (parallel/tp_runner.py) until SHUTDOWN.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import socket
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from prefixrt.config import EngineConfig
-from prefixrt.model.parallel import TPGroup
+from prefixrt.parallel.layers import TPGroup
 
 log = logging.getLogger("prefixrt")
 
@@ -41,13 +43,61 @@ JOIN_TIMEOUT_S = 30.0
 
 
 @dataclass
-class Ranks:
-    """Rank 0's handle on the group: its TPGroup, its device, and the worker processes it started."""
+class TensorParallelRanks:
+    """Rank 0's handle on the group (its TPGroup, its device, the worker processes it started) and the builder's
+    rank strategy for tensor parallelism: engine/ranks.py says what each method is for."""
 
     tp: TPGroup
     device: torch.device
+    spec: Any = None  # the model's hub.loader.ModelSpec, read once here and handed to every rank
     workers: object = None  # torch.multiprocessing ProcessContext (the ranks of this node), or None
     stopped: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_path=None, say=None) -> TensorParallelRanks:
+        """Start this node's other ranks and join the rendezvous as rank 0 (see start_group)."""
+        from prefixrt.hub.loader import read_model_spec
+
+        if say is not None:
+            say(f"starting {config.tp_size} tensor-parallel ranks ({config.nnodes} node(s))")
+        spec = read_model_spec(model_path)
+        tp, device, workers = start_group(config, str(model_path), spec)
+        return cls(tp, device, spec, workers)
+
+    def load_model(self, path, config: EngineConfig, dtype: torch.dtype):
+        """This rank's shard (each checkpoint tensor sliced as it is read)."""
+        from prefixrt.hub.loader import load_model
+
+        return load_model(path, load_format=config.load_format, dtype=dtype, device=self.device, tp=self.tp,
+                          spec=self.spec)
+
+    def agree_num_slots(self, num_slots: int) -> int:
+        return agree_num_slots(self.tp, num_slots)
+
+    def send_setup(self, num_slots: int, table_rows: int, table_cols: int, max_running: int) -> None:
+        send_setup(self.tp, num_slots, table_rows, table_cols, max_running)
+
+    def make_runner(self, config: EngineConfig, model, pool, max_running: int, startup=None, say=None, table=None):
+        """The TPDriverRunner that drives the other ranks through `table`'s journal."""
+        from prefixrt.model import rank_setup
+        from prefixrt.parallel.tp_runner import TPDriverRunner
+
+        attention = rank_setup.make_attention(config, model, pool, self.device, max_running, startup, say)
+        return TPDriverRunner(model, pool, attention, self.tp, table)
+
+    def on_capture_failure(self, error: Exception) -> None:
+        """The other ranks captured (or failed) on their own: no common retry."""
+        raise RuntimeError(f"CUDA graph capture failed with tensor parallelism: {error}; start with "
+                           "cuda_graph=False to run eagerly") from error
+
+    def stop(self, runner=None) -> None:
+        """At shutdown (the loop has stopped): tell the others to return, wait for them, leave the group. runner:
+        rank 0's TPDriverRunner (None when building failed before it existed)."""
+        stop(self, runner)
 
 
 def ranks_per_node(config: EngineConfig) -> int:
@@ -55,7 +105,7 @@ def ranks_per_node(config: EngineConfig) -> int:
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
-    from prefixrt.engine.rank_setup import resolve_device
+    from prefixrt.model.rank_setup import resolve_device
 
     device = resolve_device(config.device)
     if device.type == "cuda":
@@ -86,7 +136,7 @@ def init_group(rank: int, config: EngineConfig, device: torch.device) -> TPGroup
     return TPGroup(rank=rank, size=config.tp_size, group=group, control=control if control is not None else group)
 
 
-def start(config: EngineConfig, model_path: str | None = None, spec=None) -> Ranks:
+def start_group(config: EngineConfig, model_path: str | None = None, spec=None):
     """On node 0: start this node's other ranks and join the rendezvous as rank 0 (without dist_init_addr: a free
     port on 127.0.0.1). model_path, spec: the resolved folder and its hub.loader.ModelSpec, handed to the ranks
     (they need not resolve the model nor import transformers). Kills the started ranks if joining fails."""
@@ -111,7 +161,7 @@ def start(config: EngineConfig, model_path: str | None = None, spec=None) -> Ran
     except BaseException:
         _kill(workers)
         raise
-    return Ranks(tp, device, workers)
+    return tp, device, workers
 
 
 def _rendezvous_watching(config: EngineConfig, device: torch.device, workers) -> TPGroup:
@@ -158,7 +208,7 @@ def send_setup(tp: TPGroup, num_slots: int, table_rows: int, table_cols: int, ma
                    group=tp.control)
 
 
-def stop(ranks: Ranks | None, runner=None) -> None:
+def stop(ranks: TensorParallelRanks | None, runner=None) -> None:
     """Rank 0, at shutdown (the loop has stopped): tell the others to return, wait for them, leave the group."""
     if ranks is None or ranks.stopped:
         return
@@ -166,8 +216,8 @@ def stop(ranks: Ranks | None, runner=None) -> None:
     import torch.distributed as dist
 
     try:
-        if runner is not None and hasattr(runner, "close"):
-            runner.close()
+        if runner is not None:
+            runner.stop_followers()
     except Exception:
         log.error("telling the tensor-parallel ranks to stop failed: %s", traceback.format_exc())
     if ranks.workers is not None and runner is not None:  # told to return: give them the time to
@@ -266,10 +316,10 @@ def run_rank(config: EngineConfig, tp: TPGroup, device: torch.device, model_path
     import torch.distributed as dist
 
     from prefixrt.cache.kv_pool import KVPool
-    from prefixrt.engine import rank_setup
     from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import resolve_model
-    from prefixrt.model.tp_runner import follow
+    from prefixrt.model import rank_setup
+    from prefixrt.parallel.tp_runner import follow
 
     dtype = rank_setup.resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)

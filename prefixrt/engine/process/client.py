@@ -3,7 +3,7 @@
 `prefixrt serve` uses it so that the HTTP server (parsing requests, encoding SSE, detokenizing) and the
 scheduler loop (EngineCore.step) do not share one GIL, as vLLM V1's EngineCore process and SGLang's
 scheduler process do. It has Engine's API: the caller-side half (tokenization, validation, Completion and
-Chunk assembly, detokenization) is EngineFront and runs in the server process; the child owns a full Engine.
+Chunk assembly, detokenization) is EngineAPI and runs in the server process; the child owns a full Engine.
 
     server process                                    engine process (child, spawned: process_child.py)
     ProcessEngine                                     EngineProcessServer around an Engine
@@ -11,7 +11,7 @@ Chunk assembly, detokenization) is EngineFront and runs in the server process; t
       reader thread: outputs -> streams  <--- Outputs (one per step) --  scheduler thread: EngineCore.step
                                          <--- Reply -----------------  worker threads: blocking calls
 
-The messages are the typed dataclasses of engine/messages.py (the whole wire protocol), pickled over a
+The messages are the typed dataclasses of engine/process/messages.py (the whole wire protocol), pickled over a
 multiprocessing Pipe.
 A request with a constraint waits for the Reply to its Add (its grammar compiles in the child, on a compile
 thread so the child keeps receiving, and may be invalid: InvalidRequest must reach the caller before anything
@@ -42,8 +42,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.default_models import BASE_MODEL
-from prefixrt.engine.front import EngineFront
-from prefixrt.engine.messages import (
+from prefixrt.engine.api import EngineAPI
+from prefixrt.engine.process.child import child_main
+from prefixrt.engine.process.messages import (
     Abort,
     Add,
     Beat,
@@ -58,7 +59,6 @@ from prefixrt.engine.messages import (
     pack_token_ids,
     packed_id_range,
 )
-from prefixrt.engine.process_child import child_main
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.json_schema import to_json_schema
@@ -73,7 +73,7 @@ class _InFlight:
     unfinished: set[int] = field(default_factory=set)  # sample indexes without their final output yet
 
 
-class ProcessEngine(EngineFront):
+class ProcessEngine(EngineAPI):
     """`ProcessEngine(model, **engine_kwargs)`: Engine's API (generate, agenerate, stream, astream,
     cache_prefix, abort, stats, flush_cache, ...) with the engine in a child process. Blocks until the
     child has built the engine; `progress(text)` receives its start-up messages. Call shutdown() when done.
@@ -237,7 +237,7 @@ class ProcessEngine(EngineFront):
         self._streams.clear()
         RequestStream.push_many(pairs)
 
-    # ------------------------------------------------------------------ EngineFront hooks
+    # ------------------------------------------------------------------ EngineAPI hooks
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
         if req_fields:
             raise TypeError(f"ProcessEngine does not take {sorted(req_fields)}")
@@ -268,7 +268,7 @@ class ProcessEngine(EngineFront):
     def _select(self, prompt, p: SamplingParams) -> Completion:
         return self._call_in_engine("generate", prompt, p)
 
-    # ------------------------------------------------------------------ public API (the rest is EngineFront's)
+    # ------------------------------------------------------------------ public API (the rest is EngineAPI's)
     def health(self) -> str | None:
         """None while the engine process is alive and talking; else why not (cheap: no round trip)."""
         if self._closed is not None:
