@@ -40,6 +40,7 @@ class KVPool:
     def close(self) -> None:
         """Free the K/V tensors (the pool is unusable afterwards)."""
         self.k_buffers, self.v_buffers = [], []
+        self.k_all = self.v_all = None
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
