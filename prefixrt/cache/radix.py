@@ -206,21 +206,32 @@ class RadixCache(PrefixCache):
             return 0
         root = self._roots.get(salt)
         if root is None:
-            root = self._roots[salt] = _Node([], [], None, 0)
+            root = self._roots[salt] = self._node_class([], [], None, 0)
         tick = next(self._clock)
-        node, pos = root, 0
+        node, pos, existing = root, 0, None  # existing: where the caller's slots were first taken (see _adopt)
         while pos < n_total:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick)
-                return pos
+                self._inserted_leaf(self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick))
+                return pos if existing is None else existing
             n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
             if n < len(child.key):
                 child = self._split(child, n)
+            if self._adopt(child, slots[pos: pos + n]) and existing is None:
+                existing = pos
             self._touch(child, tick)
             pos += n
             node = child
-        return pos
+        return pos if existing is None else existing
+
+    def _inserted_leaf(self, node: _Node) -> None:
+        """Hook: insert() created this leaf (a tiered cache may copy it to its host tier)."""
+
+    def _adopt(self, node: _Node, slots: list[int]) -> bool:
+        """Hook: insert() walks through node, which it matched in full; True if node took the caller's slots
+        (a tiered cache's host-only node). The caller's slots past that point are the cache's then, which insert's
+        answer says by stopping the count of tokens already cached there."""
+        return False
 
     def insert_below(self, handle: _Node, start: int, tokens: list[int], slots: list[int]
                      ) -> tuple[int, list[int], MatchResult]:
