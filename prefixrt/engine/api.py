@@ -223,8 +223,9 @@ class EngineAPI:
                                  param="prompt")
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
         if bad:
-            raise InvalidRequest(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                 param="logit_bias")
+            ids = ", ".join(str(t) for t in bad)
+            raise InvalidRequest(f"logit_bias token id{'s' if len(bad) > 1 else ''} {ids} outside the vocabulary "
+                                 f"[0, {self.vocab_size})", param="logit_bias")
         self._check_length(len(ids))
 
     def _check_length(self, num_tokens: int, at_least: bool = False) -> None:

@@ -125,11 +125,13 @@ def _detail(e: BaseException) -> str:
     return f": {e}" if str(e) else ""
 
 
-def create_app(engine, served_model_name: str | None = None, *, api_key: str | None = None,
-               admin_api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               lifecycle: Lifecycle | None = None) -> FastAPI:
+def create_app(engine, served_model_name: str | list[str] | None = None, *, any_model_name: bool = False,
+               api_key: str | None = None, admin_api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_BODY_BYTES, lifecycle: Lifecycle | None = None) -> FastAPI:
     """An ASGI app serving `engine` (a prefixrt.Engine, or a ProcessEngine: the engine in its own process).
-    The engine's lifetime is the caller's. `api_key` / `admin_api_key` / `max_request_bytes`: see
+    The engine's lifetime is the caller's. `served_model_name`: the names (one or several aliases) requests may
+    give as `model`, the first reported in responses (default: the engine's model name); another name is a 404
+    `model_not_found` unless `any_model_name`. `api_key` / `admin_api_key` / `max_request_bytes`: see
     admission.py; `lifecycle`: drain and engine-death state (the launcher passes its own)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,7 +144,10 @@ def create_app(engine, served_model_name: str | None = None, *, api_key: str | N
     lc = lifecycle or Lifecycle()
     app.state.engine = engine
     app.state.lifecycle = lc
-    app.state.model_name = served_model_name or engine.model_name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    app.state.model_names = names or [engine.model_name]
+    app.state.model_name = app.state.model_names[0]
+    app.state.any_model_name = any_model_name
     app.state.created = int(time.time())
     # A ProcessEngine renders its metrics in the engine process, where the latency histograms are observed.
     app.state.render_metrics = getattr(engine, "render_metrics", None) or Metrics.for_engine(engine).render

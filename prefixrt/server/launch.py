@@ -149,7 +149,8 @@ def serve(args: argparse.Namespace) -> int:
     if hasattr(eng, "on_death"):
         eng.on_death = lifecycle.engine_died
     try:
-        app = create_app(eng, served_model_name=args.served_model_name, api_key=args.api_key,
+        app = create_app(eng, served_model_name=args.served_model_name, any_model_name=args.any_model_name,
+                         api_key=args.api_key,
                          admin_api_key=args.admin_api_key, max_request_bytes=args.max_request_bytes,
                          lifecycle=lifecycle)
         app.state.body_parser = BodyParser(OFFLOAD_BYTES)  # large JSON bodies decoded in a parser process
@@ -175,7 +176,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None, help="the model id reported by /v1/models")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may give (aliases; the first is reported in responses and "
+                        "listed first by /v1/models); default: --model. Another name is a 404 model_not_found")
+    p.add_argument("--any-model-name", action="store_true",
+                   help="serve requests whatever `model` they name (for code that hard-codes a vendor's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--drain-timeout", "--graceful-timeout", dest="drain_timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted")
