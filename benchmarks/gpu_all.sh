@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Every H200 figure of docs/benchmarks.md in one run (Llama-3-8B shape, dummy bf16): the engine loop
+# The main H200 figures of docs/benchmarks.md in one run (Llama-3-8B shape, dummy bf16): the engine loop
 # (gpu_engine.py), the RAG case through `prefixrt serve` vs in-process (gpu_serve.sh), EXTEND graphs / TTFT /
 # jump-forward (gpu_graphs.py), fused kernels / batch-1 / batch-256 / long-context (gpu_fused.py).
 # Each part has its own time limit so one slow part cannot starve the rest. Logs and JSON of every part are
 # written under a work folder and packed into $OUT/gpu_all.tgz after each part.
-#   bash benchmarks/gpu_all.sh [PARTS]      # on the GPU host, from the repo root, with PYTHONPATH set
+#   PYTHONPATH=$PWD bash benchmarks/gpu_all.sh [PARTS]   # on the GPU host, from the repo root; PARTS: a comma-separated
+#                                                        # subset of engine,serve,graphs,fused (default: all)
+case "${1:-}" in -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 set -uo pipefail
 dest=${OUT:-/tmp}
 work=/tmp/gpu-all; mkdir -p "$work"

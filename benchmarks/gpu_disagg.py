@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation on ONE GPU: a prefill worker and a decode worker, two processes on the same
-device, against one plain engine (issue 18; prefixrt/engine/disagg.py).
+device, against one plain engine (issue 18; prefixrt/disagg/decode.py).
 
     PYTHONPATH=$PWD python benchmarks/gpu_disagg.py --model llama-3.2-1b              # on the GPU host (dummy weights)
     PYTHONPATH=$PWD python benchmarks/gpu_disagg.py --device cpu --model TINY_HF_DIR  # the same logic on the CPU
@@ -18,27 +18,16 @@ Writes $OUT/gpu_disagg.json when $OUT is set.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
 import sys
 import time
 
 import torch
 
+from benchmarks.common import free_port, log, script_parser
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
-
-
-def log(*a) -> None:
-    print(*a, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weights_checksum(engine) -> float:
@@ -85,9 +74,9 @@ def assert_clean(eng) -> None:
 
 def prefill_main(model: str, engine_kw: dict, addr: str, conn) -> None:
     """The prefill process: Engine + PrefillWorker at rank 1; reports its weights' checksum, then its stats."""
-    from prefixrt.cache.kv_transport import make_group
+    from prefixrt.disagg.prefill import PrefillWorker
     from prefixrt.engine.engine import Engine
-    from prefixrt.engine.prefill_worker import PrefillWorker
+    from prefixrt.parallel.kv_transport import make_group
 
     eng = Engine(model, **engine_kw)
     conn.send(("ready", weights_checksum(eng)))
@@ -102,7 +91,7 @@ def prefill_main(model: str, engine_kw: dict, addr: str, conn) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = script_parser(__doc__)
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float32", help="float32 (exact check) or bfloat16")
@@ -128,9 +117,9 @@ def main() -> int:
     kw = dict(device=args.device, dtype=args.dtype, load_format=args.load_format, kv_cache_tokens=args.kv_cache_tokens,
               seed=0)
 
-    from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine
+    from prefixrt.disagg.decode import DecodeEngine
     from prefixrt.engine.engine import Engine
+    from prefixrt.parallel.kv_transport import make_group
 
     t0 = time.perf_counter()
     single = Engine(args.model, **kw)

@@ -2,8 +2,15 @@
 (64 x (3500 shared + 80 unique), 200 out, concurrency 64) streamed WITH text, overlap on and off, and the
 first batch after start-up against a warm one; (b) decode at batch 64 and 256: wall time per step against the
 captured graph replayed alone; (c) greedy outputs overlap on vs off on 64 prompts; (d) the no-reuse `random`
-case, radix vs no-radix, median of 3 interleaved runs. Prints a short table last and writes JSON to
-$OUT/gpu_engine.json. --legacy adds the earlier sections (backend check, TTFT, JSON jump-forward).
+case, radix vs no-radix, median of 3 interleaved runs; (e) hot-prefix TTFT and constrained JSON (jump-forward
+on/off, constrained vs unconstrained step); (f) shared-prefix (cascade) decode on vs off. Prints a short table last
+and writes JSON to $OUT/gpu_engine.json.
+
+Environment: OUT (the JSON's folder; profiles too); CASCADE=0|1 builds the engine without / with cascade decode
+(default: the engine's); GRAMMAR_BACKENDS=llguidance,xgrammar runs (e)'s JSON part on each; MASK_THREADS=a,b times
+the mask fill per executor thread count; TORCH_PROFILE=1 (TORCH_TRACE=1: also a Chrome trace) profiles (b) and (e);
+PYSPY=path samples the GIL holder at batch 256; CASCADE_TORCH_BASELINE=1 adds (f)'s torch-backend baseline;
+CASCADE_FP32=0 skips (f)'s fp32 engine.
 
     PYTHONPATH=$PWD python benchmarks/gpu_engine.py            # on the GPU host
     PYTHONPATH=$PWD python benchmarks/gpu_engine.py --smoke    # tiny shapes on the CPU, to test the script
@@ -11,8 +18,6 @@ $OUT/gpu_engine.json. --legacy adds the earlier sections (backend check, TTFT, J
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import dataclasses
 import gc
 import json
@@ -25,14 +30,13 @@ import time
 import torch
 
 import prefixrt
+from benchmarks import common as C
+from benchmarks.common import PhaseTimer, StepLog, log, rel_err, script_parser
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 
 RESULTS: dict = {}
-
-
-def log(*a):
-    print(*a, flush=True)
+CASCADE_SAVED: dict = {}  # the prefix grouper while shared-prefix decode is switched off
 
 
 def free(eng):
@@ -44,183 +48,19 @@ def free(eng):
         torch.cuda.empty_cache()
 
 
-def rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((ta - tb).norm() / tb.norm().clamp_min(1e-12)).item()
-
-
-def check_backends(model: str, dtype: str, n_prompts: int, smoke: bool) -> dict:
-    """Same dummy weights, triton vs torch backend: greedy logprobs at prefill (first token) and decode."""
-    rng = random.Random(0)
-    vocab = 1000
-    shared = [rng.randrange(16, vocab) for _ in range(300 if not smoke else 30)]
-    prompts = [shared[: rng.randint(10, len(shared))] + [rng.randrange(16, vocab) for _ in range(rng.randint(1, 90))]
-               for _ in range(n_prompts)]
-    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 20}
-    outs = {}
-    for backend in ("torch", "triton"):
-        kw = dict(load_format="dummy", dtype=dtype, attention_backend=backend, kv_cache_tokens=60000 if not smoke else 3000, seed=0)
-        if smoke:
-            kw.update(device="cpu", attention_backend="torch")
-        eng = prefixrt.Engine(model, **kw)
-        eng.generate(prompts[:8], params)  # some prefixes are cached before the batch
-        outs[backend] = eng.generate(prompts, params)
-        free(eng)
-        eng = None
-    pre, dec = [], []
-    for a, b in zip(outs["triton"], outs["torch"]):
-        for j, (la, lb) in enumerate(zip(a.logprobs, b.logprobs)):
-            va = {t["token_id"]: t["logprob"] for t in la["top_logprobs"]}
-            vb = {t["token_id"]: t["logprob"] for t in lb["top_logprobs"]}
-            common = sorted(set(va) & set(vb))
-            err = rel([va[t] for t in common], [vb[t] for t in common])
-            (pre if j == 0 else dec).append(err)
-            if la["token_id"] != lb["token_id"]:
-                break
-    same = sum(a.token_ids == b.token_ids for a, b in zip(outs["triton"], outs["torch"]))
-    return {"dtype": dtype, "prompts": n_prompts, "prefill_rel_err_max": max(pre),
-            "decode_rel_err_max": max(dec) if dec else 0.0, "greedy_equal": same}
-
-
-LONG_KEYS_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "customer_full_name": {"type": "string", "maxLength": 12},
-        "customer_email_address": {"type": "string", "maxLength": 16},
-        "shipping_address_line_one": {"type": "string", "maxLength": 16},
-        "preferred_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
-        "order_total_in_cents": {"type": "integer", "minimum": 0, "maximum": 99999},
-        "gift_wrapping_requested": {"type": "boolean"},
-    },
-    "required": ["customer_full_name", "customer_email_address", "shipping_address_line_one",
-                 "preferred_delivery_window", "order_total_in_cents", "gift_wrapping_requested"],
-    "additionalProperties": False,
-}
-
-
-def json_bench(eng, vocab: int, batch: int) -> dict:
-    """Constrained JSON with long fixed keys at batch `batch`: jump-forward on vs off (forward passes and
-    throughput), and the constrained step time against unconstrained decoding of the same length."""
-    rng = random.Random(11)
-    prompts = [[rng.randrange(16, vocab) for _ in range(64)] for _ in range(batch)]
-    out = {}
-    eng.generate(prompts[:2], {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA})  # warm
-    for jf in (True, False):
-        eng.flush_cache()
-        s0 = eng.stats().forward_passes_total
-        replays0 = dict(eng.core.runner.replays)
-        timer = PhaseTimer(eng).install()
-        steps = StepLog(eng).install()
-        t0 = time.perf_counter()
-        res = eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
-                                     "jump_forward": jf})
-        dt = time.perf_counter() - t0
-        passes = eng.stats().forward_passes_total - s0
-        timer.uninstall()
-        out["jf_on_phases_ms_per_step" if jf else "jf_off_phases_ms_per_step"] = timer.per_step_ms(passes)
-        out["jf_on_steps" if jf else "jf_off_steps"] = steps.uninstall().summary()
-        toks = sum(c.completion_tokens for c in res)
-        valid = sum(c.finish_reason == "stop" and bool(json.loads(c.text)) for c in res)
-        out["jf_on" if jf else "jf_off"] = {"seconds": dt, "forward_passes": passes, "output_tokens": toks,
-                                           "tok_s": toks / dt, "valid": valid, "step_ms": dt / passes * 1000,
-                                           "replays": {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}}
-    n = max(1, out["jf_off"]["output_tokens"] // batch)
-    eng.flush_cache()
-    s0 = eng.stats().forward_passes_total
-    timer = PhaseTimer(eng).install()
-    t0 = time.perf_counter()
-    eng.generate(prompts, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
-    dt = time.perf_counter() - t0
-    passes = eng.stats().forward_passes_total - s0
-    timer.uninstall()
-    out["unconstrained_phases_ms_per_step"] = timer.per_step_ms(passes)
-    out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
-    out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
-    backend = eng.core.grammar_backend
-    if hasattr(backend, "_mask_threads") and os.environ.get("MASK_THREADS"):
-        # The grammar mask fill per step with more executor threads (jump-forward off, same prompts).
-        out["mask_fill"] = {}
-        for threads in (int(x) for x in os.environ["MASK_THREADS"].split(",")):
-            backend._mask_threads, backend._executor = threads, None
-            spent = [0.0, 0]
-            orig = backend.fill_bitmasks_native  # the worker's part (finish_bitmasks runs at the draw)
-
-            def timed(rows, bitmask, _orig=orig, spent=spent):
-                t = time.perf_counter()
-                try:
-                    return _orig(rows, bitmask)
-                finally:
-                    spent[0] += time.perf_counter() - t
-                    spent[1] += 1
-            backend.fill_bitmasks_native = timed
-            eng.flush_cache()
-            t0 = time.perf_counter()
-            s0 = eng.stats().forward_passes_total
-            eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
-                                   "jump_forward": False})
-            dt, passes = time.perf_counter() - t0, eng.stats().forward_passes_total - s0
-            del backend.fill_bitmasks_native
-            out["mask_fill"][threads] = {"fill_ms_per_call": spent[0] / max(1, spent[1]) * 1000,
-                                         "calls": spent[1], "step_ms": dt / passes * 1000}
-    if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
-        out["profile_jf_off"] = torch_profile(eng, prompts, "json_jf_off", {
-            "max_new_tokens": 24, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA, "jump_forward": False})
-    out["constrained_step_over_unconstrained"] = out["jf_off"]["step_ms"] / out["unconstrained"]["step_ms"]
-    return out
-
-
-def ttft_once(eng, prompt) -> float:
-    t0 = time.perf_counter()
-    for _ in eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
-        break
-    return time.perf_counter() - t0
-
-
-async def _stream_text(eng, prompts: list[list[int]], max_new: int, concurrency: int) -> dict:
-    """Every prompt streamed WITH text (detokenize on, as the server does), `concurrency` at a time."""
-    sem = asyncio.Semaphore(concurrency)
-    ttfts, toks, chars = [], [0], [0]
-
-    async def one(p):
-        async with sem:
-            t0 = time.perf_counter()
-            first = None
-            params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
-            async for ch in eng.astream(p, params):
-                if first is None and ch.token_ids:
-                    first = time.perf_counter()
-                toks[0] += len(ch.token_ids)
-                chars[0] += len(ch.text)
-            ttfts.append((first or time.perf_counter()) - t0)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
-    dt = time.perf_counter() - t0
-    ttfts.sort()
-    return {"seconds": round(dt, 3), "out_tok_s": round(toks[0] / dt, 1), "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1000, 1),
-            "text_chars": chars[0], "output_tokens": toks[0]}
-
-
 def set_overlap(eng, on: bool) -> None:
     eng._run_on_loop(lambda: eng.core.set_overlap(on))
 
 
 def rag_text(eng, w, concurrency: int = 64) -> dict:
     prompts = [s[0].new_tokens for s in w.sessions]
-    return asyncio.run(_stream_text(eng, prompts, w.sessions[0][0].max_new_tokens, concurrency))
+    return C.stream_text(eng, prompts, w.sessions[0][0].max_new_tokens, concurrency)
 
 
 def replay_ms(eng, bs: int, iters: int = 20) -> float:
     """The captured decode graph of bucket bs replayed alone (its static batch as the last step left it)."""
     graph, _ = eng.core.runner.graphs.graphs[bs]
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1000
+    return C.replay_ms(graph, iters)
 
 
 def in_loop_replay_ms(eng, prompts: list[list[int]], steps: int) -> float:
@@ -267,156 +107,10 @@ def decode_step_ms(eng, prompts: list[list[int]], steps: int) -> float:
     return ((t2 - t1) - (t1 - t0)) / steps * 1000
 
 
-class PhaseTimer:
-    """Wall time per step of each loop unit (schedule, build, draw, launch, process, prepare_sample), the wait for the device inside
-    process, and the host work left after removing that wait. Installed on the loop thread; the loop looks
-    the methods up on every call, so instance attributes shadow them until uninstall()."""
-
-    UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
-
-    def __init__(self, eng):
-        self.eng, self.acc, self.steps = eng, dict.fromkeys(self.UNITS + ("wait",), 0.0), 0
-
-    def _wrap(self, core, name):
-        f = getattr(core, name)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                self.acc[name] += time.perf_counter() - t
-        setattr(core, name, timed)
-
-    def install(self):
-        core = self.eng.core
-
-        def go():
-            for n in self.UNITS:
-                self._wrap(core, n)
-            from prefixrt.engine import core as core_mod
-            orig = core_mod.StepFence.wait
-            acc = self.acc
-
-            def timed_wait(fence):
-                t = time.perf_counter()
-                try:
-                    return orig(fence)
-                finally:
-                    acc["wait"] += time.perf_counter() - t
-            core_mod.StepFence.wait = timed_wait
-            self._restore = (core_mod, orig)
-        self.eng._run_on_loop(go)
-        return self
-
-    def uninstall(self) -> dict:
-        core = self.eng.core
-
-        def go():
-            for n in self.UNITS:
-                core.__dict__.pop(n, None)
-            mod, orig = self._restore
-            mod.StepFence.wait = orig
-        self.eng._run_on_loop(go)
-        return self.acc
-
-    def per_step_ms(self, steps: int) -> dict:
-        out = {k: round(v / steps * 1000, 3) for k, v in self.acc.items()}
-        out["host_ms"] = round(sum(self.acc[u] for u in self.UNITS) / steps * 1000 - out["wait"], 3)
-        return out
-
-
-class StepLog:
-    """Every forward of the engine while installed: its kind (decode / cascade / extend graph, or eager), its
-    token and sequence counts, its device time (CUDA events around runner.forward) and the wall time from
-    its launch to the next launch. summary() groups them by kind and token count bucket."""
-
-    def __init__(self, eng):
-        self.eng, self.rows = eng, []
-
-    def install(self):
-        runner = self.eng.core.runner
-        orig = runner.forward
-        rows = self.rows
-
-        def logged(fb):
-            before = dict(runner.replays)
-            cuda = torch.cuda.is_available()
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-            if ev:
-                ev[0].record()
-            t = time.perf_counter()
-            out = orig(fb)
-            if ev:
-                ev[1].record()
-            kind = next((k for k, v in runner.replays.items() if v != before.get(k)), "?")
-            rows.append({"kind": kind, "tokens": int(fb.input_ids.shape[0]), "seqs": int(fb.batch_size),
-                         "t": t, "ev": ev})
-            return out
-
-        self._orig = orig
-        self.eng._run_on_loop(lambda: setattr(runner, "forward", logged))
-        return self
-
-    def uninstall(self):
-        runner = self.eng.core.runner
-        self.eng._run_on_loop(lambda: runner.__dict__.pop("forward", None))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        for i, r in enumerate(self.rows):
-            ev = r.pop("ev")
-            r["device_ms"] = ev[0].elapsed_time(ev[1]) if ev else 0.0
-            r["wall_ms"] = (self.rows[i + 1]["t"] - r["t"]) * 1000 if i + 1 < len(self.rows) else None
-        return self
-
-    def summary(self) -> list[dict]:
-        groups: dict = {}
-        for r in self.rows:
-            b = 1 << max(0, (r["tokens"] - 1)).bit_length()
-            groups.setdefault((r["kind"], b), []).append(r)
-        out = []
-        for (kind, b), rs in sorted(groups.items()):
-            walls = [r["wall_ms"] for r in rs if r["wall_ms"] is not None]
-            out.append({"kind": kind, "tokens_le": b, "count": len(rs),
-                        "mean_tokens": round(sum(r["tokens"] for r in rs) / len(rs), 1),
-                        "mean_seqs": round(sum(r["seqs"] for r in rs) / len(rs), 1),
-                        "device_ms": round(sum(r["device_ms"] for r in rs) / len(rs), 3),
-                        "wall_ms": round(sum(walls) / len(walls), 3) if walls else None})
-        return out
-
-
-def torch_profile(eng, prompts, name: str, params: dict) -> dict:
-    """torch.profiler over one generate call: the top host ops and CUDA API calls by self CPU time (to
-    $OUT/profile_NAME.txt), GPU busy time against wall time, and how the forwards ran."""
-    from torch.profiler import ProfilerActivity, profile
-
-    eng.generate(prompts, {"max_new_tokens": 0})
-    replays0 = dict(eng.core.runner.replays)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        eng.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    if os.environ.get("TORCH_TRACE"):
-        prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
-    ka = prof.key_averages()
-    with open(os.path.join(os.environ["OUT"], f"profile_{name}.txt"), "w") as f:
-        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45))
-        f.write("\n\n")
-        f.write(ka.table(sort_by="self_device_time_total", row_limit=25))
-    gpu_us = sum(e.self_device_time_total for e in ka)
-    sync = {e.key: (e.count, round(e.self_cpu_time_total / 1000, 2)) for e in ka
-            if any(w in e.key for w in ("Synchronize", "HostAlloc", "cudaMemcpy", "GraphLaunch", "cudaLaunchKernel"))}
-    replays = {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}
-    return {"wall_ms": round(wall * 1000, 2), "gpu_busy_ms": round(gpu_us / 1000, 2), "cuda_api": sync,
-            "replays": replays}
-
-
 def _compare(xs, ys) -> dict:
     """Greedy runs xs vs ys: identical outputs, and over the positions before the first diverging token the
     largest absolute and the largest relative (norm) difference of the top-20 logprobs."""
-    same, abs_err, rel_err = 0, 0.0, 0.0
+    same, abs_err, max_rel = 0, 0.0, 0.0
     for a, b in zip(xs, ys):
         same += a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
@@ -424,11 +118,11 @@ def _compare(xs, ys) -> dict:
             vb = {t["token_id"]: t["logprob"] for t in lb["top_logprobs"]}
             common = sorted(set(va) & set(vb))
             abs_err = max([abs_err] + [abs(va[t] - vb[t]) for t in common])
-            rel_err = max(rel_err, rel([va[t] for t in common], [vb[t] for t in common]))
+            max_rel = max(max_rel, rel_err([va[t] for t in common], [vb[t] for t in common]))
             if la["token_id"] != lb["token_id"]:
                 break
     return {"identical": same, "fraction_identical": same / len(xs), "max_abs_logprob_diff": abs_err,
-            "max_rel_logprob_err": rel_err}
+            "max_rel_logprob_err": max_rel}
 
 
 def overlap_exactness(eng, vocab: int, n: int, new_tokens: int, scale: int = 1) -> dict:
@@ -460,28 +154,18 @@ def overlap_exactness(eng, vocab: int, n: int, new_tokens: int, scale: int = 1) 
             "unique_prompts_on_vs_off": _compare(outs["unique_on"], outs["unique_off"])}
 
 
-_CASCADE_SAVED: dict = {}  # the prefix grouper while shared-prefix decode is switched off
-
-
-def set_cascade(eng, on: bool) -> None:
-    """Shared-prefix decode groups on or off (the engine was built with cascade_decode=True), between steps."""
-    from gpu_graphs import set_cascade as flip
-
-    flip(eng, on, _CASCADE_SAVED)
-
-
 def cascade_agreement(eng, prompts, new_tokens: int) -> dict:
     """Greedy RAG prompts with shared-prefix decode on vs off, and the same-run baseline of plain decode
     against plain decode with the prompts in reverse order (other batch compositions)."""
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 20}
     outs = {}
     for key, on, order in (("on", True, 1), ("off", False, 1), ("off_reversed", False, -1)):
-        set_cascade(eng, on)
+        C.set_cascade(eng, on, CASCADE_SAVED)
         eng.flush_cache()
         before = dict(eng.core.runner.replays)
         outs[key] = eng.generate(prompts[::order], params)[::order]
         outs[key + "_replays"] = {k: eng.core.runner.replays[k] - before.get(k, 0) for k in before}
-    set_cascade(eng, True)
+    C.set_cascade(eng, True, CASCADE_SAVED)
     return {"prompts": len(prompts), "on_vs_off": _compare(outs["on"], outs["off"]),
             "baseline_off_vs_off_reversed": _compare(outs["off_reversed"], outs["off"]),
             "replays_on": outs["on_replays"], "replays_off": outs["off_replays"]}
@@ -495,10 +179,10 @@ def section_f(eng, rag, smoke, summary) -> None:
         return
     runs = {True: [], False: []}
     for on in (True, False, True, False):
-        set_cascade(eng, on)
+        C.set_cascade(eng, on, CASCADE_SAVED)
         eng.flush_cache()
         runs[on].append(rag_text(eng, rag))
-    set_cascade(eng, True)
+    C.set_cascade(eng, True, CASCADE_SAVED)
     best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in runs.items()}
     prompts = [s[0].new_tokens for s in rag.sessions]
     agree = cascade_agreement(eng, prompts, 16 if not smoke else 4)
@@ -518,10 +202,10 @@ def section_f(eng, rag, smoke, summary) -> None:
         # Two correct implementations of plain attention, same weights: the Triton backend (cascade off) and the
         # torch backend. How often they agree is the bf16 noise floor for the cascade-vs-plain figure.
         params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 20}
-        set_cascade(eng, False)
+        C.set_cascade(eng, False, CASCADE_SAVED)
         eng.flush_cache()
         plain = eng.generate(prompts, params)
-        set_cascade(eng, True)
+        C.set_cascade(eng, True, CASCADE_SAVED)
         eng.flush_cache()
         casc = eng.generate(prompts, params)
         eng.flush_cache()
@@ -560,11 +244,8 @@ def section_f(eng, rag, smoke, summary) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to test the script")
-    ap.add_argument("--legacy", action="store_true",
-                    help="also the earlier sections: backend check, TTFT, batch-1 decode, JSON, HF generate")
-    ap.add_argument("--only", default="abcde", help="sections to run (default abcde; f: cascade decode, CASCADE=1)")
+    ap = script_parser(__doc__, smoke="tiny shapes on the CPU, to test the script")
+    ap.add_argument("--only", default="abcde", help="sections to run, any of abcdef (default abcde)")
     args = ap.parse_args()
     smoke = args.smoke
     big = "llama-3-8b" if not smoke else "qwen3-0.6b"
@@ -603,8 +284,6 @@ def main():
                 summary.append((f"section {key}", "FAILED", traceback.format_exc().splitlines()[-1][:120]))
             log(f"section {key}: {time.perf_counter() - t:.0f}s")
 
-    if args.legacy:
-        legacy(eng, vocab, smoke, args)
     free(eng)
     eng = None
 
@@ -724,7 +403,7 @@ def section_b(eng, vocab, smoke, cuda, summary) -> None:
             eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": 240})
             proc.wait(timeout=30)
         if cuda and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
-            row["profile"] = torch_profile(eng, prompts, f"b{bs}", {"temperature": 0, "ignore_eos": True,
+            row["profile"] = C.torch_profile(eng, prompts, f"b{bs}", {"temperature": 0, "ignore_eos": True,
                                                                     "detokenize": False, "max_new_tokens": 10})
         dec[f"b{bs}"] = row
         log(f"decode b{bs}", row)
@@ -760,17 +439,11 @@ def section_c(eng, vocab, smoke, summary) -> None:
 def section_e(eng, vocab, smoke, summary) -> None:
     """Hot-prefix TTFT over 20 requests (p50/p99, with the loop units of those steps), cold TTFT, and the
     constrained JSON step against the unconstrained one at batch 64 (jump-forward on/off)."""
-    rng = random.Random(5)
-    shared = [rng.randrange(16, vocab) for _ in range(3500 if not smoke else 40)]
-    new = 80 if not smoke else 8
-    eng.flush_cache()
-    eng.cache_prefix(shared)
-    for _ in range(3):
-        ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)])
+    case = C.HotPrefix(eng, vocab, 3500 if not smoke else 40, 80 if not smoke else 8)
     timer = PhaseTimer(eng).install()
     steps = StepLog(eng).install()
     s0 = eng.stats().forward_passes_total
-    hot_in_order = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    hot_in_order = case.hot(20)
     hot = sorted(hot_in_order)
     timer.uninstall()
     steps.uninstall()
@@ -786,16 +459,13 @@ def section_e(eng, vocab, smoke, summary) -> None:
         elif started:
             pauses.append((info.get("generation"), round((time.perf_counter() - started.pop()) * 1000, 3)))
     _gc.callbacks.append(on_gc)
-    gc_hot = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    gc_hot = case.hot(20)
     old_interval = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)
-    fast_switch = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    fast_switch = case.hot(20)
     sys.setswitchinterval(old_interval)
     _gc.callbacks.remove(on_gc)
-    cold = []
-    for _ in range(3):
-        eng.flush_cache()
-        cold.append(ttft_once(eng, [rng.randrange(16, vocab) for _ in range(len(shared) + new)]))
+    cold = case.cold(3)
     RESULTS["ttft"] = {"hot_ms": [round(x * 1000, 3) for x in hot], "hot_p50_ms": statistics.median(hot) * 1000,
                        "hot_p99_ms": hot[-1] * 1000, "cold_p50_ms": statistics.median(cold) * 1000,
                        "hot_phases_ms_per_forward": phases,
@@ -811,7 +481,7 @@ def section_e(eng, vocab, smoke, summary) -> None:
                     f"{RESULTS['ttft']['hot_p50_ms']:.2f} / {RESULTS['ttft']['hot_p99_ms']:.2f} ms",
                     f"cold p50 {RESULTS['ttft']['cold_p50_ms']:.1f} ms; per forward {phases}"))
     try:
-        js = json_bench(eng, vocab, 64 if not smoke else 4)
+        js = C.json_bench(eng, vocab, 64 if not smoke else 4)
     except ImportError as e:
         summary.append(("JSON", f"skipped: {e}", ""))
         return
@@ -820,7 +490,7 @@ def section_e(eng, vocab, smoke, summary) -> None:
     for name in (b for b in os.environ.get("GRAMMAR_BACKENDS", "").split(",") if b and b != eng.config.grammar_backend):
         # The next compile builds this backend (the config is frozen: replaced, as a restart would).
         eng.config, eng._compiler = dataclasses.replace(eng.config, grammar_backend=name), None
-        other = json_bench(eng, vocab, 64 if not smoke else 4)
+        other = C.json_bench(eng, vocab, 64 if not smoke else 4)
         RESULTS[f"json_{name}"] = other
         log(f"json {name}", other)
         summary.append((f"  {name}: jump-forward on / off; constrained / unconstrained step",
@@ -855,27 +525,6 @@ def section_d(eng, vocab, smoke, big, kw, summary) -> None:
                     f"median of 3 interleaved; radix {statistics.median(tput['radix']):.0f} tok/s"))
     free(other)
     other = None
-
-
-def legacy(eng, vocab: int, smoke: bool, args) -> None:
-    """The earlier sections (backend check, TTFT, batch-1 decode, JSON jump-forward, HF generate)."""
-    small = "llama-3.2-1b" if not smoke else "qwen3-0.6b"
-    RESULTS["check_bf16"] = check_backends(small, "bfloat16" if not smoke else "float32", 64 if not smoke else 4, smoke)
-    log("check bf16", RESULTS["check_bf16"])
-    scale = 1 if not smoke else 0
-    rng = random.Random(5)
-    shared = [rng.randrange(16, vocab) for _ in range(3500 if scale else 64)]
-    eng.cache_prefix(shared)
-    hot = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(80)]) for _ in range(7)]
-    cold = []
-    for _ in range(3):
-        eng.flush_cache()
-        cold.append(ttft_once(eng, [rng.randrange(16, vocab) for _ in range(3580 if scale else 72)]))
-    RESULTS["ttft_hot_ms"] = statistics.median(hot) * 1000
-    RESULTS["ttft_cold_ms"] = statistics.median(cold) * 1000
-    log(f"TTFT hot {RESULTS['ttft_hot_ms']:.2f} ms, cold {RESULTS['ttft_cold_ms']:.2f} ms")
-    RESULTS["json_jump_forward"] = json_bench(eng, vocab, 64 if scale else 4)
-    log("json", RESULTS["json_jump_forward"])
 
 
 if __name__ == "__main__":

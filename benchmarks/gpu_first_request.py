@@ -1,7 +1,7 @@
 """The first constrained request after start-up, with the grammar backend built at start-up
 (EngineConfig.grammar_warm_up, the CUDA default) and without it: one engine each, in that order. Per engine: the
 start-up report's seconds (total, grammar warm-up), then the latency of a first and a second long-keys JSON request
-(gpu_engine.py's schema, greedy, 64 tokens at most), of a request with a schema not seen before (the same keys, other
+(benchmarks/common.py's long-keys schema, greedy, 64 tokens at most), of a request with a schema not seen before (the same keys, other
 bounds: compile and cold per-schema caches, without the first-use costs) and of an unconstrained request.
 
     PYTHONPATH=$PWD python benchmarks/gpu_first_request.py [--model llama-3-8b]
@@ -9,19 +9,13 @@ bounds: compile and cold per-schema caches, without the first-use costs) and of 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_engine import LONG_KEYS_SCHEMA  # noqa: E402
-
-import prefixrt  # noqa: E402
+import prefixrt
+from benchmarks.common import LONG_KEYS_SCHEMA, script_parser
 
 
 def timed(eng, prompt, params) -> float:
@@ -31,9 +25,9 @@ def timed(eng, prompt, params) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="llama-3-8b")
-    ap.add_argument("--kv-tokens", type=int, default=100_000)
+    ap = script_parser(__doc__)
+    ap.add_argument("--model", default="llama-3-8b", help="registry name or local folder (dummy weights)")
+    ap.add_argument("--kv-tokens", type=int, default=100_000, help="each engine's KV pool, in tokens")
     args = ap.parse_args()
     rng = random.Random(3)
     rows = []

@@ -12,21 +12,17 @@ for the GEMV shapes with the time left. Prints a short table last; JSON to $OUT/
 
 from __future__ import annotations
 
+import gc
+import json
 import os
-import sys
+import random
+import time
+import traceback
 
-if "--smoke" in sys.argv:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+import torch
+import torch.nn.functional as F
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+from benchmarks.common import rel_err, replay_ms, script_parser
 
 RESULTS: dict = {}
 T0 = time.perf_counter()
@@ -62,10 +58,6 @@ def section(name, fn, *args):
     return res
 
 
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
 # --------------------------------------------------------------------------------------- correctness
 
 
@@ -96,10 +88,10 @@ def correctness(dev, smoke):
             x, r = rn(tokens, hidden, dtype=dtype, scale=3), rn(tokens, hidden, dtype=dtype)
             w = rn(hidden, dtype=dtype, scale=0.5) + (0.0 if gemma else 1.0)
             got, exp = add_rms_norm(x, w, 1e-5, r, gemma=gemma), ref.add_rms_norm(x, w, 1e-5, r, gemma=gemma)
-            record(f"add_rms_norm{'_gemma' if gemma else ''}", dtype, max(rel(got[0], exp[0]), rel(got[1], exp[1])))
+            record(f"add_rms_norm{'_gemma' if gemma else ''}", dtype, max(rel_err(got[0], exp[0]), rel_err(got[1], exp[1])))
         for act in ("silu", "gelu_tanh"):
             gu = rn(tokens, 2 * inter, dtype=dtype, scale=3)
-            record(f"act_mul_{act}", dtype, rel(act_mul(gu, act), ref.act_mul(gu, act)))
+            record(f"act_mul_{act}", dtype, rel_err(act_mul(gu, act), ref.act_mul(gu, act)))
         rope_cases = {  # Llama-3.1 (llama3 scaling), Gemma-3 global layer (linear, q/k norm, D=256), Qwen3
             "rope_llama3": (RopeConfig(d, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192), h, kvh, d, None),
             "rope_gemma_qknorm": (RopeConfig(256, 1e6, "linear", 8.0), 4, 1, 256, "gemma"),
@@ -119,7 +111,7 @@ def correctness(dev, smoke):
             bufs = [torch.zeros(4 * tokens, nkv, hd, device=dev, dtype=dtype) for _ in range(4)]
             q = qk_norm_rope_store(qkv, cos, sin, loc, bufs[0], bufs[1], nh, nkv, hd, **kw)
             eq = ref.qk_norm_rope_store(qkv, cos, sin, loc, bufs[2], bufs[3], nh, nkv, hd, **kw)
-            record(name, dtype, max(rel(q, eq), rel(bufs[0], bufs[2]), rel(bufs[1], bufs[3])))
+            record(name, dtype, max(rel_err(q, eq), rel_err(bufs[0], bufs[2]), rel_err(bufs[1], bufs[3])))
         shapes = gemv_shapes(smoke)
         for name, (n, k, act) in shapes.items():
             if dtype == torch.float32 and name == "lm_head" and smoke is False:
@@ -131,7 +123,7 @@ def correctness(dev, smoke):
                 errs = []
                 for c in (GemvConfig(), GemvConfig(32, 256, 4), GemvConfig(16, 256, 1)):
                     try:
-                        errs.append(rel(gemv(x, wt, None, c, act), exp))
+                        errs.append(rel_err(gemv(x, wt, None, c, act), exp))
                     except Exception as e:  # a layout that does not fit this GPU is reported, not fatal
                         out[f"gemv_{name}_m{m}_{c}/{str(dtype).split('.')[-1]}"] = {"error": str(e)[:200]}
                 if errs:
@@ -262,17 +254,6 @@ def count_kernels(fn) -> tuple[int, dict]:
             names[e.name] = names.get(e.name, 0) + 1
     top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:12])
     return sum(names.values()), top
-
-
-def replay_ms(graph, n=20) -> float:
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1000
 
 
 def engine_sections(smoke):
@@ -438,10 +419,11 @@ def table():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
+    ap = script_parser(__doc__, smoke="tiny shapes on the CPU under the Triton interpreter")
     args = ap.parse_args()
     smoke = args.smoke
+    if smoke:  # before any kernel module is imported (they are imported inside the sections)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     dev = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     RESULTS["device"] = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"
     RESULTS["smoke"] = smoke

@@ -9,7 +9,6 @@ unconstrained decode step, start-up and capture cost. Prints a table last; write
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -21,16 +20,14 @@ import time
 import torch
 
 import prefixrt
+from benchmarks import common as C
+from benchmarks.common import log, rel_err, script_parser, set_cascade
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 from prefixrt.engine import builder
 
 RESULTS: dict = {}
 ROWS: list[tuple[str, str, str]] = []  # (what, figure, target) for the closing table
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 def row(what: str, figure: str, target: str = "") -> None:
@@ -70,24 +67,6 @@ def set_graphs(eng, on: bool, saved: dict) -> None:
     eng._run_on_loop(flip)
 
 
-def set_cascade(eng, on: bool, saved: dict) -> None:
-    """Switch shared-prefix decode groups off (saved) or back on, on the loop thread between steps."""
-    core = eng.core
-
-    def flip():
-        if on:
-            core.prefix_grouper = saved.pop("grouper", core.prefix_grouper)
-        elif core.prefix_grouper is not None:  # already off: keep the saved grouper
-            saved["grouper"], core.prefix_grouper = core.prefix_grouper, None
-
-    eng._run_on_loop(flip)
-
-
-def rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((ta - tb).norm() / tb.norm().clamp_min(1e-12)).item()
-
-
 def check_cascade(eng, prompts: list[list[int]], smoke: bool) -> dict:
     """Greedy RAG prompts with shared-prefix decode on vs off: tokens equal, and the relative error of
     the top-5 logprobs at every decode step while the tokens agree."""
@@ -110,18 +89,11 @@ def check_cascade(eng, prompts: list[list[int]], smoke: bool) -> dict:
             vb = {t["token_id"]: t["logprob"] for t in lb["top_logprobs"]}
             common = sorted(set(va) & set(vb))
             if common:
-                errs.append(rel([va[t] for t in common], [vb[t] for t in common]))
+                errs.append(rel_err([va[t] for t in common], [vb[t] for t in common]))
             if la["token_id"] != lb["token_id"]:
                 break
     return {"prompts": len(prompts), "greedy_equal": same, "decode_logprob_rel_err_max": max(errs, default=0.0),
             "replays_on": replays[True], "replays_off": replays[False]}
-
-
-def ttft_once(eng, prompt) -> float:
-    t0 = time.perf_counter()
-    for _ in eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
-        break
-    return time.perf_counter() - t0
 
 
 def check_extend_graphs(eng, vocab: int, smoke: bool) -> dict:
@@ -149,67 +121,11 @@ def check_extend_graphs(eng, vocab: int, smoke: bool) -> dict:
         vb = {t["token_id"]: t["logprob"] for t in lb["top_logprobs"]}
         common = sorted(set(va) & set(vb))
         if common:
-            errs.append(rel([va[t] for t in common], [vb[t] for t in common]))
+            errs.append(rel_err([va[t] for t in common], [vb[t] for t in common]))
         same += a.token_ids == b.token_ids
     return {"prompts": len(prompts), "first_token_logprob_rel_err_max": max(errs) if errs else 0.0,
             "greedy_equal": same, "replays_graphs_on": outs["replays_True"],
             "replays_graphs_off": outs["replays_False"]}
-
-
-LONG_KEYS_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "customer_full_name": {"type": "string", "maxLength": 12},
-        "customer_email_address": {"type": "string", "maxLength": 16},
-        "shipping_address_line_one": {"type": "string", "maxLength": 16},
-        "preferred_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
-        "order_total_in_cents": {"type": "integer", "minimum": 0, "maximum": 99999},
-        "gift_wrapping_requested": {"type": "boolean"},
-    },
-    "required": ["customer_full_name", "customer_email_address", "shipping_address_line_one",
-                 "preferred_delivery_window", "order_total_in_cents", "gift_wrapping_requested"],
-    "additionalProperties": False,
-}
-
-
-def json_bench(eng, vocab: int, batch: int) -> dict:
-    """Constrained JSON with long fixed keys: jump-forward on vs off (throughput, forward passes, how the
-    forwards ran), and the constrained step against unconstrained decoding of the same length."""
-    rng = random.Random(11)
-    prompts = [[rng.randrange(16, vocab) for _ in range(64)] for _ in range(batch)]
-    base = {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA}
-    eng.generate(prompts[:2], base)  # grammar compiled, warm
-    out = {}
-    for jf in (True, False, True):  # on twice: the second is the figure (first warms its shapes)
-        eng.flush_cache()
-        s0 = eng.stats().forward_passes_total
-        r0 = dict(eng.core.runner.replays)
-        t0 = time.perf_counter()
-        res = eng.generate(prompts, {**base, "jump_forward": jf})
-        dt = time.perf_counter() - t0
-        passes = eng.stats().forward_passes_total - s0
-        toks = sum(c.completion_tokens for c in res)
-        valid = 0
-        for c in res:
-            try:
-                valid += c.finish_reason == "stop" and isinstance(json.loads(c.text), dict)
-            except ValueError:
-                pass
-        out["jf_on" if jf else "jf_off"] = {
-            "seconds": dt, "forward_passes": passes, "output_tokens": toks, "tok_s": toks / dt, "valid": valid,
-            "step_ms": dt / passes * 1000,
-            "replays": {k: eng.core.runner.replays[k] - r0[k] for k in r0}}
-    n = max(1, out["jf_off"]["output_tokens"] // batch)
-    eng.flush_cache()
-    s0 = eng.stats().forward_passes_total
-    t0 = time.perf_counter()
-    eng.generate(prompts, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
-    dt = time.perf_counter() - t0
-    passes = eng.stats().forward_passes_total - s0
-    out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
-    out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
-    out["constrained_step_over_unconstrained"] = out["jf_off"]["step_ms"] / out["unconstrained"]["step_ms"]
-    return out
 
 
 def replay_times(eng) -> dict:
@@ -218,14 +134,7 @@ def replay_times(eng) -> dict:
     runner, out = eng.core.runner, {}
 
     def bench(name, graph):
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        out[name] = (time.perf_counter() - t0) / 20 * 1000
+        out[name] = C.replay_ms(graph)
 
     def run():
         with torch.inference_mode():  # the static buffers are inference tensors
@@ -259,9 +168,8 @@ def release_check(model: str, kw: dict, baseline: int, n: int) -> list[int]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--skip-json", action="store_true")
+    ap = script_parser(__doc__, smoke="tiny shapes on the CPU, to test the script")
+    ap.add_argument("--skip-json", action="store_true", help="leave out the JSON jump-forward rows")
     args = ap.parse_args()
     smoke = args.smoke
     on_gpu = torch.cuda.is_available() and not smoke
@@ -278,8 +186,7 @@ def main():
 
     # ---------------------------------------------------------------- start-up, then the first RAG batch
     t = time.perf_counter()
-    builder.CASCADE_DECODE = True  # off by default; this run measures it (toggled per section below)
-    eng = prefixrt.Engine(big, load_format="dummy", **kw)
+    eng = prefixrt.Engine(big, load_format="dummy", cascade_decode=True, **kw)  # toggled per section below
     RESULTS["engine_up_s"] = time.perf_counter() - t
     RESULTS["startup"] = eng._built.startup
     RESULTS["mem_after_startup_GiB"] = mem() / 2**30
@@ -326,13 +233,7 @@ def main():
         f"(extend replays {chk['replays_graphs_on'].get('extend', 0)})", "bf16 <= 2e-2")
 
     # ---------------------------------------------------------------- hot / cold prefix TTFT
-    rng = random.Random(5)
-    shared = [rng.randrange(16, vocab) for _ in range(3500 if not smoke else 64)]
-    new = 80 if not smoke else 8
-    eng.flush_cache()
-    eng.cache_prefix(shared)
-    for _ in range(3):
-        ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)])
+    case = C.HotPrefix(eng, vocab, 3500 if not smoke else 64, 80 if not smoke else 8)
     steps: list[float] = []
     core, step = eng.core, eng.core.step
 
@@ -344,17 +245,14 @@ def main():
             steps.append(time.perf_counter() - t0)
 
     core.step = timed_step  # the loop looks the method up every iteration
-    hot = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(20)]
+    hot = case.hot(20)
     del core.step
     RESULTS["ttft_hot_step_ms_p50"] = statistics.median(steps) * 1000 if steps else 0.0
     saved = {}
     set_graphs(eng, False, saved)
-    hot_eager = [ttft_once(eng, shared + [rng.randrange(16, vocab) for _ in range(new)]) for _ in range(7)]
+    hot_eager = case.hot(7)
     set_graphs(eng, True, saved)
-    cold = []
-    for _ in range(3):
-        eng.flush_cache()
-        cold.append(ttft_once(eng, [rng.randrange(16, vocab) for _ in range(len(shared) + new)]))
+    cold = case.cold(3)
     RESULTS["ttft_hot_ms"] = {"p50": statistics.median(hot) * 1000, "p99": pct(hot, 0.99) * 1000,
                               "all": [x * 1000 for x in hot]}
     RESULTS["ttft_hot_eager_ms_p50"] = statistics.median(hot_eager) * 1000
@@ -368,7 +266,9 @@ def main():
     # ---------------------------------------------------------------- JSON jump-forward
     if not args.skip_json:
         try:
-            RESULTS["json"] = js = json_bench(eng, vocab, 64 if not smoke else 4)
+            # jump-forward on twice: the second run is the figure (the first warms its shapes)
+            RESULTS["json"] = js = C.json_bench(eng, vocab, 64 if not smoke else 4, order=(True, False, True),
+                                                instrument=False)
             row("JSON jump-forward on / off (batch 64, out tok/s)",
                 f"{js['jf_on']['tok_s']:.0f} / {js['jf_off']['tok_s']:.0f} = {js['jf_speedup']:.2f}x "
                 f"(passes {js['jf_on']['forward_passes']} vs {js['jf_off']['forward_passes']}; valid "
@@ -387,7 +287,6 @@ def main():
     # ---------------------------------------------------------------- release: this engine + two more
     eng.shutdown()
     eng = None
-    builder.CASCADE_DECODE = False
     gc.collect()
     RESULTS["release_left_bytes"] = left = [mem() - baseline]
     if on_gpu and time.perf_counter() - t_start < 200:  # CPU engines keep their memory until collected

@@ -1,8 +1,8 @@
-"""Long-keys JSON at batch 64 (gpu_engine.json_bench) under matcher set-ups in one engine, each with its own
+"""Long-keys JSON at batch 64 (benchmarks/common.py's json_bench) under matcher set-ups in one engine, each with its own
 unconstrained baseline: string lengths checked beside the grammar (LLGuidanceBackend string_lengths=True, the
 default) or compiled into it (False, as before), then optionally the older set-ups (SETUPS=all): matchers copied
 from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off; SWITCH_INTERVALS=a,b runs
-every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each EngineCore.mask_parts;
+every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each GrammarMasks.parts;
 ALLOCS=numpy,full runs every set-up with the step's host bitmask allocated as now (numpy fill, one thread) and as
 before (torch.full, which wakes torch's OpenMP workers); TORCH_THREADS=n sets torch's intra-op threads (torch.set_num_threads) before the engine starts; PROFILE=n prints the loop thread's cProfile (n lines)
 of one more batch of the last set-up, jump-forward off (PROFILE_JF=on: on).
@@ -16,16 +16,12 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import gpu_engine as G  # noqa: E402
-
-import prefixrt  # noqa: E402
-import prefixrt.engine.engine as E  # noqa: E402
+import prefixrt
+import prefixrt.engine.engine as E
+from benchmarks.common import LONG_KEYS_SCHEMA, json_bench, script_parser
 
 
 def profile_batch(eng, lines: int, jump_forward: bool) -> None:
@@ -40,7 +36,7 @@ def profile_batch(eng, lines: int, jump_forward: bool) -> None:
     eng.flush_cache()
     prof = cProfile.Profile()
     eng._run_on_loop(prof.enable)
-    eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": G.LONG_KEYS_SCHEMA,
+    eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
                            "jump_forward": jump_forward})
     eng._run_on_loop(prof.disable)
     for key in ("cumulative", "tottime"):
@@ -50,6 +46,10 @@ def profile_batch(eng, lines: int, jump_forward: bool) -> None:
 
 
 def main() -> None:
+    ap = script_parser(__doc__)
+    ap.add_argument("--order", default="on,off", help="string lengths beside the grammar (on) or in it (off), "
+                    "one set-up each, in this order")
+    args = ap.parse_args()
     if os.environ.get("TORCH_THREADS"):
         torch.set_num_threads(int(os.environ["TORCH_THREADS"]))
     eng = prefixrt.Engine("llama-3-8b", load_format="dummy", kv_cache_tokens=200_000)
@@ -57,7 +57,7 @@ def main() -> None:
     backend = eng.grammar_compiler().backend
     plain_budget = E.budget_matcher
     rows, raw = [], {}
-    order = sys.argv[sys.argv.index("--order") + 1].split(",") if "--order" in sys.argv else ["on", "off"]
+    order = args.order.split(",")
     setups = [(f"string lengths {'beside' if o == 'on' else 'in'} the grammar", False, True, o == "on") for o in order]
     if os.environ.get("SETUPS") == "all":
         setups += [("template copies", True, True, True), ("template copies, no budget rule", True, False, True)]
@@ -85,12 +85,12 @@ def main() -> None:
     for name, warm, budget, lengths, interval, parts, alloc in setups:
         L.allocate_bitmask = allocs[alloc]
         sys.setswitchinterval(interval or default_interval)
-        eng.core.mask_parts = parts or 4
+        eng.core.masks.parts = parts or 4
         backend.warm_lexer = warm
         backend.string_lengths = lengths
         E.budget_matcher = plain_budget if budget else (lambda b, c, n: b.matcher(c))
         try:
-            r = G.json_bench(eng, eng.vocab_size, 64)
+            r = json_bench(eng, eng.vocab_size, 64)
             raw[f"{len(raw)}: {name}"] = r
             rows.append((name, round(r["jf_on"]["tok_s"]), round(r["jf_off"]["tok_s"]), round(r["jf_off"]["step_ms"], 2),
                          round(r["unconstrained"]["step_ms"], 2), round(r["jf_speedup"], 3),

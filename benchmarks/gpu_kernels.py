@@ -15,11 +15,11 @@ Prints a table last; writes $OUT/gpu_kernels.json when OUT is set.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import random
-import sys
 import time
 import traceback
 
@@ -31,9 +31,22 @@ from prefixrt.kernels.cascade_plan import plan_cascade
 from prefixrt.kernels.decode_attention import decode_attention
 from prefixrt.kernels.extend_attention import extend_attention
 
+from benchmarks.common import rel_err, script_parser
 from prefixrt.model.attention.triton_backend import plan_decode_splits
 
-SMOKE = "--smoke" in sys.argv  # dry run of the script's logic on CPU (interpreter) with shapes / 128
+SECTIONS = ("correctness", "decode", "cascade", "extend", "paged")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = script_parser(__doc__, smoke="dry run of the script's logic on the CPU (TRITON_INTERPRET=1), shapes / 128")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="sections, comma-separated: " + ",".join(SECTIONS))
+    ap.add_argument("--no-sweep", action="store_true", help="extend: time the shipped launch only, no sweep")
+    return ap.parse_args()
+
+
+# Parsed before anything asks for the GPU (so --help works on a machine without one); the shapes follow --smoke.
+ARGS = parse_args()
+SMOKE = ARGS.smoke
 DEV = "cpu" if SMOKE else "cuda"
 
 
@@ -44,10 +57,6 @@ def size(n: int) -> int:
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
 NUM_SMS = 132 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
 RESULTS: dict = {"checks": [], "timings": []}
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
 class Pool:
@@ -443,7 +452,7 @@ def bench_extend_case(name, prefix, ext, sweep=False, contiguous_too=True):
 
 
 def bench_extend():
-    sweep = "--no-sweep" not in sys.argv
+    sweep = not ARGS.no_sweep
     bench_extend_case("1 x 4096 prefill", [0], [size(4096)], sweep)
     for cached in (8192, 16384, 32768, 65536):
         bench_extend_case(f"1 x 2048 new over {cached} cached", [size(cached)], [size(2048)], sweep, False)
@@ -460,7 +469,7 @@ def main():
     print(f"device: {RESULTS['device']}, SMs {NUM_SMS}, torch {torch.__version__}, triton {triton.__version__}")
     sections = {"correctness": correctness, "decode": bench_decode, "cascade": bench_cascade, "extend": bench_extend,
                 "paged": bench_paged}
-    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(sections))
+    only = ARGS.only.split(",")
     for section in (sections[k] for k in only):
         print(f"== {section.__name__}", flush=True)
         try:

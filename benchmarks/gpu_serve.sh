@@ -4,6 +4,7 @@
 # as text (detokenize on, --text) unless TEXT=0.
 #   bash benchmarks/gpu_serve.sh [MODEL] [OUTDIR]        # on the GPU host; MODEL defaults to llama-3-8b (dummy)
 #   SMOKE=1 bash benchmarks/gpu_serve.sh /path/to/tiny    # tiny shapes on the CPU, to test the script
+case "${1:-}" in -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 set -euo pipefail
 model=${1:-llama-3-8b}
 out=${2:-${OUT:-/tmp}}

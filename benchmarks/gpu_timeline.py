@@ -14,30 +14,22 @@ is timed too. Cases: the RAG case streamed with text, decode at batch 256 (1024 
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import gc
 import json
 import os
 import random
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import prefixrt  # noqa: E402
-from prefixrt.bench import workloads as W  # noqa: E402
+import prefixrt
+from benchmarks.common import log, script_parser, stream_text
+from prefixrt.bench import workloads as W
 
 RESULTS: dict = {}
-
-
-def log(*a):
-    print(*a, flush=True)
 
 
 class Timeline:
@@ -180,28 +172,6 @@ class Timeline:
         return out
 
 
-async def _stream_text(eng, prompts, max_new: int, concurrency: int) -> dict:
-    sem = asyncio.Semaphore(concurrency)
-    ttfts, toks = [], [0]
-
-    async def one(p):
-        async with sem:
-            t0 = time.perf_counter()
-            first = None
-            async for ch in eng.astream(p, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}):
-                if first is None and ch.token_ids:
-                    first = time.perf_counter()
-                toks[0] += len(ch.token_ids)
-            ttfts.append((first or time.perf_counter()) - t0)
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(p) for p in prompts))
-    dt = time.perf_counter() - t0
-    ttfts.sort()
-    return {"seconds": round(dt, 3), "out_tok_s": round(toks[0] / dt, 1),
-            "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1000, 1)}
-
-
 def replay_alone(eng, bs: int, iters: int = 50) -> float | None:
     g = eng.core.runner.graphs
     if g is None or bs not in g.graphs or g.graphs[bs][0] is None:
@@ -224,12 +194,12 @@ def case_rag(eng, smoke: bool) -> dict:
     w = W.rag(vocab) if not smoke else W.rag(vocab, requests=4, shared_len=64, unique_len=8, output_len=6)
     prompts = [s[0].new_tokens for s in w.sessions]
     max_new = w.sessions[0][0].max_new_tokens
-    res = {"warm": asyncio.run(_stream_text(eng, prompts, max_new, 64))}
+    res = {"warm": stream_text(eng, prompts, max_new, 64)}
     eng.flush_cache()
-    res["plain"] = asyncio.run(_stream_text(eng, prompts, max_new, 64))
+    res["plain"] = stream_text(eng, prompts, max_new, 64)
     eng.flush_cache()
     tl = Timeline(eng).install()
-    res["timed"] = asyncio.run(_stream_text(eng, prompts, max_new, 64))
+    res["timed"] = stream_text(eng, prompts, max_new, 64)
     res["timeline"] = tl.uninstall()
     eng.flush_cache()
     return res
@@ -261,10 +231,9 @@ def case_decode(eng, bs: int, ctx: int, steps: int, smoke: bool) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--only", default="rag,b256,b64,b8,b1")
-    ap.add_argument("--cascade", default=None)
+    ap = script_parser(__doc__, smoke="tiny shapes on the CPU, to test the script")
+    ap.add_argument("--only", default="rag,b256,b64,b8,b1", help="cases, comma-separated")
+    ap.add_argument("--cascade", default=None, help="1/0: EngineConfig.cascade_decode (default: the engine's)")
     ap.add_argument("--pdl", default=None, help="1/0: EngineConfig.pdl (programmatic dependent launch)")
     ap.add_argument("--pack", default=None, help="1/0: extend attention packs a kv head's query heads (default: "
                     "kernels.extend_attention.pack_heads_by_default)")

@@ -8,15 +8,18 @@
           four layers' K/V buffers so the working set does not sit in L2. Every variant's full result is
           compared with plain decode attention before its stage is timed.
 
-    PYTHONPATH=$PWD python benchmarks/gpu_tune.py [--only=gemm,cascade]
+(decode)  plain decode's stage-1 launch configurations; (merge) the split merge's launch variants.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_tune.py [--only=gemm,cascade,decode,merge]
+    PYTHONPATH=$PWD TRITON_INTERPRET=1 python benchmarks/gpu_tune.py --smoke   # CPU dry run, tiny shapes
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
-import sys
 import time
 
 import torch
@@ -27,17 +30,25 @@ from prefixrt.kernels.cascade_decode import _cascade_prefix_kernel, _prefix_conf
 from prefixrt.kernels.cascade_plan import plan_cascade
 from prefixrt.kernels.gemv import GemvConfig, candidate_configs, measure
 
+from benchmarks.common import rel_err, script_parser
 from prefixrt.model.attention.triton_backend import plan_decode_splits
 
-SMOKE = "--smoke" in sys.argv  # a CPU dry run of the script's logic under TRITON_INTERPRET=1, tiny shapes
+SECTIONS = ("gemm", "cascade", "decode", "merge")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = script_parser(__doc__, smoke="a CPU dry run of the script's logic under TRITON_INTERPRET=1, tiny shapes")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="sections, comma-separated: " + ",".join(SECTIONS))
+    return ap.parse_args()
+
+
+# Parsed before anything asks for the GPU (so --help works on a machine without one); the shapes follow --smoke.
+ARGS = parse_args()
+SMOKE = ARGS.smoke
 DEV = "cpu" if SMOKE else "cuda"
 NUM_SMS = 132 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
 RESULTS: dict = {"gemm": [], "cascade": []}
 TABLE: list[tuple[str, str, str]] = []
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -353,7 +364,7 @@ def bench_merge() -> None:
 
 def main():
     sections = {"gemm": bench_gemm, "cascade": bench_cascade, "decode": bench_decode_configs, "merge": bench_merge}
-    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(sections))
+    only = ARGS.only.split(",")
     t0 = time.perf_counter()
     for key in only:
         t = time.perf_counter()

@@ -14,28 +14,22 @@ or from each follower's locked node (RadixCache.insert_below, the engine's defau
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import cProfile
 import io
 import os
 import pstats
 import random
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from prefixrt.engine.engine import Engine  # noqa: E402
-from prefixrt.hub.loader import load_model  # noqa: E402
-from tests.helpers.checkpoints import build_hf_model  # noqa: E402
-from tests.helpers.engines import make_tiny_tokenizer  # noqa: E402
+from benchmarks.common import constant_logits_engine, script_parser
+from prefixrt.engine.engine import Engine
+from tests.helpers.checkpoints import build_hf_model
 
 UNITS = ("schedule", "build", "process")
 
@@ -44,21 +38,7 @@ def build_engine(requests: int, max_context: int) -> Engine:
     """A tiny llama (long enough positions for the prompts) whose forward returns constant logits."""
     path = Path(tempfile.mkdtemp())
     build_hf_model("llama", max_position_embeddings=max_context).save_pretrained(str(path))
-    model = load_model(path, dtype="float32", device="cpu")
-    resolved = SimpleNamespace(name="tiny-llama", revision="bench", extra_eos_token_ids=(), path=str(path))
-    eng = Engine("tiny-llama", _parts=(model, make_tiny_tokenizer(), resolved), device="cpu",
-                 kv_cache_tokens=requests * max_context, max_running_requests=requests, overlap_schedule=True)
-    vocab = model.vocab_size
-    cache: dict[int, torch.Tensor] = {}
-
-    def constant_forward(fb):
-        n = int(fb.logits_indices.shape[0])
-        if n not in cache:
-            cache[n] = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
-        return cache[n]
-
-    eng._run_on_loop(lambda: setattr(eng.core.runner, "forward", constant_forward))
-    return eng
+    return constant_logits_engine(path, kv_cache_tokens=requests * max_context, max_running_requests=requests)
 
 
 def rag_prompts(requests: int, prefix: int, suffix: int, vocab: int) -> list[list[int]]:
@@ -140,14 +120,14 @@ def measure(eng: Engine, prompts: list[list[int]], output_tokens: int, followers
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--prefix", type=int, default=3500)
-    ap.add_argument("--suffix", type=int, default=80)
+    ap = script_parser(__doc__)
+    ap.add_argument("--requests", type=int, default=64, help="requests sharing the prefix (a leader, the followers)")
+    ap.add_argument("--prefix", type=int, default=3500, help="shared prefix, in tokens")
+    ap.add_argument("--suffix", type=int, default=80, help="each request's own tokens")
     ap.add_argument("--output-tokens", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs; the minimum is reported")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
-    ap.add_argument("--insert", default="below")
+    ap.add_argument("--insert", default="below", help="reference,below: how followers' prompts are published")
     args = ap.parse_args()
     torch.set_num_threads(1)
     max_context = 1 << (args.prefix + args.suffix + args.output_tokens + 64).bit_length()

@@ -5,7 +5,7 @@ and wall time per step, at several batch sizes, minimum over repeats (robust to 
 
     PYTHONPATH=$PWD python benchmarks/host_loop.py [--batch 64,256] [--steps 96] [--repeats 3]
 
---json MODEL_DIR: the constrained case instead (gpu_engine.py's long-keys JSON schema, greedy, jump-forward on and
+--json MODEL_DIR: the constrained case instead (benchmarks/common.py's long-keys JSON schema, greedy, jump-forward on and
 off) on a checkpoint directory with a real tokenizer (e.g. a tiny Llama-3-tokenizer model, load_format="dummy"):
 per step, the CPU time of the grammar masks (the backend's fill_bitmasks_native and finish_bitmasks, every row on the
 timing thread —
@@ -19,24 +19,18 @@ position), so rows diverge as a real batch's do.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from prefixrt.engine.engine import Engine  # noqa: E402
-from prefixrt.hub.loader import load_model  # noqa: E402
-from tests.helpers.checkpoints import save_tiny_checkpoint  # noqa: E402
-from tests.helpers.engines import make_tiny_tokenizer  # noqa: E402
+from benchmarks.common import LONG_KEYS_SCHEMA, constant_logits_engine, script_parser
+from prefixrt.engine.engine import Engine
+from tests.helpers.checkpoints import save_tiny_checkpoint
 
 UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
 
@@ -44,21 +38,7 @@ UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
 def build(batch: int) -> Engine:
     path = Path(tempfile.mkdtemp())
     save_tiny_checkpoint("llama", path)
-    model = load_model(path, dtype="float32", device="cpu")
-    resolved = SimpleNamespace(name="tiny-llama", revision="bench", extra_eos_token_ids=(), path=str(path))
-    eng = Engine("tiny-llama", _parts=(model, make_tiny_tokenizer(), resolved), device="cpu",
-                 kv_cache_tokens=batch * 140, max_running_requests=batch, overlap_schedule=True)
-    vocab = model.vocab_size
-    cache: dict[int, torch.Tensor] = {}
-
-    def constant_forward(fb):
-        n = int(fb.logits_indices.shape[0])
-        if n not in cache:
-            cache[n] = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
-        return cache[n]
-
-    eng._run_on_loop(lambda: setattr(eng.core.runner, "forward", constant_forward))
-    return eng
+    return constant_logits_engine(path, kv_cache_tokens=batch * 140, max_running_requests=batch)
 
 
 def measure(eng: Engine, batch: int, steps: int) -> dict:
@@ -121,8 +101,6 @@ def build_json(model_dir: str, batch: int, grammar_backend: str) -> Engine:
 
 def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
     """One greedy batch of the long-keys schema; CPU ms per step of the masks and of process()."""
-    from gpu_engine import LONG_KEYS_SCHEMA
-
     core, backend = eng.core, eng.grammar_compiler().backend
     rng = random.Random(11)
     prompts = [[rng.randrange(16, 1000) for _ in range(16)] for _ in range(batch)]
@@ -186,7 +164,6 @@ def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
 
 
 def main_json(args) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     rows = []
     for b in (int(x) for x in args.batch.split(",")):
         eng = build_json(args.json, b, args.grammar_backend)
@@ -209,11 +186,12 @@ def main_json(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", default="64,256")
-    ap.add_argument("--steps", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", metavar="MODEL_DIR", default=None)
+    ap = script_parser(__doc__)
+    ap.add_argument("--batch", default="64,256", help="batch sizes, comma-separated (--json: default 64)")
+    ap.add_argument("--steps", type=int, default=96, help="decode steps timed per run")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per batch size; the minimum is reported")
+    ap.add_argument("--json", metavar="MODEL_DIR", default=None,
+                    help="the constrained case on this checkpoint folder (a real tokenizer, dummy weights)")
     ap.add_argument("--string-lengths", default="on", help="(--json, llguidance) on,off: JSON string lengths checked "
                     "beside the grammar or compiled into it, one row set each")
     ap.add_argument("--grammar-backend", default="llguidance")

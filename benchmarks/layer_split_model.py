@@ -1,4 +1,4 @@
-"""Capacity and throughput model of layer-split K/V for context-parallel prefill (prefixrt/model/layer_split.py),
+"""Capacity and throughput model of layer-split K/V for context-parallel prefill (prefixrt/parallel/experimental/layer_split.py),
 against replicating every layer's K/V on every rank. Prints the markdown table of docs/layer_split.md.
 
     python benchmarks/layer_split_model.py                      # Llama-3.1-8B shape, 4 ranks (the docs' table)
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import math
+
+from benchmarks.common import script_parser
 
 GIB = 2**30
 
@@ -78,7 +80,7 @@ def table(a: argparse.Namespace) -> str:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = script_parser(__doc__)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)

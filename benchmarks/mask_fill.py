@@ -1,4 +1,4 @@
-"""The grammar mask fill alone, without an engine: gpu_engine.py's long-keys JSON schema on the Llama-3 tokenizer,
+"""The grammar mask fill alone, without an engine: benchmarks/common.py's long-keys JSON schema on the Llama-3 tokenizer,
 `--batch` matchers walked in lock step (each step a seeded random allowed token per row, one token a step, as
 greedy decoding on dummy weights does), and at every step the rows' masks filled as the engine's mask worker fills
 them (`fill_bitmasks_native`, then `finish_bitmasks`). The same walk is replayed for every executor thread count
@@ -13,22 +13,15 @@ whose engine figures it explains.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.gpu_engine import LONG_KEYS_SCHEMA  # noqa: E402
-from prefixrt.constrained.llguidance_backend import LLGuidanceBackend  # noqa: E402
-from prefixrt.hub.catalogue import _llama3_tokenizer  # noqa: E402
+from benchmarks.common import LONG_KEYS_SCHEMA, script_parser
 
 VOCAB = 128256
 
@@ -80,13 +73,16 @@ def replay(backend, compiled, tokens: list[list[int]]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = script_parser(__doc__)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--threads", default="0,1,2,4,8,14")
     ap.add_argument("--torch-threads", default="default,1")
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
+    from prefixrt.constrained.llguidance_backend import LLGuidanceBackend
+    from prefixrt.hub.catalogue import _llama3_tokenizer
+
     t0 = time.perf_counter()
     backend = LLGuidanceBackend(_llama3_tokenizer(None), vocab_size=VOCAB)
     compiled = backend.compile("json_schema", LONG_KEYS_SCHEMA)

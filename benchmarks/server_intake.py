@@ -1,6 +1,6 @@
 """Request intake through `prefixrt serve`: many long token-id prompts arriving at once (the RAG shape).
 
-    PYTHONPATH=. python benchmarks/server_intake.py [--requests 64] [--prefix 3500] [--unique 80] [--output 16]
+    PYTHONPATH=$PWD python benchmarks/server_intake.py [--requests 64] [--prefix 3500] [--unique 80] [--output 16]
 
 A tiny random Llama (2 layers, hidden 64, vocab 320, context raised to 8192) is built in a temp folder, so the
 model step costs little and what the server does with each request shows: the JSON body, its validation, the
@@ -20,7 +20,6 @@ request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -34,17 +33,16 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.common import child_pids, cpu_seconds, free_port, script_parser, tiny_model_dir
 
-from server_overhead import child_pids, cpu_seconds, tiny_model_dir  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MAX_CONTEXT = 8192
 
 
 def long_context_model(root: Path) -> Path:
-    """server_overhead's tiny Llama with its context raised so that RAG-length prompts fit (RoPE is computed,
-    so the weights do not depend on it)."""
+    """The tiny server Llama (benchmarks/common.py) with its context raised so that RAG-length prompts fit (RoPE
+    is computed, so the weights do not depend on it)."""
     path = tiny_model_dir(root)
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -95,9 +93,7 @@ async def one(port: int, data: bytes, t0: float, first_seen: asyncio.Queue) -> t
 
 
 def start_server(model: str, args) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "prefixrt.cli", "serve", "--model", model, "--port", str(port), "--log-level",
            "warning", "--device", "cpu", "--kv-cache-tokens", str(args.kv_cache_tokens),
@@ -174,7 +170,7 @@ def wire_costs(requests: int, prompt_len: int, repeat: int = 2000) -> dict:
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from prefixrt.engine import messages as M
+    from prefixrt.engine.process import messages as M
     from prefixrt.engine.stream import StepOutput
     from prefixrt.params import SamplingParams
 
@@ -203,7 +199,7 @@ def wire_costs(requests: int, prompt_len: int, repeat: int = 2000) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = script_parser(__doc__)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prefix", type=int, default=3500)
     ap.add_argument("--unique", type=int, default=80)

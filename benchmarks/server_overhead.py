@@ -1,6 +1,6 @@
 """HTTP serving overhead and GIL check: the same shared-prefix workload in-process vs through `prefixrt serve`.
 
-    PYTHONPATH=. python benchmarks/server_overhead.py [--model PATH] [--load-format dummy] [--requests 256] ...
+    PYTHONPATH=$PWD python benchmarks/server_overhead.py [--model PATH] [--load-format dummy] [--requests 256] ...
 
 Without --model, a tiny random Llama (2 layers, hidden 64, vocab 320) with a byte-level tokenizer is built in
 a temp folder: the model step is then so cheap that any HTTP/GIL cost shows. Each request: a shared prefix
@@ -18,58 +18,26 @@ sent several tokens in one event).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import child_pids, cpu_seconds, free_port, script_parser, tiny_model_dir
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_model_dir(root: Path) -> Path:
-    sys.path.insert(0, str(REPO))
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from tests.helpers.checkpoints import save_tiny_checkpoint
-    from tests.helpers.engines import CORPUS
-
-    path = root / "tiny-llama"
-    save_tiny_checkpoint("llama", path)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([CORPUS], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                            pad_token="<pad>").save_pretrained(path)
-    return path
 
 
 def workload(n: int, prefix: int, unique: int, vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     shared = [1] + [rng.randrange(3, vocab) for _ in range(prefix - 1)]
     return [shared + [rng.randrange(3, vocab) for _ in range(unique)] for _ in range(n)]
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
 
 
 def process_cpu(pids: dict[str, int]) -> dict[str, float]:
@@ -115,9 +83,7 @@ async def run_http(model: str, prompts, output: int, engine_args: list[str], lab
                    client: str = "httpx") -> dict:
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "prefixrt.cli", "serve", "--model", model, "--port", str(port),
                              "--log-level", "warning", *engine_args], env=env, start_new_session=True)
@@ -212,7 +178,7 @@ async def run_http(model: str, prompts, output: int, engine_args: list[str], lab
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = script_parser(__doc__)
     ap.add_argument("--model", default=None, help="default: a tiny random Llama built in a temp folder")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--requests", type=int, default=256)

@@ -1,6 +1,6 @@
 """Host time per streamed event of the serialization step, general path vs the fast paths (no sockets).
 
-    PYTHONPATH=. python benchmarks/sse_events.py
+    PYTHONPATH=$PWD python benchmarks/sse_events.py
 
 completions: sse(convert.completion_chunk(...)) (the general path) vs convert.TextEvents.event (the template);
 chat: sse(convert.chat_chunk(..., {"content": t})) vs TextEvents; /generate: sse(dataclasses.asdict(chunk)) vs
@@ -14,6 +14,7 @@ import json
 import statistics
 import timeit
 
+from benchmarks.common import script_parser
 from prefixrt.outputs import Chunk
 from prefixrt.server import convert
 from prefixrt.server.sse import sse
@@ -28,6 +29,7 @@ def per_event_us(fn, n: int = 20000) -> float:
 
 
 def main() -> None:
+    script_parser(__doc__).parse_args()
     rows = []
     for obj in ("text_completion", "chat.completion.chunk"):
         ev = convert.TextEvents(RID, MODEL, CREATED, obj)

@@ -26,6 +26,7 @@ except ModuleNotFoundError as _missing:  # name the extras instead of a bare "No
         name=_missing.name,
     ) from _missing
 
+from prefixrt.default_models import CHAT_MODEL
 from prefixrt.server.inprocess import AsyncASGIStreamTransport, SyncASGIStreamTransport
 
 BASE_URL = "http://prefixrt.local/v1"
@@ -38,7 +39,7 @@ def _engine_and_owner(engine, model: str | None, engine_kwargs: dict):
         return engine, None
     from prefixrt.engine.engine import Engine
 
-    eng = Engine(model or "smollm2-135m-instruct", **engine_kwargs)
+    eng = Engine(model or CHAT_MODEL, **engine_kwargs)
     return eng, eng.shutdown
 
 

@@ -110,6 +110,7 @@ class EngineStats:
     kv_locked: int = 0
     forward_passes_total: int = 0
     retracted_requests_total: int = 0
+    preempted_requests_total: int = 0  # of the retracted: preempted for a waiting request's first token (host tier)
     aborted_requests_total: int = 0
     cache_audits_total: int = 0  # cache hits whose K/V was recomputed and compared (cache_audit_rate)
     cache_audit_mismatches_total: int = 0  # audits that found cached K/V differing from the recomputation
@@ -124,6 +125,10 @@ class EngineStats:
     host_backup_seconds_total: float = 0.0
     host_evicted_tokens_total: int = 0  # host copies dropped (host LRU)
     host_load_failures_total: int = 0  # admissions whose host part found no pool room (recomputed instead)
+    host_prefetch_tokens_total: int = 0  # host-tier tokens loaded for waiting requests ahead of their admission
+    host_prefetch_hits_total: int = 0  # admissions that found their host part already loaded by a prefetch
+    host_prefetch_misses_total: int = 0  # admissions that started their host-part load themselves
+    retracted_to_host_tokens_total: int = 0  # retracted requests' tokens given a host copy at retraction
     # Disk tier (kv_disk_dir; all 0 when off). Disk hits are loaded disk -> host -> pool, so they are in
     # host_hit_tokens_total and cached_tokens_total too.
     kv_disk_total_bytes: int = 0  # the size cap

@@ -35,7 +35,7 @@ class Req:
     params: SamplingParams
     sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
-    namespace: Any = None  # cache_salt: requests in different namespaces never share KV
+    salt: Any = None  # the request's cache_salt: requests with different salts never share KV
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)  # prompt_ids + output_ids, kept in step with them
@@ -47,6 +47,8 @@ class Req:
     cached_len: int = 0  # leading tokens whose pages belong to the radix tree (locked via cache_handle)
     cache_handle: Any = None
     disk_lookup: Any = None  # disk tier: the read in flight for its prefix, or the match end last looked up
+    prefetch: Any = None  # host tier: the lock handle of its path, loaded into the pool while it waits
+    kv_load: Any = None  # host tier: the latest load into its path that its next forward must wait for
     # Reporting
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission (None: not admitted yet)
     prompt_counted: bool = False  # its prompt/cached tokens are in EngineStats (counted once, at first forward)
@@ -65,7 +67,7 @@ class Req:
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
     retractions: int = 0
-    # Overlap scheduling (engine/core.py): samples launched on the device and not yet read by the host
+    # Overlap scheduling (engine/loop/core.py): samples launched on the device and not yet read by the host
     num_unresolved: int = 0
     future: Any = None  # (step, row): where the last unresolved token lives on the device
     chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache

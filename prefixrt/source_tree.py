@@ -4,18 +4,20 @@ The design card keeps `kernels/` and `adapters/` at the repo's top level, shippe
 `prefixrt.adapters` (pyproject's package-dir). Two things follow from that layout when the repo root is on
 sys.path (`python -m pytest`, `PYTHONPATH=<repo>`):
 
+- `import kernels` / `import adapters` must reach the installed distributions of those names (transformers
+  imports the `kernels` package), not our folders. The folders have no `__init__.py`: a directory without one is
+  only a namespace-package portion, which Python's import system passes over whenever a regular package of the
+  same name exists further down sys.path. With none installed, the bare name imports as an empty namespace
+  package with no `__file__` and no distribution metadata, which is exactly what transformers' availability
+  probe reports as "not installed" (it finds a spec, so raising ModuleNotFoundError there would break its probe).
 - `prefixrt.kernels` / `prefixrt.adapters` must import without an install: `SourceTreeFinder` maps exactly
   those two names to their folders (no `__path__` extension that would also expose tests/, docs/, ...).
-- `import kernels` / `import adapters` must reach the installed distributions of those names (transformers
-  imports the `kernels` package), not our folders: each folder's `__init__` calls `import_installed` when it
-  finds itself imported under its bare name, which puts the distribution in its place in sys.modules or
-  raises ModuleNotFoundError as if the folder were not there.
 """
 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import os
 import sys
 
@@ -28,14 +30,16 @@ def checkout_root(package_file: str) -> str | None:
     An installed prefixrt sits in site-packages, where a `kernels/` beside it is the other distribution; a
     checkout is recognised by its pyproject.toml next to the subpackage folders."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(package_file)))
-    marks = [os.path.join(root, "pyproject.toml")] + [os.path.join(root, n, "__init__.py") for n in SUBPACKAGES]
-    return root if all(os.path.isfile(m) for m in marks) else None
+    ok = os.path.isfile(os.path.join(root, "pyproject.toml")) and all(os.path.isdir(os.path.join(root, n))
+                                                                     for n in SUBPACKAGES)
+    return root if ok else None
 
 
 class SourceTreeFinder(importlib.abc.MetaPathFinder):
     """Finds prefixrt.kernels / prefixrt.adapters in a checkout's top-level folders: the mapping that
     pyproject's package-dir makes at install, made here for `PYTHONPATH=<repo>` and for editable installs
-    of another checkout (it goes first on sys.meta_path, so this checkout's folders win)."""
+    of another checkout (it goes first on sys.meta_path, so this checkout's folders win). The folders have no
+    `__init__.py`: each is a package with no code of its own."""
 
     def __init__(self, root: str):
         self.folders = {f"prefixrt.{n}": os.path.join(root, n) for n in SUBPACKAGES}
@@ -44,9 +48,9 @@ class SourceTreeFinder(importlib.abc.MetaPathFinder):
         folder = self.folders.get(fullname)
         if folder is None:
             return None
-        return importlib.util.spec_from_file_location(
-            fullname, os.path.join(folder, "__init__.py"), submodule_search_locations=[folder]
-        )
+        spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+        spec.submodule_search_locations = [folder]
+        return spec
 
 
 def install_finder(package_file: str) -> None:
@@ -55,31 +59,3 @@ def install_finder(package_file: str) -> None:
     if root is None or any(isinstance(f, SourceTreeFinder) for f in sys.meta_path):
         return
     sys.meta_path.insert(0, SourceTreeFinder(root))
-
-
-def import_installed(name: str, shadow_file: str) -> None:
-    """Replace the repo folder imported as top-level `name` by the installed distribution of that name.
-
-    Called from the folder's own `__init__` while `import name` runs; the import system returns whatever
-    sys.modules[name] holds once that `__init__` finishes. The distribution is looked up with the repo root
-    left out of sys.path; none installed raises ModuleNotFoundError, as the plain import would."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(shadow_file)))
-    del sys.modules[name]
-    saved = sys.path[:]
-    sys.path[:] = [p for p in saved if os.path.abspath(p or os.curdir) != root]
-    try:
-        spec = importlib.util.find_spec(name)
-    finally:
-        sys.path[:] = saved
-    if spec is None:
-        raise ModuleNotFoundError(
-            f"No module named {name!r} (the repo's {name}/ folder is prefixrt.{name}, not a top-level package)",
-            name=name,
-        )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise

@@ -27,6 +27,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture
+def underestimated_decode(monkeypatch):
+    """Admission that reserves one decode token per request (its estimate far too low), so a small pool fills
+    while requests decode and the scheduler must retract: the last-resort path, exercised on purpose."""
+    from prefixrt.engine.loop.admission import DecodeEstimate
+
+    def remaining(self, req):
+        return min(1, max(0, req.params.max_new_tokens - len(req.output_ids) - req.num_unresolved))
+
+    monkeypatch.setattr(DecodeEstimate, "remaining", remaining)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory):
     """A byte-level BPE with 320 ids (matching the tiny checkpoints' vocab): <pad>=0, <bos>=1, <eos>=2."""

@@ -8,6 +8,14 @@ same run) or against a `prefixrt serve` URL; prints a table and optionally write
     prefixrt bench --workload shared-prefix --plot bench.png   # throughput + cold/hot TTFT as a picture
     prefixrt bench --workload long-context --model llama-3-8b --load-format dummy --baselines radix
 
+    prefixrt bench --program tree-of-thought --model llama-3-8b --load-format dummy --preset gpu \
+        --ablations full,no-cache,block-cache,fcfs,no-hint,no-parallel --json tot.json --plot tot.png
+    prefixrt bench --program all --preset ci --url http://127.0.0.1:30000 --ablations full,no-hint
+
+--program runs the SGLang paper's LM-program workloads (prefixrt/bench/programs/, docs/benchmarks-programs.md):
+programs/s, tokens/s, program latency, cache hit rate and the ideal hit rate of the same request trace, under each
+ablation (engine ablations need an in-process engine; over --url only full, no-hint and no-parallel run).
+
 long-context also prints the throughput of the computed (uncached) prompt tokens beside the bf16 compute
 floor (compute_floor.py; --peak-tflops, default the H200's 790).
 """
@@ -24,13 +32,26 @@ import sys
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 from prefixrt.bench.compute_floor import H200_BF16_DENSE_TFLOPS, ModelShape, floor_report, format_floor
+from prefixrt.default_models import BASE_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="prefixrt bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context"], default="shared-prefix")
-    ap.add_argument("--model", default="gemma-3-270m", help="registry name or local folder")
+    ap.add_argument("--program", default=None,
+                    help="an LM-program workload (or 'all', or a comma list) instead of --workload: "
+                         "mmlu, hellaswag, react, generative-agents, tree-of-thought, skeleton-of-thought, "
+                         "llm-judge, json, multi-turn-short, multi-turn-long, dspy-rag")
+    ap.add_argument("--preset", default="ci", choices=["ci", "gpu"], help="--program sizes (base.py)")
+    ap.add_argument("--ablations", default="full,no-cache",
+                    help="--program: comma list of full, no-cache, block-cache, fcfs, no-hint, no-parallel")
+    ap.add_argument("--num-threads", type=int, default=64, help="--program: programs run at once")
+    ap.add_argument("--tokenizer", default=None,
+                    help="--program with --url: registry name or folder of the served model's tokenizer "
+                         "(default: the served model's name)")
+    ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context", "agent"],
+                    default="shared-prefix")
+    ap.add_argument("--model", default=BASE_MODEL, help="registry name or local folder")
     ap.add_argument("--model-config", dest="model", help="alias of --model (e.g. llama-3-8b with dummy weights)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--url", default=None, help="benchmark a running `prefixrt serve` instead")
@@ -53,9 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--sessions", type=int, default=None, help="multi-turn: 32; long-context: 4")
-    ap.add_argument("--turns", type=int, default=None, help="multi-turn: 4; long-context: 8")
-    ap.add_argument("--append-len", type=int, default=4000, help="long-context: tokens appended a turn")
+    ap.add_argument("--sessions", type=int, default=None, help="multi-turn: 32; long-context: 4; agent: 16")
+    ap.add_argument("--turns", type=int, default=None, help="multi-turn: 4; long-context: 8; agent: 6")
+    ap.add_argument("--append-len", type=int, default=None,
+                    help="tokens appended a turn (long-context: 4000; agent: 2048)")
+    ap.add_argument("--shared-len", type=int, default=16384, help="agent: the context every session shares")
+    ap.add_argument("--own-len", type=int, default=8192, help="agent: each session's own first context")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS,
                     help="dense bf16 peak for the compute floor (long-context)")
     # engine flags
@@ -65,11 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-tokens", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--schedule-policy", default="lpm")
+    ap.add_argument("--prefix-cache", default="radix", choices=["radix", "block"])
     ap.add_argument("--chunked-prefill-tokens", type=int, default=8192)
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--host-kv-cache-tokens", type=int, default=None, help="host tier of the KV cache (tokens)")
     ap.add_argument("--host-kv-write-policy", default="write_through",
                     choices=["write_through", "write_through_selective", "write_back"])
+    ap.add_argument("--host-kv-prefetch", default="wait_complete", choices=["wait_complete", "best_effort", "off"])
     return ap
 
 
@@ -82,13 +108,20 @@ def make_workload(args, vocab: int) -> W.Workload:
     if args.workload == "random":
         return W.random_prompts(vocab, args.requests or 256, args.input_len, args.output_len or 256, args.seed)
     if args.workload == "long-context":
-        return W.long_context(vocab, args.sessions or 4, args.turns or 8, args.append_len,
+        return W.long_context(vocab, args.sessions or 4, args.turns or 8, args.append_len or 4000,
                               args.output_len or 32, args.seed)
+    if args.workload == "agent":
+        return W.agent(vocab, args.sessions or 16, args.turns or 6, args.shared_len, args.own_len,
+                       args.append_len or 2048, args.output_len or 64, args.seed)
     return W.multi_turn(vocab, args.sessions or 32, args.turns or 4, output_len=args.output_len or 64, seed=args.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.program:
+        from prefixrt.bench.programs.cli import run_programs
+
+        return run_programs(args, argv)
     results: list[R.Result] = []
     floors: list[str] = []  # long-context: computed-token throughput beside the compute floor, per run
     meta = {"date": datetime.date.today().isoformat(), "argv": ["prefixrt", "bench", *(argv or sys.argv[1:])],
@@ -112,10 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         engine_kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                              attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                              page_size=args.page_size, schedule_policy=args.schedule_policy,
+                             prefix_cache=args.prefix_cache,
                              chunked_prefill_tokens=args.chunked_prefill_tokens,
                              max_running_requests=args.max_running_requests, seed=args.seed,
                              host_kv_cache_tokens=args.host_kv_cache_tokens,
-                             host_kv_write_policy=args.host_kv_write_policy)
+                             host_kv_write_policy=args.host_kv_write_policy, host_kv_prefetch=args.host_kv_prefetch)
         baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
         w = None
         path = dtype = device = None

@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 
+from prefixrt.default_models import BASE_MODEL
 from prefixrt.frontend import ProviderBackend, function, gen
 
 CONTEXT = (
@@ -72,7 +73,7 @@ def run_once(engine, prefix_hints: bool, levels: int, branches: int, max_tokens:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gemma-3-270m")
+    ap.add_argument("--model", default=BASE_MODEL)
     ap.add_argument("--levels", type=int, default=3)
     ap.add_argument("--branches", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)

@@ -23,6 +23,7 @@ class RequestRecord:
     ttft_s: float
     latency_s: float
     itl_s: list[float] = field(default_factory=list)
+    turn: int = 0  # the turn's index in its session
 
 
 @dataclass
@@ -88,7 +89,7 @@ async def _run_async(provider, workload: Workload, concurrency: int, progress, t
     prompts: list[list[int]] = []
     chars = [0]
 
-    async def one(prompt: list[int], max_new: int) -> list[int]:
+    async def one(prompt: list[int], max_new: int, turn: int) -> list[int]:
         async with sem:
             params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, "detokenize": text}
             t0 = time.perf_counter()
@@ -106,7 +107,7 @@ async def _run_async(provider, workload: Workload, concurrency: int, progress, t
                 chars[0] += len(ch.text or "")
                 cached = ch.cached_tokens
             end = time.perf_counter()
-            records.append(RequestRecord(len(prompt), cached, len(out), (first or end) - t0, end - t0, itl))
+            records.append(RequestRecord(len(prompt), cached, len(out), (first or end) - t0, end - t0, itl, turn))
             prompts.append(prompt)
             if progress is not None:
                 progress.update(1)
@@ -114,9 +115,9 @@ async def _run_async(provider, workload: Workload, concurrency: int, progress, t
 
     async def session(turns):
         history: list[int] = []
-        for turn in turns:
+        for i, turn in enumerate(turns):
             prompt = history + turn.new_tokens
-            out = await one(prompt, turn.max_new_tokens)
+            out = await one(prompt, turn.max_new_tokens, i)
             history = prompt + out
 
     t0 = time.perf_counter()

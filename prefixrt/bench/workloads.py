@@ -93,6 +93,45 @@ def long_context(vocab: int, sessions: int = 4, turns: int = 8, append_len: int 
                     dict(sessions=sessions, turns=turns, append_len=append_len, output_len=output_len))
 
 
+def agent(vocab: int, sessions: int = 16, turns: int = 6, shared_len: int = 16384, own_len: int = 8192,
+          append_len: int = 2048, output_len: int = 64, seed: int = 0) -> Workload:
+    """Coding agents over one repository: every session starts from the same shared context (system prompt,
+    tools, the repository map: shared_len tokens) plus its own (the task and the files it opened: own_len), and
+    each later turn appends a tool result (append_len) to the whole history. All sessions run at once, so
+    with a pool smaller than the working set (working_set_tokens) the running sessions' histories compete
+    for it: the regime of issue-tracker agents with long, highly reused contexts."""
+    rng = random.Random(seed)
+    shared = _ids(rng, shared_len, vocab)
+    out = []
+    for _ in range(sessions):
+        first = Turn(shared + _ids(rng, own_len, vocab), output_len)
+        out.append([first] + [Turn(_ids(rng, append_len, vocab), output_len) for _ in range(turns - 1)])
+    last = shared_len + own_len + (turns - 1) * (append_len + output_len)
+    return Workload("agent", out, f"{sessions} sessions x {turns} turns, {shared_len} shared + {own_len} own, "
+                    f"+{append_len} a turn (last prompt {last} tokens), {output_len} out",
+                    dict(sessions=sessions, turns=turns, shared_len=shared_len, own_len=own_len,
+                         append_len=append_len, output_len=output_len))
+
+
+def working_set_tokens(w: Workload) -> int:
+    """Tokens of K/V that keep every session's whole history (prompts and outputs) cached at once, a prefix
+    shared by several sessions counted once: the pool an unbounded run needs."""
+    trie: dict = {}
+    nodes = 0
+    for s in w.sessions:
+        history: list[int] = []
+        for turn in s:
+            history = history + turn.new_tokens + [-1 - len(history)] * turn.max_new_tokens  # outputs: unique
+        cur = trie
+        for t in history:
+            nxt = cur.get(t)
+            if nxt is None:
+                nxt = cur[t] = {}
+                nodes += 1
+            cur = nxt
+    return nodes
+
+
 def optimal_hit_rate(prompts: list[list[int]]) -> float:
     """Cache hit rate of an ideal cache that keeps everything: every distinct prefix computed once."""
     trie: dict = {}
@@ -107,3 +146,25 @@ def optimal_hit_rate(prompts: list[list[int]]) -> float:
                 nodes += 1
             cur = nxt
     return (total - nodes) / total if total else 0.0
+
+
+def ideal_hit_rate(requests: list[tuple[list[int], list[int], int]]) -> float:
+    """Hit rate of an ideal cache over a request trace in submission order: each request (prompt ids, output ids,
+    reuse cap) reuses the longest prefix of its prompt that any earlier request computed (its prompt, or its
+    prompt plus all but the last of its output tokens, whose K/V an engine computes while decoding), at most
+    `reuse cap` tokens (an engine recomputes at least the last prompt token). A cache that never evicts and
+    matches token by token reaches it; the offline optimum of the paper's hit-rate comparison."""
+    trie: dict = {}
+    hits = total = 0
+    for prompt, output, cap in requests:
+        total += len(prompt)
+        node, depth = trie, 0
+        for t in prompt:
+            nxt = node.get(t)
+            if nxt is None:
+                break
+            node, depth = nxt, depth + 1
+        hits += max(0, min(depth, cap))
+        for t in (prompt + output[:-1])[depth:]:
+            node = node.setdefault(t, {})
+    return hits / total if total else 0.0

@@ -75,6 +75,10 @@ class KVManager:
         self._copying: dict[int, Transfer] = {}
         self._copy_held: list[tuple[Transfer, list[int]]] = []
         self.load_failures_total = 0  # admissions whose host part could not get pool pages (recomputed)
+        self.prefetch_tokens_total = 0  # host-tier tokens loaded for waiting requests (prefetch)
+        self.prefetch_hits_total = 0  # admissions of requests whose host part a prefetch had loaded
+        self.prefetch_misses_total = 0  # admissions that started loading their host part themselves
+        self.retracted_to_host_tokens_total = 0  # retracted requests' tokens copied to the host tier at retraction
         self._incoming: dict[int, IncomingKV] = {}  # id -> a receive whose pages it owns (not yet published)
         self.lifetime_violations = 0  # the checker's count: pages freed or reused while a write was pending
         if self.tiered is not None:
@@ -109,6 +113,26 @@ class KVManager:
         ps = self.page_size
         return max(0, -(-(req.kv_len + num_new_tokens) // ps) - len(req.pages))
 
+    @property
+    def available_pages(self) -> int:
+        """Pages obtainable without touching a running request: free, evictable, and those held only until a
+        forward or a host copy in flight completes."""
+        return (self.allocator.free_pages + self.cache.evictable_tokens // self.page_size + self._deferred_pages
+                + self._held_copy_pages())
+
+    def pages_to_finish(self, req: Req, extra_tokens: int) -> int:
+        """Pages a running req still needs for the rest of its prompt and extra_tokens more tokens."""
+        ps = self.page_size
+        return max(0, -(-(req.seq_len + extra_tokens) // ps) - len(req.pages))
+
+    def pages_to_admit(self, req: Req, m: MatchResult, extra_tokens: int) -> int:
+        """Pages that admitting waiting req on its match m and running it to extra_tokens past its prompt takes
+        from available_pages: its host part (loaded) and uncached tokens, the decode growth, and the pool part of m
+        that no lock covers yet (locking it takes it out of the evictable pages). Read-only."""
+        ps = self.page_size
+        return (-(-(req.seq_len + extra_tokens) // ps) - m.length // ps
+                + self.cache.unlocked_on_path(m) // ps)
+
     # ------------------------------------------------------------------ admission
     @staticmethod
     def _reuse_cap(req: Req) -> int:
@@ -119,7 +143,7 @@ class KVManager:
 
     def match(self, req: Req) -> MatchResult:
         """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
-        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=self._reuse_cap(req))
+        return self.cache.match_prefix(req.all_ids, req.salt, max_len=self._reuse_cap(req))
 
     def disk_ready(self, req: Req, m: MatchResult) -> bool:
         """Admission check of the disk tier (True without one). If the disk holds the continuation of req's match
@@ -132,21 +156,21 @@ class KVManager:
             if not look.done.is_set():
                 return False
             self.disk.finish_fetch(look)
-            self.tiered.attach_from_disk(req.namespace, req.all_ids, look)
+            self.tiered.attach_from_disk(req.salt, req.all_ids, look)
             m = self.match(req)
             req.disk_lookup = m.length + m.host_length  # (a segment only partly read: the rest is recomputed)
             return True
         end = m.length + m.host_length
         if look == end:
             return True
-        entries = self.disk.lookup(req.namespace, req.all_ids, end, self._reuse_cap(req))
+        entries = self.disk.lookup(req.salt, req.all_ids, end, self._reuse_cap(req))
         if not entries:
             req.disk_lookup = end
             return True
         for f in self._fetches:  # another request reads the same file for the same position: wait for it to attach
-            if f.namespace == req.namespace and f.start == end and f.entries[0].name == entries[0].name:
+            if f.salt == req.salt and f.start == end and f.entries[0].name == entries[0].name:
                 return False
-        req.disk_lookup = self.disk.fetch(req.namespace, req.all_ids, end, self._reuse_cap(req), entries)
+        req.disk_lookup = self.disk.fetch(req.salt, req.all_ids, end, self._reuse_cap(req), entries)
         self._fetches.append(req.disk_lookup)
         return False
 
@@ -165,6 +189,11 @@ class KVManager:
             m = self.match(req)
         if self.tiered is not None:
             m, req.cache_handle = self._admit_tiered(req, m)
+            req.kv_load = self.tiered.load_on_path(req.cache_handle)  # what its first forward waits for
+            if req.prefetch is not None:  # the prefetch's lock is now covered by the admission's
+                self.tiered.unlock(req.prefetch)
+                req.prefetch = None
+                self.prefetch_hits_total += 1
         else:
             req.cache_handle = self.cache.lock(m)
         req.row = self.table.alloc_row()
@@ -205,29 +234,66 @@ class KVManager:
             del self._prefix_rows[handle]
 
     def _admit_tiered(self, req: Req, m: MatchResult):
-        cache, ps = self.tiered, self.page_size
+        cache = self.tiered
         if m.host_length:
             end = m.length + m.host_length
-            handle = cache.lock_host(m)  # neither tier may evict the path while pages are found for it
-            ok = self.ensure_pages(cache.host_tokens_on_path(handle) // ps)
-            need = cache.host_tokens_on_path(handle) // ps  # a reclaim may have published part of it meanwhile
-            if ok and self.allocator.can_alloc(need):
-                pages = self.allocator.alloc(need)
-                if self.debug:
-                    self._check_no_copy_pending(pages)
-                slots = pages_to_slots(pages, ps)
-                if slots:
-                    self.track(cache.load_back(handle, slots), slots)
-                m = cache.match_prefix(req.all_ids, req.namespace, max_len=end)  # the locked path, now on the pool
+            handle = self._load_host_part(m)
+            if handle is not None:
+                self.prefetch_misses_total += 1
+                m = cache.match_prefix(req.all_ids, req.salt, max_len=end)  # the locked path, now on the pool
                 assert m.length == end and m.handle is handle, "load_back did not make the locked path pool-resident"
                 cache.record_hit(handle)
                 return m, handle
-            cache.unlock(handle)
             self.load_failures_total += 1
             m = self.match(req)
         handle = cache.lock(m)
         cache.record_hit(handle)
         return m, handle
+
+    def _load_host_part(self, m: MatchResult):
+        """Lock m's whole path (host part included), give its host-only part pool pages and start loading it
+        there. Returns the lock handle, or None (nothing locked) when the pool cannot make room."""
+        cache, ps = self.tiered, self.page_size
+        handle = cache.lock_host(m)  # neither tier may evict the path while pages are found for it
+        ok = self.ensure_pages(cache.host_tokens_on_path(handle) // ps)
+        need = cache.host_tokens_on_path(handle) // ps  # a reclaim may have published part of it meanwhile
+        if not (ok and self.allocator.can_alloc(need)):
+            cache.unlock(handle)
+            return None
+        pages = self.allocator.alloc(need)
+        if self.debug:
+            self._check_no_copy_pending(pages)
+        slots = pages_to_slots(pages, ps)
+        if slots:
+            self.track(cache.load_back(handle, slots), slots)
+        return handle
+
+    # ------------------------------------------------------------------ host tier: prefetch
+    def prefetch(self, req: Req, m: MatchResult) -> bool:
+        """Start loading the host-resident part of waiting req's match m into the pool now, ahead of its
+        admission, so the copy overlaps the running batch. The loaded path stays locked for req (req.prefetch)
+        until admit() takes it over or cancel_prefetch() lets it go. False: nothing to load, or no room."""
+        if self.tiered is None or not m.host_length or req.prefetch is not None:
+            return False
+        handle = self._load_host_part(m)
+        if handle is None:
+            return False
+        req.prefetch = handle
+        self.prefetch_tokens_total += m.host_length
+        return True
+
+    def prefetch_ready(self, req: Req) -> bool:
+        """req has no prefetch, or its load has completed."""
+        if req.prefetch is None:
+            return True
+        load = self.tiered.load_on_path(req.prefetch)
+        return load is None or load.query()
+
+    def cancel_prefetch(self, req: Req) -> None:
+        """req leaves the queue without being admitted (aborted): unlock its prefetched path (it stays cached)."""
+        if req.prefetch is not None:
+            self.tiered.unlock(req.prefetch)
+            req.prefetch = None
 
     # ------------------------------------------------------------------ host tier: copies and their pages
     def track(self, transfer: Transfer, slots: list[int]) -> None:
@@ -269,7 +335,7 @@ class KVManager:
                 raise AssertionError(f"KV page {p} reused while a {t.kind} copy into/out of it is pending")
 
     # ------------------------------------------------------------------ K/V written by another engine
-    def begin_receive(self, tokens: list[int], namespace: Any) -> IncomingKV | None:
+    def begin_receive(self, tokens: list[int], salt: Any) -> IncomingKV | None:
         """Pages for K/V another engine will write into this pool: positions [start, n) of tokens, n = len(tokens)
         rounded down to a page, start = what the prefix cache already holds (that path stays locked until the
         receive ends). The pages are private to the receive and tracked by its Transfer (kind "receive"), whose
@@ -279,7 +345,7 @@ class KVManager:
         n = len(tokens) // ps * ps
         if not self.cache.retains or n == 0:
             return None
-        m = self.cache.match_prefix(tokens, namespace, max_len=n)
+        m = self.cache.match_prefix(tokens, salt, max_len=n)
         if m.length >= n:
             return None
         handle = self.cache.lock(m)
@@ -291,7 +357,7 @@ class KVManager:
         if self.debug:
             self._check_no_copy_pending(pages)
         slots = pages_to_slots(pages, ps)
-        inc = IncomingKV(tokens=list(tokens[:n]), namespace=namespace, start=m.length, prefix_slots=list(m.slots),
+        inc = IncomingKV(tokens=list(tokens[:n]), salt=salt, start=m.length, prefix_slots=list(m.slots),
                          pages=pages, slots=slots, handle=handle,
                          transfer=Transfer("receive", self.pool.num_layers, len(slots), cuda=False))
         self.track(inc.transfer, slots)
@@ -306,7 +372,7 @@ class KVManager:
         for p in inc.pages:
             if self._copying.get(p) is inc.transfer:
                 del self._copying[p]
-        existing = self.cache.insert(inc.tokens, inc.prefix_slots + inc.slots, inc.namespace)
+        existing = self.cache.insert(inc.tokens, inc.prefix_slots + inc.slots, inc.salt)
         ps = self.page_size
         dup = max(0, existing - inc.start) // ps
         self._free_pages(inc.pages[:dup])
@@ -334,12 +400,25 @@ class KVManager:
         """Receives not yet published or abandoned, plus abandoned ones whose transfer is still pending."""
         return len(self._incoming) + sum(1 for t, _ in self._copy_held if t.kind == "receive")
 
-    def load_waiter(self) -> LoadWaiter | None:
-        """What the next forward must wait on, layer by layer: every load in flight (None: nothing)."""
+    def load_waiter(self, reqs: list[Req] | None = None) -> LoadWaiter | None:
+        """What a forward over reqs must wait on, layer by layer: the loads into their paths that may still be in
+        flight (None: nothing). The copies run in one FIFO, so the latest of them passing means all have: one
+        Transfer is enough. reqs None: every load in flight (a reader of arbitrary cached slots)."""
         if self.tiered is None:
             return None
-        loads = self.tiered.transfer.pending_loads()
-        return LoadWaiter(list(loads), self.pool.num_layers) if loads else None
+        if reqs is None:
+            loads = self.tiered.transfer.pending_loads()
+            return LoadWaiter(list(loads), self.pool.num_layers) if loads else None
+        latest = None
+        for r in reqs:
+            t = r.kv_load
+            if t is None:
+                continue
+            if t.query():
+                r.kv_load = None
+            elif latest is None or t.seq > latest.seq:
+                latest = t
+        return LoadWaiter([latest], self.pool.num_layers) if latest is not None else None
 
     def close(self) -> None:
         """Shutdown (the loop has stopped): a disk tier writes what it lacks, then the workers stop."""
@@ -412,7 +491,8 @@ class KVManager:
         ps = self.page_size
         # Only tokens the host knows are published (a request that failed before its last token was read
         # has K/V past all_ids: the tree must never hold K/V under a token it cannot name).
-        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // ps * ps
+        align = self.cache.align_tokens  # a block cache keeps whole blocks only: the rest stays private
+        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // align * align
         if n <= req.cached_len:
             return
         tokens = req.all_ids[:n]
@@ -422,8 +502,8 @@ class KVManager:
             existing, have, m = self.cache.insert_below(req.cache_handle, start, tokens,
                                                         self.slots_of(req, start, n))
         else:
-            existing = self.cache.insert(tokens, self.slots_of(req, 0, n), req.namespace)
-            m = self.cache.match_prefix(tokens, req.namespace)
+            existing = self.cache.insert(tokens, self.slots_of(req, 0, n), req.salt)
+            m = self.cache.match_prefix(tokens, req.salt)
             have = m.slots[start:existing]
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
         if existing > start:
@@ -436,24 +516,28 @@ class KVManager:
         req.cache_handle = handle
         req.cached_len = n
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Req, to_host: bool = False) -> None:
         """req stops running (finished, aborted or retracted): publish its computed K/V to the cache, free
         what the cache does not take, unlock, and give back the table row. req's KV fields are cleared at once
-        (it may be admitted again); while a forward is in flight the rest waits for its fence (see reclaim)."""
+        (it may be admitted again); while a forward is in flight the rest waits for its fence (see reclaim).
+        to_host (a retraction, with a host tier): every node of its published path gets a host copy whatever the
+        write policy, so its K/V survives the pool's eviction and loads back when it resumes."""
+        req.kv_load = None
         if req.row is None:
+            self.cancel_prefetch(req)
             return
         self._forget_prefix_row(req.row)
         fence = self.write_fence
         if fence is not None and not fence.query():
-            held = _HeldKV(all_ids=req.all_ids[: req.kv_len], namespace=req.namespace, row=req.row,
+            held = _HeldKV(all_ids=req.all_ids[: req.kv_len], salt=req.salt, row=req.row,
                            pages=req.pages, kv_len=req.kv_len, cached_len=req.cached_len,
-                           cache_handle=req.cache_handle)
+                           cache_handle=req.cache_handle, to_host=to_host)
             self._running[req.row] = held
             self._deferred.append((fence, held))
             req.row, req.cache_handle, req.pages = None, None, []
             req.kv_len = req.cached_len = 0
             return
-        self._release_now(req)
+        self._release_now(req, to_host)
 
     def reclaim(self, wait: bool = False) -> None:
         """Finish the releases and frees whose fence has passed (wait=True: wait for every fence first)."""
@@ -473,7 +557,7 @@ class KVManager:
             self._reclaiming = True  # its fence has passed: nothing in flight can touch these pages
             try:
                 if isinstance(what, _HeldKV):
-                    self._release_now(what)
+                    self._release_now(what, what.to_host)
                 else:
                     self._deferred_pages -= len(what)
                     self._free_pages(what)
@@ -484,11 +568,13 @@ class KVManager:
     def has_deferred(self) -> bool:
         return bool(self._deferred or self._copy_held)
 
-    def _release_now(self, req) -> None:
+    def _release_now(self, req, to_host: bool = False) -> None:
         ps = self.page_size
         if self.cache.retains:
             self.cache_unfinished(req)
             private = req.pages[req.cached_len // ps :]
+            if to_host and self.tiered is not None and req.cache_handle is not None:
+                self.retracted_to_host_tokens_total += self.tiered.backup_path(req.cache_handle)
         else:
             private = req.pages
         self._free_pages_after_fence(private)
@@ -562,12 +648,13 @@ class _HeldKV:
     _release_now and cache_unfinished read)."""
 
     all_ids: list[int]
-    namespace: Any
+    salt: Any
     row: int
     pages: list[int]
     kv_len: int
     cached_len: int
     cache_handle: Any
+    to_host: bool = False  # a retraction: its path gets host copies (release's to_host)
 
 
 @dataclass(eq=False)
@@ -576,7 +663,7 @@ class IncomingKV:
     tokens go to `slots`; positions [0, start) were already cached here (prefix_slots, locked by handle)."""
 
     tokens: list[int]
-    namespace: Any
+    salt: Any
     start: int
     prefix_slots: list[int]
     pages: list[int]

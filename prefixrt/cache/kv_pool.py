@@ -1,6 +1,7 @@
 """KVPool: the paged K/V tensors themselves. Knows nothing about requests or the radix tree.
 
-Slot s of layer l holds one token's K and V: k_buffers[l][s] has shape [num_kv_heads, head_dim].
+Slot s of layer l holds one token's K and V: k_buffers[l][s] has shape [num_kv_heads, head_dim]; k_buffers[l] is
+k_all[l], a view of one [num_layers, num_slots, num_kv_heads, head_dim] tensor (v likewise).
 Slot 0 is a padding slot: never handed out by the allocator, so padded batch entries (CUDA graphs) may
 write to it harmlessly. Page p covers slots [p * page_size, (p + 1) * page_size).
 """
@@ -26,11 +27,20 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
         # Random-ish init rather than zeros would hide nothing; zeros are fine because every slot is
         # written before it is read (a freed slot can be poisoned with NaN in debug mode, see poison()).
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # One tensor per K and V over all layers (k_all[l] is layer l's buffer): a copy of some slots across every
+        # layer (the host tier's, cache/transfer.py) is then one indexed op, not one per layer.
+        self.k_all = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_buffers = list(self.k_all.unbind(0))
+        self.v_buffers = list(self.v_all.unbind(0))
+
+    def close(self) -> None:
+        """Free the K/V tensors (the pool is unusable afterwards)."""
+        self.k_buffers, self.v_buffers = [], []
+        self.k_all = self.v_all = None
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -45,6 +55,5 @@ class KVPool:
         """Debug aid: fill freed slots with NaN so a read-after-free shows up in the output."""
         if slots.numel() == 0 or not self.dtype.is_floating_point:
             return
-        for kb, vb in zip(self.k_buffers, self.v_buffers):
-            kb[slots] = float("nan")
-            vb[slots] = float("nan")
+        self.k_all[:, slots] = float("nan")
+        self.v_all[:, slots] = float("nan")

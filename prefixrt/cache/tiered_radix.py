@@ -27,18 +27,19 @@ from typing import Any
 from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult
 from prefixrt.cache.host_pool import HostKVPool
-from prefixrt.cache.radix import RadixCache, _common_prefix_len, _matched_len, _Node
+from prefixrt.cache.radix import RadixCache, _matched_len, _Node
 from prefixrt.cache.transfer import KVTransfer, Transfer
 from prefixrt.config import WRITE_POLICIES
 
 
 class _TNode(_Node):
-    __slots__ = ("host_slots", "hits")
+    __slots__ = ("host_slots", "hits", "load")
 
     def __init__(self, key, slots, parent, last_access, host_slots=None):
         super().__init__(key, slots, parent, last_access)
         self.host_slots = host_slots  # None: no host copy
         self.hits = 0  # admissions that used this node (write_through_selective)
+        self.load: Transfer | None = None  # the load that gave it its pool slots (a reader waits for it)
 
 
 class TieredRadixCache(RadixCache):
@@ -91,6 +92,7 @@ class TieredRadixCache(RadixCache):
                        node.last_access, None if node.host_slots is None else node.host_slots[:offset])
         upper.lock_ref = node.lock_ref
         upper.hits = node.hits
+        upper.load = node.load
         parent.children[self._page_key(upper.key, 0)] = upper
         node.key = node.key[offset:]
         if node.slots is not None:
@@ -105,8 +107,8 @@ class TieredRadixCache(RadixCache):
         return upper
 
     # ------------------------------------------------------------------ contract
-    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
-        root = self._roots.get(namespace)
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
+        root = self._roots.get(salt)
         limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
         if root is None or limit == 0:
             return MatchResult(0, [], None, 0, self.version)
@@ -207,7 +209,36 @@ class TieredRadixCache(RadixCache):
         self._count(handle, len(slots))
         self.version += 1
         self.host_hit_tokens_total += len(slots)
-        return self.transfer.load(src, list(slots))
+        load = self.transfer.load(src, list(slots))
+        for n in path:
+            n.load = load
+        return load
+
+    def load_on_path(self, handle) -> Transfer | None:
+        """The latest load into the pool slots of the path to handle that may still be in flight (None: all
+        done). The copies run in one FIFO: waiting for the latest covers the others. Clears finished marks."""
+        latest, node = None, handle
+        while node is not None and node.parent is not None:
+            t = node.load
+            if t is not None:
+                if t.query():
+                    node.load = None
+                elif latest is None or t.seq > latest.seq:
+                    latest = t
+            node = node.parent
+        return latest
+
+    def backup_path(self, handle) -> int:
+        """Give every pool-resident node on the path to handle a host copy, whatever the write policy (a retracted
+        request's K/V, kept for its resume). Returns the tokens copied; stops early if the host tier is full."""
+        copied, node = 0, handle
+        while node is not None and node.parent is not None:
+            if node.slots is not None and node.host_slots is None:
+                if not self._backup(node):
+                    break
+                copied += len(node.key)
+            node = node.parent
+        return copied
 
     def record_hit(self, handle) -> None:
         """An admission used the path to handle: count a hit on each node; the policy may back nodes up now."""
@@ -220,39 +251,21 @@ class TieredRadixCache(RadixCache):
                 self._backup(node)
             node = node.parent
 
-    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
-        n_total = self._align(len(tokens))
-        if n_total == 0:
-            return 0
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._roots[namespace] = _TNode([], [], None, 0)
-        tick = next(self._clock)
-        node, pos, existing = root, 0, None
-        while pos < n_total:
-            child = node.children.get(self._page_key(tokens, pos))
-            if child is None:
-                new = self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick)
-                if self.policy == "write_through":
-                    self._backup(new)
-                return pos if existing is None else existing
-            n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
-            if n < len(child.key):
-                child = self._split(child, n)
-            if child.slots is None:  # host-only: adopt the caller's freshly computed K/V (prefix-closed)
-                if existing is None:
-                    existing = pos
-                child.slots = list(slots[pos: pos + n])
-                if child.lock_ref:
-                    self._locked += n
-                else:
-                    self._evictable += n
-                self._count(child, n)
-                self.version += 1
-            self._touch(child, tick)
-            pos += n
-            node = child
-        return pos if existing is None else existing
+    def _inserted_leaf(self, node) -> None:
+        if self.policy == "write_through":
+            self._backup(node)
+
+    def _adopt(self, node, slots: list[int]) -> bool:
+        if node.slots is not None:
+            return False
+        node.slots = list(slots)  # host-only: adopt the caller's freshly computed K/V (prefix-closed)
+        if node.lock_ref:
+            self._locked += len(slots)
+        else:
+            self._evictable += len(slots)
+        self._count(node, len(slots))
+        self.version += 1
+        return True
 
     def _evictable_entry(self, node, tick: int) -> bool:
         return (node.parent is not None and node.slots is not None and node.lock_ref == 0

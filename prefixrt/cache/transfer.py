@@ -1,14 +1,17 @@
 """KVTransfer: batched K/V copies between the device pool and the host pool, layer by layer, off the loop.
 
 Every copy — a load (host -> pool), a backup (pool -> host), a host poisoning in debug mode — goes through one
-FIFO: on CUDA one load stream, on the CPU one worker thread. Invariants:
+FIFO: on CUDA one load stream, on the CPU one worker thread. The host tier is page-first (host_pool.py) and the
+pool layer-first: on CUDA a copy moves each run of consecutive host slots (every layer at once) in one DMA to or
+from a device staging buffer, and one indexed op per K/V scatters it into (or gathers it from) every layer of
+the pool, chunk by chunk (STAGING_BYTES). Invariants:
 - FIFO order makes host slots reusable at once: a copy into a host slot freed by eviction runs after every
   earlier copy that read it. Device slots have no such luck (the forward runs on another stream/thread): a
   device slot written by a load or read by a backup returns to the allocator only once that Transfer is done
   (KVManager tracks it, see kv_manager.py).
 - A Transfer has one completion mark per layer, set in layer order: layer i's mark passing means layers
-  0..i are copied. A forward waits on layer i's mark before layer i's attention reads the pool (LoadWaiter),
-  so layer i+1 loads while layer i computes.
+  0..i are copied. A forward waits on layer i's mark before layer i's attention reads the pool (LoadWaiter).
+  On CUDA all marks pass together (a copy moves every layer at once); the CPU copier sets them layer by layer.
 - A backup waits for the forwards already launched (CUDA: the load stream waits on the compute stream), so it
   copies K/V that is fully written.
 Race mode (delay_s > 0): every layer of every copy is delayed (a sleep on the worker, a spin kernel on the
@@ -17,21 +20,32 @@ stream) so a missing wait reads slots that are not loaded yet: poisoned with NaN
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 
 import torch
 
+from prefixrt.cache.host_lists import int64_tensor
 from prefixrt.cache.host_pool import HostKVPool
 from prefixrt.cache.kv_pool import KVPool
 
+# Device staging for one chunk of a copy (bytes): host runs land here by DMA, then one scatter per K/V puts them
+# into the layer-first pool (a load; a backup gathers first). Larger chunks amortise the scatter; this bounds the
+# device memory a copy borrows.
+STAGING_BYTES = 256 * 2**20
+
 
 class Transfer:
-    """One batched copy of num_tokens tokens' K/V, all layers."""
+    """One batched copy of num_tokens tokens' K/V, all layers. `seq` orders the copies of one FIFO (KVTransfer):
+    a copy with a higher seq completes after every copy with a lower one."""
+
+    _seq = itertools.count()
 
     def __init__(self, kind: str, num_layers: int, num_tokens: int, cuda: bool):
-        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: cache/kv_transport.py)
+        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: parallel/kv_transport.py)
+        self.seq = next(Transfer._seq)
         self.num_tokens = num_tokens
         self.cuda = cuda
         self.error: BaseException | None = None
@@ -212,8 +226,14 @@ class KVTransfer:
         if not self.cuda and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=10)
+        if self.cuda:
+            self.stream.synchronize()
+        self.host.close()
 
     # ------------------------------------------------------------------ the copies
+    def _chunk_tokens(self) -> int:
+        return max(1, STAGING_BYTES // self.host.bytes_per_token)
+
     def _issue(self, t: Transfer, host_slots: list[int], gpu_slots: list[int]) -> None:
         if not self.cuda:
             self._queue.put(("copy", t, list(host_slots), list(gpu_slots)))
@@ -222,29 +242,34 @@ class KVTransfer:
         s = self.stream
         if t.kind == "backup" or self.debug:  # a backup reads K/V written by forwards already launched; in
             s.wait_stream(compute)  # debug mode a load also follows the NaN poisoning of its freshly freed slots
-        kvh, d = self.pool.num_kv_heads, self.pool.head_dim
-        n = len(gpu_slots)
-        runs = _runs(host_slots)
+        pool, host = self.pool, self.host
+        n, step = len(gpu_slots), self._chunk_tokens()
         with torch.cuda.stream(s):
-            idx = torch.tensor(gpu_slots, dtype=torch.int64).pin_memory().to(self.pool.device, non_blocking=True)
+            idx = int64_tensor(gpu_slots).pin_memory().to(pool.device, non_blocking=True)
+            staging = torch.empty((min(n, step), *host.kv.shape[1:]), dtype=host.kv.dtype, device=pool.device)
             t.start.record(s)
-            for layer in range(self.num_layers):
-                if self.delay_s > 0:
-                    torch.cuda._sleep(int(self.delay_s * 1.5e9))
-                for dev_buf, host_buf in ((self.pool.k_buffers[layer], self.host.k_buffers[layer]),
-                                          (self.pool.v_buffers[layer], self.host.v_buffers[layer])):
-                    if t.kind == "load":
-                        tmp = torch.empty((n, kvh, d), dtype=dev_buf.dtype, device=dev_buf.device)
-                        for a, b, off in runs:
-                            tmp[off: off + b - a].copy_(host_buf[a:b], non_blocking=True)
-                        dev_buf.index_copy_(0, idx, tmp)
-                    else:
-                        tmp = dev_buf.index_select(0, idx)
-                        for a, b, off in runs:
-                            host_buf[a:b].copy_(tmp[off: off + b - a], non_blocking=True)
-                t.events[layer].record(s)
+            if self.delay_s > 0:
+                torch.cuda._sleep(int(self.delay_s * self.num_layers * 1.5e9))
+            for c in range(0, n, step):  # staging chunks: one DMA per run of host slots, one scatter per K/V
+                m = min(step, n - c)
+                buf, ids = staging[:m], idx[c:c + m]
+                runs = _runs(host_slots[c:c + m])
+                if t.kind == "load":
+                    for a, b, off in runs:
+                        buf[off: off + b - a].copy_(host.kv[a:b], non_blocking=True)
+                    pool.k_all.index_copy_(1, ids, buf[:, :, 0].transpose(0, 1))
+                    pool.v_all.index_copy_(1, ids, buf[:, :, 1].transpose(0, 1))
+                else:
+                    buf[:, :, 0].copy_(pool.k_all.index_select(1, ids).transpose(0, 1))
+                    buf[:, :, 1].copy_(pool.v_all.index_select(1, ids).transpose(0, 1))
+                    for a, b, off in runs:
+                        host.kv[a:b].copy_(buf[off: off + b - a], non_blocking=True)
+            for ev in t.events:  # all layers land together (layer i's mark still means layers 0..i are copied)
+                ev.record(s)
 
     def _work(self) -> None:
+        """The CPU copier (one thread): layer by layer, each layer's mark set as it lands (race mode: a delay
+        before each layer), so per-layer waits are exercised on the CPU as the forward would need them."""
         while True:
             job = self._queue.get()
             if job is None:
@@ -260,15 +285,17 @@ class KVTransfer:
             try:
                 h = torch.tensor(host_slots, dtype=torch.int64)
                 g = torch.tensor(gpu_slots, dtype=torch.int64)
+                block = self.host.kv.index_select(0, h) if t.kind == "load" else None  # [n, layers, 2, kvh, d]
                 for layer in range(self.num_layers):
                     if self.delay_s > 0:
                         time.sleep(self.delay_s)
-                    for dev_buf, host_buf in ((self.pool.k_buffers[layer], self.host.k_buffers[layer]),
-                                              (self.pool.v_buffers[layer], self.host.v_buffers[layer])):
-                        if t.kind == "load":
-                            dev_buf.index_copy_(0, g, host_buf.index_select(0, h))
-                        else:
-                            host_buf.index_copy_(0, h, dev_buf.index_select(0, g))
+                    if t.kind == "load":
+                        self.pool.k_buffers[layer].index_copy_(0, g, block[:, layer, 0])
+                        self.pool.v_buffers[layer].index_copy_(0, g, block[:, layer, 1])
+                    else:
+                        kv = torch.stack((self.pool.k_buffers[layer].index_select(0, g),
+                                          self.pool.v_buffers[layer].index_select(0, g)), dim=1)
+                        self.host.kv[:, layer].index_copy_(0, h, kv)
                     t.seconds = time.perf_counter() - t0
                     t.events[layer].set()
             except BaseException as e:  # never leave a waiter hanging: mark every layer, with the error

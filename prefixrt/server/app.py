@@ -5,7 +5,7 @@ a 400 (InvalidRequest from the engine, and request-body validation errors too, w
 `x-should-retry: false` marks errors a retry cannot fix, so OpenAI clients do not retry them. Every request
 first passes admission (admission.py: API keys, draining, body size); a large JSON body is then decoded in a
 parser process (body.py), and routes check the body's text (validate.py) and tokenize off the event loop
-(EngineFront.aencode), so `/health` always answers at once.
+(EngineAPI.aencode), so `/health` always answers at once.
 """
 
 from __future__ import annotations

@@ -17,91 +17,8 @@ import asyncio
 import os
 import sys
 import time
-from typing import Any
 
-ENGINE_FLAGS = ("load_format", "device", "dtype", "attention_backend", "kv_cache_tokens", "mem_fraction",
-                "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
-                "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
-                "dist_init_addr", "cascade_decode")
-
-
-CHAT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model: the default wherever a chat is expected
-BASE_MODEL = "gemma-3-270m"  # the embedded base model: the default for plain-text completion
-
-
-def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT_MODEL) -> None:
-    """Engine construction flags (docs/api.md's Engine arguments), shared by `serve` and `generate`."""
-    p.add_argument("--model", default=default_model,
-                   help=f"registry name or local HF folder (default: {default_model or 'see the command'})")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--attention-backend", choices=["auto", "triton", "torch"], default="auto")
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
-    p.add_argument("--mem-fraction", type=float, default=0.85)
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--no-radix-cache", action="store_true", help="disable cross-request prefix reuse")
-    p.add_argument("--schedule-policy", choices=["lpm", "dfs", "fcfs"], default="lpm")
-    p.add_argument("--chunked-prefill-tokens", type=int, default=8192)
-    p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--debug", action="store_true", help="check KV accounting whenever the scheduler is idle (slow)")
-    p.add_argument("--host-kv-cache-tokens", type=int, default=None,
-                   help="host tier of the KV cache, in tokens (pinned host memory on CUDA): prefixes evicted from "
-                        "the GPU pool move there and load back on a hit (docs/serving.md); default off")
-    p.add_argument("--host-kv-write-policy", choices=["write_through", "write_through_selective", "write_back"],
-                   default="write_through", help="when a prefix is copied to the host tier (docs/serving.md)")
-    p.add_argument("--host-kv-write-threshold", type=int, default=2,
-                   help="write_through_selective: hits before a prefix is copied to the host tier")
-    p.add_argument("--kv-disk-dir", default=None,
-                   help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
-                        "evicted from host memory are written there and read back on a hit; they outlive the "
-                        "server, so a restart comes up warm (docs/serving.md); default off")
-    p.add_argument("--kv-disk-max-gb", type=float, default=64.0,
-                   help="size cap of --kv-disk-dir's KV files in GiB (least recently used files deleted first)")
-    p.add_argument("--max-cached-fraction-per-salt", type=float, default=None,
-                   help="once the KV pool must evict, a cache_salt holding more than this fraction of it loses "
-                        "its own LRU prefixes first (tenant fairness); default off")
-    p.add_argument("--cascade-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="shared-prefix (cascade) decode in the CUDA decode graphs: requests sharing a cached prefix "
-                        "read its K/V once (default: on with CUDA graphs and the Triton backend)")
-    p.add_argument("--tp", "--tp-size", dest="tp_size", type=int, default=1,
-                   help="tensor parallelism: split the model over this many ranks (GPUs; processes on the CPU), "
-                        "one process each; rank 0 schedules (docs/serving.md)")
-    p.add_argument("--nnodes", type=int, default=1, help="tensor parallelism over this many machines (--tp per all)")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this machine's index; node 0 serves, the others run their ranks only")
-    p.add_argument("--dist-init-addr", default=None,
-                   help="host:port of node 0 for the torch.distributed rendezvous (needed with --nnodes > 1; "
-                        "default: a free port on 127.0.0.1)")
-    p.add_argument("--cache-audit-rate", type=float, default=0.0,
-                   help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
-                        "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
-
-
-def check_engine_args(args: argparse.Namespace) -> None:
-    """Mistakes that can be named before anything loads; raises ValueError with a one-line message."""
-    device = str(getattr(args, "device", "auto"))
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-            raise ValueError(f"--device {device}: {why}; use --device cpu (or auto)")
-    elif device not in ("auto", "cpu"):
-        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
-    model = getattr(args, "model", None)
-    if model and not os.path.isdir(os.path.expanduser(model)):
-        from prefixrt.hub.catalogue import ENTRIES
-
-        entry = ENTRIES.get(model.strip().lower())
-        if entry is None:
-            from prefixrt.hub.registry import resolve_model
-
-            resolve_model(model)  # raises the registry's one-line InvalidRequest (names the built-in models)
-        elif entry.kind == "dummy" and getattr(args, "load_format", "auto") != "dummy":
-            raise ValueError(f"{entry.name!r} is a shape without weights: use --load-format dummy")
+from prefixrt.engine_flags import add_engine_args, engine_kwargs, start_engine
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -131,66 +48,31 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kw = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    kw["radix_cache"] = not args.no_radix_cache
-    return kw
-
-
 def build_engine(args: argparse.Namespace, own_process: bool = False):
     """An Engine, or with own_process a ProcessEngine (the engine in a child process), printing progress."""
-    t0 = time.monotonic()
-
-    def progress(msg: str) -> None:
-        print(f"[prefixrt {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
     if own_process:
-        from prefixrt.engine.process import ProcessEngine as make
-    else:
-        from prefixrt.engine.engine import Engine as make
-    where = "in its own process" if own_process else "in this process"
-    progress(f"starting engine for {args.model!r} ({where})")
-    eng = make(args.model, progress=progress, **engine_kwargs(args))
-    progress(f"engine ready: {eng.model_name} on {eng.device}, context {eng.max_context} tokens")
-    return eng
+        from prefixrt.engine.process.client import ProcessEngine
+
+        return start_engine(args, ProcessEngine, "in its own process")
+    from prefixrt.engine.engine import Engine
+
+    return start_engine(args, Engine)
 
 
 def build_role_engine(args: argparse.Namespace):
-    """--role prefill|decode (engine/disagg.py): the engine in this process, joined to its peers through a
-    torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
-    ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
-    from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine
-    from prefixrt.engine.engine import Engine
-    from prefixrt.engine.prefill_worker import PrefillWorker
+    """--role prefill|decode (disagg/roles.py): the engine in this process, joined to its peers through a
+    torch.distributed rendezvous at --disagg-addr. Returns (engine, the PrefillWorker or None)."""
+    from prefixrt.disagg.roles import start_role
 
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
         print(f"[prefixrt {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    if getattr(args, "tp_size", 1) > 1:  # the transfers would fill rank 0's slice of the KV pool only
-        raise ValueError(f"--role {args.role} does not support --tp > 1 yet")
-    world = args.disagg_prefill_workers + 1
-    rank = 0 if args.role == "decode" else args.disagg_rank
-    make = DecodeEngine if args.role == "decode" else Engine
-    progress(f"starting the {args.role} engine for {args.model!r} (in this process)")
-    eng = make(args.model, progress=progress, **engine_kwargs(args))
-    progress(f"joining the disaggregation group at {args.disagg_addr} as rank {rank} of {world} "
-             f"({args.disagg_backend})")
-    try:
-        group = make_group(args.disagg_addr, rank, world, args.disagg_backend, timeout_s=args.disagg_timeout)
-        if args.role == "decode":
-            eng.connect(group, range(1, world), backend=args.disagg_backend)
-            worker = None
-        else:
-            worker = PrefillWorker(eng, group, decode_ranks=(0,), backend=args.disagg_backend,
-                                   delay_s=args.disagg_debug_delay_s)
-    except BaseException:
-        eng.shutdown()
-        raise
-    progress(f"{args.role} engine ready: {eng.model_name} on {eng.device}")
-    return eng, worker
+    return start_role(args.role, args.model, engine_kwargs(args), addr=args.disagg_addr,
+                      prefill_workers=args.disagg_prefill_workers, rank=args.disagg_rank,
+                      backend=args.disagg_backend, timeout_s=args.disagg_timeout,
+                      debug_delay_s=args.disagg_debug_delay_s, progress=progress)
 
 
 def check_role_args(args: argparse.Namespace) -> None:
@@ -249,7 +131,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
         from prefixrt.config import EngineConfig
-        from prefixrt.engine.tp_worker import run_node
+        from prefixrt.parallel.tp_worker import run_node
 
         config = EngineConfig(model=args.model, **engine_kwargs(args))
         print(f"[prefixrt] node {config.node_rank}: running tensor-parallel ranks of {args.model!r}, rendezvous "

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE);
 /v1/responses lives in responses.py (included here).
 
-Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineFront.aencode),
+Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineAPI.aencode),
 checks max_tokens against the context, then submits the token ids (off the event loop too: a constrained
 request waits for its grammar to compile). A request the engine ends with finish_reason "abort" is never
 returned as a success: it becomes an error object, or an error event and `[DONE]` in a stream (errors.py).

@@ -54,7 +54,7 @@ def _tree_workload(n: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_cache_on_equals_cache_off_under_eviction_and_retraction(page_size, make_engine):
+def test_cache_on_equals_cache_off_under_eviction_and_retraction(page_size, make_engine, underestimated_decode):
     prompts = _tree_workload(200, seed=page_size)
     params = {"max_new_tokens": 24, **GREEDY}
     ref = make_engine("llama", radix_cache=False, kv_cache_tokens=8192, chunked_prefill_tokens=16)

@@ -41,7 +41,7 @@ def _tiered(make_engine, policy, **kw):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_tree_workload_equals_unbounded_pool_in_race_mode(policy, make_engine):
+def test_tree_workload_equals_unbounded_pool_in_race_mode(policy, make_engine, underestimated_decode):
     prompts = _tree_workload(60, seed=7)
     params = {"max_new_tokens": 16, **GREEDY}
     ref = make_engine("llama", radix_cache=False, kv_cache_tokens=8192, chunked_prefill_tokens=16)
@@ -67,6 +67,7 @@ def test_multi_turn_equals_unbounded_pool_with_aborts_in_race_mode(policy, overl
     params = {"max_new_tokens": 6, **GREEDY}
     ref = make_engine("llama", radix_cache=False, kv_cache_tokens=8192)
     eng = _tiered(make_engine, policy, host_kv_debug_delay_s=0.0005, overlap_schedule=overlap)
+    aborted = 0
     for t in range(4):
         prompts = [c[t] for c in convs]
         want = [c.token_ids for c in ref.generate(prompts, params)]
@@ -77,11 +78,11 @@ def test_multi_turn_equals_unbounded_pool_with_aborts_in_race_mode(policy, overl
             if i % 2:
                 time.sleep(0.003)
             eng.abort(f"v{t}-{i}")
-            list(it)
+            aborted += [c.finish_reason for c in it][-1:] == ["abort"]  # (a fast one may finish first)
         got = [c.token_ids for c in eng.generate(prompts, params)]
         assert got == want, f"turn {t}"
     s = eng.stats()
-    assert s.host_hit_tokens_total > 0 and s.aborted_requests_total >= 12
+    assert s.host_hit_tokens_total > 0 and s.aborted_requests_total == aborted >= 6
     assert s.cached_tokens_total > s.host_hit_tokens_total  # both tiers served hits
     eng.check_integrity()
 

@@ -12,7 +12,7 @@ from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
-from prefixrt.engine.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
+from prefixrt.engine.loop.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req, ReqState
 
@@ -28,6 +28,7 @@ def make_scheduler(num_slots: int = 256, page_size: int = 1, rows: int = 8, **co
 
 
 def req(ids, rid: str, arrival: float = 0.0, **params) -> Req:
+    params.setdefault("max_new_tokens", 16)  # small: admission reserves each request's expected decode growth
     return Req(rid=rid, prompt_ids=list(ids), params=SamplingParams(**params), sink=None, arrival=arrival)
 
 
@@ -121,26 +122,76 @@ def test_without_dedup_both_prefill_the_shared_prefix():
     finish(s, b)
 
 
-def test_out_of_memory_retracts_lowest_priority_latest_arrival_and_it_resumes_from_the_cache():
-    s = make_scheduler(num_slots=25, chunked_prefill_tokens=64)  # 24 usable slots
+def test_out_of_memory_retracts_lowest_priority_and_it_resumes():
+    s = make_scheduler(num_slots=26, chunked_prefill_tokens=64)  # 25 usable slots
+    s.estimate.ratio = 0.0  # an estimate that is too low (one token each): the pool runs out while they decode
     a = req(range(100, 110), "a", arrival=1.0, priority=1)
     b = req(range(200, 210), "b", arrival=2.0)
     c = req(range(300, 302), "c", arrival=3.0, priority=1)
     for r in (a, b, c):
         s.add(r)
     b1 = step(s)
-    assert [r.rid for r in b1.reqs] == ["a", "c", "b"]  # priority first; 22 of 24 slots used
-    step(s)  # 3 decode tokens: 25 > 24, so one request must go
+    assert [r.rid for r in b1.reqs] == ["a", "c", "b"]  # priority first; 22 of 25 slots used, 1 reserved each
+    step(s)  # 3 decode tokens: 25 of 25
+    step(s)  # 3 more: 28 > 25, so one request must go
     victims = [r.rid for r in s.waiting]
-    assert victims == ["b"]  # lowest priority first, then the latest arrival
+    assert victims == ["b"]  # lowest priority first
     assert b.retractions == 1 and b.state is ReqState.WAITING and b.row is None
-    assert s.retracted_total == 1
-    assert b.output_ids == [SAMPLED]  # keeps its output
+    assert s.retracted_total == 1 and s.estimate.ratio > 0  # the estimate steps up after a retraction
+    assert b.output_ids == [SAMPLED, SAMPLED]  # keeps its output
     finish(s, a)
     finish(s, c)
-    resumed = step(s)
-    assert rows(resumed) == [("b", 10, 1, True)]  # all 11 tokens' K/V were published: only the last recomputes
+    resumed = step(s)  # its published K/V made room for a's and c's decode: it recomputes what was evicted
+    assert rows(resumed)[0][0] == "b" and rows(resumed)[0][1] + rows(resumed)[0][2] == 12
     finish(s, b)
+
+
+def test_retraction_picks_the_request_that_costs_least_to_resume():
+    """Equal priority: the victim is the one with the fewest tokens of its own. A prefix shared with another
+    running request is not its own (it stays in the pool), so a long request on a shared prefix can be the
+    cheaper one to retract."""
+    s = make_scheduler(num_slots=64, chunked_prefill_tokens=64)
+    s.estimate.ratio = 0.0
+    shared = list(range(1000, 1030))
+    a = req(shared + [1, 2], "a", arrival=1.0)  # 30 shared + 2 own
+    b = req(shared + [3, 4], "b", arrival=2.0)  # the same, arrived later
+    c = req(range(300, 312), "c", arrival=0.5)  # 12 own tokens
+    for r in (a, c):
+        s.add(r)
+    step(s)
+    s.add(b)
+    step(s)
+    step(s)
+    assert {r.rid for r in s.running} == {"a", "b", "c"}
+    shared_of = s.kv.cache.shared_on_path
+    own = {r.rid: r.kv_len - shared_of(r.cache_handle) for r in s.running}
+    assert own["a"] < own["c"] and own["b"] < own["c"], own
+    assert s._pick_victim() is b  # a and b cost the same: the latest arrival goes
+    for r in (a, b, c):
+        finish(s, r)
+
+
+def test_admission_reserves_the_growth_of_running_requests():
+    """A pool that cannot hold every request's prompt plus its decode runs fewer at once and never retracts
+    (the old admission let them all in on their first chunk, then retracted while they decoded)."""
+    s = make_scheduler(num_slots=101, chunked_prefill_tokens=64)  # 100 usable slots
+    reqs = [req(range(100 * i, 100 * i + 20), f"r{i}", arrival=float(i), max_new_tokens=20, ignore_eos=True)
+            for i in range(1, 5)]  # each needs 20 + 20 = 40 slots at its end
+    for r in reqs:
+        s.add(r)
+    s.estimate.ratio = 1.0  # ignore_eos: every request uses its whole budget
+    done = 0
+    for _ in range(200):
+        b = step(s)
+        assert len(s.running) <= 2, "100 slots hold two requests' 40-slot futures, not three"
+        for r in list(s.running):
+            if len(r.output_ids) >= 20:
+                finish(s, r)
+                done += 1
+        if not s.has_work:
+            break
+        assert not b.retracted
+    assert done == 4 and s.retracted_total == 0
 
 
 def test_a_request_alone_that_cannot_get_memory_is_finished_early():
@@ -168,10 +219,10 @@ def test_admission_stops_when_memory_runs_out_and_keeps_order():
 
 def test_uncached_prefix_index_answers_as_the_reference():
     """UncachedPrefixIndex.shares against Scheduler._shares_uncached_prefix over random leaders, requests,
-    namespaces, lengths and matched positions, leaders added between questions."""
+    salts, lengths and matched positions, leaders added between questions."""
     import random
 
-    from prefixrt.engine.scheduler import UncachedPrefixIndex
+    from prefixrt.engine.loop.scheduler import UncachedPrefixIndex
 
     rng = random.Random(0)
     k = PREFIX_DEDUP_MIN_TOKENS
@@ -182,7 +233,7 @@ def test_uncached_prefix_index_answers_as_the_reference():
             cut = rng.randrange(len(base))
             ids = base[:cut] + [rng.randrange(3, 5) for _ in range(rng.randrange(2 * k))]
             r = req(ids or [3], f"r{i}")
-            r.namespace = rng.choice([None, "s"])
+            r.salt = rng.choice([None, "s"])
             return r
 
         leaders = [make(i) for i in range(rng.randrange(4))]

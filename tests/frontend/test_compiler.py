@@ -16,7 +16,7 @@ ESSAY = "A stitch in time saves nine. The quick brown fox jumps over the lazy do
 
 
 @function
-def judge(s, essay):  # the API.md program
+def judge(s, essay):  # docs/api.md's program (examples/frontend_judge.py)
     s += system("Evaluate an essay.")
     s += user(essay)
     forks = s.fork(3)

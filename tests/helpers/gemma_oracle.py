@@ -1,5 +1,5 @@
 """Transformers oracle for the embedded Gemma-3-270M: the prompts and greedy continuations the engine is held to
-(DESIGN.md invariant 1: fp32 on CPU, greedy, token-identical)."""
+(docs/design.md, invariant 1: fp32 on CPU, greedy, token-identical)."""
 
 from __future__ import annotations
 

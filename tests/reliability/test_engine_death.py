@@ -133,7 +133,7 @@ def test_frozen_engine_health_names_its_reason(model_dirs):
     """Issue item 9: a stopped engine process makes /health answer 503 with a reason (it used to be empty)."""
     from starlette.testclient import TestClient
 
-    from prefixrt.engine.process import ProcessEngine
+    from prefixrt.engine.process.client import ProcessEngine
     from prefixrt.server.app import create_app
 
     eng = ProcessEngine(str(model_dirs("llama")), device="cpu", kv_cache_tokens=1024)

@@ -124,7 +124,7 @@ def test_health_p99_while_tokenizing_5mb_prompts_and_compiling_grammars(model_di
 
 def test_long_text_fast_path_encodes_like_the_tokenizer(tiny_tokenizer, make_engine):
     """Long prompts are encoded by the Rust tokenizer directly (GIL released); ids identical to tok.encode."""
-    from prefixrt.engine.front import _FAST_ENCODE_CHARS, _probe_rust_backend
+    from prefixrt.engine.api import _FAST_ENCODE_CHARS, _probe_rust_backend
 
     backend = _probe_rust_backend(tiny_tokenizer)
     assert backend is not None

@@ -113,7 +113,7 @@ def test_cascade_decode_flag_reaches_the_engine_config():
 
     from prefixrt.config import EngineConfig
     from prefixrt.engine.builder import CASCADE_DECODE, cascade_enabled
-    from prefixrt.server.launch import add_engine_args, engine_kwargs
+    from prefixrt.engine_flags import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -1,5 +1,5 @@
 """Token-id prompts through `prefixrt serve` (engine in its own process): the ids cross to the engine process
-packed (engine/messages.py pack_token_ids), their range is read off the packed buffer, and the body is decoded by
+packed (engine/process/messages.py pack_token_ids), their range is read off the packed buffer, and the body is decoded by
 server/body.py's loads_json. Every bad prompt is still a 400 with an OpenAI error object naming the prompt, and
 good prompts of every size generate what the in-process engine generates."""
 

@@ -1,0 +1,457 @@
+"""What the benchmark scripts share, in one place: the long-keys JSON schema and its benchmark, the engine probes
+(hot-prefix TTFT, streaming with text, the cascade switch, a captured graph replayed alone, the loop units' phase
+timer and the per-forward step log), CPU engines whose forward returns constant logits, the tiny server model, and
+CPU time from /proc.
+
+Scripts import it as `benchmarks.common` (run from the repo root with PYTHONPATH=$PWD). It imports torch and
+prefixrt only inside the functions that need them, so a script's `--help` never loads a model or touches CUDA.
+The probes reach into engine internals (`eng.core`, `eng._run_on_loop`): they are measuring instruments, installed
+on the loop thread between steps and removed after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+# Six long fixed keys, three bounded strings, an enum, an integer and a boolean: most of a reply is forced text,
+# which is what jump-forward skips (gpu_engine.py, gpu_graphs.py, gpu_json_diag.py, gpu_first_request.py,
+# host_loop.py --json, mask_fill.py).
+LONG_KEYS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string", "maxLength": 12},
+        "customer_email_address": {"type": "string", "maxLength": 16},
+        "shipping_address_line_one": {"type": "string", "maxLength": 16},
+        "preferred_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
+        "order_total_in_cents": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "gift_wrapping_requested": {"type": "boolean"},
+    },
+    "required": ["customer_full_name", "customer_email_address", "shipping_address_line_one",
+                 "preferred_delivery_window", "order_total_in_cents", "gift_wrapping_requested"],
+    "additionalProperties": False,
+}
+
+
+def script_parser(doc: str, smoke: str | None = None) -> argparse.ArgumentParser:
+    """A benchmark script's argument parser: `--help` prints the script's docstring as written. smoke: the help of
+    a --smoke flag (the script's logic on tiny shapes on the CPU), if the script has one."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if smoke is not None:
+        ap.add_argument("--smoke", action="store_true", help=smoke)
+    return ap
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b||: tensors in float32 (as the kernels' checks compare), lists of floats in float64."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        a, b = a.float(), b.float()
+    else:
+        a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+# ------------------------------------------------------------------------------------------ engine probes
+
+
+def ttft_once(eng, prompt) -> float:
+    """Seconds from submitting one greedy request to its first streamed token."""
+    t0 = time.perf_counter()
+    for _ in eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
+        break
+    return time.perf_counter() - t0
+
+
+class HotPrefix:
+    """The hot-prefix TTFT case: a shared prefix of `shared_len` random tokens cached (after a flush, then 3 warm
+    requests), and requests of that prefix + `new_len` fresh tokens. One random stream (seeded) draws the prefix,
+    the suffixes and the cold prompts, in the order they are asked for."""
+
+    def __init__(self, eng, vocab: int, shared_len: int, new_len: int, seed: int = 5):
+        self.eng, self.vocab, self.new_len = eng, vocab, new_len
+        self.rng = random.Random(seed)
+        self.shared = self._tokens(shared_len)
+        eng.flush_cache()
+        eng.cache_prefix(self.shared)
+        self.hot(3)
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(16, self.vocab) for _ in range(n)]
+
+    def hot(self, n: int) -> list[float]:
+        """TTFT in seconds of n requests over the cached prefix, in submission order."""
+        return [ttft_once(self.eng, self.shared + self._tokens(self.new_len)) for _ in range(n)]
+
+    def cold(self, n: int = 3) -> list[float]:
+        """TTFT in seconds of n prompts as long, nothing cached (the cache flushed before each)."""
+        out = []
+        for _ in range(n):
+            self.eng.flush_cache()
+            out.append(ttft_once(self.eng, self._tokens(len(self.shared) + self.new_len)))
+        return out
+
+
+def stream_text(eng, prompts: list[list[int]], max_new: int, concurrency: int) -> dict:
+    """Every prompt streamed WITH text (detokenized, as the server does), `concurrency` at a time: wall time,
+    output tokens per second, TTFT p50."""
+    async def run() -> dict:
+        sem = asyncio.Semaphore(concurrency)
+        ttfts, toks, chars = [], [0], [0]
+
+        async def one(p):
+            async with sem:
+                t0 = time.perf_counter()
+                first = None
+                async for ch in eng.astream(p, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}):
+                    if first is None and ch.token_ids:
+                        first = time.perf_counter()
+                    toks[0] += len(ch.token_ids)
+                    chars[0] += len(ch.text)
+                ttfts.append((first or time.perf_counter()) - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+        dt = time.perf_counter() - t0
+        ttfts.sort()
+        return {"seconds": round(dt, 3), "out_tok_s": round(toks[0] / dt, 1),
+                "ttft_p50_ms": round(ttfts[len(ttfts) // 2] * 1000, 1), "text_chars": chars[0],
+                "output_tokens": toks[0]}
+
+    return asyncio.run(run())
+
+
+def set_cascade(eng, on: bool, saved: dict) -> None:
+    """Switch shared-prefix (cascade) decode groups off (the grouper kept in `saved`) or back on, on the loop
+    thread between steps. The engine must have been built with cascade decode."""
+    core = eng.core
+
+    def flip():
+        if on:
+            core.prefix_grouper = saved.pop("grouper", core.prefix_grouper)
+        elif core.prefix_grouper is not None:  # already off: keep the saved grouper
+            saved["grouper"], core.prefix_grouper = core.prefix_grouper, None
+
+    eng._run_on_loop(flip)
+
+
+def replay_ms(graph, iters: int = 20) -> float:
+    """A captured CUDA graph replayed alone, back to back (3 warm replays first): wall ms per replay."""
+    import torch
+
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1000
+
+
+class PhaseTimer:
+    """Wall time per step of each loop unit (schedule, build, draw, launch, process, prepare_sample), the wait for
+    the device inside process, and the host work left after removing that wait. Installed on the loop thread; the
+    loop looks the methods up on every call, so instance attributes shadow them until uninstall()."""
+
+    UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
+
+    def __init__(self, eng):
+        self.eng, self.acc = eng, dict.fromkeys(self.UNITS + ("wait",), 0.0)
+
+    def _wrap(self, core, name):
+        f = getattr(core, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.acc[name] += time.perf_counter() - t
+        setattr(core, name, timed)
+
+    def install(self):
+        core = self.eng.core
+
+        def go():
+            for n in self.UNITS:
+                self._wrap(core, n)
+            from prefixrt.engine.loop import core as core_mod
+            orig = core_mod.StepFence.wait
+            acc = self.acc
+
+            def timed_wait(fence):
+                t = time.perf_counter()
+                try:
+                    return orig(fence)
+                finally:
+                    acc["wait"] += time.perf_counter() - t
+            core_mod.StepFence.wait = timed_wait
+            self._restore = (core_mod, orig)
+        self.eng._run_on_loop(go)
+        return self
+
+    def uninstall(self) -> dict:
+        core = self.eng.core
+
+        def go():
+            for n in self.UNITS:
+                core.__dict__.pop(n, None)
+            mod, orig = self._restore
+            mod.StepFence.wait = orig
+        self.eng._run_on_loop(go)
+        return self.acc
+
+    def per_step_ms(self, steps: int) -> dict:
+        out = {k: round(v / steps * 1000, 3) for k, v in self.acc.items()}
+        out["host_ms"] = round(sum(self.acc[u] for u in self.UNITS) / steps * 1000 - out["wait"], 3)
+        return out
+
+
+class StepLog:
+    """Every forward of the engine while installed: its kind (decode / cascade / extend graph, or eager), its
+    token and sequence counts, its device time (CUDA events around runner.forward) and the wall time from its
+    launch to the next launch. summary() groups them by kind and token count bucket."""
+
+    def __init__(self, eng):
+        self.eng, self.rows = eng, []
+
+    def install(self):
+        import torch
+
+        runner = self.eng.core.runner
+        orig = runner.forward
+        rows = self.rows
+
+        def logged(fb):
+            before = dict(runner.replays)
+            cuda = torch.cuda.is_available()
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+            if ev:
+                ev[0].record()
+            t = time.perf_counter()
+            out = orig(fb)
+            if ev:
+                ev[1].record()
+            kind = next((k for k, v in runner.replays.items() if v != before.get(k)), "?")
+            rows.append({"kind": kind, "tokens": int(fb.input_ids.shape[0]), "seqs": int(fb.batch_size),
+                         "t": t, "ev": ev})
+            return out
+
+        self.eng._run_on_loop(lambda: setattr(runner, "forward", logged))
+        return self
+
+    def uninstall(self):
+        import torch
+
+        runner = self.eng.core.runner
+        self.eng._run_on_loop(lambda: runner.__dict__.pop("forward", None))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for i, r in enumerate(self.rows):
+            ev = r.pop("ev")
+            r["device_ms"] = ev[0].elapsed_time(ev[1]) if ev else 0.0
+            r["wall_ms"] = (self.rows[i + 1]["t"] - r["t"]) * 1000 if i + 1 < len(self.rows) else None
+        return self
+
+    def summary(self) -> list[dict]:
+        groups: dict = {}
+        for r in self.rows:
+            b = 1 << max(0, (r["tokens"] - 1)).bit_length()
+            groups.setdefault((r["kind"], b), []).append(r)
+        out = []
+        for (kind, b), rs in sorted(groups.items()):
+            walls = [r["wall_ms"] for r in rs if r["wall_ms"] is not None]
+            out.append({"kind": kind, "tokens_le": b, "count": len(rs),
+                        "mean_tokens": round(sum(r["tokens"] for r in rs) / len(rs), 1),
+                        "mean_seqs": round(sum(r["seqs"] for r in rs) / len(rs), 1),
+                        "device_ms": round(sum(r["device_ms"] for r in rs) / len(rs), 3),
+                        "wall_ms": round(sum(walls) / len(walls), 3) if walls else None})
+        return out
+
+
+def torch_profile(eng, prompts, name: str, params: dict) -> dict:
+    """torch.profiler over one generate call: the top host ops and CUDA API calls by self CPU time (to
+    $OUT/profile_NAME.txt), GPU busy time against wall time, and how the forwards ran."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    eng.generate(prompts, {"max_new_tokens": 0})
+    replays0 = dict(eng.core.runner.replays)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        eng.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if os.environ.get("TORCH_TRACE"):
+        prof.export_chrome_trace(os.path.join(os.environ["OUT"], f"trace_{name}.json"))
+    ka = prof.key_averages()
+    with open(os.path.join(os.environ["OUT"], f"profile_{name}.txt"), "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45))
+        f.write("\n\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=25))
+    gpu_us = sum(e.self_device_time_total for e in ka)
+    sync = {e.key: (e.count, round(e.self_cpu_time_total / 1000, 2)) for e in ka
+            if any(w in e.key for w in ("Synchronize", "HostAlloc", "cudaMemcpy", "GraphLaunch", "cudaLaunchKernel"))}
+    replays = {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}
+    return {"wall_ms": round(wall * 1000, 2), "gpu_busy_ms": round(gpu_us / 1000, 2), "cuda_api": sync,
+            "replays": replays}
+
+
+def _json_valid(completion) -> bool:
+    try:
+        return completion.finish_reason == "stop" and isinstance(json.loads(completion.text), dict)
+    except ValueError:
+        return False
+
+
+def json_bench(eng, vocab: int, batch: int, order: tuple[bool, ...] = (True, False), instrument: bool = True) -> dict:
+    """Constrained JSON (LONG_KEYS_SCHEMA, 200 tokens at most) at batch `batch`: jump-forward on vs off, one run per
+    entry of `order` (a setting's last run is its figure), then the constrained step against unconstrained
+    decoding of the same length. instrument: also the loop units per step (PhaseTimer) and the forwards
+    (StepLog) of each run; MASK_THREADS=a,b times the grammar mask fill with that many executor threads;
+    TORCH_PROFILE=1 (with OUT) profiles a short jump-forward-off run."""
+    import torch
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(16, vocab) for _ in range(64)] for _ in range(batch)]
+    base = {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA}
+    eng.generate(prompts[:2], base)  # grammar compiled, warm
+    out = {}
+    for jf in order:
+        key = "jf_on" if jf else "jf_off"
+        eng.flush_cache()
+        s0 = eng.stats().forward_passes_total
+        replays0 = dict(eng.core.runner.replays)
+        timer = PhaseTimer(eng).install() if instrument else None
+        steps = StepLog(eng).install() if instrument else None
+        t0 = time.perf_counter()
+        res = eng.generate(prompts, {**base, "jump_forward": jf})
+        dt = time.perf_counter() - t0
+        passes = eng.stats().forward_passes_total - s0
+        if instrument:
+            timer.uninstall()
+            out[f"{key}_phases_ms_per_step"] = timer.per_step_ms(passes)
+            out[f"{key}_steps"] = steps.uninstall().summary()
+        toks = sum(c.completion_tokens for c in res)
+        out[key] = {"seconds": dt, "forward_passes": passes, "output_tokens": toks, "tok_s": toks / dt,
+                    "valid": sum(map(_json_valid, res)), "step_ms": dt / passes * 1000,
+                    "replays": {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}}
+    n = max(1, out["jf_off"]["output_tokens"] // batch)
+    eng.flush_cache()
+    s0 = eng.stats().forward_passes_total
+    timer = PhaseTimer(eng).install() if instrument else None
+    t0 = time.perf_counter()
+    eng.generate(prompts, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    dt = time.perf_counter() - t0
+    passes = eng.stats().forward_passes_total - s0
+    if instrument:
+        timer.uninstall()
+        out["unconstrained_phases_ms_per_step"] = timer.per_step_ms(passes)
+    out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
+    out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
+    if os.environ.get("MASK_THREADS") and hasattr(eng.core.masks.backend, "_mask_threads"):
+        out["mask_fill"] = _mask_fill_by_threads(eng, prompts, base)
+    if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
+        out["profile_jf_off"] = torch_profile(eng, prompts, "json_jf_off",
+                                              {**base, "max_new_tokens": 24, "jump_forward": False})
+    out["constrained_step_over_unconstrained"] = out["jf_off"]["step_ms"] / out["unconstrained"]["step_ms"]
+    return out
+
+
+def _mask_fill_by_threads(eng, prompts, base: dict) -> dict:
+    """The grammar mask fill per call with MASK_THREADS=a,b executor threads (jump-forward off, same prompts)."""
+    backend = eng.core.masks.backend
+    out = {}
+    for threads in (int(x) for x in os.environ["MASK_THREADS"].split(",")):
+        backend._mask_threads, backend._executor = threads, None
+        spent = [0.0, 0]
+        orig = backend.fill_bitmasks_native  # the worker's part (finish_bitmasks runs at the draw)
+
+        def timed(rows, bitmask, _orig=orig, spent=spent):
+            t = time.perf_counter()
+            try:
+                return _orig(rows, bitmask)
+            finally:
+                spent[0] += time.perf_counter() - t
+                spent[1] += 1
+        backend.fill_bitmasks_native = timed
+        eng.flush_cache()
+        t0 = time.perf_counter()
+        s0 = eng.stats().forward_passes_total
+        eng.generate(prompts, {**base, "jump_forward": False})
+        dt, passes = time.perf_counter() - t0, eng.stats().forward_passes_total - s0
+        del backend.fill_bitmasks_native
+        out[threads] = {"fill_ms_per_call": spent[0] / max(1, spent[1]) * 1000, "calls": spent[1],
+                        "step_ms": dt / passes * 1000}
+    return out
+
+
+# ------------------------------------------------------------------------------------ CPU engines, servers
+
+
+def constant_logits_engine(checkpoint: Path, kv_cache_tokens: int, max_running_requests: int):
+    """An overlapped CPU Engine on a tiny checkpoint folder (the test suite's tiny tokenizer) whose forward returns
+    the same random logits for the same number of rows: what is left to time is the loop's host work."""
+    import torch
+
+    from prefixrt.engine.engine import Engine
+    from prefixrt.hub.loader import load_model
+    from tests.helpers.engines import make_tiny_tokenizer
+
+    model = load_model(checkpoint, dtype="float32", device="cpu")
+    resolved = SimpleNamespace(name="tiny-llama", revision="bench", extra_eos_token_ids=(), path=str(checkpoint))
+    eng = Engine("tiny-llama", _parts=(model, make_tiny_tokenizer(), resolved), device="cpu",
+                 kv_cache_tokens=kv_cache_tokens, max_running_requests=max_running_requests, overlap_schedule=True)
+    vocab = model.vocab_size
+    cache: dict[int, torch.Tensor] = {}
+
+    def constant_forward(fb):
+        n = int(fb.logits_indices.shape[0])
+        if n not in cache:
+            cache[n] = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
+        return cache[n]
+
+    eng._run_on_loop(lambda: setattr(eng.core.runner, "forward", constant_forward))
+    return eng
+
+
+def tiny_model_dir(root: Path) -> Path:
+    """The test suite's tiny random Llama (2 layers, hidden 64, vocab 320) with its byte-level BPE tokenizer, saved
+    under root: a model step so cheap that every serving overhead shows."""
+    from tests.helpers.checkpoints import save_tiny_checkpoint
+    from tests.helpers.engines import make_tiny_tokenizer
+
+    path = root / "tiny-llama"
+    save_tiny_checkpoint("llama", path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]

@@ -1,0 +1,182 @@
+"""Concurrent agent sessions on a pool far smaller than their working set (CPU, fp32, tiny checkpoints).
+
+The agent workload (bench/workloads.agent, shrunk): sessions over one shared context, each with its own, each
+turn appending to the whole history, every session in flight at once. Oracle: the same sessions on a pool that
+holds everything. Under test: budgeted admission (no thrashing), the host tier with prefetch (wait_complete and
+best_effort), retraction to the host (forced by an estimate that is too low), and the load/compute ordering
+with delayed copies and NaN-poisoned free slots (debug mode), so a forward reading a slot whose load is not done
+changes the output. Every engine's pool and tier accounting is checked at teardown (make_engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prefixrt.bench import workloads as W
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _workload():
+    return W.agent(320, sessions=6, turns=4, shared_len=24, own_len=16, append_len=8, output_len=4, seed=3)
+
+
+def _run(eng, w) -> tuple[list[list[list[int]]], float]:
+    """Every session at once, each turn's prompt = the history so far + its new tokens. Returns each session's
+    outputs per turn and the cache hit rate over all prompts."""
+    counts = [0, 0]
+
+    async def session(turns):
+        history, outs = [], []
+        for turn in turns:
+            prompt = history + turn.new_tokens
+            c = await eng.agenerate(prompt, {"max_new_tokens": turn.max_new_tokens, **GREEDY})
+            counts[0] += len(prompt)
+            counts[1] += c.cached_tokens
+            outs.append(c.token_ids)
+            history = prompt + c.token_ids
+        return outs
+
+    async def go():
+        return await asyncio.gather(*(session(s) for s in w.sessions))
+
+    outs = asyncio.run(go())
+    return outs, counts[1] / counts[0]
+
+
+def _pool(w, fraction: float) -> int:
+    return int(W.working_set_tokens(w) * fraction)
+
+
+@pytest.fixture(scope="module")
+def unbounded(tiny_checkpoints, tiny_tokenizer):
+    from types import SimpleNamespace
+
+    from prefixrt.engine.engine import Engine
+    from prefixrt.hub.loader import load_model
+
+    path, _ = tiny_checkpoints("llama")
+    resolved = SimpleNamespace(name="tiny-llama", revision="test", extra_eos_token_ids=(), path=str(path))
+    eng = Engine("tiny-llama", _parts=(load_model(path, dtype="float32", device="cpu"), tiny_tokenizer, resolved),
+                 device="cpu", kv_cache_tokens=4096, chunked_prefill_tokens=16)
+    try:
+        yield _run(eng, _workload())
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("prefetch", ["wait_complete", "best_effort", "off"])
+def test_host_tier_under_pressure_equals_unbounded_pool(prefetch, unbounded, make_engine):
+    w = _workload()
+    want, hit = unbounded
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048,
+                      chunked_prefill_tokens=16, host_kv_prefetch=prefetch, host_kv_debug_delay_s=0.0005)
+    got, tier_hit = _run(eng, w)
+    assert got == want
+    assert tier_hit >= 0.95 * hit, (tier_hit, hit)
+    s = eng.stats()
+    assert s.host_hit_tokens_total > 0 and s.retracted_requests_total == 0 and s.host_load_failures_total == 0
+    if prefetch == "wait_complete":  # (best_effort prefetches only what cannot run yet: none here, maybe)
+        assert s.host_prefetch_hits_total > 0
+    if prefetch == "off":
+        assert s.host_prefetch_tokens_total == 0
+
+
+def test_no_tier_under_pressure_equals_unbounded_pool_without_retraction(unbounded, make_engine):
+    w = _workload()
+    want, _ = unbounded
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), chunked_prefill_tokens=16)
+    got, _ = _run(eng, w)
+    assert got == want
+    assert eng.stats().retracted_requests_total == 0  # admission within the budget: fewer at once, none retracted
+
+
+def test_retract_to_host_keeps_the_retracted_kv(make_engine, underestimated_decode, monkeypatch):
+    from prefixrt.cache.tiered_radix import TieredRadixCache
+
+    """An estimate far too low lets too many in; they are retracted while decoding, and their K/V goes to the
+    host tier (whatever the write policy: write_through_selective would drop a node hit fewer than 8 times) and
+    loads back when they resume."""
+    w = W.agent(320, sessions=6, turns=3, shared_len=16, own_len=12, append_len=8, output_len=20, seed=4)
+    want, hit = _run(make_engine("llama", kv_cache_tokens=4096, chunked_prefill_tokens=16), w)
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048, chunked_prefill_tokens=16,
+                      host_kv_write_policy="write_through_selective", host_kv_write_threshold=8,
+                      host_kv_debug_delay_s=0.0005)
+    got, tier_hit = _run(eng, w)
+    assert got == want
+    s = eng.stats()
+    assert s.retracted_requests_total > 0 and s.retracted_to_host_tokens_total > 0
+    # The same without the copy at retraction: the retracted K/V is dropped on eviction and recomputed.
+    monkeypatch.setattr(TieredRadixCache, "backup_path", lambda self, handle: 0)
+    eng2 = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048, chunked_prefill_tokens=16,
+                       host_kv_write_policy="write_through_selective", host_kv_write_threshold=8)
+    got2, dropped_hit = _run(eng2, w)
+    assert got2 == want
+    assert tier_hit > dropped_hit, (tier_hit, dropped_hit, hit)
+
+
+def test_a_forward_not_waiting_for_its_prefetched_load_reads_poisoned_slots(unbounded, make_engine, monkeypatch):
+    """The contract the per-request waits keep: with them disabled, slow loads into NaN-poisoned fresh slots are
+    read before they land and the outputs change (or requests fail)."""
+    from prefixrt.cache.transfer import LoadWaiter
+
+    w = _workload()
+    want, _ = unbounded
+    monkeypatch.setattr(LoadWaiter, "wait", lambda self, layer: None)
+    monkeypatch.setattr(LoadWaiter, "wait_all", lambda self: None)
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048, chunked_prefill_tokens=16,
+                      host_kv_prefetch="best_effort", host_kv_debug_delay_s=0.02)
+    try:
+        got, _ = _run(eng, w)
+    except Exception:  # a NaN that fails a request is as good a detection as a changed token
+        return
+    assert got != want
+
+
+def test_host_tier_larger_than_the_machine_is_refused(make_engine, monkeypatch):
+    from prefixrt.cache import host_pool
+
+    monkeypatch.setattr(host_pool, "available_host_bytes", lambda: (6 * 2**30, 16 * 2**30))
+    with pytest.raises(ValueError, match=r"needs .* GiB of host memory but this machine has 6.0 GiB available"):
+        make_engine("llama", kv_cache_tokens=256, host_kv_cache_tokens=10**9)
+
+
+def test_tier_metrics_agree_with_stats(make_engine):
+    """/metrics shows the tier's figures an operator needs: per-tier hit rates, copy bandwidth, prefetch hits and
+    misses, retract-to-host tokens, each equal to what stats() says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixrt.engine.metrics import Metrics, tier_hit_rates
+
+    w = _workload()
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048, chunked_prefill_tokens=16)
+    _run(eng, w)
+    s = eng.stats()
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+               for fam in text_string_to_metric_families(Metrics.for_engine(eng).render().decode()) for x in fam.samples}
+    assert samples[("prefixrt_host_prefetch_hits_total", ())] == s.host_prefetch_hits_total > 0
+    assert samples[("prefixrt_host_prefetch_misses_total", ())] == s.host_prefetch_misses_total
+    assert samples[("prefixrt_retracted_to_host_tokens_total", ())] == s.retracted_to_host_tokens_total
+    rates = tier_hit_rates(s)
+    assert rates["host"] > 0 and rates["pool"] > 0
+    assert abs(sum(rates.values()) - s.cache_hit_rate) < 1e-9
+    for tier, rate in rates.items():
+        assert samples[("prefixrt_tier_hit_rate", (("tier", tier),))] == pytest.approx(rate)
+    gbps = samples[("prefixrt_host_copy_gbps", (("direction", "load"),))]
+    assert gbps == pytest.approx(s.host_load_bytes_total / s.host_load_seconds_total / 1e9)
+
+
+def test_preemption_for_first_tokens_equals_unbounded_pool(unbounded, make_engine):
+    """A new request that waited for memory preempts running requests that have streamed: they go to the host
+    tier mid-decode and resume later, and every output stays exact."""
+    w = _workload()
+    want, hit = unbounded
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048, chunked_prefill_tokens=16,
+                      host_kv_preempt_after_s=0.0, host_kv_debug_delay_s=0.0005)
+    got, tier_hit = _run(eng, w)
+    assert got == want
+    s = eng.stats()
+    assert s.preempted_requests_total > 0 and s.host_hit_tokens_total > 0  # (write_through: copies exist already)
+    assert tier_hit >= 0.95 * hit, (tier_hit, hit)
