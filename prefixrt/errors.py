@@ -19,3 +19,8 @@ class InvalidRequest(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The scheduler loop stopped (shutdown, or a bug that escaped per-request isolation)."""
+
+
+# The error prefix of a request failed because its engine stopped answering or making progress (the engine may
+# come back; the request does not): the server answers it with 503 `engine_unresponsive`.
+ENGINE_UNRESPONSIVE = "engine unresponsive"

@@ -28,6 +28,7 @@ from prefixrt.engine.api import EngineAPI
 from prefixrt.engine.loop.busy_gc import BusyGC
 from prefixrt.engine.loop.postprocess import jump_forward
 from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
+from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.outputs import Completion, EngineStats
@@ -69,6 +70,7 @@ class Engine(EngineAPI):
                                      deliver=deliver)
         self._built = built
         self.core = built.core
+        self.progress = ProgressWatch()  # health(): is the loop stepping while it has work
         self._tokenizer = built.tokenizer
         self._tok_lock = built.tokenizer_lock
         self.device = built.device
@@ -318,12 +320,14 @@ class Engine(EngineAPI):
             self._inbox.put(("abort", request_id))
 
     def health(self) -> str | None:
-        """None while the scheduler loop runs; else why not (cheap: does not wait for the loop)."""
+        """None while the scheduler loop runs and, with work, makes progress (engine/progress.py); else why
+        not (cheap: does not wait for the loop)."""
         if self._stopped:
             return "engine is shut down"
         if not self._thread.is_alive():
             return "the scheduler loop thread has stopped"
-        return None
+        self.progress.observe(self.core.steps_done, self.core.has_work)
+        return self.progress.stall()
 
     def stats(self) -> EngineStats:
         if self._stopped or not self._thread.is_alive():

@@ -10,6 +10,7 @@ a retry cannot fix (OpenAI clients honour it). A request the engine aborted is n
 |---|---|---|
 | the engine process died | 503 | `engine_dead` |
 | the server was shutting down and the drain timeout ran out | 503 | `server_shutting_down` |
+| the engine stopped answering or making progress (`/health` is 503 too) | 503 | `engine_unresponsive` |
 | an internal error in the engine (the request's `error`) | 500 | `internal_error` |
 | aborted through `POST /abort` | 500 | `request_aborted` |
 
@@ -20,6 +21,7 @@ Streams report the same error as an SSE event `data: {"error": {...}}`, then `da
 
 from __future__ import annotations
 
+from prefixrt.errors import ENGINE_UNRESPONSIVE
 from prefixrt.server.sse import JSON, sse
 
 
@@ -58,6 +60,8 @@ class RequestFailed(Exception):
         if lifecycle is not None and lifecycle.drain_expired:
             return cls(503, "the server is shutting down: the request did not finish within the "
                             f"{lifecycle.drain_timeout:g} s drain timeout", code="server_shutting_down", retry=True)
+        if error and error.startswith(ENGINE_UNRESPONSIVE):
+            return cls(503, f"the request was failed: {error}", code="engine_unresponsive", retry=True)
         if error:
             return cls(500, f"the request failed in the engine: {error}", code="internal_error", retry=True)
         return cls(500, "the request was aborted (POST /abort)", code="request_aborted")

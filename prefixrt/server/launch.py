@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from prefixrt.engine.progress import DEFAULT_STALL_TIMEOUT_S
 from prefixrt.engine_flags import add_engine_args, engine_kwargs, start_engine
 
 
@@ -148,6 +149,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"prefixrt serve: {e}", file=sys.stderr)
         return 2
     lifecycle = Lifecycle(drain_timeout=args.drain_timeout)
+    if hasattr(eng, "progress"):
+        eng.progress.stall_timeout_s = args.engine_stall_timeout
+    if hasattr(eng, "heartbeat_timeout_s"):
+        eng.heartbeat_timeout_s = min(eng.heartbeat_timeout_s, args.engine_stall_timeout)
     if hasattr(eng, "on_death"):
         eng.on_death = lifecycle.engine_died
     try:
@@ -188,6 +193,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults for requests that leave them out: auto (default) = the model's "
                         "generation_config.json (the catalogue's recommendation for a built-in model), vllm = the "
                         "engine's own (temperature 1.0), or a folder's generation_config.json")
+    p.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
+                   help="/health answers 503 and in-flight requests fail (503 engine_unresponsive) once the engine "
+                        "has had work and made no step for this long, or its process has said nothing for this long or 30 s, "
+                        "whichever is less (default 60 s)")
     p.add_argument("--any-model-name", action="store_true",
                    help="serve requests whatever `model` they name (for code that hard-codes a vendor's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

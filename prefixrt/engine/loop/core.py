@@ -102,6 +102,7 @@ class EngineCore:
         self._outbox: list = []  # produced this step, handed over together
         self._in_step = False
         self._inflight: Step | None = None  # overlapped loop: the step launched last, not processed yet
+        self.steps_done = 0  # iterations of the loop so far: a busy loop whose count stops is stuck (progress.py)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, reqs: list[Req]) -> None:
@@ -152,6 +153,7 @@ class EngineCore:
             self.flush_outputs()
             if self.auditor is not None:
                 self._run_audits()
+            self.steps_done += 1
 
     def _run_audits(self) -> None:
         """Cache audits run after a step's outputs are out (cache_audit.py says when); never fatal."""

@@ -138,9 +138,10 @@ class EngineProcessServer:
                 pass
 
     def heartbeat(self) -> None:
+        core = self.engine.core
         while not self.stopped.wait(HEARTBEAT_S):
             try:
-                self.send(Beat())
+                self.send(Beat(core.steps_done, core.has_work))
             except OSError:
                 return
 

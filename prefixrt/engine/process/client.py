@@ -21,8 +21,14 @@ Abort that arrives while its request's grammar still compiles aborts it as soon 
 The child exits when the pipe closes, so it dies with the server process; it ignores SIGINT (Ctrl-C reaches
 the whole process group) and SIGTERM, and stops on Shutdown. When the child dies on its own, the reader thread reaps it
 (no zombie), finishes every in-flight request with finish_reason "abort" and an error naming the cause, fails
-every pending call with EngineDeadError, and calls `on_death(reason)` (the server uses it to exit). The
-heartbeat lets `health()` tell a stopped or hung engine process from a busy one.
+every pending call with EngineDeadError, and calls `on_death(reason)` (the server uses it to exit).
+
+The heartbeat (every HEARTBEAT_S, with the loop's step count and whether it has work) lets `health()` tell a
+stopped or hung engine from a busy one: unhealthy after `heartbeat_timeout_s` without a word (a stopped
+process), or after `progress.stall_timeout_s` without a step while it has work (a hung kernel, a deadlock;
+engine/progress.py). While it is unhealthy a watchdog finishes every in-flight request with finish_reason
+"abort" and an error starting with ENGINE_UNRESPONSIVE, so no caller hangs; the engine process is left alone,
+and the requests it still holds are aborted there once it answers again.
 """
 
 from __future__ import annotations
@@ -59,8 +65,9 @@ from prefixrt.engine.process.messages import (
     pack_token_ids,
     packed_id_range,
 )
+from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream, StepOutput
-from prefixrt.errors import EngineDeadError, InvalidRequest
+from prefixrt.errors import ENGINE_UNRESPONSIVE, EngineDeadError, InvalidRequest
 from prefixrt.json_schema import to_json_schema
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
@@ -79,10 +86,12 @@ class ProcessEngine(EngineAPI):
     child has built the engine; `progress(text)` receives its start-up messages. Call shutdown() when done.
 
     `on_death`: called once (on the reader thread) with the reason if the engine process dies on its own.
-    `heartbeat_timeout_s`: health() reports the engine process as unresponsive after this long without a word."""
+    `heartbeat_timeout_s`: health() reports the engine process as unresponsive after this long without a word;
+    `progress.stall_timeout_s`: ... and after this long without a loop step while it has work."""
 
     on_death: Callable[[str], None] | None = None
     heartbeat_timeout_s: float = 30.0
+    watch_interval_s: float = 1.0  # how often the watchdog looks
 
     def __init__(self, model: str = BASE_MODEL, progress: Callable[[str], None] | None = None,
                  **engine_kwargs: Any):
@@ -119,8 +128,12 @@ class ProcessEngine(EngineAPI):
         self.death: str | None = None  # why the engine process died, if it died on its own
         self._stopping = False  # shutdown() was called: the child's exit is expected
         self._last_heard = time.monotonic()
+        self.progress = ProgressWatch()  # fed by the heartbeats; its stall_timeout_s is the stall bound
+        self._abandoned: set[str] = set()  # failed by the watchdog: aborted in the engine once it answers
         self._reader = threading.Thread(target=self._read_loop, name="prefixrt-engine-reader", daemon=True)
         self._reader.start()
+        self._watchdog = threading.Thread(target=self._watch, name="prefixrt-engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _wait_ready(self, progress) -> EngineInfo:
         while True:
@@ -178,6 +191,7 @@ class ProcessEngine(EngineAPI):
                 msg = self._conn.recv()
                 self._last_heard = time.monotonic()
                 if isinstance(msg, Beat):
+                    self.progress.observe(msg.steps, msg.busy, self._last_heard)
                     continue
                 if isinstance(msg, Outputs):
                     self._deliver(msg.items)
@@ -218,24 +232,48 @@ class ProcessEngine(EngineAPI):
             if out.finished:
                 entry.unfinished.discard(out.index)
                 if not entry.unfinished:
-                    del self._streams[rid]
+                    self._streams.pop(rid, None)  # the watchdog may have failed it meanwhile
         RequestStream.push_many(pairs)  # one wake-up per event loop for the whole step
 
     def _fail_all(self, reason: str) -> None:
         """The child is gone: every waiting caller gets an error instead of waiting forever."""
         with self._send_lock:
             self._closed = self._closed or reason
+        self._fail_in_flight(reason)
+
+    def _fail_in_flight(self, reason: str) -> list[str]:
+        """Every pending call fails with EngineDeadError(reason) and every in-flight request finishes with
+        finish_reason "abort" and `reason`; returns the request ids."""
         for fut in list(self._replies.values()):
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
         self._replies.clear()
-        pairs = []
-        for entry in list(self._streams.values()):
+        pairs, rids = [], []
+        for rid, entry in list(self._streams.items()):
+            rids.append(rid)
             for i in sorted(entry.unfinished):
                 pairs.append((entry.stream, StepOutput(index=i, token_ids=[], text=None, finished=True,
                                                        finish_reason="abort", error=reason)))
-        self._streams.clear()
+            self._streams.pop(rid, None)
         RequestStream.push_many(pairs)
+        return rids
+
+    def _watch(self) -> None:
+        """While the engine is unresponsive (health()), fail what is in flight; once it answers again, abort
+        there what was failed here."""
+        while self._closed is None:
+            time.sleep(self.watch_interval_s)
+            reason = self.health()
+            if self._closed is not None:
+                return
+            if reason is not None:
+                if self._streams or self._replies:
+                    log.error("%s; failing every in-flight request", reason)
+                    self._abandoned.update(self._fail_in_flight(f"{ENGINE_UNRESPONSIVE}: {reason}"))
+            elif self._abandoned:
+                for rid in list(self._abandoned):
+                    self._abandoned.discard(rid)
+                    self.abort(rid)
 
     # ------------------------------------------------------------------ EngineAPI hooks
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
@@ -278,7 +316,7 @@ class ProcessEngine(EngineAPI):
         silent = time.monotonic() - self._last_heard
         if silent > self.heartbeat_timeout_s:
             return f"the engine process has not answered for {silent:.0f} s (stopped or hung)"
-        return None
+        return self.progress.stall()
 
     def abort(self, request_id: str) -> None:
         try:

@@ -126,7 +126,8 @@ class Reply:
 
 @dataclass(frozen=True, slots=True)
 class Beat:
-    pass
+    steps: int = 0  # EngineCore.steps_done: a busy loop whose count stops is stuck (engine/progress.py)
+    busy: bool = False  # EngineCore.has_work
 
 
 @dataclass(frozen=True, slots=True)
