@@ -132,7 +132,9 @@ def test_abort_storm_during_delayed_transfers(make_pair, make_engine, monkeypatc
             assert (toks, reason) == (w, "length"), rid
     dec.wait_idle()  # an aborted stream ends at once; its transfer's confirmation may still be on its way
     s = dec.transfer_stats()
-    assert len(aborted_mid_write) >= 3 and s["aborted_while_writing"] == len(aborted_mid_write), s
+    # Every abort taken mid-write is counted; an abort at random may land mid-write too (its timing is free).
+    assert len(aborted_mid_write) >= 3, s
+    assert len(aborted_mid_write) <= s["aborted_while_writing"] <= len(aborted_mid_write) + len(at_random), s
     assert s["cancelled"] > 0 and pair.worker.cancelled_total == s["cancelled"], s
     assert dec.core.kv.lifetime_violations == 0
     for eng in (dec, pair.prefill):
