@@ -15,7 +15,10 @@ enough to rebuild the format as a grammar (llguidance Lark):
   field), an integer or number,
   True/False, one of the choices, or JSON under the field's schema (strict-mode rule applied).
 - XMLAdapter: "Respond with the corresponding output fields wrapped in XML tags `<a>`, then `<b>`." ->
-  `<a>\\n<text>\\n</a>\\n<b>\\n...</b>` (typed the same way where the structure block gives a note).
+  `<a>\\n<text>\\n</a>\\n<b>\\n...</b>` (typed the same way where the structure block gives a note). DSPy parses
+  the reply as XML, so a text value is character data: no `<` (never a tag, its own field's included: a model
+  that wrote `<a>\\n<a-value>` left a reply DSPy could not parse, and DSPy called the LM again), `&` only in an
+  entity reference.
 - JSONAdapter sends its schema as `response_format` itself (the engine declares response-schema support),
   except when an output field is an open mapping (`dict[str, Any]`: ReAct's `next_tool_args`, Refine's
   feedback `advice`): then it sends `json_object`, any JSON object, and a small model writes keys of its own.
@@ -51,6 +54,11 @@ _REACT_TOOL = re.compile(r"^\s*\(\d+\) (\S+?)(?:, whose description is <desc>.*<
 # A text value: starts with a visible character, has no blank line (a paragraph break ends the field) and no
 # "[[" (a small model that starts writing a field header inside a value is steered to the real one).
 _TEXT = r"/[^\s\[]([^\n\[]|\n[^\n\[]|\[[^\[\n])*/"
+# XMLAdapter parses the reply as XML (ElementTree): a text value is character data, no `<` (so never a tag, its
+# own field's included: a model that wrote `<answer>\n<answer-value>` left a reply DSPy could not parse, and DSPy
+# called the LM again) and `&` only as an entity reference.
+_XML_CHAR = r"&(amp|lt|gt|quot|apos|#[0-9]+|#x[0-9a-fA-F]+);"
+_XML_TEXT = (rf"/([^\s\[<&]|{_XML_CHAR})([^\n\[<&]|{_XML_CHAR}|\n[^\n\[<&]|\n{_XML_CHAR}|\[[^\[\n<&]|\[{_XML_CHAR})*/")
 _INT = r"/-?[0-9]+/"
 _NUMBER = r"/-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
 
@@ -105,9 +113,10 @@ def _tool_call_rule(options: list[str], tools: dict[str, dict], between: str, su
     return "v_next_tool_name"
 
 
-def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: int | None = None) -> str:
+def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: int | None = None,
+                text: str = _TEXT) -> str:
     """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned. text_cap: the
-    most tokens a text value may take (then its suffix is forced), or None."""
+    most tokens a text value may take (then its suffix is forced), or None. text: the regex of a text value."""
     rule = f"v_{name}"
     if note.startswith("must adhere to the JSON schema: "):
         try:
@@ -128,9 +137,15 @@ def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: i
         rules.append(f"{rule}: ({alts}) {_lit(suffix)}")
         return rule
     else:
-        body = _TEXT
-        if text_cap is not None:  # llguidance ends a capped suffix-lexeme without its suffix: write it out
-            rules += [f"{rule}: {rule}_text {_lit(suffix)}", f"{rule}_text[max_tokens={text_cap}]: {body}"]
+        body = text
+        if text_cap is not None and suffix.startswith("\n") and len(suffix) > 1:
+            # llguidance ends a capped suffix-lexeme without its suffix, so the suffix is written out after a
+            # greedy text lexeme. Its lexer looks one byte ahead and never backs up: the text keeps an optional
+            # final newline and no line of it begins as the suffix's next line does, so the text can end at
+            # that newline (before the cap) and the suffix's rest follows.
+            nxt = "" if suffix[1] == "\n" else re.escape(suffix[1]).replace("/", "\\/")
+            capped = text.replace(r"|\n[^\n\[", rf"|\n[^\n\[{nxt}").replace(")*/", r")*\n?/")
+            rules += [f"{rule}: {rule}_text {_lit(suffix[1:])}", f"{rule}_text[max_tokens={text_cap}]: {capped}"]
             return rule
     rules.append(f"{rule}[suffix={_lit(suffix)}]: {body}")
     return rule
@@ -156,9 +171,10 @@ def _options(note: str) -> list[str] | None:
 
 
 def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict], first: str, after,
-                    max_tokens: int | None = None) -> str:
+                    max_tokens: int | None = None, text: str = _TEXT) -> str:
     """`first` then each field's value followed by `after(k)` (the text between field k and the next, or the
-    end). dspy.ReAct's next_tool_name + next_tool_args pair becomes one rule when every option is a known tool."""
+    end). dspy.ReAct's next_tool_name + next_tool_args pair becomes one rule when every option is a known tool.
+    text: the regex of a text value."""
     rules: list[str] = []
     seq = []
     k = 0
@@ -170,7 +186,8 @@ def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, d
             seq.append(_tool_call_rule(options, tools, after(k), after(k + 1), rules))
             k += 2
             continue
-        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules, text_cap(fields, max_tokens)))
+        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules, text_cap(fields, max_tokens),
+                               text))
         k += 1
     return "\n".join([f"start: {_lit(first)} " + " ".join(seq), *rules])
 
@@ -188,7 +205,7 @@ def xml_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[st
     def after(k: int) -> str:
         return f"\n</{fields[k]}>" + (f"\n<{fields[k + 1]}>\n" if k + 1 < len(fields) else "")
 
-    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after, max_tokens)
+    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after, max_tokens, _XML_TEXT)
 
 
 def output_format_constraint(messages: list[dict], max_tokens: int | None = None) -> dict:
@@ -264,3 +281,4 @@ def json_adapter_schema(messages: list[dict]) -> dict | None:
     notes = _json_notes("\n".join(msg.get("content") or "" for msg in messages if msg.get("role") == "system"))
     return {"type": "object", "properties": {f: _note_schema(notes.get(f, "")) for f in fields},
             "required": fields, "additionalProperties": False}
+

@@ -56,9 +56,31 @@ def test_adapter_format_becomes_a_grammar(backend, adapter, reply):
     assert not _accepts(backend, grammar, reply.replace("easy", "medium"))  # Literal choices only
 
 
-def test_chat_text_fields_end_at_a_blank_line(backend):
+@pytest.mark.parametrize("max_tokens", [None, 96])
+def test_xml_values_are_character_data(backend, max_tokens):
+    """XMLAdapter parses the reply as XML: a text value may not contain a tag (`<answer>\\n<answer-value>` does not
+    parse, and DSPy calls the LM again), nor a bare `&`; entity references are fine and parse to their text."""
+    adapter = dspy.XMLAdapter()
+    sig = dspy.Signature("question -> reasoning, answer")
+    grammar = output_format_constraint(adapter.format(sig, demos=[], inputs={"question": "q"}), max_tokens)["grammar"]
+    good = "<reasoning>\nThink about it.\n</reasoning>\n<answer>\nParis\n</answer>"
+    assert _accepts(backend, grammar, good)
+    assert adapter.parse(sig, good) == {"reasoning": "Think about it.", "answer": "Paris"}
+    escaped = good.replace("Paris", "&lt;b&gt; A &amp; B")
+    assert _accepts(backend, grammar, escaped)
+    assert adapter.parse(sig, escaped)["answer"] == "<b> A & B"
+    for bad in ("<answer>\nParis", "<answer-value>", "Paris </answer> more", "Paris\n<answer>\nParis", "<b>Paris</b>",
+                "A & B"):
+        assert not _accepts(backend, grammar, good.replace("\nParis\n", f"\n{bad}\n")), bad
+    assert not _accepts(backend, grammar, good.replace("Think about it.", "<reasoning>\nThink"))
+
+
+@pytest.mark.parametrize("max_tokens", [None, 96])
+def test_chat_text_fields_end_at_a_blank_line(backend, max_tokens):
+    """A text value ends at a blank line, also when it is capped by the request's max_tokens (before, a capped
+    value could only end at its cap)."""
     messages = dspy.ChatAdapter().format(dspy.Signature("question -> answer"), demos=[], inputs={"question": "q"})
-    grammar = output_format_constraint(messages)["grammar"]
+    grammar = output_format_constraint(messages, max_tokens)["grammar"]
     assert _accepts(backend, grammar, "[[ ## answer ## ]]\nParis\n\n[[ ## completed ## ]]")
     assert not _accepts(backend, grammar, "[[ ## answer ## ]]\nParis\n\nMore text\n\n[[ ## completed ## ]]")
     assert not _accepts(backend, grammar, "Paris")
