@@ -25,7 +25,8 @@ enough to rebuild the format as a grammar (llguidance Lark):
   "Respond with a JSON object in the following order of fields: `a`, then `b` (...)." and the field notes of
   its "Outputs will be a JSON object with the following fields." block give the object's schema instead
   (`json_adapter_schema`): those keys, in that order, each typed from its note (text, int, float, bool,
-  Literal choices, the field's JSON schema), all required, no others.
+  Literal choices, the field's JSON schema), all required, no others. dspy.ReAct's step becomes one branch per
+  tool it lists: `next_tool_name` that tool, `next_tool_args` under that tool's argument schema (`finish`: `{}`).
 
 `output_format_constraint(messages)` returns {"grammar": ...} or {} when no adapter format is recognised
 (plain prompts are left unconstrained); `json_adapter_schema(messages)` the JSONAdapter reply's schema or None.
@@ -278,7 +279,24 @@ def json_adapter_schema(messages: list[dict]) -> dict | None:
     fields = [f.group(1) for f in re.finditer(r"(?:^|, then )`(\w+)`", m.group(1))]
     if not fields:
         return None
-    notes = _json_notes("\n".join(msg.get("content") or "" for msg in messages if msg.get("role") == "system"))
-    return {"type": "object", "properties": {f: _note_schema(notes.get(f, "")) for f in fields},
-            "required": fields, "additionalProperties": False}
+    system = "\n".join(msg.get("content") or "" for msg in messages if msg.get("role") == "system")
+    notes = _json_notes(system)
+    properties = {f: _note_schema(notes.get(f, "")) for f in fields}
+    branches = _react_branches(fields, properties, _react_tools(system))
+    if branches:
+        return {"anyOf": branches}
+    return {"type": "object", "properties": properties, "required": fields, "additionalProperties": False}
 
+
+def _react_branches(fields: list[str], properties: dict, tools: dict[str, dict]) -> list[dict] | None:
+    """dspy.ReAct's step under JSONAdapter: one object schema per tool it lists, `next_tool_name` that tool and
+    `next_tool_args` its arguments (closed, every argument written; `finish` takes `{}`), so a step's call
+    always validates. None unless the fields hold that pair and every tool choice is a known tool."""
+    if "next_tool_name" not in fields or "next_tool_args" not in fields:
+        return None
+    names = properties["next_tool_name"].get("enum")
+    if not names or not all(n in tools for n in names):
+        return None
+    return [{"type": "object", "properties": {**properties, "next_tool_name": {"const": name},
+                                              "next_tool_args": strict_schema(tools[name])},
+             "required": fields, "additionalProperties": False} for name in names]

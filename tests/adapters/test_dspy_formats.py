@@ -126,6 +126,39 @@ def test_react_tool_arguments_follow_the_chosen_tool(backend, adapter):
     assert adapter.parse(sig, reply("add", '{"a": 2, "b": 3}'))["next_tool_args"] == {"a": 2, "b": 3}
 
 
+def test_json_adapter_react_step_has_one_branch_per_tool(backend):
+    """dspy.ReAct under JSONAdapter: `next_tool_args` is `dict[str, Any]`, so JSONAdapter sends json_object; the
+    reply's schema has one branch per tool ReAct lists: `next_tool_name` that tool and `next_tool_args` under its
+    argument schema (closed, every argument written), `finish` with `{}`."""
+    import jsonschema
+
+    sig = _react_signature()
+    messages = dspy.JSONAdapter().format(sig, demos=[], inputs={"question": "2+3?", "trajectory": ""})
+    schema = json_adapter_schema(messages)
+    grammar = backend.compile("json_schema", json.dumps(schema))
+
+    def accepts(name, args) -> bool:
+        text = json.dumps({"next_thought": "Add them.", "next_tool_name": name, "next_tool_args": args})
+        m = backend.matcher(grammar)
+        ids = backend.tokenizer.encode(text, add_special_tokens=False)
+        ok = m.accept_tokens(ids) == len(ids) and m.can_stop()
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except jsonschema.ValidationError:
+            assert not ok, text  # the grammar and the schema agree
+            return False
+        assert ok, text
+        return True
+
+    assert accepts("add", {"a": 2, "b": 3}) and accepts("finish", {})
+    for name, args in (("add", {}), ("add", {"a": 2}), ("add", {"a": 2, "b": 3, "c": 4}), ("finish", {"a": 2}),
+                       ("add", {"a": "two", "b": 3}), ("sub", {"a": 2, "b": 3})):
+        assert not accepts(name, args), (name, args)
+    parsed = dspy.JSONAdapter().parse(sig, json.dumps({"next_thought": "t", "next_tool_name": "add",
+                                                       "next_tool_args": {"a": 2, "b": 3}}))
+    assert parsed["next_tool_args"] == {"a": 2, "b": 3}
+
+
 def test_json_adapter_json_object_becomes_the_fields_schema():
     """JSONAdapter sends `json_object` (any object) when an output field is an open mapping; the fields its
     prompt names become the reply's schema: those keys, typed from their notes, all required, no others."""
