@@ -162,11 +162,12 @@ class EngineAPI:
                              param="prompt")
 
     def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
         continue_final_message, the final assistant message left open). The one place the engine renders
         chat; raises InvalidRequest for malformed messages, a model without a template or a template that
-        refuses them."""
+        refuses them. template_kwargs: extra variables for the template (a request's `chat_template_kwargs`,
+        e.g. {"enable_thinking": False})."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
@@ -181,7 +182,7 @@ class EngineAPI:
         try:
             with lock:
                 text = render_chat_template(tok, messages, continue_final_message=continue_final_message,
-                                            tools=tools)
+                                            tools=tools, template_kwargs=template_kwargs)
             return self._encode_text(text, False)
         except InvalidRequest:
             raise
@@ -197,10 +198,12 @@ class EngineAPI:
         return ids
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of chat messages (tools passed to the template when given; the final assistant message
-        left open with continue_final_message), validated against the model's limits. Raises InvalidRequest."""
-        ids = self.chat_prompt_ids(messages, continue_final_message=continue_final_message, tools=tools)
+        left open with continue_final_message; template_kwargs as chat_prompt_ids takes them), validated
+        against the model's limits. Raises InvalidRequest."""
+        ids = self.chat_prompt_ids(messages, continue_final_message=continue_final_message, tools=tools,
+                                   template_kwargs=template_kwargs)
         self._validate_ids(ids, SamplingParams())
         return ids
 

@@ -95,8 +95,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     check_model(request.app.state, body.model)
     check_body(body)
     lowered = convert.chat_params(body, eng, request.app.state.generation_defaults)
+    template_kwargs = convert.template_kwargs(body)
     ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
-                                  body.continue_final_message)
+                                  body.continue_final_message, template_kwargs)
+    reasoning = await _reasoning(request, template_kwargs, ids)
     params, mode = lowered.params, lowered.tools
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -108,21 +110,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(ids, params))
         _raise_if_aborted(lc, [c])
-        return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode)), lowered.warnings)
+        return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode, reasoning)),
+                                     lowered.warnings)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
     chunks = await eng.astream_open(ids, params, coalesce=True)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc))
+    gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc, reasoning))
     return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])), lowered.warnings)
 
 
+async def _reasoning(request: Request, template_kwargs: dict | None, ids: list[int]) -> convert.Reasoning | None:
+    """The request's Reasoning under the server's --reasoning-parser (None without one)."""
+    parser = request.app.state.reasoning_parser
+    if parser is None:
+        return None
+    return await run_in_threadpool(convert.request_reasoning, parser, template_kwargs, _engine(request), ids)
+
+
 async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
-                       include_usage: bool, lc) -> AsyncIterator[str]:
+                       include_usage: bool, lc, reasoning: convert.Reasoning | None = None) -> AsyncIterator[str]:
     """Text streams as it comes. With tools, a sample's text is held while it may still be a call (it starts
-    like one); calls are sent whole, one delta per call, once the sample ends."""
+    like one); calls are sent whole, one delta per call, once the sample ends. With `reasoning`, a sample's
+    thinking streams as `reasoning_content` deltas and only the rest goes through the above."""
     usage = convert.StreamUsage()
+    splitters: dict[int, object] = {}  # index -> its ReasoningSplitter
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
     held_lps: dict[int, list] = {}
@@ -144,10 +157,20 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
         if i not in started:
             started.add(i)
             yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+        text, lps = ch.text, ch.logprobs
+        if reasoning is not None:
+            split = splitters.get(i) or splitters.setdefault(i, reasoning.splitter())
+            thought, text = split.feed(text)
+            if ch.finish_reason is not None:
+                more_thought, more_text = split.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought:  # the logprobs go with the content when the event has some
+                yield chunk(i, {"reasoning_content": thought}, lps=None if text else lps)
+                lps = lps if text else None
         if plan is not None and i not in plain:
-            held[i] = held.get(i, "") + ch.text
-            if ch.logprobs:
-                held_lps.setdefault(i, []).extend(ch.logprobs)
+            held[i] = held.get(i, "") + text
+            if lps:
+                held_lps.setdefault(i, []).extend(lps)
             if not plan.may_be_call(held[i]):  # clearly prose: stream it
                 plain.add(i)
                 yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
@@ -164,8 +187,8 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
                     yield chunk(i, {"content": text}, lps=lps)
                     yield chunk(i, {}, ch.finish_reason)
             continue
-        if ch.text or ch.logprobs:
-            yield chunk(i, {"content": ch.text}, lps=ch.logprobs)
+        if text or lps:
+            yield chunk(i, {"content": text}, lps=lps)
         if ch.finish_reason is not None:
             yield chunk(i, {}, ch.finish_reason)
     if include_usage:
