@@ -262,7 +262,7 @@ class EngineAPI:
                 request_id=rid if p.n == 1 else f"{rid}-{i}", text=text, token_ids=toks,
                 finish_reason=last.finish_reason, matched_stop=last.matched_stop, prompt_tokens=len(ids),
                 cached_tokens=last.cached_tokens, completion_tokens=len(toks), logprobs=lps,
-                choice_scores=last.choice_scores, error=last.error,
+                choice_scores=last.choice_scores, error=last.error, timing=timing_dict(last.timing),
             ))
         first = outs[0]
         first.request_id = rid
@@ -415,13 +415,21 @@ class _ChunkState:
             request_id=rid, text=text, token_ids=list(ev.token_ids), finish_reason=ev.finish_reason, index=i,
             logprobs=ev.logprobs, prompt_tokens=len(self.ids), cached_tokens=ev.cached_tokens,
             completion_tokens=self.counts[i], matched_stop=ev.matched_stop, error=ev.error,
+            timing=timing_dict(ev.timing),
         )
+
+
+def timing_dict(timing: tuple | None) -> dict | None:
+    """A StepOutput's (queue, prefill, decode) seconds as Completion.timing."""
+    if timing is None:
+        return None
+    return dict(zip(("queue_s", "prefill_s", "decode_s"), timing))
 
 
 def _completion_chunk(c: Completion) -> Chunk:
     return Chunk(request_id=c.request_id, text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                  logprobs=c.logprobs, prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
-                 completion_tokens=c.completion_tokens, error=c.error)
+                 completion_tokens=c.completion_tokens, error=c.error, timing=c.timing)
 
 
 async def _aiter_one(awaitable):

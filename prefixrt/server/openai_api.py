@@ -25,6 +25,7 @@ from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
+from prefixrt.server.tracing import observe, observed, traced
 from prefixrt.server.validate import check_body
 
 router = APIRouter(route_class=OffloadedBodyRoute)
@@ -90,6 +91,7 @@ async def get_model(model_id: str, request: Request):
 
 
 @router.post("/v1/chat/completions")
+@traced("chat.completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_model(request.app.state, body.model)
@@ -109,12 +111,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if not body.stream:
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(ids, params))
+        observe(request, rid, [c])
         _raise_if_aborted(lc, [c])
         return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode, reasoning)),
                                      lowered.warnings)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
-    chunks = await eng.astream_open(ids, params, coalesce=True)
+    chunks = observed(request, rid, await eng.astream_open(ids, params, coalesce=True), n=params.n)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc, reasoning))
@@ -197,6 +200,7 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 
 
 @router.post("/v1/completions")
+@traced("completions")
 async def completions(body: CompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_model(request.app.state, body.model)
@@ -216,6 +220,7 @@ async def completions(body: CompletionRequest, request: Request):
 
         with lc.serving(eng, rids):
             cs = await until_disconnect(request, run())
+        observe(request, rid, list(cs))
         _raise_if_aborted(lc, cs)
         echo = await _echo_heads(eng, body, prompts, encoded)
         return convert.with_warnings(JSON(convert.completion_response(list(cs), rid, model, created, echo)), warnings)
@@ -228,6 +233,7 @@ async def completions(body: CompletionRequest, request: Request):
             eng.abort(r)
         raise failed[0]
     lc.register(eng, rids)
+    opened = [observed(request, rid, s, k, params.n) for k, s in enumerate(opened)]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
     return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, rids)), warnings)

@@ -35,6 +35,7 @@ from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model
 from prefixrt.server.protocol import ChatCompletionRequest, _Body
 from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
+from prefixrt.server.tracing import observe, observed, traced
 from prefixrt.server.validate import check_body
 
 router = APIRouter(route_class=OffloadedBodyRoute)
@@ -259,6 +260,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 
 
 @router.post("/v1/responses")
+@traced("responses")
 async def create_response(body: ResponsesRequest, request: Request):
     eng = request.app.state.engine
     check_model(request.app.state, body.model)
@@ -304,11 +306,13 @@ async def create_response(body: ResponsesRequest, request: Request):
     if not body.stream:
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(ids, params))
+        observe(request, rid, [c])
         if c.finish_reason == "abort":
             raise RequestFailed.for_abort(lc, c.error)
         return convert.with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
             c.prompt_tokens, c.completion_tokens, c.cached_tokens))), lowered.warnings)
     chunks = await eng.astream_open(ids, params, coalesce=True)  # a bad request raises before any byte is sent
+    chunks = observed(request, rid, chunks)
     lc.register(eng, [rid])
 
     def close():
