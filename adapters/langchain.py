@@ -352,18 +352,22 @@ class ChatPrefixRT(BaseChatModel):
         return ReasoningParser(self.reasoning_parser).splitter() if self.reasoning_parser is not None else None
 
     @staticmethod
-    def _thinking(split: ReasoningSplitter | None, c) -> tuple[str, ChatGenerationChunk | None]:
-        """(the answer's text in chunk `c`, a chunk carrying its thinking or None)."""
-        if split is None:
-            return c.text, None
-        thought, text = split.feed(c.text)
-        if c.finish_reason is not None:
-            more_thought, more_text = split.finish()
-            thought, text = thought + more_thought, text + more_text
-        if not thought:
-            return text, None
-        return text, ChatGenerationChunk(message=AIMessageChunk(content="",
-                                                                additional_kwargs={"reasoning_content": thought}))
+    def _pieces(split: ReasoningSplitter | None, c, specs: ToolPlan | None) -> tuple[str, list[ChatGenerationChunk]]:
+        """(the answer's text in prefixrt chunk `c`, the chunks to yield for it: its thinking, then its text
+        unless a tool plan holds the text back)."""
+        thought, text = "", c.text
+        if split is not None:
+            thought, text = split.feed(c.text)
+            if c.finish_reason is not None:
+                more_thought, more_text = split.finish()
+                thought, text = thought + more_thought, text + more_text
+        out = []
+        if thought:
+            out.append(ChatGenerationChunk(message=AIMessageChunk(content="",
+                                                                  additional_kwargs={"reasoning_content": thought})))
+        if specs is None and text:
+            out.append(ChatGenerationChunk(message=AIMessageChunk(content=text)))
+        return text, out
 
     def _result(self, completion, specs: ToolPlan | None) -> ChatResult:
         thought, text = None, completion.text
@@ -411,13 +415,10 @@ class ChatPrefixRT(BaseChatModel):
             for c in chunks:
                 last = c
                 self._check(c, state["fired"])
-                text, thinking = self._thinking(split, c)
-                if thinking is not None:
-                    yield thinking
+                text, gens = self._pieces(split, c, specs)
                 texts.append(text)
-                if specs is None and text:
-                    gen = ChatGenerationChunk(message=AIMessageChunk(content=text))
-                    if run_manager:
+                for gen in gens:
+                    if run_manager and gen.message.content:
                         run_manager.on_llm_new_token(text, chunk=gen)
                     yield gen
         finally:
@@ -450,13 +451,10 @@ class ChatPrefixRT(BaseChatModel):
                     raise TimeoutError("ChatPrefixRT: the call exceeded its timeout and was aborted") from e
                 last = c
                 self._check(c, False)
-                text, thinking = self._thinking(split, c)
-                if thinking is not None:
-                    yield thinking
+                text, gens = self._pieces(split, c, specs)
                 texts.append(text)
-                if specs is None and text:
-                    gen = ChatGenerationChunk(message=AIMessageChunk(content=text))
-                    if run_manager:
+                for gen in gens:
+                    if run_manager and gen.message.content:
                         await run_manager.on_llm_new_token(text, chunk=gen)
                     yield gen
         finally:
