@@ -34,7 +34,9 @@ async def test_reasoning_content_on_invoke_and_streams(tiny_target, parser):
     for chunks in (list(llm.stream("2+2?", regex=FREE[parser])),
                    [c async for c in llm.astream("2+2?", regex=FREE[parser])]):
         parts = [c.additional_kwargs.get("reasoning_content") for c in chunks]
-        assert len([p for p in parts if p]) > 1  # streamed as it comes
+        # streamed as it comes (a server joins the events of a client that falls behind, so only in-process
+        # is the count certain)
+        assert len([p for p in parts if p]) > (1 if tiny_target.kind == "engine" else 0)
         merged = chunks[0]
         for c in chunks[1:]:
             merged = merged + c
