@@ -24,7 +24,7 @@ class Completion:
     error: str | None = None  # set when the request was aborted by an internal error
     # {"queue_s", "prefill_s", "decode_s"}: waiting to be admitted, admission to first token, first token to
     # finish (None where the request never got that far); None when the engine does not report it
-    timing: dict[str, float | None] | None = None
+    timing: dict[str, float | None] | None = field(default=None, compare=False)  # (never equal twice)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict. `outputs` holds the n samples when n > 1 (the first being this Completion itself,
@@ -55,7 +55,7 @@ class Chunk:
     completion_tokens: int = 0
     matched_stop: str | int | None = None
     error: str | None = None  # on the last chunk of a request aborted by an internal error
-    timing: dict[str, float | None] | None = None  # on the last chunk: as Completion.timing
+    timing: dict[str, float | None] | None = field(default=None, compare=False)  # last chunk: as Completion.timing
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the fields (shallow: the lists are this Chunk's own, not copies)."""
