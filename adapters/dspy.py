@@ -41,6 +41,8 @@ from dspy.lm15 import (
     StreamStartEvent,
     TextDelta,
     TextPart,
+    ThinkingDelta,
+    ThinkingPart,
     ToolCallDelta,
     ToolCallPart,
     UnsupportedFeatureError,
@@ -58,6 +60,7 @@ from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_co
 
 from prefixrt.errors import InvalidRequest
 from prefixrt.params import CONSTRAINT_FIELDS
+from prefixrt.reasoning import ReasoningParser
 
 _PROVIDER = "prefixrt"
 _LM_CLASS_PATH = "prefixrt.adapters.dspy.LM"
@@ -132,8 +135,13 @@ def _openai_tools(request: Request) -> tuple[list[dict], Any]:
     return tools, "required"
 
 
-def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
+def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict], dict, ToolPlan | None]:
     """Request -> (chat messages, SamplingParams dict, the tool plan when tools constrain the reply).
+
+    reasoning: the LM has a reasoning parser. A request's reasoning config (DSPy's `reasoning_effort`) is then
+    accepted (the model thinks as its template says; the effort is not a knob it has), and DSPy's own reply
+    formats are not imposed by decoding, which would hold the reply from its first token and leave no room to
+    think (an explicit response_format or tool plan still is).
 
     The chat request itself (messages, tools, tool choice, response format) is lowered by
     prefixrt.lowering.lower_chat, as `prefixrt serve` lowers it; what is DSPy's own is the reply format its
@@ -150,7 +158,7 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
         options["logprobs"] = extensions.pop("top_logprobs")
     for key in ("max_completion_tokens",):
         extensions.pop(key, None)
-    if cfg.reasoning is not None or cfg.cache is not None or cfg.probabilities is not None:
+    if (cfg.reasoning is not None and not reasoning) or cfg.cache is not None or cfg.probabilities is not None:
         raise UnsupportedFeatureError("prefixrt: reasoning, provider prompt-cache config and probabilities are not "
                                       "supported (prefix caching is automatic)", provider=_PROVIDER)
     try:
@@ -161,7 +169,7 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
         lowered = lower_chat(_openai_messages(request), tools=tools, tool_choice=choice,
                              parallel_tool_calls=bool(parallel), response_format=cfg.response_format)
         messages = lowered.messages
-        if lowered.tools is None and lowered.constraint.get("json_object"):
+        if lowered.tools is None and lowered.constraint.get("json_object") and not reasoning:
             # JSONAdapter sends json_object for signatures with an open mapping field; its prompt names the
             # reply's fields, so the reply is held to them (any JSON object lets a small model write keys of its
             # own, and the reply does not parse).
@@ -169,7 +177,7 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
             if schema is not None:
                 lowered.constraint = {"json_schema": schema}
         lowered.apply(params)
-        if not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
+        if not reasoning and not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
             # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
             params.update(output_format_constraint(messages, params.get("max_new_tokens")))
     except InvalidRequest as e:
@@ -208,10 +216,15 @@ def _reply_parts(text: str, tools: ToolPlan | None) -> tuple[list, bool]:
     return [TextPart(text)], False
 
 
-def build_response(request: Request, completion, tools: ToolPlan | None) -> Response:
-    """A prefixrt Completion -> an lm15 Response (tool calls parsed when a tool plan constrained it)."""
+def build_response(request: Request, completion, tools: ToolPlan | None,
+                   parser: ReasoningParser | None = None) -> Response:
+    """A prefixrt Completion -> an lm15 Response (tool calls parsed when a tool plan constrained it; with a
+    reasoning parser, the thinking as a ThinkingPart first, which DSPy reports as reasoning_content)."""
     finish = _finish(completion.finish_reason, getattr(completion, "error", None))
-    parts, called = _reply_parts(completion.text, tools if finish == "stop" else None)
+    thought, text = parser.split(completion.text) if parser is not None else (None, completion.text)
+    parts, called = _reply_parts(text, tools if finish == "stop" else None)
+    if thought is not None:
+        parts = [ThinkingPart(thought), *parts]
     if called:
         finish = "tool_call"
     return Response(
@@ -223,22 +236,32 @@ def build_response(request: Request, completion, tools: ToolPlan | None) -> Resp
 class _StreamState:
     """Turns prefixrt Chunks into lm15 stream events (text deltas; a tool call arrives whole at the end)."""
 
-    def __init__(self, request: Request, tools: ToolPlan | None):
+    def __init__(self, request: Request, tools: ToolPlan | None, parser: ReasoningParser | None = None):
         self.request, self.tools = request, tools
         self.text: list[str] = []
         self.last = None
+        self.split = parser.splitter() if parser is not None else None
 
     def start(self, request_id: str) -> StreamStartEvent:
         return StreamStartEvent(id=request_id, model=self.request.model)
 
     def push(self, chunk) -> list:
         self.last = chunk
-        if not chunk.text:
-            return []
-        self.text.append(chunk.text)
+        events, text = [], chunk.text
+        if self.split is not None:  # the thinking streams as thinking deltas (part 0), the answer after it
+            thought, text = self.split.feed(text)
+            if chunk.finish_reason is not None:
+                more_thought, more_text = self.split.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought:
+                events.append(StreamDeltaEvent(delta=ThinkingDelta(text=thought, part_index=0)))
+        if not text:
+            return events
+        self.text.append(text)
         if self.tools is not None:
-            return []  # tool calls are JSON: emitted parsed, once complete
-        return [StreamDeltaEvent(delta=TextDelta(text=chunk.text, part_index=0))]
+            return events  # tool calls are JSON: emitted parsed, once complete
+        first = 1 if self.split is not None and self.split.saw_reasoning else 0
+        return events + [StreamDeltaEvent(delta=TextDelta(text=text, part_index=first))]
 
     def end(self) -> list:
         c = self.last
@@ -278,23 +301,26 @@ class PrefixRTEngine:
     supported_params = frozenset({"temperature", "max_tokens", "top_p", "top_k", "stop", "seed", "response_format",
                                   "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "n"})
 
-    def __init__(self, handle: ProviderHandle):
+    def __init__(self, handle: ProviderHandle, reasoning_parser: str | None = None):
         self.handle = handle
+        self.reasoning_parser = reasoning_parser
+        self.parser = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
+        self.supports_reasoning = self.parser is not None  # DSPy then leaves a dspy.Reasoning field to us
 
     @property
     def provider(self):
         return self.handle.get()
 
     def complete(self, request: Request) -> Response:
-        messages, params, tools = lower_request(request)
+        messages, params, tools = lower_request(request, self.parser is not None)
         try:
             completion = self.provider.generate(messages, params)
         except Exception as e:
             raise _translate(e) from e
-        return build_response(request, completion, tools)
+        return build_response(request, completion, tools, self.parser)
 
     def stream(self, request: Request) -> Iterator:
-        messages, params, tools = lower_request(request)
+        messages, params, tools = lower_request(request, self.parser is not None)
         try:
             chunks = self.provider.stream(messages, params)
         except Exception as e:
@@ -302,7 +328,7 @@ class PrefixRTEngine:
         return self._events(request, tools, params["request_id"], chunks)
 
     def _events(self, request, tools, request_id, chunks) -> Iterator:
-        state = _StreamState(request, tools)
+        state = _StreamState(request, tools, self.parser)
         yield state.start(request_id)
         try:
             for chunk in chunks:
@@ -318,11 +344,14 @@ class PrefixRTEngine:
 
     # DSPy saves a custom engine by its class path and this state (LM.dump_state has its own, simpler form).
     def dump_state(self) -> dict:
-        return _handle_state(self.handle)
+        state = _handle_state(self.handle)
+        if self.reasoning_parser is not None:
+            state["reasoning_parser"] = self.reasoning_parser
+        return state
 
     @classmethod
     def load_state(cls, state: dict) -> PrefixRTEngine:
-        return cls(_handle_from_state(state))
+        return cls(_handle_from_state(state), state.get("reasoning_parser"))
 
     def __deepcopy__(self, memo):
         return self
@@ -332,20 +361,20 @@ class AsyncPrefixRTEngine(PrefixRTEngine):
     """DSPy's async engine interface: `await complete(request)`, `async for event in stream(request)`."""
 
     async def complete(self, request: Request) -> Response:  # type: ignore[override]
-        messages, params, tools = lower_request(request)
+        messages, params, tools = lower_request(request, self.parser is not None)
         try:
             completion = await self.provider.agenerate(messages, params)
         except Exception as e:
             raise _translate(e) from e
-        return build_response(request, completion, tools)
+        return build_response(request, completion, tools, self.parser)
 
     async def stream(self, request: Request) -> AsyncIterator:  # type: ignore[override]
-        messages, params, tools = lower_request(request)
+        messages, params, tools = lower_request(request, self.parser is not None)
         try:
             chunks = self.provider.astream(messages, params)
         except Exception as e:
             raise _translate(e) from e
-        state = _StreamState(request, tools)
+        state = _StreamState(request, tools, self.parser)
         yield state.start(params["request_id"])
         try:
             async for chunk in chunks:
@@ -390,16 +419,19 @@ class LM(dspy.LM):
     different weights never share cached answers. Defaults suit a small local model: temperature 0 (greedy)
     and max_tokens 512. Other keyword arguments are default request options (as for `dspy.LM`), including
     prefixrt's own (regex, choices, grammar, cache_salt, repetition_penalty, top_k, min_p).
+    `reasoning_parser` ("qwen3", "deepseek-r1"; prefixrt/reasoning.py): a reasoning model's thinking is returned
+    apart from its reply, as DSPy's `reasoning_content`, and fills a `dspy.Reasoning` output field.
     """
 
     def __init__(self, model: str | None = None, *, engine: Any = None, base_url: str | None = None,
                  api_key: str | None = None, engine_kwargs: dict | None = None, temperature: float | None = 0.0,
                  max_tokens: int | None = 512, cache: bool = True, num_retries: int = 3, callbacks=None,
-                 model_type: str = "chat", **kwargs):
+                 model_type: str = "chat", reasoning_parser: str | None = None, **kwargs):
         if model_type != "chat":
             raise ValueError("prefixrt.LM supports model_type='chat' only")
         if isinstance(engine, PrefixRTEngine):  # DSPy's load_state / copy hand the engine object back
             handle = engine.handle
+            reasoning_parser = reasoning_parser or engine.reasoning_parser
         else:
             if isinstance(model, str) and model.startswith(f"{_PROVIDER}/"):
                 model = model[len(_PROVIDER) + 1:].split("@", 1)[0]  # a DSPy model string from a saved state
@@ -407,10 +439,12 @@ class LM(dspy.LM):
                                     engine_kwargs=engine_kwargs)
         kwargs.pop("async_engine", None)
         self.handle = handle
+        self.reasoning_parser = reasoning_parser
         super().__init__(
             model=f"{_PROVIDER}/{handle.model_id()}", model_type="chat", temperature=temperature,
             max_tokens=max_tokens, cache=cache, callbacks=callbacks, num_retries=num_retries,
-            engine=PrefixRTEngine(handle), async_engine=AsyncPrefixRTEngine(handle), **kwargs,
+            engine=PrefixRTEngine(handle, reasoning_parser),
+            async_engine=AsyncPrefixRTEngine(handle, reasoning_parser), **kwargs,
         )
 
     @property
@@ -421,7 +455,8 @@ class LM(dspy.LM):
     def copy(self, **kwargs):
         if "engine" in kwargs and not isinstance(kwargs["engine"], PrefixRTEngine):
             handle = ProviderHandle(provider=kwargs.pop("engine"))
-            kwargs["engine"], kwargs["async_engine"] = PrefixRTEngine(handle), AsyncPrefixRTEngine(handle)
+            kwargs["engine"], kwargs["async_engine"] = PrefixRTEngine(handle, self.reasoning_parser), \
+                AsyncPrefixRTEngine(handle, self.reasoning_parser)
         copied = super().copy(**kwargs)
         copied.handle = copied.engine.handle
         return copied
@@ -440,6 +475,7 @@ class LM(dspy.LM):
             "revision": self.model.split("@", 1)[1] if "@" in self.model else None,
             "cache": self.cache,
             "num_retries": self.num_retries,
+            **({"reasoning_parser": self.reasoning_parser} if self.reasoning_parser else {}),
         }
         state.update({k: v for k, v in self.kwargs.items() if k != "api_key"})
         return state

@@ -53,6 +53,8 @@ from prefixrt.adapters._lowering import (
 )
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
+from prefixrt.reasoning import ReasoningParser, ReasoningSplitter
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
           "ai": "assistant"}
 
@@ -164,6 +166,9 @@ class ChatPrefixRT(BaseChatModel):
     """invoke() runs through the streaming path (callbacks see tokens as they arrive)."""
     cache_salt: str | None = None
     """Requests with different salts never share cached KV."""
+    reasoning_parser: str | None = None
+    """A reasoning model's form ("qwen3", "deepseek-r1"; prefixrt/reasoning.py): its thinking then goes in the
+    AIMessage's additional_kwargs["reasoning_content"] (streamed as chunks), apart from the content."""
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
 
@@ -171,6 +176,8 @@ class ChatPrefixRT(BaseChatModel):
 
     @model_validator(mode="after")
     def _build_handle(self) -> ChatPrefixRT:
+        if self.reasoning_parser is not None:
+            ReasoningParser(self.reasoning_parser)  # ValueError naming the choices
         if self.engine is not None:
             self._handle = ProviderHandle(provider=self.engine)
             if self.model_name is None:
@@ -339,8 +346,36 @@ class ChatPrefixRT(BaseChatModel):
 
         return self._result(await self._aretrying(call), specs)
 
+    def _splitter(self) -> ReasoningSplitter | None:
+        """A splitter of the reply's thinking from its answer, with a reasoning parser (the engine renders the
+        prompt, so a template that opens the block in the prompt needs "deepseek-r1")."""
+        return ReasoningParser(self.reasoning_parser).splitter() if self.reasoning_parser is not None else None
+
+    @staticmethod
+    def _pieces(split: ReasoningSplitter | None, c, specs: ToolPlan | None) -> tuple[str, list[ChatGenerationChunk]]:
+        """(the answer's text in prefixrt chunk `c`, the chunks to yield for it: its thinking, then its text
+        unless a tool plan holds the text back)."""
+        thought, text = "", c.text
+        if split is not None:
+            thought, text = split.feed(c.text)
+            if c.finish_reason is not None:
+                more_thought, more_text = split.finish()
+                thought, text = thought + more_thought, text + more_text
+        out = []
+        if thought:
+            out.append(ChatGenerationChunk(message=AIMessageChunk(content="",
+                                                                  additional_kwargs={"reasoning_content": thought})))
+        if specs is None and text:
+            out.append(ChatGenerationChunk(message=AIMessageChunk(content=text)))
+        return text, out
+
     def _result(self, completion, specs: ToolPlan | None) -> ChatResult:
-        fields = self._reply_fields(completion.text, completion.finish_reason, specs)
+        thought, text = None, completion.text
+        if self.reasoning_parser is not None:
+            thought, text = ReasoningParser(self.reasoning_parser).split(text)
+        fields = self._reply_fields(text, completion.finish_reason, specs)
+        if thought is not None:
+            fields["additional_kwargs"] = {"reasoning_content": thought}
         message = AIMessage(
             **fields,
             usage_metadata=self._usage(completion.prompt_tokens, completion.completion_tokens,
@@ -375,16 +410,16 @@ class ChatPrefixRT(BaseChatModel):
         rid = params["request_id"]
         chunks = self._retrying(lambda: self.provider.stream(chat, params))
         timer, state = self._abort_timer(rid)
-        texts, last = [], None
+        texts, last, split = [], None, self._splitter()
         try:
             for c in chunks:
                 last = c
                 self._check(c, state["fired"])
-                texts.append(c.text)
-                if specs is None and c.text:
-                    gen = ChatGenerationChunk(message=AIMessageChunk(content=c.text))
-                    if run_manager:
-                        run_manager.on_llm_new_token(c.text, chunk=gen)
+                text, gens = self._pieces(split, c, specs)
+                texts.append(text)
+                for gen in gens:
+                    if run_manager and gen.message.content:
+                        run_manager.on_llm_new_token(text, chunk=gen)
                     yield gen
         finally:
             if timer is not None:
@@ -404,7 +439,7 @@ class ChatPrefixRT(BaseChatModel):
         chunks = self.provider.astream(chat, params)
         loop = asyncio.get_running_loop()
         deadline = None if self.timeout is None else loop.time() + self.timeout
-        texts, last = [], None
+        texts, last, split = [], None, self._splitter()
         try:
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - loop.time())
@@ -416,11 +451,11 @@ class ChatPrefixRT(BaseChatModel):
                     raise TimeoutError("ChatPrefixRT: the call exceeded its timeout and was aborted") from e
                 last = c
                 self._check(c, False)
-                texts.append(c.text)
-                if specs is None and c.text:
-                    gen = ChatGenerationChunk(message=AIMessageChunk(content=c.text))
-                    if run_manager:
-                        await run_manager.on_llm_new_token(c.text, chunk=gen)
+                text, gens = self._pieces(split, c, specs)
+                texts.append(text)
+                for gen in gens:
+                    if run_manager and gen.message.content:
+                        await run_manager.on_llm_new_token(text, chunk=gen)
                     yield gen
         finally:
             aclose = getattr(chunks, "aclose", None)

@@ -43,6 +43,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixrt import tool_formats
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
 from prefixrt.errors import InvalidRequest
 from prefixrt.json_schema import embed, normalized_types, strict_schema, to_json_schema, with_defs
@@ -255,11 +256,15 @@ def check_tool_parameters(name: str, parameters: Any, param: str) -> None:
 
 @dataclass(frozen=True)
 class CallSyntax:
-    """How the model writes calls: `open` + JSON + `close`, calls separated by `sep`."""
+    """How the model writes calls: `open` + JSON + `close`, calls separated by `sep`; the JSON holds the
+    arguments under `key`. `family`: the model family's own syntax (prefixrt/tool_formats.py) when the chat
+    template renders the tools, whose parser then reads the reply."""
 
     open: str = ""
     close: str = ""
     sep: str = "\n"
+    key: str = "arguments"
+    family: str | None = None
 
     @property
     def lead(self) -> str:
@@ -268,18 +273,23 @@ class CallSyntax:
 
 
 BARE = CallSyntax()
-TAGGED = CallSyntax("<tool_call>\n", "\n</tool_call>", "\n")
+TAGGED = CallSyntax("<tool_call>\n", "\n</tool_call>", "\n", family="hermes")
+# Llama 3.1/3.2 JSON tool calling: the template asks for {"name", "parameters"}, one JSON object per call.
+LLAMA3 = CallSyntax("", "", "\n", key="parameters", family="llama3")
+# Mistral: a JSON array of calls after the [TOOL_CALLS] special token (which decoding leaves out of the text).
+MISTRAL = CallSyntax("[", "]", "\n", family="mistral")
+FAMILY_SYNTAX = {"hermes": TAGGED, "llama3": LLAMA3, "mistral": MISTRAL}
 
 
 def template_call_syntax(tokenizer) -> CallSyntax | None:
-    """The call syntax of the tokenizer's chat template when it renders `tools` itself (Hermes-style
-    `<tool_call>` tags: Qwen 2.5/3, Hermes), else None (tools go in a system message, calls are BARE)."""
+    """The call syntax of the tokenizer's chat template when it renders `tools` itself, in its family's own form
+    (tool_formats.detect: Hermes/Qwen `<tool_call>` tags, Llama 3.1/3.2 JSON with "parameters", Mistral
+    `[TOOL_CALLS]` arrays), else None (tools go in a system message, calls are BARE). Pythonic templates
+    (tool_formats' "pythonic") have no constrained form here: they get the system message too."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
-    if isinstance(template, str) and "tools" in template and "<tool_call>" in template:
-        return TAGGED
-    return None
+    return FAMILY_SYNTAX.get(tool_formats.detect(template))
 
 
 def tool_choice_name(choice: Any, param: str = "tool_choice") -> str | None:
@@ -326,6 +336,8 @@ class ToolPlan:
 
     def may_be_call(self, text: str) -> bool:
         """Whether a reply that begins with `text` may still be a call (False: stream it as text)."""
+        if self.syntax.family is not None:
+            return tool_formats.may_be_call(self.syntax.family, text, {t.name for t in self.tools})
         head = text.lstrip()
         return not head or head[0] in ("{", self.syntax.lead)
 
@@ -335,8 +347,9 @@ def _json_options() -> dict:
     return {"whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR, "key_separator": JSON_KEY_SEPARATOR}
 
 
-def call_schema(tools: list[Tool]) -> dict:
-    """The JSON schema of one call of any of `tools`: {"name": const, "arguments": <its parameters>}.
+def call_schema(tools: list[Tool], key: str = "arguments") -> dict:
+    """The JSON schema of one call of any of `tools`: {"name": const, "arguments": <its parameters>} (the
+    arguments under `key`: Llama 3's templates ask for "parameters").
     Each tool's parameters are embedded under `$defs` (their own `$defs`/`$ref`s keep resolving) with the
     strict-mode rule applied (whatever the tool's `strict` says, as for response formats)."""
     defs: dict = {}
@@ -344,8 +357,8 @@ def call_schema(tools: list[Tool]) -> dict:
     for t in tools:
         ref, d = embed(strict_schema(t.parameters), f"{t.name}.arguments")
         defs.update(d)
-        variants.append({"type": "object", "properties": {"name": {"const": t.name}, "arguments": ref},
-                         "required": ["name", "arguments"], "additionalProperties": False})
+        variants.append({"type": "object", "properties": {"name": {"const": t.name}, key: ref},
+                         "required": ["name", key], "additionalProperties": False})
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     return with_defs(schema, defs)
 
@@ -369,7 +382,7 @@ def plan_tools(tools: list[Tool], tool_choice: Any = None, parallel_tool_calls: 
         raise InvalidRequest(f"tool_choice names {choice!r}, which is not in tools", param="tool_choice")
     callable_ = tools if choice in ("auto", "required") else [by_name[choice]]
     parallel = parallel_tool_calls is not False and choice in ("auto", "required")
-    one = call_schema(callable_)
+    one = call_schema(callable_, syntax.key)
     if choice != "auto" and not parallel and syntax is BARE:
         constraint: dict = {"json_schema": one}
     else:
@@ -382,7 +395,8 @@ def plan_tools(tools: list[Tool], tool_choice: Any = None, parallel_tool_calls: 
             lines += ["start: answer | calls", f"answer: %json {answer}"]
         elif choice == "auto":
             # Plain text may not start like a call (nor like bare JSON), so anything that does is a call.
-            leads = "\\{" + ("" if syntax.lead == "{" else syntax.lead)
+            lead = "\\" + syntax.lead if syntax.lead in "[]^-\\" else syntax.lead  # (in a character class)
+            leads = "\\{" + ("" if syntax.lead == "{" else lead)
             text = "/([^" + leads + r"\s][\s\S]*)?/"
             lines += ["start: TEXT | calls", f"TEXT: {text}"]
         else:
@@ -398,7 +412,11 @@ def plan_tools(tools: list[Tool], tool_choice: Any = None, parallel_tool_calls: 
 
 
 def parse_tool_calls(text: str, names: set[str], syntax: CallSyntax = BARE) -> list[ToolCall] | None:
-    """Calls written as the plan asks (optionally inside `<tool_call>` tags whatever the syntax), or None."""
+    """Calls written as the plan asks (optionally inside `<tool_call>` tags whatever the syntax; in the model
+    family's own forms when the syntax is a family's, tool_formats.parse), or None."""
+    if syntax.family is not None:
+        calls = tool_formats.parse(syntax.family, text, names)
+        return [ToolCall(n, a) for n, a in calls] if calls else None
     decoder = json.JSONDecoder()
     s, i, calls = text, 0, []
     while True:

@@ -44,11 +44,12 @@ def _engine_and_owner(engine, model: str | None, engine_kwargs: dict):
 
 
 def OpenAI(engine=None, model: str | None = None, *, api_key: str = "prefixrt", max_retries: int = 0,
-           **engine_kwargs: Any) -> _openai.OpenAI:
+           reasoning_parser: str | None = None, **engine_kwargs: Any) -> _openai.OpenAI:
     """A real `openai.OpenAI` whose requests run on `engine` (or on a new Engine(model, **engine_kwargs),
-    shut down when the client is closed)."""
+    shut down when the client is closed). `reasoning_parser`: as `prefixrt serve --reasoning-parser`."""
     eng, on_close = _engine_and_owner(engine, model, engine_kwargs)
-    transport = SyncASGIStreamTransport(create_app(eng, any_model_name=True), on_close=on_close)
+    app = create_app(eng, any_model_name=True, reasoning_parser=reasoning_parser)
+    transport = SyncASGIStreamTransport(app, on_close=on_close)
     http_client = httpx.Client(transport=transport, base_url=BASE_URL, timeout=None)
     client = _openai.OpenAI(api_key=api_key, base_url=BASE_URL, http_client=http_client, max_retries=max_retries)
     client.prefixrt_engine = eng
@@ -56,10 +57,11 @@ def OpenAI(engine=None, model: str | None = None, *, api_key: str = "prefixrt", 
 
 
 def AsyncOpenAI(engine=None, model: str | None = None, *, api_key: str = "prefixrt", max_retries: int = 0,
-                **engine_kwargs: Any) -> _openai.AsyncOpenAI:
+                reasoning_parser: str | None = None, **engine_kwargs: Any) -> _openai.AsyncOpenAI:
     """A real `openai.AsyncOpenAI` whose requests run on `engine` in the caller's event loop."""
     eng, on_close = _engine_and_owner(engine, model, engine_kwargs)
-    transport = AsyncASGIStreamTransport(create_app(eng, any_model_name=True), on_close=on_close)
+    app = create_app(eng, any_model_name=True, reasoning_parser=reasoning_parser)
+    transport = AsyncASGIStreamTransport(app, on_close=on_close)
     http_client = httpx.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None)
     client = _openai.AsyncOpenAI(api_key=api_key, base_url=BASE_URL, http_client=http_client,
                                  max_retries=max_retries)

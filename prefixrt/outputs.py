@@ -22,6 +22,9 @@ class Completion:
     choice_scores: dict[str, float] | None = None  # select/choices: the score of each choice
     choice_logprobs: list[list[float]] | None = None  # select/choices: token logprobs of every choice
     error: str | None = None  # set when the request was aborted by an internal error
+    # {"queue_s", "prefill_s", "decode_s"}: waiting to be admitted, admission to first token, first token to
+    # finish (None where the request never got that far); None when the engine does not report it
+    timing: dict[str, float | None] | None = field(default=None, compare=False)  # (never equal twice)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict. `outputs` holds the n samples when n > 1 (the first being this Completion itself,
@@ -52,6 +55,7 @@ class Chunk:
     completion_tokens: int = 0
     matched_stop: str | int | None = None
     error: str | None = None  # on the last chunk of a request aborted by an internal error
+    timing: dict[str, float | None] | None = field(default=None, compare=False)  # last chunk: as Completion.timing
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the fields (shallow: the lists are this Chunk's own, not copies)."""
@@ -88,7 +92,7 @@ def coalesce_chunks(chunks: list[Chunk]) -> list[Chunk]:
             finish_reason=ch.finish_reason, index=ch.index,
             logprobs=None if a.logprobs is None and ch.logprobs is None else (a.logprobs or []) + (ch.logprobs or []),
             prompt_tokens=ch.prompt_tokens, cached_tokens=ch.cached_tokens, completion_tokens=ch.completion_tokens,
-            matched_stop=ch.matched_stop, error=ch.error)
+            matched_stop=ch.matched_stop, error=ch.error, timing=ch.timing)
         if ch.finish_reason is not None:
             del open_at[ch.index]
     return out

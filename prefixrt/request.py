@@ -56,6 +56,7 @@ class Req:
     matched_stop: str | int | None = None
     error: str | None = None
     first_token_time: float | None = None
+    admitted_time: float | None = None  # when it was first admitted to run (time.monotonic())
     num_forced_tokens: int = 0  # tokens emitted by jump-forward without sampling
     pending_emit: list[int] = field(default_factory=list)  # step-0 forced tokens, streamed with the first token
     # Sampling state

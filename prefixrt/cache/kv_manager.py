@@ -21,6 +21,7 @@ checker: freeing or reallocating a page whose Transfer is pending raises (and co
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,6 +205,7 @@ class KVManager:
         self._write_cached_prefix(req, m)
         if req.num_cached_tokens is None:  # reported as prompt tokens reused (forced output is not prompt)
             req.num_cached_tokens = min(m.length, len(req.prompt_ids))
+            req.admitted_time = time.monotonic()
 
     def _write_cached_prefix(self, req: Req, m: MatchResult) -> None:
         """table[req.row, :m.length] = m.slots, for a request just admitted on the locked match m.

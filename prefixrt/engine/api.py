@@ -162,11 +162,12 @@ class EngineAPI:
                              param="prompt")
 
     def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
         continue_final_message, the final assistant message left open). The one place the engine renders
         chat; raises InvalidRequest for malformed messages, a model without a template or a template that
-        refuses them."""
+        refuses them. template_kwargs: extra variables for the template (a request's `chat_template_kwargs`,
+        e.g. {"enable_thinking": False})."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
@@ -181,7 +182,7 @@ class EngineAPI:
         try:
             with lock:
                 text = render_chat_template(tok, messages, continue_final_message=continue_final_message,
-                                            tools=tools)
+                                            tools=tools, template_kwargs=template_kwargs)
             return self._encode_text(text, False)
         except InvalidRequest:
             raise
@@ -197,10 +198,12 @@ class EngineAPI:
         return ids
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         """Token ids of chat messages (tools passed to the template when given; the final assistant message
-        left open with continue_final_message), validated against the model's limits. Raises InvalidRequest."""
-        ids = self.chat_prompt_ids(messages, continue_final_message=continue_final_message, tools=tools)
+        left open with continue_final_message; template_kwargs as chat_prompt_ids takes them), validated
+        against the model's limits. Raises InvalidRequest."""
+        ids = self.chat_prompt_ids(messages, continue_final_message=continue_final_message, tools=tools,
+                                   template_kwargs=template_kwargs)
         self._validate_ids(ids, SamplingParams())
         return ids
 
@@ -259,7 +262,7 @@ class EngineAPI:
                 request_id=rid if p.n == 1 else f"{rid}-{i}", text=text, token_ids=toks,
                 finish_reason=last.finish_reason, matched_stop=last.matched_stop, prompt_tokens=len(ids),
                 cached_tokens=last.cached_tokens, completion_tokens=len(toks), logprobs=lps,
-                choice_scores=last.choice_scores, error=last.error,
+                choice_scores=last.choice_scores, error=last.error, timing=timing_dict(last.timing),
             ))
         first = outs[0]
         first.request_id = rid
@@ -412,13 +415,21 @@ class _ChunkState:
             request_id=rid, text=text, token_ids=list(ev.token_ids), finish_reason=ev.finish_reason, index=i,
             logprobs=ev.logprobs, prompt_tokens=len(self.ids), cached_tokens=ev.cached_tokens,
             completion_tokens=self.counts[i], matched_stop=ev.matched_stop, error=ev.error,
+            timing=timing_dict(ev.timing),
         )
+
+
+def timing_dict(timing: tuple | None) -> dict | None:
+    """A StepOutput's (queue, prefill, decode) seconds as Completion.timing."""
+    if timing is None:
+        return None
+    return dict(zip(("queue_s", "prefill_s", "decode_s"), timing))
 
 
 def _completion_chunk(c: Completion) -> Chunk:
     return Chunk(request_id=c.request_id, text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                  logprobs=c.logprobs, prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
-                 completion_tokens=c.completion_tokens, error=c.error)
+                 completion_tokens=c.completion_tokens, error=c.error, timing=c.timing)
 
 
 async def _aiter_one(awaitable):

@@ -26,6 +26,7 @@ class StepOutput:
     choice_scores: dict | None = None
     final_text: str | None = None  # on the last event of a loop-tracked request: the whole (truncated) text
     input_logprobs: list[float] | None = None  # prompt logprobs asked for with Req.input_logprobs_from
+    timing: tuple | None = None  # on the last event: (queue_s, prefill_s, decode_s), postprocess.request_timing
 
     def __reduce__(self):
         # Pickled as a constructor call with the fields in order (an engine process sends one per request per
@@ -33,7 +34,7 @@ class StepOutput:
         # tests/engine/test_process_boundary.py checks that every field is here, in order.
         return (StepOutput, (self.index, self.token_ids, self.text, self.logprobs, self.finished, self.finish_reason,
                              self.matched_stop, self.prompt_tokens, self.cached_tokens, self.error,
-                             self.choice_scores, self.final_text, self.input_logprobs))
+                             self.choice_scores, self.final_text, self.input_logprobs, self.timing))
 
 
 class RequestStream:

@@ -93,16 +93,18 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 
 def render_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                         continue_final_message: bool = False, tools: list[dict] | None = None) -> str:
+                         continue_final_message: bool = False, tools: list[dict] | None = None,
+                         template_kwargs: dict | None = None) -> str:
     """The text tokenizer's chat template makes of messages (tokenize it with add_special_tokens=False).
 
     continue_final_message: the last message must be the assistant's; the earlier ones are rendered with the
     generation prompt and its content follows verbatim, left open for the model to continue (as vLLM and
     SGLang accept it). tools: OpenAI-style tool definitions for templates that render them
     (`apply_chat_template(tools=...)`). The caller holds the tokenizer's lock (fast tokenizers are not
-    thread-safe); template errors propagate as they are.
+    thread-safe); template errors propagate as they are. template_kwargs: extra template variables (a request's
+    `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`).
     """
-    kwargs = {"tools": tools} if tools else {}
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     if continue_final_message:
         if not messages or messages[-1].get("role") != "assistant":
             raise ValueError("continue_final_message needs a final assistant message")

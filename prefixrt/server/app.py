@@ -27,6 +27,7 @@ from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.hub import generation as hub_generation
 from prefixrt.params import SamplingParams
+from prefixrt.reasoning import ReasoningParser
 from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
 from prefixrt.server.body import BodyParser, OffloadedBodyRoute
 from prefixrt.server.dashboard import router as dashboard_router
@@ -35,6 +36,7 @@ from prefixrt.server.lifecycle import Lifecycle
 from prefixrt.server.openai_api import router as openai_router
 from prefixrt.server.protocol import AbortRequest, CachePrefixRequest, GenerateRequest
 from prefixrt.server.sse import JSON, SSE_DONE, ClientDisconnected, EventStream, sse, until_disconnect
+from prefixrt.server.tracing import make_tracer
 from prefixrt.server.validate import check_body
 
 __all__ = ["create_app", "error_response"]
@@ -129,13 +131,17 @@ def _detail(e: BaseException) -> str:
 def create_app(engine, served_model_name: str | list[str] | None = None, *, any_model_name: bool = False,
                generation_defaults: dict | None = None, api_key: str | None = None,
                admin_api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               lifecycle: Lifecycle | None = None) -> FastAPI:
+               lifecycle: Lifecycle | None = None, reasoning_parser: str | None = None,
+               otlp_traces_endpoint: str | None = None, tracer_provider=None) -> FastAPI:
     """An ASGI app serving `engine` (a prefixrt.Engine, or a ProcessEngine: the engine in its own process).
     The engine's lifetime is the caller's. `served_model_name`: the names (one or several aliases) requests may
     give as `model`, the first reported in responses (default: the engine's model name); another name is a 404
     `model_not_found` unless `any_model_name`. `generation_defaults`: sampling settings for OpenAI requests that
     leave them out (default: the model's generation config, prefixrt/hub/generation.py). `api_key` / `admin_api_key` / `max_request_bytes`: see
-    admission.py; `lifecycle`: drain and engine-death state (the launcher passes its own)."""
+    admission.py; `lifecycle`: drain and engine-death state (the launcher passes its own). `reasoning_parser`:
+    a reasoning model's form (prefixrt/reasoning.py: "qwen3", "deepseek-r1"), whose thinking then goes in chat's
+    `reasoning_content` and the Responses API's reasoning items. `otlp_traces_endpoint` / `tracer_provider`: a span
+    per OpenAI request (server/tracing.py; the OTEL_* environment turns it on too)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -154,6 +160,8 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     if generation_defaults is None:
         generation_defaults = hub_generation.generation_defaults(engine.model_name)
     app.state.generation_defaults = dict(generation_defaults)
+    app.state.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser is not None else None
+    app.state.tracer = make_tracer(otlp_traces_endpoint, tracer_provider)
     app.state.created = int(time.time())
     # A ProcessEngine renders its metrics in the engine process, where the latency histograms are observed.
     app.state.render_metrics = getattr(engine, "render_metrics", None) or Metrics.for_engine(engine).render

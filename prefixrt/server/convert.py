@@ -20,6 +20,7 @@ from prefixrt import lowering
 from prefixrt.errors import InvalidRequest
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import CONSTRAINT_FIELDS, SamplingParams
+from prefixrt.reasoning import ReasoningParser, ReasoningSplitter
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from prefixrt.server.sse import dumps, sse
 
@@ -109,6 +110,60 @@ def chat_params(req: ChatCompletionRequest, eng, defaults: dict | None = None) -
     lowered.apply(params)
     return ChatLowered(lowered.messages, _finish_params(params), lowered.tools, lowered.template_tools,
                        warnings + lowered.warnings)
+
+
+# Arguments of apply_chat_template that the server sets itself: not a request's to give.
+_TEMPLATE_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding",
+                                "truncation", "max_length", "chat_template", "tokenizer_kwargs",
+                                "return_assistant_tokens_mask"})
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    """The request's `chat_template_kwargs` (None when absent); InvalidRequest naming a reserved key."""
+    kw = req.chat_template_kwargs
+    if not kw:
+        return None
+    bad = sorted(k for k in kw if k in _TEMPLATE_RESERVED)
+    if bad:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(bad)} (the server sets "
+                             f"{'it' if len(bad) == 1 else 'them'})", param="chat_template_kwargs")
+    return dict(kw)
+
+
+def thinking_enabled(kwargs: dict | None) -> bool:
+    """False when the request switches thinking off (`enable_thinking: false`, or `thinking: false` as some
+    templates name it)."""
+    kw = kwargs or {}
+    return kw.get("enable_thinking", True) is not False and kw.get("thinking", True) is not False
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A request's reasoning parser and the end of its rendered prompt (which may open the reasoning block)."""
+
+    parser: ReasoningParser
+    prompt_tail: str = ""
+
+    def splitter(self) -> ReasoningSplitter:
+        return self.parser.splitter(self.prompt_tail)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return self.parser.split(text, self.prompt_tail)
+
+
+def request_reasoning(parser: ReasoningParser | None, kwargs: dict | None, eng, ids: list[int]
+                      ) -> Reasoning | None:
+    """The Reasoning of a chat request under the server's parser (None without one, or when the request
+    switches thinking off). Reads the prompt's last tokens as text; call it off the event loop."""
+    if parser is None or not thinking_enabled(kwargs):
+        return None
+    tok = getattr(eng, "tokenizer", None)
+    if tok is None:
+        return Reasoning(parser)
+    with getattr(eng, "tokenizer_lock", None) or contextlib.nullcontext():
+        tail = tok.decode(ids[-8:])
+    return Reasoning(parser, tail)
 
 
 def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -215,10 +270,16 @@ def chat_message(text: str, plan: lowering.ToolPlan | None) -> tuple[dict, str |
     return {"role": "assistant", "content": text, "refusal": None}, None
 
 
-def chat_response(c: Completion, rid: str, model: str, created: int, plan: lowering.ToolPlan | None) -> dict:
+def chat_response(c: Completion, rid: str, model: str, created: int, plan: lowering.ToolPlan | None,
+                  reasoning: Reasoning | None = None) -> dict:
+    """With `reasoning`, each sample's thinking goes in the message's `reasoning_content`, its answer in
+    `content` (or tool calls)."""
     choices = []
     for i, s in enumerate(samples(c)):
-        message, reason = chat_message(s.text, plan)
+        thought, text = reasoning.split(s.text) if reasoning is not None else (None, s.text)
+        message, reason = chat_message(text, plan)
+        if reasoning is not None:
+            message["reasoning_content"] = thought
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(s.logprobs),
                         "finish_reason": reason or s.finish_reason})
     return {

@@ -20,6 +20,7 @@ import time
 
 from prefixrt.engine.progress import DEFAULT_STALL_TIMEOUT_S
 from prefixrt.engine_flags import add_engine_args, engine_kwargs, start_engine
+from prefixrt.reasoning import PARSERS as REASONING_PARSERS
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -162,7 +163,8 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(eng, served_model_name=args.served_model_name, any_model_name=args.any_model_name,
                          generation_defaults=defaults, api_key=args.api_key,
                          admin_api_key=args.admin_api_key, max_request_bytes=args.max_request_bytes,
-                         lifecycle=lifecycle)
+                         lifecycle=lifecycle, reasoning_parser=args.reasoning_parser,
+                         otlp_traces_endpoint=args.otlp_traces_endpoint)
         app.state.body_parser = BodyParser(OFFLOAD_BYTES)  # large JSON bodies decoded in a parser process
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=UVICORN_GRACE_S)
@@ -199,6 +201,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "whichever is less (default 60 s)")
     p.add_argument("--any-model-name", action="store_true",
                    help="serve requests whatever `model` they name (for code that hard-codes a vendor's model)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="the served model's reasoning form: its thinking goes in chat's reasoning_content (streamed "
+                        "as deltas) and the Responses API's reasoning items; a request turns it off with "
+                        "chat_template_kwargs {\"enable_thinking\": false} (prefixrt/reasoning.py)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send a span per OpenAI request (queue/prefill/decode time, token counts, tenant, priority; "
+                        "the caller's traceparent continued) to this OTLP collector; the OTEL_* environment "
+                        "(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, ...) turns it on too. Needs prefixrt[tracing]")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--drain-timeout", "--graceful-timeout", dest="drain_timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted")

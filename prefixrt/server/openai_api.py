@@ -25,6 +25,7 @@ from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
+from prefixrt.server.tracing import observe, observed, traced
 from prefixrt.server.validate import check_body
 
 router = APIRouter(route_class=OffloadedBodyRoute)
@@ -90,13 +91,16 @@ async def get_model(model_id: str, request: Request):
 
 
 @router.post("/v1/chat/completions")
+@traced("chat.completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_model(request.app.state, body.model)
     check_body(body)
     lowered = convert.chat_params(body, eng, request.app.state.generation_defaults)
+    template_kwargs = convert.template_kwargs(body)
     ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
-                                  body.continue_final_message)
+                                  body.continue_final_message, template_kwargs)
+    reasoning = await _reasoning(request, template_kwargs, ids)
     params, mode = lowered.params, lowered.tools
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -107,22 +111,34 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if not body.stream:
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(ids, params))
+        observe(request, rid, [c])
         _raise_if_aborted(lc, [c])
-        return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode)), lowered.warnings)
+        return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode, reasoning)),
+                                     lowered.warnings)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
-    chunks = await eng.astream_open(ids, params, coalesce=True)
+    chunks = observed(request, rid, await eng.astream_open(ids, params, coalesce=True), n=params.n)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc))
+    gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc, reasoning))
     return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])), lowered.warnings)
 
 
+async def _reasoning(request: Request, template_kwargs: dict | None, ids: list[int]) -> convert.Reasoning | None:
+    """The request's Reasoning under the server's --reasoning-parser (None without one)."""
+    parser = request.app.state.reasoning_parser
+    if parser is None:
+        return None
+    return await run_in_threadpool(convert.request_reasoning, parser, template_kwargs, _engine(request), ids)
+
+
 async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
-                       include_usage: bool, lc) -> AsyncIterator[str]:
+                       include_usage: bool, lc, reasoning: convert.Reasoning | None = None) -> AsyncIterator[str]:
     """Text streams as it comes. With tools, a sample's text is held while it may still be a call (it starts
-    like one); calls are sent whole, one delta per call, once the sample ends."""
+    like one); calls are sent whole, one delta per call, once the sample ends. With `reasoning`, a sample's
+    thinking streams as `reasoning_content` deltas and only the rest goes through the above."""
     usage = convert.StreamUsage()
+    splitters: dict[int, object] = {}  # index -> its ReasoningSplitter
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
     held_lps: dict[int, list] = {}
@@ -144,10 +160,20 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
         if i not in started:
             started.add(i)
             yield chunk(i, {"role": "assistant", "content": "", "refusal": None})
+        text, lps = ch.text, ch.logprobs
+        if reasoning is not None:
+            split = splitters.get(i) or splitters.setdefault(i, reasoning.splitter())
+            thought, text = split.feed(text)
+            if ch.finish_reason is not None:
+                more_thought, more_text = split.finish()
+                thought, text = thought + more_thought, text + more_text
+            if thought:  # the logprobs go with the content when the event has some
+                yield chunk(i, {"reasoning_content": thought}, lps=None if text else lps)
+                lps = lps if text else None
         if plan is not None and i not in plain:
-            held[i] = held.get(i, "") + ch.text
-            if ch.logprobs:
-                held_lps.setdefault(i, []).extend(ch.logprobs)
+            held[i] = held.get(i, "") + text
+            if lps:
+                held_lps.setdefault(i, []).extend(lps)
             if not plan.may_be_call(held[i]):  # clearly prose: stream it
                 plain.add(i)
                 yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
@@ -164,8 +190,8 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
                     yield chunk(i, {"content": text}, lps=lps)
                     yield chunk(i, {}, ch.finish_reason)
             continue
-        if ch.text or ch.logprobs:
-            yield chunk(i, {"content": ch.text}, lps=ch.logprobs)
+        if text or lps:
+            yield chunk(i, {"content": text}, lps=lps)
         if ch.finish_reason is not None:
             yield chunk(i, {}, ch.finish_reason)
     if include_usage:
@@ -174,6 +200,7 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 
 
 @router.post("/v1/completions")
+@traced("completions")
 async def completions(body: CompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_model(request.app.state, body.model)
@@ -193,6 +220,7 @@ async def completions(body: CompletionRequest, request: Request):
 
         with lc.serving(eng, rids):
             cs = await until_disconnect(request, run())
+        observe(request, rid, list(cs))
         _raise_if_aborted(lc, cs)
         echo = await _echo_heads(eng, body, prompts, encoded)
         return convert.with_warnings(JSON(convert.completion_response(list(cs), rid, model, created, echo)), warnings)
@@ -205,6 +233,7 @@ async def completions(body: CompletionRequest, request: Request):
             eng.abort(r)
         raise failed[0]
     lc.register(eng, rids)
+    opened = [observed(request, rid, s, k, params.n) for k, s in enumerate(opened)]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
     return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, rids)), warnings)

@@ -134,6 +134,8 @@ class ChatCompletionRequest(_Sampling):
     functions: Any = None
     # vLLM / SGLang extra: the final assistant message is a prefix to continue, not a finished turn
     continue_final_message: bool = False
+    # vLLM / SGLang extra: variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -35,6 +35,7 @@ from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model
 from prefixrt.server.protocol import ChatCompletionRequest, _Body
 from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
+from prefixrt.server.tracing import observe, observed, traced
 from prefixrt.server.validate import check_body
 
 router = APIRouter(route_class=OffloadedBodyRoute)
@@ -80,6 +81,7 @@ class ResponsesRequest(_Body):
     repetition_penalty: float | None = None
     cache_salt: str | None = None
     tool_prompt: bool = True  # as on chat: False when the input already describes the tools
+    chat_template_kwargs: dict[str, Any] | None = None  # as on chat (e.g. {"enable_thinking": false})
 
 
 class ResponseStore:
@@ -177,7 +179,7 @@ def _chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletio
                   top_p=body.top_p, response_format=rf, tools=tools or None, tool_choice=choice,
                   parallel_tool_calls=body.parallel_tool_calls, seed=body.seed, stop=body.stop, top_k=body.top_k,
                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt,
-                  tool_prompt=body.tool_prompt)
+                  tool_prompt=body.tool_prompt, chat_template_kwargs=body.chat_template_kwargs)
     from pydantic import ValidationError
 
     try:
@@ -194,6 +196,11 @@ def _chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletio
 def _message_item(text: str, status: str = "completed") -> dict:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []}
 
 
 def _call_item(call: ToolCall, status: str = "completed") -> dict:
@@ -253,6 +260,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 
 
 @router.post("/v1/responses")
+@traced("responses")
 async def create_response(body: ResponsesRequest, request: Request):
     eng = request.app.state.engine
     check_model(request.app.state, body.model)
@@ -271,7 +279,12 @@ async def create_response(body: ResponsesRequest, request: Request):
     lowered = convert.chat_params(chat, eng, request.app.state.generation_defaults)
     if lowered.params.n != 1:
         raise InvalidRequest("n must be 1 on /v1/responses", param="n")
-    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools)
+    template_kwargs = convert.template_kwargs(chat)
+    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools, False, template_kwargs)
+    parser = request.app.state.reasoning_parser
+    reasoning = None if parser is None else await run_in_threadpool(
+        convert.request_reasoning, parser, template_kwargs, eng, ids)
+    reasoning_id = f"rs_{uuid.uuid4().hex}"
     rid = f"resp_{uuid.uuid4().hex}"
     params = convert.fit_max_tokens(lowered.params, body.max_output_tokens, len(ids), eng.max_context,
                                     "max_output_tokens")
@@ -280,7 +293,10 @@ async def create_response(body: ResponsesRequest, request: Request):
     lc = request.app.state.lifecycle
 
     def finish(text: str, reason: str, usage: dict) -> dict:
+        thought, text = reasoning.split(text) if reasoning is not None else (None, text)
         items = output_items(text, lowered.tools, reason)
+        if thought is not None:  # the thinking comes first, as a reasoning item
+            items.insert(0, _reasoning_item(reasoning_id, thought))
         status, incomplete = ("completed", None) if reason == "stop" else ("incomplete", "max_output_tokens")
         response = shell.response(status, items, usage, incomplete)
         if body.store:
@@ -290,19 +306,22 @@ async def create_response(body: ResponsesRequest, request: Request):
     if not body.stream:
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(ids, params))
+        observe(request, rid, [c])
         if c.finish_reason == "abort":
             raise RequestFailed.for_abort(lc, c.error)
         return convert.with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
             c.prompt_tokens, c.completion_tokens, c.cached_tokens))), lowered.warnings)
     chunks = await eng.astream_open(ids, params, coalesce=True)  # a bad request raises before any byte is sent
+    chunks = observed(request, rid, chunks)
     lc.register(eng, [rid])
 
     def close():
         eng.abort(rid)
         lc.release([rid])
 
-    return convert.with_warnings(EventStream(_events(chunks, shell, lowered.tools, finish, lc), on_close=close),
-                                 lowered.warnings)
+    split = reasoning.splitter() if reasoning is not None else None
+    events = _events(chunks, shell, lowered.tools, finish, lc, _ReasoningEvents(reasoning_id, split))
+    return convert.with_warnings(EventStream(events, on_close=close), lowered.warnings)
 
 
 def _event(seq: list[int], kind: str, **fields) -> str:
@@ -310,10 +329,59 @@ def _event(seq: list[int], kind: str, **fields) -> str:
     return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': seq[0] - 1, **fields})}\n\n"
 
 
-async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc) -> AsyncIterator[str]:
-    """response.created, in_progress, then text deltas as they come (held while the reply may still be a
-    tool call, as on chat), the items' done events, and response.completed (or .incomplete / .failed)."""
+class _ReasoningEvents:
+    """The reasoning item of a streamed response (output_index 0, before the answer's items): opened with the
+    first thinking, its text streamed as response.reasoning_text.delta, closed when the answer begins."""
+
+    def __init__(self, item_id: str, split):
+        self.item_id, self.split = item_id, split
+        self.text, self.opened, self.closed = "", False, False
+
+    @property
+    def base(self) -> int:
+        """The output_index of the answer's first item."""
+        return 1 if self.closed else 0
+
+    def feed(self, seq: list[int], text: str, final: bool) -> tuple[list[str], str]:
+        """(events, the answer's text) for a chunk's text."""
+        if self.split is None:
+            return [], text
+        thought, text = self.split.feed(text)
+        if final:
+            more_thought, more_text = self.split.finish()
+            thought, text = thought + more_thought, text + more_text
+        out: list[str] = []
+        if thought:
+            out += self._open(seq)
+            self.text += thought
+            out.append(_event(seq, "response.reasoning_text.delta", item_id=self.item_id, output_index=0,
+                              content_index=0, delta=thought))
+        if (text or final) and self.split.saw_reasoning and not self.closed:
+            out += self._open(seq) + self._close(seq)
+        return out, text
+
+    def _open(self, seq) -> list[str]:
+        if self.opened:
+            return []
+        self.opened = True
+        return [_event(seq, "response.output_item.added", output_index=0,
+                       item=_reasoning_item(self.item_id, "", "in_progress"))]
+
+    def _close(self, seq) -> list[str]:
+        self.closed = True
+        item = _reasoning_item(self.item_id, self.text)
+        return [_event(seq, "response.reasoning_text.done", item_id=self.item_id, output_index=0, content_index=0,
+                       text=self.text),
+                _event(seq, "response.output_item.done", output_index=0, item=item)]
+
+
+async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc,
+                  thinking: _ReasoningEvents | None = None) -> AsyncIterator[str]:
+    """response.created, in_progress, then (with a reasoning parser) the reasoning item, then text deltas as
+    they come (held while the reply may still be a tool call, as on chat), the items' done events, and
+    response.completed (or .incomplete / .failed)."""
     seq = [0]
+    thinking = thinking or _ReasoningEvents("", None)
     yield _event(seq, "response.created", response=shell.response("in_progress", [], None))
     yield _event(seq, "response.in_progress", response=shell.response("in_progress", [], None))
     text, held, last = "", "", None
@@ -330,21 +398,26 @@ async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc) -> A
             if ch.finish_reason == "abort":
                 raise RequestFailed.for_abort(lc, ch.error)
             text += ch.text
+            events, piece = thinking.feed(seq, ch.text, ch.finish_reason is not None)
+            for e in events:
+                yield e
             if plan is not None and msg is None:
-                held += ch.text
+                held += piece
                 if plan.may_be_call(held):
                     continue
             if msg is None:
+                if not piece and not held:
+                    continue
                 msg = open_message()
-                yield _event(seq, "response.output_item.added", output_index=0, item=msg)
-                yield _event(seq, "response.content_part.added", item_id=msg["id"], output_index=0,
+                yield _event(seq, "response.output_item.added", output_index=thinking.base, item=msg)
+                yield _event(seq, "response.content_part.added", item_id=msg["id"], output_index=thinking.base,
                              content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                     "logprobs": []})
-                delta, held = (held or ch.text), ""
+                delta, held = (held or piece), ""
             else:
-                delta = ch.text
+                delta = piece
             if delta:
-                yield _event(seq, "response.output_text.delta", item_id=msg["id"], output_index=0,
+                yield _event(seq, "response.output_text.delta", item_id=msg["id"], output_index=thinking.base,
                              content_index=0, delta=delta, logprobs=[])
     except RequestFailed as e:
         failed = shell.response("failed", [], None)
@@ -355,27 +428,28 @@ async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc) -> A
         return
     reason = last.finish_reason
     response = finish(text, reason, _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
-    items = response["output"]
+    base = thinking.base
+    items = response["output"][base:]
     if msg is not None or items[0]["type"] == "message":
         item = items[0]
         if msg is None:  # held text that turned out to be plain (or an incomplete call)
             item_open = {**item, "status": "in_progress", "content": []}
-            yield _event(seq, "response.output_item.added", output_index=0, item=item_open)
-            yield _event(seq, "response.content_part.added", item_id=item["id"], output_index=0, content_index=0,
+            yield _event(seq, "response.output_item.added", output_index=base, item=item_open)
+            yield _event(seq, "response.content_part.added", item_id=item["id"], output_index=base, content_index=0,
                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-            if text:
-                yield _event(seq, "response.output_text.delta", item_id=item["id"], output_index=0,
-                             content_index=0, delta=text, logprobs=[])
+            if item["content"][0]["text"]:
+                yield _event(seq, "response.output_text.delta", item_id=item["id"], output_index=base,
+                             content_index=0, delta=item["content"][0]["text"], logprobs=[])
         else:
             item["id"] = msg["id"]
         part = item["content"][0]
-        yield _event(seq, "response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
+        yield _event(seq, "response.output_text.done", item_id=item["id"], output_index=base, content_index=0,
                      text=part["text"], logprobs=[])
-        yield _event(seq, "response.content_part.done", item_id=item["id"], output_index=0, content_index=0,
+        yield _event(seq, "response.content_part.done", item_id=item["id"], output_index=base, content_index=0,
                      part=part)
-        yield _event(seq, "response.output_item.done", output_index=0, item=item)
+        yield _event(seq, "response.output_item.done", output_index=base, item=item)
     else:
-        for k, item in enumerate(items):
+        for k, item in enumerate(items, start=base):
             yield _event(seq, "response.output_item.added", output_index=k,
                          item={**item, "arguments": "", "status": "in_progress"})
             yield _event(seq, "response.function_call_arguments.delta", item_id=item["id"], output_index=k,

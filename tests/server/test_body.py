@@ -45,9 +45,10 @@ BODIES = [
 
 
 def _stable(value):
-    """value without what differs between any two requests: ids, timestamps, prefix-cache hits."""
+    """value without what differs between any two requests: ids, timestamps, prefix-cache hits, timings."""
     if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in ("id", "created", "request_id", "cached_tokens")}
+        return {k: _stable(v) for k, v in value.items()
+                if k not in ("id", "created", "request_id", "cached_tokens", "timing")}
     if isinstance(value, list):
         return [_stable(v) for v in value]
     return value

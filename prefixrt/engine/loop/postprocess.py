@@ -12,6 +12,7 @@ the forced tokens join it) and after every sampled token (the next forward feeds
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from prefixrt.engine.stream import StepOutput
@@ -88,11 +89,23 @@ def logprob_entries(new_tokens: list[int], sampled_at: int, lp) -> list[dict]:
     return out
 
 
+def request_timing(r: Req) -> tuple[float | None, float | None, float | None]:
+    """A finished request's (queue, prefill, decode) seconds: arrival to first admission, admission to first
+    output token, first output token to now (None where it never got that far)."""
+    now = time.monotonic()
+    admitted, first = r.admitted_time, r.first_token_time
+    return (None if admitted is None else admitted - r.arrival,
+            None if admitted is None or first is None else first - admitted,
+            None if first is None else now - first)
+
+
 def step_output(r: Req, adv: Advance, logprobs: list[dict] | None) -> StepOutput:
+    finished = adv.finish_reason is not None
     return StepOutput(
         index=r.index, token_ids=adv.new_tokens, text=None, logprobs=logprobs,
-        finished=adv.finish_reason is not None, finish_reason=adv.finish_reason, matched_stop=adv.matched_stop,
+        finished=finished, finish_reason=adv.finish_reason, matched_stop=adv.matched_stop,
         prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0,
+        timing=request_timing(r) if finished else None,
     )
 
 
@@ -102,4 +115,5 @@ def final_output(r: Req, reason: str, error: str | None = None) -> StepOutput:
         index=r.index, token_ids=[], text=None, finished=True, finish_reason=reason,
         prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0, error=error,
         input_logprobs=r.input_logprobs if r.input_logprobs_from is not None else None,
+        timing=request_timing(r),
     )
