@@ -9,7 +9,7 @@ Module and attribute names follow transformers' checkpoints, so weight loading s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,7 +22,8 @@ from prefixrt.model.layers import Linear, MergedLinear, RMSNorm, rope_and_attend
 
 @dataclass(frozen=True)
 class DecoderDims:
-    """The dimensions every decoder config starts with; families add their own fields after these."""
+    """The dimensions every decoder config starts with; families add their own fields after these (the two
+    keyword-only ones stay last)."""
 
     vocab_size: int
     hidden_size: int
@@ -34,13 +35,15 @@ class DecoderDims:
     rms_norm_eps: float
     hidden_act: str
     max_position_embeddings: int
+    tie_word_embeddings: bool = field(default=False, kw_only=True)
+    eos_token_ids: tuple[int, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
 
-def decoder_dims_from_hf(hf_config, act_field: str, default_act: str) -> dict:
+def dims_from_hf(hf_config, act_field: str, default_act: str) -> dict:
     """DecoderDims' fields from a transformers config (4.x or 5.x spelling), as keyword arguments.
     act_field: where the family keeps its MLP activation (`hidden_act`, `hidden_activation`)."""
     num_heads = hf_config.num_attention_heads
@@ -73,14 +76,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(h * d, dims.hidden_size, bias=o_bias)
         self.q_norm = qk_norm(d, dims.rms_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(d, dims.rms_norm_eps) if qk_norm else None
-        self.layer = AttentionLayer(
-            layer_id=layer_id,
-            num_heads=h,
-            num_kv_heads=kvh,
-            head_dim=d,
-            scaling=scaling,
-            sliding_window=sliding_window,
-        )
+        self.layer = AttentionLayer(layer_id, h, kvh, d, scaling, sliding_window)
         self.fused = False  # set by layers.use_fused_kernels
 
     def forward(

@@ -19,21 +19,9 @@ from torch import nn
 
 from prefixrt.model.attention.base import AttentionBackend
 from prefixrt.model.base import eos_ids_from_hf
-from prefixrt.model.decoder import (
-    DecoderAttention,
-    DecoderDims,
-    DecoderLM,
-    DecoderStack,
-    decoder_dims_from_hf,
-)
+from prefixrt.model.decoder import DecoderAttention, DecoderDims, DecoderLM, DecoderStack, dims_from_hf
 from prefixrt.model.forward_batch import ForwardBatch
-from prefixrt.model.layers import (
-    GatedMLP,
-    GemmaRMSNorm,
-    RopeConfig,
-    RotaryEmbedding,
-    hf_rope_parameters,
-)
+from prefixrt.model.layers import GatedMLP, GemmaRMSNorm, RopeConfig, RotaryEmbedding, hf_rope_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -47,8 +35,6 @@ class Gemma3Config(DecoderDims):
     global_rope: RopeConfig  # full-attention layers
     final_logit_softcapping: float | None = None
     attention_bias: bool = False
-    tie_word_embeddings: bool = True
-    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,7 +54,7 @@ class Gemma3Config(DecoderDims):
         """From a gemma3_text config (or a gemma3 config's text_config), 4.x or 5.x spelling."""
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise NotImplementedError("Gemma-3 with use_bidirectional_attention is not supported")
-        dims = decoder_dims_from_hf(hf_config, "hidden_activation", "gelu_pytorch_tanh")
+        dims = dims_from_hf(hf_config, "hidden_activation", "gelu_pytorch_tanh")
         num_layers, head_dim, max_pos = dims["num_layers"], dims["head_dim"], dims["max_position_embeddings"]
 
         layer_types = getattr(hf_config, "layer_types", None)

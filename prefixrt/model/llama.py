@@ -13,21 +13,9 @@ from torch import nn
 
 from prefixrt.model.attention.base import AttentionBackend
 from prefixrt.model.base import eos_ids_from_hf
-from prefixrt.model.decoder import (
-    DecoderAttention,
-    DecoderDims,
-    DecoderLM,
-    DecoderStack,
-    decoder_dims_from_hf,
-)
+from prefixrt.model.decoder import DecoderAttention, DecoderDims, DecoderLM, DecoderStack, dims_from_hf
 from prefixrt.model.forward_batch import ForwardBatch
-from prefixrt.model.layers import (
-    GatedMLP,
-    RMSNorm,
-    RopeConfig,
-    RotaryEmbedding,
-    hf_rope_parameters,
-)
+from prefixrt.model.layers import GatedMLP, RMSNorm, RopeConfig, RotaryEmbedding, hf_rope_parameters
 
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -40,8 +28,6 @@ class LlamaConfig(DecoderDims):
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
-    tie_word_embeddings: bool = False
-    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         super().__post_init__()
@@ -55,7 +41,7 @@ class LlamaConfig(DecoderDims):
         """From a transformers config of one of LLAMA_ARCHITECTURES (4.x or 5.x spelling)."""
         if architecture not in LLAMA_ARCHITECTURES:
             raise ValueError(f"{architecture} is not a Llama-family architecture")
-        dims = decoder_dims_from_hf(hf_config, "hidden_act", "silu")
+        dims = dims_from_hf(hf_config, "hidden_act", "silu")
         num_layers = dims["num_layers"]
         rope = RopeConfig.from_parameters(
             hf_rope_parameters(hf_config), head_dim=dims["head_dim"], default_theta=10000.0,
