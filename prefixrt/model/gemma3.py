@@ -12,7 +12,7 @@ transformers ignores `attn_logit_softcapping` for Gemma-3 (its attention never p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ class Gemma3Config(DecoderDims):
     global_rope: RopeConfig  # full-attention layers
     final_logit_softcapping: float | None = None
     attention_bias: bool = False
+    tie_word_embeddings: bool = field(default=True, kw_only=True)  # Gemma-3 ties lm_head to the embeddings
 
     def __post_init__(self):
         super().__post_init__()
