@@ -49,6 +49,12 @@ def script_parser(doc: str, smoke: str | None = None) -> argparse.ArgumentParser
     return ap
 
 
+def int_flags(ap: argparse.ArgumentParser, **defaults: int) -> None:
+    """Integer flags without help text, in order: int_flags(ap, prompts_per_group=8) adds --prompts-per-group."""
+    for name, default in defaults.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
 def log(*a) -> None:
     print(*a, flush=True)
 

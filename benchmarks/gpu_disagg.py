@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from benchmarks.common import free_port, log, script_parser
+from benchmarks.common import free_port, int_flags, log, script_parser
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 
@@ -97,12 +97,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="float32 (exact check) or bfloat16")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--kv-cache-tokens", type=int, default=131072, help="each engine's pool (two share the GPU)")
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--prompts-per-group", type=int, default=8)
-    ap.add_argument("--system-len", type=int, default=2048)
-    ap.add_argument("--question-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, default=32)
+    int_flags(ap, groups=8, prompts_per_group=8, system_len=2048, question_len=256, output_len=64,
+              concurrency=32)
     ap.add_argument("--checks", type=int, default=16, help="check prompts (greedy outputs compared)")
     ap.add_argument("--check-len", type=int, default=16, help="tokens generated per check prompt")
     ap.add_argument("--min-match", type=float, default=None,

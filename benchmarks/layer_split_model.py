@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from benchmarks.common import script_parser
+from benchmarks.common import int_flags, script_parser
 
 GIB = 2**30
 
@@ -81,14 +81,8 @@ def table(a: argparse.Namespace) -> str:
 
 def parse(argv=None) -> argparse.Namespace:
     p = script_parser(__doc__)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--dtype-bytes", type=int, default=2)
+    int_flags(p, ranks=4, layers=32, kv_heads=8, head_dim=128, heads=32, hidden=4096, intermediate=14336,
+              dtype_bytes=2)
     p.add_argument("--tflops", type=float, default=600.0, help="sustained dense TFLOP/s per rank")
     p.add_argument("--hbm-gbps", type=float, default=3300.0, help="weight streaming bandwidth per rank, GB/s")
     p.add_argument("--link-gbps", type=float, default=315.0, help="broadcast bandwidth per rank, GB/s")

@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import child_pids, cpu_seconds, free_port, script_parser, tiny_model_dir
+from benchmarks.common import child_pids, cpu_seconds, free_port, int_flags, script_parser, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -200,10 +200,7 @@ def wire_costs(requests: int, prompt_len: int, repeat: int = 2000) -> dict:
 
 def main() -> None:
     ap = script_parser(__doc__)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--prefix", type=int, default=3500)
-    ap.add_argument("--unique", type=int, default=80)
-    ap.add_argument("--output", type=int, default=4)
+    int_flags(ap, requests=64, prefix=3500, unique=80, output=4)
     ap.add_argument("--cold", action="store_true",
                     help="flush the prefix cache before each round (default: a first, unmeasured round fills it, "
                          "so each measured request prefills one token and the model's cost stays out of the figures)")

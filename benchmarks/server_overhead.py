@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import child_pids, cpu_seconds, free_port, script_parser, tiny_model_dir
+from benchmarks.common import child_pids, cpu_seconds, free_port, int_flags, script_parser, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,12 +181,8 @@ def main() -> None:
     ap = script_parser(__doc__)
     ap.add_argument("--model", default=None, help="default: a tiny random Llama built in a temp folder")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--prefix", type=int, default=64)
-    ap.add_argument("--unique", type=int, default=8)
-    ap.add_argument("--output", type=int, default=32)
-    ap.add_argument("--max-running-requests", type=int, default=256)
-    ap.add_argument("--kv-cache-tokens", type=int, default=65536)
+    int_flags(ap, requests=256, prefix=64, unique=8, output=32, max_running_requests=256,
+              kv_cache_tokens=65536)
     ap.add_argument("--client", default="httpx", choices=["httpx", "openai", "bench"],
                     help="the HTTP rows' client: httpx or openai stream /v1/completions text; bench streams "
                          "/generate token ids through RemoteEngine as `prefixrt bench --url` does (and the "

@@ -116,36 +116,34 @@ def agent(vocab: int, sessions: int = 16, turns: int = 6, shared_len: int = 1638
 def working_set_tokens(w: Workload) -> int:
     """Tokens of K/V that keep every session's whole history (prompts and outputs) cached at once, a prefix
     shared by several sessions counted once: the pool an unbounded run needs."""
-    trie: dict = {}
-    nodes = 0
+    histories = []
     for s in w.sessions:
         history: list[int] = []
         for turn in s:
             history = history + turn.new_tokens + [-1 - len(history)] * turn.max_new_tokens  # outputs: unique
+        histories.append(history)
+    return _distinct_prefix_tokens(histories)
+
+
+def optimal_hit_rate(prompts: list[list[int]]) -> float:
+    """Cache hit rate of an ideal cache that keeps everything: every distinct prefix computed once."""
+    total = sum(len(p) for p in prompts)
+    return (total - _distinct_prefix_tokens(prompts)) / total if total else 0.0
+
+
+def _distinct_prefix_tokens(sequences: list[list[int]]) -> int:
+    """Tokens of the sequences with each shared prefix counted once: the nodes of their token trie."""
+    trie: dict = {}
+    nodes = 0
+    for seq in sequences:
         cur = trie
-        for t in history:
+        for t in seq:
             nxt = cur.get(t)
             if nxt is None:
                 nxt = cur[t] = {}
                 nodes += 1
             cur = nxt
     return nodes
-
-
-def optimal_hit_rate(prompts: list[list[int]]) -> float:
-    """Cache hit rate of an ideal cache that keeps everything: every distinct prefix computed once."""
-    trie: dict = {}
-    nodes = total = 0
-    for p in prompts:
-        total += len(p)
-        cur = trie
-        for t in p:
-            nxt = cur.get(t)
-            if nxt is None:
-                nxt = cur[t] = {}
-                nodes += 1
-            cur = nxt
-    return (total - nodes) / total if total else 0.0
 
 
 def ideal_hit_rate(requests: list[tuple[list[int], list[int], int]]) -> float:

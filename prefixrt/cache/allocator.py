@@ -74,3 +74,17 @@ class PageAllocator:
 
 def pages_to_slots(pages: list[int], page_size: int) -> list[int]:
     return [p * page_size + j for p in pages for j in range(page_size)]
+
+
+class AllocatorSizes:
+    """Token counts of an owner that hands out its slots through `self.allocator` (a PageAllocator)."""
+
+    allocator: PageAllocator
+
+    @property
+    def total_tokens(self) -> int:
+        return self.allocator.total_tokens
+
+    @property
+    def free_tokens(self) -> int:
+        return self.allocator.free_tokens

@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from prefixrt.cache.allocator import PageAllocator
+from prefixrt.cache.allocator import AllocatorSizes, PageAllocator
 
 GIB = 2**30
 
@@ -81,7 +81,7 @@ def _unregister(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
-class HostKVPool:
+class HostKVPool(AllocatorSizes):
     def __init__(self, num_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  page_size: int, pin: bool):
         num_slots = (num_tokens // page_size + 1) * page_size  # + the reserved page 0
@@ -102,14 +102,6 @@ class HostKVPool:
             # Unpinned before the memory goes, at close() or when the pool is collected, whichever comes first.
             self._unpin = weakref.finalize(self, _unregister, self.kv)
         self.allocator = PageAllocator(num_slots, page_size)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.allocator.total_tokens
-
-    @property
-    def free_tokens(self) -> int:
-        return self.allocator.free_tokens
 
     def read(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of host slots, each [num_layers, len(slots), num_kv_heads, head_dim] (copies)."""

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixrt.cache.allocator import PageAllocator, pages_to_slots
+from prefixrt.cache.allocator import AllocatorSizes, PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.req_table import ReqToTokenTable
@@ -43,7 +43,7 @@ def _page_ids(slots: list[int], start: int, end: int, page_size: int) -> list[in
         return slots[start:end]
     return [slots[i] // page_size for i in range(start, end, page_size)]
 
-class KVManager:
+class KVManager(AllocatorSizes):
     def __init__(
         self,
         pool: KVPool,
@@ -91,15 +91,7 @@ class KVManager:
         self.disk = getattr(self.tiered, "disk", None)
         self._fetches: list = []
 
-    # ------------------------------------------------------------------ sizes (tokens)
-    @property
-    def total_tokens(self) -> int:
-        return self.allocator.total_tokens
-
-    @property
-    def free_tokens(self) -> int:
-        return self.allocator.free_tokens
-
+    # ------------------------------------------------------------------ sizes (tokens; total and free: AllocatorSizes)
     @property
     def evictable_tokens(self) -> int:
         return self.cache.evictable_tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 from prefixrt.cache.allocator import PageAllocator
@@ -129,28 +130,42 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ contract
     def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
+        pos, slots, last = 0, [], None
+        for child, n in self._matched_children(tokens, salt, max_len):
+            slots.extend(child.slots if n == len(child.slots) else child.slots[:n])
+            pos += n
+            last = child, n
+        if last is None:
+            return MatchResult(0, [], None, 0, self.version)
+        return MatchResult(pos, slots, last[0], last[1], self.version)
+
+    def _matched_children(self, tokens: list[int], salt: Any, max_len: int | None) -> Iterator[tuple[_Node, int]]:
+        """The nodes along tokens' matched path under salt's root, each touched, with how many of its tokens
+        match (page-aligned, > 0); the last one may match only partly."""
         root = self._roots.get(salt)
         limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
         if root is None or limit == 0:
-            return MatchResult(0, [], None, 0, self.version)
+            return
         tick = next(self._clock)
-        node, pos, slots = root, 0, []
+        node, pos = root, 0
         while pos < limit:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                break
+                return
             n = self._align(_matched_len(child.key, tokens, pos, limit))
             if n == 0:
-                break
+                return
             self._touch(child, tick)
-            slots.extend(child.slots if n == len(child.slots) else child.slots[:n])
+            yield child, n
             pos += n
             if n < len(child.key):
-                return MatchResult(pos, slots, child, n, self.version)
+                return
             node = child
-        if node is root:
-            return MatchResult(0, [], None, 0, self.version)
-        return MatchResult(pos, slots, node, len(node.key), self.version)
+
+    @staticmethod
+    def _on_pool(node: _Node) -> bool:
+        """Whether node's K/V is in the device pool: always here (a tiered cache also has host-only nodes)."""
+        return True
 
     def lock(self, match: MatchResult) -> _Node | None:
         if match.handle is None or match.length == 0:
@@ -160,9 +175,13 @@ class RadixCache(PrefixCache):
         node: _Node = match.handle
         if match.offset < len(node.key):
             node = self._split(node, match.offset)
+        return self._lock_path(node)
+
+    def _lock_path(self, node: _Node) -> _Node:
+        """Lock node and its ancestors; returns node, the handle for unlock()."""
         handle = node
         while not self._is_root(node):
-            if node.lock_ref == 0:
+            if node.lock_ref == 0 and self._on_pool(node):
                 self._evictable -= len(node.key)
                 self._locked += len(node.key)
             node.lock_ref += 1
@@ -176,10 +195,15 @@ class RadixCache(PrefixCache):
                 raise RuntimeError("unlock of an unlocked radix node")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._evictable += len(node.key)
-                self._locked -= len(node.key)
-                self._push_if_evictable_leaf(node)
+                self._released(node)
             node = node.parent
+
+    def _released(self, node: _Node) -> None:
+        """node's last lock is gone: its pool tokens count as evictable again."""
+        if self._on_pool(node):
+            self._evictable += len(node.key)
+            self._locked -= len(node.key)
+            self._push_if_evictable_leaf(node)
 
     def unlocked_on_path(self, match: MatchResult) -> int:
         # Unlocked nodes form the lower end of a path (a locked node's ancestors are locked); a partly matched

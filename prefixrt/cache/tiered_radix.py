@@ -27,7 +27,7 @@ from typing import Any
 from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult
 from prefixrt.cache.host_pool import HostKVPool
-from prefixrt.cache.radix import RadixCache, _matched_len, _Node
+from prefixrt.cache.radix import RadixCache, _Node
 from prefixrt.cache.transfer import KVTransfer, Transfer
 from prefixrt.config import WRITE_POLICIES
 
@@ -108,53 +108,18 @@ class TieredRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ contract
     def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
-        root = self._roots.get(salt)
-        limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
-        if root is None or limit == 0:
-            return MatchResult(0, [], None, 0, self.version)
-        tick = next(self._clock)
-        node, pos, slots = root, 0, []
+        pos, slots = 0, []
         gpu_end, gpu_handle, gpu_off = 0, None, 0
         host_handle, host_off = None, 0
-        while pos < limit:
-            child = node.children.get(self._page_key(tokens, pos))
-            if child is None:
-                break
-            n = self._align(_matched_len(child.key, tokens, pos, limit))
-            if n == 0:
-                break
-            self._touch(child, tick)
+        for child, n in self._matched_children(tokens, salt, max_len):
             if child.slots is not None:
                 slots.extend(child.slots if n == len(child.slots) else child.slots[:n])
                 gpu_end, gpu_handle, gpu_off = pos + n, child, n
             else:
                 host_handle, host_off = child, n
             pos += n
-            if n < len(child.key):
-                break
-            node = child
         return MatchResult(gpu_end, slots, gpu_handle, gpu_off, self.version,
                            host_length=pos - gpu_end, host_handle=host_handle, host_offset=host_off)
-
-    def _lock_path(self, node):
-        handle = node
-        while node.parent is not None:
-            if node.lock_ref == 0 and node.slots is not None:
-                self._evictable -= len(node.key)
-                self._locked += len(node.key)
-            node.lock_ref += 1
-            node = node.parent
-        return handle
-
-    def lock(self, match: MatchResult):
-        if match.handle is None or match.length == 0:
-            return None
-        if match.version != self.version:
-            raise RuntimeError("lock() on a stale match: the tree changed since match_prefix()")
-        node = match.handle
-        if match.offset < len(node.key):
-            node = self._split(node, match.offset)
-        return self._lock_path(node)
 
     def lock_host(self, match: MatchResult):
         """Lock the whole matched path, host-only part included (so neither tier evicts it); for load_back."""
@@ -167,19 +132,9 @@ class TieredRadixCache(RadixCache):
             node = self._split(node, match.host_offset)
         return self._lock_path(node)
 
-    def unlock(self, handle) -> None:
-        node = handle
-        while node is not None and node.parent is not None:
-            if node.lock_ref <= 0:
-                raise RuntimeError("unlock of an unlocked radix node")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                if node.slots is not None:
-                    self._evictable += len(node.key)
-                    self._locked -= len(node.key)
-                    self._push_if_evictable_leaf(node)
-                self._push_host(node)
-            node = node.parent
+    def _released(self, node) -> None:
+        super()._released(node)
+        self._push_host(node)
 
     def host_tokens_on_path(self, handle) -> int:
         """Tokens of the host-only nodes at the end of the path to handle (what load_back needs slots for)."""

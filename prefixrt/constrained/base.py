@@ -94,6 +94,17 @@ class Matcher(ABC):
         Raises ValueError if fewer than `num_tokens` tokens were accepted.
         """
 
+    def _rollback_count(self, num_tokens: int, num_accepted: int) -> int:
+        """The start of rollback() for a matcher that counts accepted tokens in `num_accepted` and marks an
+        accepted EOS (outside its grammar engine) in `self._eos_accepted`: checks the count, un-accepts the EOS
+        if it is among the tokens undone, and returns how many grammar tokens remain to undo."""
+        if not 0 <= num_tokens <= num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: only {num_accepted} accepted")
+        if num_tokens and self._eos_accepted:
+            self._eos_accepted = False
+            return num_tokens - 1
+        return num_tokens
+
     @abstractmethod
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next, to be fed as one multi-token extend (jump-forward).

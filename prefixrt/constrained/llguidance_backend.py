@@ -222,12 +222,7 @@ class LLGuidanceMatcher(Matcher):
         return n
 
     def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._num_accepted:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: only {self._num_accepted} accepted")
-        remaining = num_tokens
-        if remaining and self._eos_accepted:
-            self._eos_accepted = False
-            remaining -= 1
+        remaining = self._rollback_count(num_tokens, self._num_accepted)
         if remaining and not self._m.rollback(remaining):
             raise RuntimeError(f"llguidance rollback failed: {self._m.get_error()}")
         if remaining:

@@ -90,12 +90,7 @@ class XGrammarMatcher(Matcher):
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._num_accepted:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: only {self._num_accepted} accepted")
-        remaining = num_tokens
-        if remaining and self._eos_accepted:
-            self._eos_accepted = False
-            remaining -= 1
+        remaining = self._rollback_count(num_tokens, self._num_accepted)
         if remaining:
             self._m.rollback(remaining)
         self._num_accepted -= num_tokens
@@ -155,17 +150,9 @@ class XGrammarBackend(GrammarBackend):
 
     name = "xgrammar"
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int | None = None,
-        eos_token_ids: list[int] | tuple[int, ...] | None = None,
-        *,
-        json_whitespace_flexible: bool = False,
-        strict_json: bool = True,
-        compile_threads: int = 1,
-        mask_threads: int = 2,
-    ):
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None,
+                 eos_token_ids: list[int] | tuple[int, ...] | None = None, *, json_whitespace_flexible: bool = False,
+                 strict_json: bool = True, compile_threads: int = 1, mask_threads: int = 2):
         """mask_threads: threads for `fill_bitmasks` (xgrammar's BatchGrammarMatcher)."""
         self._set_vocab(tokenizer, vocab_size, eos_token_ids)
         self._mask_threads = mask_threads

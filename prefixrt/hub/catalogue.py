@@ -289,6 +289,26 @@ _QWEN3_06B: dict[str, Any] = {
 _EOT_ID_LLAMA3 = 128_009  # "<|eot_id|>"
 _ENDOFTEXT_ID_QWEN = 151_643  # "<|endoftext|>"
 
+def _dummy_entry(name: str, params: str, shape: str, model_type: str, config_kwargs: dict[str, Any]) -> Entry:
+    """A config-only (load_format='dummy') catalogue entry: a Llama-3-like or the Qwen tokenizer, both offline."""
+    if model_type == "qwen3":
+        tokenizer_note, make_tokenizer = "Qwen tokenizer (offline)", _qwen_tokenizer
+        template, extra_eos = chat_templates.CHATML_CHAT_TEMPLATE, (_ENDOFTEXT_ID_QWEN,)
+    else:
+        tokenizer_note, make_tokenizer = "Llama-3-like offline tokenizer", _llama3_tokenizer
+        template, extra_eos = chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
+    return Entry(
+        name=name,
+        kind="dummy",
+        params=params,
+        description=f"{shape}, config only (load_format='dummy'); {tokenizer_note}",
+        chat_template=template,
+        extra_eos_token_ids=extra_eos,
+        build=_dummy_builder(model_type, config_kwargs, make_tokenizer, template, extra_eos),
+        is_available=_qwen_tokenizer_unavailable_reason,
+    )
+
+
 ENTRIES: dict[str, Entry] = {
     entry.name: entry
     for entry in (
@@ -319,63 +339,10 @@ ENTRIES: dict[str, Entry] = {
             # greedy answers "The capital of France is Paris." (docs/clients.md).
             generation_defaults={"temperature": 0.0},
         ),
-        Entry(
-            name="llama-3-8b",
-            kind="dummy",
-            params="8.0B",
-            description="Llama-3-8B shape, config only (load_format='dummy'); Llama-3-like offline tokenizer",
-            chat_template=chat_templates.LLAMA3_CHAT_TEMPLATE,
-            extra_eos_token_ids=(_EOT_ID_LLAMA3,),
-            build=_dummy_builder(
-                "llama", _LLAMA3_8B, _llama3_tokenizer, chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
-            ),
-            is_available=_qwen_tokenizer_unavailable_reason,
-        ),
-        Entry(
-            name="llama-3.1-8b",
-            kind="dummy",
-            params="8.0B",
-            description="Llama-3.1-8B shape (128k context), config only (load_format='dummy'); Llama-3-like "
-                        "offline tokenizer",
-            chat_template=chat_templates.LLAMA3_CHAT_TEMPLATE,
-            extra_eos_token_ids=(_EOT_ID_LLAMA3,),
-            build=_dummy_builder(
-                "llama", _LLAMA31_8B, _llama3_tokenizer, chat_templates.LLAMA3_CHAT_TEMPLATE, (_EOT_ID_LLAMA3,)
-            ),
-            is_available=_qwen_tokenizer_unavailable_reason,
-        ),
-        Entry(
-            name="llama-3.2-1b",
-            kind="dummy",
-            params="1.2B",
-            description="Llama-3.2-1B shape, config only (load_format='dummy'); Llama-3-like offline tokenizer",
-            chat_template=chat_templates.LLAMA3_CHAT_TEMPLATE,
-            extra_eos_token_ids=(_EOT_ID_LLAMA3,),
-            build=_dummy_builder(
-                "llama",
-                _LLAMA32_1B,
-                _llama3_tokenizer,
-                chat_templates.LLAMA3_CHAT_TEMPLATE,
-                (_EOT_ID_LLAMA3,),
-            ),
-            is_available=_qwen_tokenizer_unavailable_reason,
-        ),
-        Entry(
-            name="qwen3-0.6b",
-            kind="dummy",
-            params="0.6B",
-            description="Qwen3-0.6B shape, config only (load_format='dummy'); Qwen tokenizer (offline)",
-            chat_template=chat_templates.CHATML_CHAT_TEMPLATE,
-            extra_eos_token_ids=(_ENDOFTEXT_ID_QWEN,),
-            build=_dummy_builder(
-                "qwen3",
-                _QWEN3_06B,
-                _qwen_tokenizer,
-                chat_templates.CHATML_CHAT_TEMPLATE,
-                (_ENDOFTEXT_ID_QWEN,),
-            ),
-            is_available=_qwen_tokenizer_unavailable_reason,
-        ),
+        _dummy_entry("llama-3-8b", "8.0B", "Llama-3-8B shape", "llama", _LLAMA3_8B),
+        _dummy_entry("llama-3.1-8b", "8.0B", "Llama-3.1-8B shape (128k context)", "llama", _LLAMA31_8B),
+        _dummy_entry("llama-3.2-1b", "1.2B", "Llama-3.2-1B shape", "llama", _LLAMA32_1B),
+        _dummy_entry("qwen3-0.6b", "0.6B", "Qwen3-0.6B shape", "qwen3", _QWEN3_06B),
     )
 }
 

@@ -81,14 +81,7 @@ SMOLLM2_CHAT_TEMPLATE = (
     "{%- if messages and messages[0]['role'] != 'system' -%}"
     "{{- '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' -}}"
     "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- set content = message['content'] if message['content'] is string"
-    " else message['content'] | map(attribute='text') | join('') -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- endif -%}"
+    + CHATML_CHAT_TEMPLATE
 )
 
 

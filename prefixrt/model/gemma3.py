@@ -12,40 +12,22 @@ transformers ignores `attn_logit_softcapping` for Gemma-3 (its attention never p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
-from prefixrt.model.base import CausalLM, eos_ids_from_hf
+from prefixrt.model.attention.base import AttentionBackend
+from prefixrt.model.base import eos_ids_from_hf
+from prefixrt.model.decoder import DecoderAttention, DecoderDims, DecoderLM, DecoderStack, dims_from_hf
 from prefixrt.model.forward_batch import ForwardBatch
-from prefixrt.model.layers import (
-    GatedMLP,
-    GemmaRMSNorm,
-    Linear,
-    MergedLinear,
-    RopeConfig,
-    RotaryEmbedding,
-    hf_rope_parameters,
-    rope_and_attend,
-)
+from prefixrt.model.layers import GatedMLP, GemmaRMSNorm, RopeConfig, RotaryEmbedding, hf_rope_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
-class Gemma3Config:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    hidden_act: str
-    max_position_embeddings: int
+class Gemma3Config(DecoderDims):
     query_pre_attn_scalar: float
     layer_types: tuple[str, ...]  # SLIDING or FULL, per layer
     sliding_window: int
@@ -53,12 +35,10 @@ class Gemma3Config:
     global_rope: RopeConfig  # full-attention layers
     final_logit_softcapping: float | None = None
     attention_bias: bool = False
-    tie_word_embeddings: bool = True
-    eos_token_ids: tuple[int, ...] = ()
+    tie_word_embeddings: bool = field(default=True, kw_only=True)  # Gemma-3 ties lm_head to the embeddings
 
     def __post_init__(self):
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        super().__post_init__()
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer_types for {self.num_layers} layers")
         bad = set(self.layer_types) - {SLIDING, FULL}
@@ -75,10 +55,8 @@ class Gemma3Config:
         """From a gemma3_text config (or a gemma3 config's text_config), 4.x or 5.x spelling."""
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise NotImplementedError("Gemma-3 with use_bidirectional_attention is not supported")
-        num_layers = hf_config.num_hidden_layers
-        num_heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        max_pos = hf_config.max_position_embeddings
+        dims = dims_from_hf(hf_config, "hidden_activation", "gelu_pytorch_tanh")
+        num_layers, head_dim, max_pos = dims["num_layers"], dims["head_dim"], dims["max_position_embeddings"]
 
         layer_types = getattr(hf_config, "layer_types", None)
         if not layer_types:
@@ -98,16 +76,7 @@ class Gemma3Config:
             )
 
         return cls(
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            hidden_act=getattr(hf_config, "hidden_activation", None) or "gelu_pytorch_tanh",
-            max_position_embeddings=max_pos,
+            **dims,
             query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar),
             layer_types=tuple(layer_types),
             sliding_window=int(hf_config.sliding_window),
@@ -120,33 +89,14 @@ class Gemma3Config:
         )
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(DecoderAttention):
     def __init__(self, config: Gemma3Config, layer_id: int):
-        super().__init__()
-        h, kvh, d = config.num_heads, config.num_kv_heads, config.head_dim
+        super().__init__(
+            config, layer_id, scaling=config.query_pre_attn_scalar**-0.5,
+            sliding_window=config.sliding_window_of(layer_id), qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias, qk_norm=GemmaRMSNorm,
+        )
         self.is_sliding = config.layer_types[layer_id] == SLIDING
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, [h * d, kvh * d, kvh * d], ["q_proj", "k_proj", "v_proj"], bias=config.attention_bias
-        )
-        self.o_proj = Linear(h * d, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps)
-        self.layer = AttentionLayer(
-            layer_id=layer_id,
-            num_heads=h,
-            num_kv_heads=kvh,
-            head_dim=d,
-            scaling=config.query_pre_attn_scalar**-0.5,
-            sliding_window=config.sliding_window_of(layer_id),
-        )
-        self.fused = False  # set by layers.use_fused_kernels
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
-    ) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
-        qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) * d]
-        out = rope_and_attend(attn, self.layer, qkv, cos, sin, batch, self.q_norm, self.k_norm, self.fused)
-        return self.o_proj(out)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -173,29 +123,12 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class Gemma3TextModel(nn.Module):
+class Gemma3ForCausalLM(DecoderLM):
     def __init__(self, config: Gemma3Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config: Gemma3Config):
-        super().__init__(
-            vocab_size=config.vocab_size,
-            max_context=config.max_position_embeddings,
-            eos_token_ids=config.eos_token_ids,
-            tie_word_embeddings=config.tie_word_embeddings,
-        )
-        self.config = config
-        self.model = Gemma3TextModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        layers = [Gemma3DecoderLayer(config, i) for i in range(config.num_layers)]
+        super().__init__(config, DecoderStack(config, layers, GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)))
         self.local_rotary = RotaryEmbedding(config.local_rope)
         self.global_rotary = RotaryEmbedding(config.global_rope)
-        self.attention_layers = [layer.self_attn.layer for layer in self.model.layers]
-        self.tie_weights()
 
     def embed_scale(self) -> float:
         """sqrt(hidden_size) rounded to the weights' dtype, as transformers multiplies it in that dtype."""
@@ -204,19 +137,10 @@ class Gemma3ForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids) * self.embed_scale()  # [T, hidden]
-        local_cos, local_sin = self.local_rotary(batch.positions)  # [T, head_dim] each
-        global_cos, global_sin = self.global_rotary(batch.positions)
-        residual = None
-        ready = batch.kv_ready
-        for i, layer in enumerate(self.model.layers):
-            if ready is not None:
-                ready.wait(i)  # layer i's K/V loads (host tier) are done before its attention reads the pool
-            if layer.self_attn.is_sliding:
-                x, residual = layer(x, residual, local_cos, local_sin, batch, attn)
-            else:
-                x, residual = layer(x, residual, global_cos, global_sin, batch, attn)
-        idx = batch.logits_indices  # norm is per token, so select first
-        x, _ = self.model.norm.add_norm(x[idx], residual[idx] if residual is not None else None)  # [L, hidden]
+        local = self.local_rotary(batch.positions)  # (cos, sin), [T, head_dim] each
+        full = self.global_rotary(batch.positions)
+        rope = [local if layer.self_attn.is_sliding else full for layer in self.model.layers]
+        x = self.run_layers(x, rope, batch, attn)  # [L, hidden]
         logits = self.lm_head(x).float()  # [L, vocab]
         cap = self.config.final_logit_softcapping
         if cap is not None:

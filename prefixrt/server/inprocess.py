@@ -84,6 +84,18 @@ class _Exchange:
             self.disconnected.set()
 
 
+def _chunk(body, item) -> bytes | None:
+    """An item from the exchange's queue as a body yields it: the bytes, or None at the end (body.ended set);
+    an exception from the app ends the body as a read error."""
+    if item is _END:
+        body.ended = True
+        return None
+    if isinstance(item, Exception):
+        body.ended = True
+        raise httpx.ReadError(str(item)) from item
+    return item
+
+
 # ---------------------------------------------------------------------------------------------- async
 class _AsyncBody(httpx.AsyncByteStream):
     def __init__(self, chunks: asyncio.Queue, exchange: _Exchange, task: asyncio.Task):
@@ -92,14 +104,9 @@ class _AsyncBody(httpx.AsyncByteStream):
 
     async def __aiter__(self):
         while not self.ended:
-            item = await self.chunks.get()
-            if item is _END:
-                self.ended = True
-                break
-            if isinstance(item, Exception):
-                self.ended = True
-                raise httpx.ReadError(str(item)) from item
-            yield item
+            chunk = _chunk(self, await self.chunks.get())
+            if chunk is not None:
+                yield chunk
 
     async def aclose(self) -> None:
         self.exchange.disconnect()
@@ -159,14 +166,9 @@ class _SyncBody(httpx.SyncByteStream):
 
     def __iter__(self):
         while not self.ended:
-            item = self.chunks.get()
-            if item is _END:
-                self.ended = True
-                break
-            if isinstance(item, Exception):
-                self.ended = True
-                raise httpx.ReadError(str(item)) from item
-            yield item
+            chunk = _chunk(self, self.chunks.get())
+            if chunk is not None:
+                yield chunk
 
     def close(self) -> None:
         self.lt.loop.call_soon_threadsafe(self.exchange.disconnect)

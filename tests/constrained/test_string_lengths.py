@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.common import LONG_KEYS_SCHEMA
 from prefixrt.constrained.llguidance_backend import LLGuidanceBackend
 from prefixrt.constrained.logits import allocate_bitmask
 from prefixrt.constrained.string_lengths import ITEM, LengthRule, TokenTable, split_lengths
@@ -17,19 +18,7 @@ from prefixrt.constrained.string_lengths import ITEM, LengthRule, TokenTable, sp
 QWEN_MODEL_VOCAB = 151936  # as in conftest.py
 QWEN_EOS = (151643, 151645)
 
-LONG_KEYS = {
-    "type": "object",
-    "properties": {
-        "customer_full_name": {"type": "string", "maxLength": 12},
-        "customer_email_address": {"type": "string", "maxLength": 16},
-        "shipping_address_line_one": {"type": "string", "maxLength": 16},
-        "preferred_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
-        "order_total_in_cents": {"type": "integer", "minimum": 0, "maximum": 99999},
-    },
-    "required": ["customer_full_name", "customer_email_address", "shipping_address_line_one",
-                 "preferred_delivery_window", "order_total_in_cents"],
-    "additionalProperties": False,
-}
+LONG_KEYS = LONG_KEYS_SCHEMA  # the benchmarks' schema: bounded strings among long forced keys
 NESTED = {
     "type": "object",
     "properties": {

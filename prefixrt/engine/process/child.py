@@ -11,29 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import pickle
 import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prefixrt.engine.process.messages import (
-    HEARTBEAT_S,
-    Abort,
-    Add,
-    Beat,
-    Bye,
-    Call,
-    EngineInfo,
-    Failed,
-    Outputs,
-    Progress,
-    Ready,
-    Reply,
-    Shutdown,
-    picklable,
-)
+from prefixrt.engine.process import messages as wire
 from prefixrt.engine.stream import RequestStream, StepOutput
 
 log = logging.getLogger("prefixrt")
@@ -55,9 +39,9 @@ def child_main(conn, model: str, engine_kwargs: dict) -> None:
 
     pipe = PipeEnd(conn)
     try:
-        engine = Engine(model, progress=lambda text: pipe.send(Progress(text)), _deliver=pipe.deliver, **engine_kwargs)
+        engine = Engine(model, progress=lambda text: pipe.send(wire.Progress(text)), _deliver=pipe.deliver, **engine_kwargs)
     except BaseException as e:
-        pipe.send(Failed(picklable(e)))
+        pipe.send(wire.Failed(wire.picklable(e)))
         return
     EngineProcessServer(engine, pipe).run()
 
@@ -83,7 +67,7 @@ class PipeEnd:
             RequestStream.push_many(local)
         if remote:
             try:
-                self.send(Outputs(remote))
+                self.send(wire.Outputs(remote))
             except OSError:
                 pass  # the server process is gone; the main thread is shutting down
 
@@ -114,15 +98,13 @@ class EngineProcessServer:
 
     def run(self) -> None:
         eng = self.engine
-        info = EngineInfo(model_name=eng.model_name, model_revision=eng.model_revision, vocab_size=eng.vocab_size,
-                          max_context=eng.max_context, kv_total_tokens=eng.kv_total_tokens,
-                          page_size=eng.page_size, device=str(eng.device), tokenizer=pickle.dumps(eng.tokenizer))
+        info = wire.EngineInfo.of(eng)
         try:
-            self.send(Ready(info))
+            self.send(wire.Ready(info))
             threading.Thread(target=self.heartbeat, name="prefixrt-engine-heartbeat", daemon=True).start()
             while True:
                 msg = self.pipe.conn.recv()
-                if isinstance(msg, Shutdown):
+                if isinstance(msg, wire.Shutdown):
                     break
                 self.handle(msg)
         except (EOFError, OSError):
@@ -133,38 +115,38 @@ class EngineProcessServer:
             self.workers.shutdown(wait=False, cancel_futures=True)
             self.compilers.shutdown(wait=False, cancel_futures=True)
             try:
-                self.send(Bye())
+                self.send(wire.Bye())
             except OSError:
                 pass
 
     def heartbeat(self) -> None:
         core = self.engine.core
-        while not self.stopped.wait(HEARTBEAT_S):
+        while not self.stopped.wait(wire.HEARTBEAT_S):
             try:
-                self.send(Beat(core.steps_done, core.has_work))
+                self.send(wire.Beat(core.steps_done, core.has_work))
             except OSError:
                 return
 
     def handle(self, msg) -> None:
-        if isinstance(msg, Add):
+        if isinstance(msg, wire.Add):
             if msg.call_id is None:
                 self.add(msg)
             else:  # a constraint to compile: off the receiving thread
                 with self.compiling_lock:
                     self.compiling[msg.request_id] = False
                 self.compilers.submit(self.add, msg)
-        elif isinstance(msg, Abort):
+        elif isinstance(msg, wire.Abort):
             with self.compiling_lock:
                 if msg.request_id in self.compiling:
                     self.compiling[msg.request_id] = True
                     return
             self.engine.abort(msg.request_id)
-        elif isinstance(msg, Call):
+        elif isinstance(msg, wire.Call):
             self.workers.submit(self.run_call, msg)
         else:
             log.error("engine process: unknown message %r", type(msg).__name__)
 
-    def add(self, msg: Add) -> None:
+    def add(self, msg: wire.Add) -> None:
         rid, call_id = msg.request_id, msg.call_id
         try:
             self.engine.enqueue(self.engine.prepare_packed(msg.packed_prompt_ids, msg.params), PipeSink(rid))
@@ -172,24 +154,24 @@ class EngineProcessServer:
             with self.compiling_lock:
                 self.compiling.pop(rid, None)
             if call_id is not None:
-                self.send(Reply(call_id, False, picklable(e)))
+                self.send(wire.Reply(call_id, False, wire.picklable(e)))
             else:  # validated in the server already, so this is a bug: end the request with its error
-                self.send(Outputs([(rid, StepOutput(index=i, token_ids=[], text=None, finished=True,
-                                                    finish_reason="abort", error=f"internal error: {e}"))
-                                   for i in range(msg.params.n)]))
+                self.send(wire.Outputs([(rid, StepOutput(index=i, token_ids=[], text=None, finished=True,
+                                                         finish_reason="abort", error=f"internal error: {e}"))
+                                        for i in range(msg.params.n)]))
             return
         with self.compiling_lock:
             aborted = self.compiling.pop(rid, False)
         if aborted:
             self.engine.abort(rid)
         if call_id is not None:
-            self.send(Reply(call_id, True, None))
+            self.send(wire.Reply(call_id, True, None))
 
-    def run_call(self, msg: Call) -> None:
+    def run_call(self, msg: wire.Call) -> None:
         try:
-            reply = Reply(msg.call_id, True, self.calls[msg.name](*msg.args))
+            reply = wire.Reply(msg.call_id, True, self.calls[msg.name](*msg.args))
         except BaseException as e:
-            reply = Reply(msg.call_id, False, picklable(e))
+            reply = wire.Reply(msg.call_id, False, wire.picklable(e))
         try:
             self.send(reply)
         except OSError:

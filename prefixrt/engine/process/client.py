@@ -113,13 +113,8 @@ class ProcessEngine(EngineAPI):
         self._tok_lock = threading.Lock()
         self._encoder = pickle.loads(info.tokenizer)
         self._encode_lock = threading.Lock()
-        self.model_name = info.model_name
-        self.model_revision = info.model_revision
-        self.vocab_size = info.vocab_size
-        self.max_context = info.max_context
-        self.kv_total_tokens = info.kv_total_tokens
-        self.page_size = info.page_size
-        self.device = info.device
+        for name, value in info.api_attributes().items():  # model_name, vocab_size, max_context, ...
+            setattr(self, name, value)
         self._send_lock = threading.Lock()
         self._streams: dict[str, _InFlight] = {}  # written by callers, finished by the reader thread
         self._replies: dict[int, concurrent.futures.Future] = {}

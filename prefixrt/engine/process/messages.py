@@ -17,6 +17,8 @@ engine/process/child.py the engine end). Nothing else crosses the pipe.
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +98,17 @@ class EngineInfo:
     device: str
     tokenizer: bytes  # the pickled tokenizer: the server makes its own copies from it
 
+    @classmethod
+    def of(cls, eng) -> EngineInfo:
+        """The facts of a running Engine, its tokenizer pickled."""
+        return cls(model_name=eng.model_name, model_revision=eng.model_revision, vocab_size=eng.vocab_size,
+                   max_context=eng.max_context, kv_total_tokens=eng.kv_total_tokens, page_size=eng.page_size,
+                   device=str(eng.device), tokenizer=pickle.dumps(eng.tokenizer))
+
+    def api_attributes(self) -> dict[str, Any]:
+        """EngineAPI's attributes it carries (all but the tokenizer), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tokenizer"}
+
 
 @dataclass(frozen=True, slots=True)
 class Progress:
@@ -137,8 +150,6 @@ class Bye:
 
 def picklable(e: BaseException) -> BaseException:
     """e itself if it survives pickling, else a RuntimeError carrying its type and message."""
-    import pickle
-
     try:
         pickle.dumps(e)
         return e

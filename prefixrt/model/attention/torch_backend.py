@@ -64,14 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
             plan.masks[key] = mask
         return plan.masks[key]
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, num_heads * head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads * head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads * head_dim]
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer,
+                batch: ForwardBatch) -> torch.Tensor:  # shapes as in AttentionBackend.forward
         plan = self._plan
         if plan is None or plan.batch is not batch:
             raise RuntimeError("TorchAttentionBackend.prepare(batch) must be called before forward(batch)")

@@ -153,14 +153,8 @@ class TritonAttentionBackend(AttentionBackend):
         return {"block_seq": plan.block_seq, "block_mb": plan.block_mb, "block_m": plan.block_m,
                 "num_splits": plan.num_splits}
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, num_heads * head_dim]
-        k: torch.Tensor,  # [T, num_kv_heads * head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads * head_dim]
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer,
+                batch: ForwardBatch) -> torch.Tensor:  # shapes as in AttentionBackend.forward
         """Write k, v into the pool at batch.out_cache_loc, then attend (see AttentionBackend.forward)."""
         if batch is not self._batch:
             raise RuntimeError("TritonAttentionBackend.forward called without prepare() for this batch")
