@@ -202,8 +202,11 @@ class Gemma3ForCausalLM(CausalLM):
         dtype = self.model.embed_tokens.weight.dtype
         return float(torch.tensor(self.config.hidden_size**0.5, dtype=dtype))
 
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
+        return self.model.embed_tokens(batch.input_ids) * self.embed_scale()
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids) * self.embed_scale()  # [T, hidden]
+        x = self.embed(batch)  # [T, hidden]
         local_cos, local_sin = self.local_rotary(batch.positions)  # [T, head_dim] each
         global_cos, global_sin = self.global_rotary(batch.positions)
         residual = None

@@ -76,3 +76,43 @@ def save_tiny_checkpoint(name: str, path: Path, max_shard_size: str | None = Non
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     return model
+
+
+# Tiny Gemma-3 VLM: a 32x32 image is 4x4 patches of 8, pooled to 2x2 = 4 soft tokens.
+VLM_IMAGE_TOKEN, VLM_BOI, VLM_EOI = 300, 301, 302
+VLM_IMAGE_SIZE = 32
+
+
+def tiny_vlm_config(name: str = "gemma3_vlm"):
+    import transformers as tf
+
+    if name != "gemma3_vlm":
+        raise ValueError(name)
+    text = tiny_config("gemma3")
+    vision = tf.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
+        image_size=VLM_IMAGE_SIZE, patch_size=8, vision_use_head=False, layer_norm_eps=1e-6,
+    )
+    return tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VLM_IMAGE_TOKEN,
+        boi_token_index=VLM_BOI, eoi_token_index=VLM_EOI, eos_token_id=2, pad_token_id=0,
+    )
+
+
+def save_tiny_vlm_checkpoint(path: Path, name: str = "gemma3_vlm", seed: int = 0):
+    """A tiny random vision-language checkpoint plus its image processor (preprocessor_config.json), saved by
+    transformers; returns (the transformers model, the transformers image processor)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration._from_config(tiny_vlm_config(name), attn_implementation="eager")
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.2)
+            elif "mm_input_projection" in pname:
+                param.normal_(0.0, 0.2)  # transformers initialises it to zeros: images would not matter
+    model.eval().save_pretrained(str(path))
+    processor = tf.Gemma3ImageProcessorPil(size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE})
+    processor.save_pretrained(str(path))
+    return model, processor
