@@ -162,11 +162,11 @@ class EngineAPI:
                              param="prompt")
 
     def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False,
-                        tools: list[dict] | None = None) -> list[int]:
+                        tools: list[dict] | None = None, text_out: list | None = None) -> list[int]:
         """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
         continue_final_message, the final assistant message left open). The one place the engine renders
         chat; raises InvalidRequest for malformed messages, a model without a template or a template that
-        refuses them."""
+        refuses them. text_out: a list that receives the rendered text instead (the ids returned are then [])."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
@@ -182,6 +182,9 @@ class EngineAPI:
             with lock:
                 text = render_chat_template(tok, messages, continue_final_message=continue_final_message,
                                             tools=tools)
+            if text_out is not None:  # the caller splits the text itself (image markers)
+                text_out.append(text)
+                return []
             return self._encode_text(text, False)
         except InvalidRequest:
             raise

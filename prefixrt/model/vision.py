@@ -49,11 +49,12 @@ class VisionSpec:
 
 @dataclass(frozen=True)
 class SequenceImages:
-    """One sequence of a forward: its whole token list (placeholders included), the tokens already cached
-    (prefix_len), how many it computes now, and the encoder output of each of its images [tokens, hidden], in
-    prompt order (None for an image whose placeholders this forward does not compute)."""
+    """One sequence of a forward: the placeholder run [start, end) of each of its images (VisionSpec.
+    placeholder_runs of its tokens), the tokens already cached (prefix_len), how many it computes now, and the
+    encoder output [tokens, hidden] of each image, in prompt order (None for an image whose placeholders this
+    forward does not compute)."""
 
-    tokens: list
+    blocks: list[tuple[int, int]]
     prefix_len: int
     extend_len: int
     embeds: list[torch.Tensor | None]
@@ -68,11 +69,10 @@ def multimodal_batch(spec: VisionSpec, seqs: list[SequenceImages], device) -> Mu
     offset = 0
     for seq in seqs:
         lo, hi = seq.prefix_len, seq.prefix_len + seq.extend_len
-        runs = spec.placeholder_runs(seq.tokens)
-        if len(runs) != len(seq.embeds):
-            raise ValueError(f"{len(runs)} image blocks in the tokens, {len(seq.embeds)} images")
+        if len(seq.blocks) != len(seq.embeds):
+            raise ValueError(f"{len(seq.blocks)} image blocks, {len(seq.embeds)} images")
         mine: list[tuple[int, int]] = []
-        for (start, end), emb in zip(runs, seq.embeds):
+        for (start, end), emb in zip(seq.blocks, seq.embeds):
             a, b = max(start, lo), min(end, hi)
             if a >= b:
                 continue

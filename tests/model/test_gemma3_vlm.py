@@ -47,6 +47,11 @@ def build_prompt(model, pieces) -> list[int]:
     return out
 
 
+def mm_of(model, tokens, prefix_len, n, embeds):
+    blocks = model.vision.placeholder_runs(tokens)
+    return multimodal_batch(model.vision, [SequenceImages(blocks, prefix_len, n, embeds)], "cpu")
+
+
 def hf_forward(hf, tokens, pixels):
     ids = torch.tensor([tokens])
     with torch.no_grad():
@@ -77,7 +82,7 @@ def test_prefill_logits_match_transformers(vlm, case):
     tokens = build_prompt(ours, pieces)
     embeds = list(ours.encode_images(pixels))
     harness = PagedHarness(ours)
-    mm = multimodal_batch(ours.vision, [SequenceImages(tokens, 0, len(tokens), embeds)], "cpu")
+    mm = mm_of(ours, tokens, 0, len(tokens), embeds)
     got = harness.forward([(harness.new_row(), tokens)], mm=mm)[0]
     ref = hf_forward(hf, tokens, pixels)
     assert got.shape == ref.shape
@@ -94,7 +99,7 @@ def test_images_change_the_logits(vlm):
     other = hf_forward(hf, tokens, torch.stack([processor.process([random_image(9)])[0].pixels, pixels[1]]))
     assert rel_err(other, ref) > 1e-3
     embeds = list(ours.encode_images(pixels))
-    mm = multimodal_batch(ours.vision, [SequenceImages(tokens, 0, len(tokens), embeds)], "cpu")
+    mm = mm_of(ours, tokens, 0, len(tokens), embeds)
     mm.spans = [[]]  # causal image tokens
     harness = PagedHarness(ours)
     got = harness.forward([(harness.new_row(), tokens)], mm=mm)[0]
@@ -112,11 +117,11 @@ def test_cached_prefix_then_extend_and_decode(vlm):
     first_len = 2 + 6 + 3  # text, first image block, text
     harness = PagedHarness(ours)
     row_a = harness.new_row()
-    mm = multimodal_batch(ours.vision, [SequenceImages(tokens[:first_len], 0, first_len, embeds[:1])], "cpu")
+    mm = mm_of(ours, tokens[:first_len], 0, first_len, embeds[:1])
     harness.forward([(row_a, tokens[:first_len])], mm=mm)
     row_b = harness.new_row(share_prefix_of=row_a, prefix_len=first_len)
     rest = tokens[first_len:]
-    mm = multimodal_batch(ours.vision, [SequenceImages(tokens, first_len, len(rest), [None, embeds[1]])], "cpu")
+    mm = mm_of(ours, tokens, first_len, len(rest), [None, embeds[1]])
     logits = harness.forward([(row_b, rest)], mm=mm)[0]
     ref = hf_forward(hf, tokens, pixels)
     assert rel_err(logits, ref[first_len:]) < RTOL
@@ -137,4 +142,4 @@ def test_split_image_block_is_refused(vlm):
     tokens = build_prompt(ours, [text(2, 1), "IMG"])
     emb = torch.zeros(4, 64)
     with pytest.raises(ValueError, match="split"):
-        multimodal_batch(ours.vision, [SequenceImages(tokens, 0, 5, [emb])], "cpu")
+        mm_of(ours, tokens, 0, 5, [emb])
