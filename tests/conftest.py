@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny transformers checkpoints, a tiny byte-level tokenizer, and engines built on them.
+"""Shared fixtures: tiny transformers checkpoints, a tiny byte-level tokenizer, and engines built on them (a tiny
+Gemma-3 VLM too: `vlm_folder`, `make_vlm`).
 
 Every engine made through `make_engine` is checked at teardown: idle, kv_free + kv_evictable == kv_total,
 kv_locked == 0, and the internal accounting (free + cached + private == total) holds.
@@ -79,6 +80,44 @@ def make_engine(tiny_checkpoints, tiny_tokenizer):
         if os.environ.get("PREFIXRT_TEST_CACHE_AUDIT"):  # e.g. 1.0: audit cache hits in every engine test
             kwargs.setdefault("cache_audit_rate", float(os.environ["PREFIXRT_TEST_CACHE_AUDIT"]))
         eng = Engine(f"tiny-{arch}", _parts=(model, tiny_tokenizer, resolved), **kwargs)
+        engines.append(eng)
+        return eng
+
+    yield make
+    try:
+        for eng in engines:
+            assert_idle_and_clean(eng)
+    finally:
+        for eng in engines:
+            eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vlm_folder(tmp_path_factory):
+    """(folder, transformers model) of the tiny Gemma-3 VLM checkpoint with its image processor."""
+    from tests.helpers.checkpoints import save_tiny_vlm_checkpoint
+
+    path = tmp_path_factory.mktemp("vlm-engine")
+    hf, _ = save_tiny_vlm_checkpoint(path)
+    return path, hf
+
+
+@pytest.fixture
+def make_vlm(vlm_folder, tiny_tokenizer):
+    """make_vlm(**engine_kwargs) -> Engine on the tiny Gemma-3 VLM (CPU, fp32, the tiny tokenizer)."""
+    from prefixrt.engine.engine import Engine
+    from prefixrt.hub.loader import load_model
+
+    engines = []
+
+    def make(**kwargs):
+        path, _ = vlm_folder
+        model = load_model(path, dtype="float32", device="cpu")
+        resolved = SimpleNamespace(name="tiny-gemma3-vlm", revision="test", extra_eos_token_ids=(), path=str(path))
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("debug", True)
+        kwargs.setdefault("kv_cache_tokens", 4096)
+        eng = Engine("tiny-gemma3-vlm", _parts=(model, tiny_tokenizer, resolved), **kwargs)
         engines.append(eng)
         return eng
 

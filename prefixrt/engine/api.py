@@ -18,6 +18,7 @@ from prefixrt.engine.detokenizer import IncrementalDetokenizer
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
 from prefixrt.hub.chat_templates import render_chat_template
+from prefixrt.multimodal.messages import has_images
 from prefixrt.outputs import Chunk, Completion, coalesce_chunks
 from prefixrt.params import SamplingParams
 from prefixrt.text_checks import check_json_value, check_text
@@ -144,7 +145,15 @@ class EngineAPI:
         """encode() in a worker thread."""
         return await self._offload(self.encode, prompt)
 
+    def image_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of chat messages holding images (each image as the model's placeholder block).
+        Raises InvalidRequest; an engine that takes no images refuses them."""
+        raise InvalidRequest(f"model {self.model_name!r} takes no images here", param="messages")
+
     def _tokenize(self, prompt) -> list[int]:
+        if has_images(prompt):  # Engine.prepare takes them; scoring (choices) and other engines do not
+            raise InvalidRequest("images are accepted in generate / stream chat requests of an in-process "
+                                 "engine only", param="messages")
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequest("prompt is empty", param="prompt")

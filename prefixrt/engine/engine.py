@@ -223,6 +223,11 @@ class Engine(EngineAPI):
         self._validate_ids(ids, p)
         return self._prepare_ids(ids, p, req_fields)
 
+    def image_prompt_ids(self, messages: list[dict]) -> list[int]:
+        ids = self._tokenize_with_images(messages)[0]
+        self._check_length(len(ids))
+        return ids
+
     def _tokenize_with_images(self, messages) -> tuple[list[int], ReqImages]:
         """Chat messages holding images -> (prompt ids with each image's placeholder block, the images). The
         template renders each image as a marker; the text between markers is encoded piece by piece and the

@@ -5,8 +5,6 @@ images never share, even when their hashes collide), cache on vs off identical, 
 from __future__ import annotations
 
 import base64
-import io
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,60 +12,10 @@ import torch
 from prefixrt.errors import InvalidRequest
 from prefixrt.multimodal.messages import IMAGE_MARKER
 from prefixrt.multimodal.processor import ImageKey
-from tests.helpers.checkpoints import VLM_BOI, VLM_EOI, VLM_IMAGE_TOKEN, save_tiny_vlm_checkpoint
-from tests.helpers.engines import assert_idle_and_clean
-from tests.model.test_gemma3_vlm import random_image
+from tests.helpers.checkpoints import VLM_BOI, VLM_EOI, VLM_IMAGE_TOKEN
+from tests.helpers.images import ask, data_url, png_bytes, random_image
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def vlm_folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vlm-engine")
-    hf, _ = save_tiny_vlm_checkpoint(path)
-    return path, hf
-
-
-@pytest.fixture
-def make_vlm(vlm_folder, tiny_tokenizer):
-    from prefixrt.engine.engine import Engine
-    from prefixrt.hub.loader import load_model
-
-    engines = []
-
-    def make(**kwargs):
-        path, _ = vlm_folder
-        model = load_model(path, dtype="float32", device="cpu")
-        resolved = SimpleNamespace(name="tiny-gemma3-vlm", revision="test", extra_eos_token_ids=(), path=str(path))
-        kwargs.setdefault("device", "cpu")
-        kwargs.setdefault("debug", True)
-        kwargs.setdefault("kv_cache_tokens", 4096)
-        eng = Engine("tiny-gemma3-vlm", _parts=(model, tiny_tokenizer, resolved), **kwargs)
-        engines.append(eng)
-        return eng
-
-    yield make
-    try:
-        for eng in engines:
-            assert_idle_and_clean(eng)
-    finally:
-        for eng in engines:
-            eng.shutdown()
-
-
-def png_bytes(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_url(image) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
-
-
-def ask(question: str, *images) -> list[dict]:
-    parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": question}]
-    return [{"role": "user", "content": parts}]
 
 
 def reference_ids(tokenizer, messages) -> list[int]:

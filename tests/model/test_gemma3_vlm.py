@@ -3,7 +3,6 @@ checkpoint written by save_pretrained, images through the saved image processor,
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,19 +11,13 @@ from prefixrt.model.vision import SequenceImages, multimodal_batch
 from prefixrt.multimodal.processor import ImageProcessor
 from tests.helpers.checkpoints import VLM_IMAGE_TOKEN, save_tiny_vlm_checkpoint
 from tests.helpers.harness import PagedHarness
+from tests.helpers.images import random_image
 
 RTOL = 1e-4
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-def random_image(seed: int, size=(40, 28)):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 def text(n: int, seed: int) -> list[int]:
