@@ -64,14 +64,15 @@ def tiny_checkpoints(tmp_path_factory):
 
 @pytest.fixture
 def make_engine(tiny_checkpoints, tiny_tokenizer):
-    """make_engine(arch="llama", **engine_kwargs) -> Engine on a tiny checkpoint (CPU, fp32)."""
+    """make_engine(arch="llama", folder=None, **engine_kwargs) -> Engine on a tiny checkpoint (CPU, fp32); folder:
+    a checkpoint folder of its own instead of tiny_checkpoints(arch)."""
     from prefixrt.engine.engine import Engine
     from prefixrt.hub.loader import load_model
 
     engines = []
 
-    def make(arch: str = "llama", **kwargs):
-        path, _ = tiny_checkpoints(arch)
+    def make(arch: str = "llama", folder=None, **kwargs):
+        path = folder if folder is not None else tiny_checkpoints(arch)[0]
         model = load_model(path, dtype="float32", device="cpu")
         resolved = SimpleNamespace(name=f"tiny-{arch}", revision="test", extra_eos_token_ids=(), path=str(path))
         kwargs.setdefault("device", "cpu")
@@ -103,31 +104,9 @@ def vlm_folder(tmp_path_factory):
 
 
 @pytest.fixture
-def make_vlm(vlm_folder, tiny_tokenizer):
+def make_vlm(vlm_folder, make_engine):
     """make_vlm(**engine_kwargs) -> Engine on the tiny Gemma-3 VLM (CPU, fp32, the tiny tokenizer)."""
-    from prefixrt.engine.engine import Engine
-    from prefixrt.hub.loader import load_model
-
-    engines = []
-
-    def make(**kwargs):
-        path, _ = vlm_folder
-        model = load_model(path, dtype="float32", device="cpu")
-        resolved = SimpleNamespace(name="tiny-gemma3-vlm", revision="test", extra_eos_token_ids=(), path=str(path))
-        kwargs.setdefault("device", "cpu")
-        kwargs.setdefault("debug", True)
-        kwargs.setdefault("kv_cache_tokens", 4096)
-        eng = Engine("tiny-gemma3-vlm", _parts=(model, tiny_tokenizer, resolved), **kwargs)
-        engines.append(eng)
-        return eng
-
-    yield make
-    try:
-        for eng in engines:
-            assert_idle_and_clean(eng)
-    finally:
-        for eng in engines:
-            eng.shutdown()
+    return lambda **kwargs: make_engine("gemma3-vlm", folder=vlm_folder[0], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- Gemma-3-270M
