@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny transformers checkpoints, a tiny byte-level tokenizer, and engines built on them (a tiny
-Gemma-3 VLM too: `vlm_folder`, `make_vlm`).
+"""Shared fixtures: tiny transformers checkpoints, a tiny byte-level tokenizer, and engines built on them (tiny
+VLMs too: `vlm_checkpoints`, `make_vlm`).
 
 Every engine made through `make_engine` is checked at teardown: idle, kv_free + kv_evictable == kv_total,
 kv_locked == 0, and the internal accounting (free + cached + private == total) holds.
@@ -94,19 +94,26 @@ def make_engine(tiny_checkpoints, tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def vlm_folder(tmp_path_factory):
-    """(folder, transformers model) of the tiny Gemma-3 VLM checkpoint with its image processor."""
+def vlm_checkpoints(tmp_path_factory):
+    """name -> (folder, transformers model) of the tiny vision-language checkpoints (tests/helpers/checkpoints.py
+    VLM_NAMES), each with its image processor, built once per session."""
     from tests.helpers.checkpoints import save_tiny_vlm_checkpoint
 
-    path = tmp_path_factory.mktemp("vlm-engine")
-    hf, _ = save_tiny_vlm_checkpoint(path)
-    return path, hf
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp(f"vlm-{name}")
+            cache[name] = (path, save_tiny_vlm_checkpoint(path, name)[0])
+        return cache[name]
+
+    return get
 
 
 @pytest.fixture
-def make_vlm(vlm_folder, make_engine):
-    """make_vlm(**engine_kwargs) -> Engine on the tiny Gemma-3 VLM (CPU, fp32, the tiny tokenizer)."""
-    return lambda **kwargs: make_engine("gemma3-vlm", folder=vlm_folder[0], **kwargs)
+def make_vlm(vlm_checkpoints, make_engine):
+    """make_vlm(name="gemma3_vlm", **engine_kwargs) -> Engine on a tiny VLM (CPU, fp32, the tiny tokenizer)."""
+    return lambda name="gemma3_vlm", **kwargs: make_engine(name, folder=vlm_checkpoints(name)[0], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- Gemma-3-270M

@@ -2,7 +2,8 @@
 
 Nothing is downloaded: configs are read with local_files_only. Checkpoint names are transformers'
 (`model.layers.N...`); multimodal Gemma-3 checkpoints (`model.language_model.` / `language_model.model.`, with
-`vision_tower.` and `multi_modal_projector.`) load as Gemma3ForConditionalGeneration, images included.
+`vision_tower.` and `multi_modal_projector.`) load with their vision tower (Gemma3ForConditionalGeneration,
+LlavaForConditionalGeneration).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prefixrt.model.gemma3_vlm import Gemma3ForConditionalGeneration, Gemma3VLMConfig
 from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
 from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
+from prefixrt.model.llava import LlavaConfig, LlavaForConditionalGeneration
 
 if TYPE_CHECKING:  # a tensor-parallel rank's shard only: parallel/ is imported when one is loaded
     from prefixrt.parallel.layers import TPGroup
@@ -51,6 +53,15 @@ def _build_gemma3(hf_config, architecture: str) -> ModelSpec:
     return ModelSpec(Gemma3ForConditionalGeneration, Gemma3VLMConfig.from_hf(hf_config))
 
 
+def _build_llava(hf_config, architecture: str) -> ModelSpec:
+    text_type = getattr(hf_config.text_config, "model_type", "llama")
+    text_arch = _ARCH_OF_MODEL_TYPE.get(text_type)
+    if text_arch not in LLAMA_ARCHITECTURES:
+        raise ValueError(f"LLaVA over a {text_type!r} text model is not supported; supported: "
+                         f"{', '.join(LLAMA_ARCHITECTURES)}")
+    return ModelSpec(LlavaForConditionalGeneration, LlavaConfig.from_hf(hf_config, text_arch))
+
+
 def model_spec(hf_config) -> ModelSpec:
     """The ModelSpec of a transformers config (raises for an unsupported architecture)."""
     arch = architecture_of(hf_config)
@@ -68,6 +79,7 @@ _BUILDERS: dict[str, Callable[[object, str], ModelSpec]] = {
     **{arch: _build_llama for arch in LLAMA_ARCHITECTURES},
     "Gemma3ForCausalLM": _build_gemma3,
     "Gemma3ForConditionalGeneration": _build_gemma3,
+    "LlavaForConditionalGeneration": _build_llava,
 }
 _ARCH_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -76,6 +88,7 @@ _ARCH_OF_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 

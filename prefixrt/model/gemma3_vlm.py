@@ -22,7 +22,7 @@ from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prefixrt.model.layers import GemmaRMSNorm
 from prefixrt.model.siglip import SiglipVisionConfig, SiglipVisionModel
-from prefixrt.model.vision import VisionSpec
+from prefixrt.model.vision import VisionSpec, embed_with_images
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,5 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return out
 
     def embed(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
-        ids = batch.input_ids
-        image_id = self.vlm_config.image_token_id
-        if image_id >= self.vocab_size:  # an out-of-vocabulary placeholder embeds as token 0, then is replaced
-            ids = torch.where(ids == image_id, torch.zeros_like(ids), ids)
-        x = self.model.embed_tokens(ids) * self.embed_scale()
-        mm = batch.mm
-        if mm is not None and mm.token_index.numel():
-            x = x.index_copy(0, mm.token_index, mm.embeds.to(x.dtype))
-        return x
+        # the placeholders' scaled embeddings are replaced by the (unscaled) image embeddings
+        return embed_with_images(self.model.embed_tokens, batch, self.vlm_config.image_token_id, self.embed_scale())

@@ -177,8 +177,11 @@ class LlamaForCausalLM(CausalLM):
         self.attention_layers = [layer.self_attn.layer for layer in self.model.layers]
         self.tie_weights()
 
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
+        return self.model.embed_tokens(batch.input_ids)
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        x = self.embed(batch)  # [T, hidden]
         cos, sin = self.rotary(batch.positions)  # [T, head_dim] each
         residual = None
         ready = batch.kv_ready

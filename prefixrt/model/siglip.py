@@ -47,7 +47,7 @@ class SiglipVisionConfig:
         )
 
 
-def _act(name: str):
+def activation(name: str):
     if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "gelu":
@@ -98,7 +98,7 @@ class SiglipMLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = _act(config.hidden_act)
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))

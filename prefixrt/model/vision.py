@@ -47,6 +47,21 @@ class VisionSpec:
         return runs
 
 
+def embed_with_images(embed_tokens, batch, image_token_id: int, scale: float | None = None) -> torch.Tensor:
+    """Token embeddings of a forward ([T, hidden], times `scale` if given) with each image token's row replaced
+    by its encoder output (batch.mm). An out-of-vocabulary placeholder id is embedded as token 0 first."""
+    ids = batch.input_ids
+    if image_token_id >= embed_tokens.num_embeddings:
+        ids = torch.where(ids == image_token_id, torch.zeros_like(ids), ids)
+    x = embed_tokens(ids)
+    if scale is not None:
+        x = x * scale
+    mm = batch.mm
+    if mm is not None and mm.token_index.numel():
+        x = x.index_copy(0, mm.token_index, mm.embeds.to(x.dtype))
+    return x
+
+
 @dataclass(frozen=True)
 class SequenceImages:
     """One sequence of a forward: the placeholder run [start, end) of each of its images (VisionSpec.

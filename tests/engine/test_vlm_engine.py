@@ -1,4 +1,4 @@
-"""Engine.generate with images on a tiny Gemma-3 VLM: greedy equal to transformers generate, image tokens in
+"""Engine.generate with images on the tiny VLMs (Gemma-3, LLaVA): greedy equal to transformers generate, image tokens in
 the radix key by content (a second question about an image reuses its K/V and skips the vision tower; other
 images never share, even when their hashes collide), cache on vs off identical, bad images refused."""
 
@@ -12,14 +12,15 @@ import torch
 from prefixrt.errors import InvalidRequest
 from prefixrt.multimodal.messages import IMAGE_MARKER
 from prefixrt.multimodal.processor import ImageKey
-from tests.helpers.checkpoints import VLM_BOI, VLM_EOI, VLM_IMAGE_TOKEN
+from tests.helpers.checkpoints import VLM_IMAGE_TOKEN, VLM_NAMES
 from tests.helpers.images import ask, data_url, png_bytes, random_image
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
 
 
-def reference_ids(tokenizer, messages) -> list[int]:
+def reference_ids(eng, messages) -> list[int]:
     """The prompt the engine builds, built here from the template: text pieces around each image block."""
+    tokenizer, block = eng.tokenizer, eng._built.model.vision.image_block()
     plain = []
     for m in messages:
         text = "".join(IMAGE_MARKER if p["type"] != "text" else p["text"] for p in m["content"])
@@ -30,31 +31,34 @@ def reference_ids(tokenizer, messages) -> list[int]:
     for i, piece in enumerate(pieces):
         ids.extend(tokenizer.encode(piece, add_special_tokens=False) if piece else [])
         if i < len(pieces) - 1:
-            ids.extend([VLM_BOI] + [VLM_IMAGE_TOKEN] * 4 + [VLM_EOI])
+            ids.extend(block)
     return ids
 
 
-def block_bounds(tokenizer, messages) -> tuple[int, int]:
-    """Positions of the first image's boi token and one past its eoi token in the prompt."""
-    ids = reference_ids(tokenizer, messages)
-    return ids.index(VLM_BOI), ids.index(VLM_EOI) + 1
+def block_bounds(eng, messages) -> tuple[int, int]:
+    """Where the first image's block (boi token, placeholders, eoi token) starts and ends in the prompt."""
+    ids = reference_ids(eng, messages)
+    start = ids.index(eng._built.model.vision.image_block()[0])
+    return start, start + len(eng._built.model.vision.image_block())
 
 
-def test_generate_matches_transformers(make_vlm, vlm_folder, tiny_tokenizer):
-    _, hf = vlm_folder
-    eng = make_vlm()
+@pytest.mark.parametrize("name", VLM_NAMES)
+def test_generate_matches_transformers(make_vlm, vlm_checkpoints, name):
+    _, hf = vlm_checkpoints(name)
+    eng = make_vlm(name)
     images = [random_image(11), random_image(12, size=(20, 50))]
     messages = ask("Question: what is the capital?", *images)
     got = eng.generate(messages, GREEDY)
 
-    ids = reference_ids(tiny_tokenizer, messages)
-    text_ids = [t for t in ids if t not in (VLM_BOI, VLM_EOI, VLM_IMAGE_TOKEN)]
-    assert len(text_ids) == len(ids) - 12  # no text token collides with the image tokens
+    ids = reference_ids(eng, messages)
+    block = eng._built.model.vision.image_block()
+    assert sum(t in block for t in ids) == 2 * len(block)  # no text token collides with the image tokens
     pixels = eng._built.image_processor.hf(images=images, return_tensors="pt")["pixel_values"]
     x = torch.tensor([ids])
+    extra = {"token_type_ids": (x == VLM_IMAGE_TOKEN).long()} if name == "gemma3_vlm" else {}
     with torch.no_grad():
-        out = hf.generate(input_ids=x, pixel_values=pixels, token_type_ids=(x == VLM_IMAGE_TOKEN).long(),
-                          max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = hf.generate(input_ids=x, pixel_values=pixels, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                          **extra)
     assert got.token_ids == out[0, len(ids):].tolist()
     assert got.prompt_tokens == len(ids)
 
@@ -78,28 +82,30 @@ def test_every_image_source_gives_the_same_answer(make_vlm, tmp_path):
     assert eng.generate(langchain_style, GREEDY).token_ids == want
 
 
-def test_second_question_reuses_the_image(make_vlm, tiny_tokenizer):
-    eng = make_vlm()
+@pytest.mark.parametrize("name", VLM_NAMES)
+def test_second_question_reuses_the_image(make_vlm, name):
+    eng = make_vlm(name)
     model, encoder = eng._built.model, eng.core.encoder
     image = random_image(31)
     first = eng.generate(ask("What is the capital?", image), GREEDY)
     runs = model.vision_runs
     assert runs == 1 and encoder.encoded == 1
     second = eng.generate(ask("Question: where is the fox?", image), GREEDY)
-    _, end = block_bounds(tiny_tokenizer, ask("Question: where is the fox?", image))
+    _, end = block_bounds(eng, ask("Question: where is the fox?", image))
     assert second.cached_tokens >= end  # the text before the image and the whole image block
     assert model.vision_runs == runs  # the vision tower ran zero times for the second question
     assert encoder.encoded == 1
     # and the answer is what a fresh engine with no cache computes
-    fresh = make_vlm(radix_cache=False)
+    fresh = make_vlm(name, radix_cache=False)
     assert fresh.generate(ask("Question: where is the fox?", image), GREEDY).token_ids == second.token_ids
     assert first.cached_tokens == 0
 
 
-@pytest.mark.parametrize("chunk", [8192, 3])
-def test_cache_on_and_off_identical(make_vlm, chunk):
-    """chunk 3: prefill chunks smaller than an image block (6 tokens): a chunk never splits one."""
-    on, off = make_vlm(chunked_prefill_tokens=chunk), make_vlm(radix_cache=False)
+@pytest.mark.parametrize("name,chunk", [("gemma3_vlm", 8192), ("gemma3_vlm", 3), ("llava", 8192), ("llava", 5)])
+def test_cache_on_and_off_identical(make_vlm, name, chunk):
+    """Small chunks: prefill chunks shorter than an image block (Gemma-3: 6 tokens, never split; LLaVA: causal,
+    split anywhere)."""
+    on, off = make_vlm(name, chunked_prefill_tokens=chunk), make_vlm(name, radix_cache=False)
     a, b = random_image(41), random_image(42)
     prompts = [ask("What is the capital?", a), ask("Where is the fox?", a), ask("What is the capital?", b),
                ask("Where is the fox?", a, b), ask("Where is the fox?", b, a), ask("What is it?", b)]
@@ -116,24 +122,25 @@ def _shared_after(eng, first, second):
     return eng.generate(second, GREEDY)
 
 
-@pytest.mark.parametrize("collide", [False, True])
-def test_different_images_of_one_size_never_share(make_vlm, monkeypatch, tiny_tokenizer, collide):
+@pytest.mark.parametrize("name,collide", [("gemma3_vlm", False), ("gemma3_vlm", True), ("llava", True)])
+def test_different_images_of_one_size_never_share(make_vlm, monkeypatch, name, collide):
     """Two images of the same size: the second request reuses only the text before its image. With every
     ImageKey hashing alike (a forced collision, as a truncated hash would give) the keys still differ."""
     if collide:
         monkeypatch.setattr(ImageKey, "__hash__", lambda self: 7)
-    eng = make_vlm()
+    eng = make_vlm(name)
     a, b = random_image(51), random_image(52)
     assert a.size == b.size
     question = "What is the capital?"
     got = _shared_after(eng, ask(question, a), ask(question, b))
-    start, _ = block_bounds(tiny_tokenizer, ask(question, b))
-    assert got.cached_tokens == start + 1  # the text before the image block and its boi token, no image token
-    fresh = make_vlm(radix_cache=False)
+    start, _ = block_bounds(eng, ask(question, b))
+    before_image = start + (eng._built.model.vision.begin_token_id is not None)  # the text and a boi token
+    assert got.cached_tokens == before_image  # no image token
+    fresh = make_vlm(name, radix_cache=False)
     assert fresh.generate(ask(question, b), GREEDY).token_ids == got.token_ids
 
 
-def test_forced_collision_is_exercised(make_vlm, monkeypatch, tiny_tokenizer):
+def test_forced_collision_is_exercised(make_vlm, monkeypatch):
     """Guards the test above: equal-hash keys that compared equal (a key compared by hash alone) would share
     the image's K/V."""
     monkeypatch.setattr(ImageKey, "__hash__", lambda self: 7)
@@ -141,7 +148,7 @@ def test_forced_collision_is_exercised(make_vlm, monkeypatch, tiny_tokenizer):
     eng = make_vlm()
     a, b = random_image(51), random_image(52)
     got = _shared_after(eng, ask("What is the capital?", a), ask("What is the capital?", b))
-    start, _ = block_bounds(tiny_tokenizer, ask("What is the capital?", b))
+    start, _ = block_bounds(eng, ask("What is the capital?", b))
     assert got.cached_tokens > start + 1
 
 

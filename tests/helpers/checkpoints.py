@@ -83,9 +83,21 @@ VLM_IMAGE_TOKEN, VLM_BOI, VLM_EOI = 300, 301, 302
 VLM_IMAGE_SIZE = 32
 
 
+VLM_NAMES = ("gemma3_vlm", "llava")
+
+
 def tiny_vlm_config(name: str = "gemma3_vlm"):
+    """gemma3_vlm: 4 soft tokens per 32x32 image between boi/eoi; llava: 16 image tokens (4x4 patches of a
+    32x32 image, class token dropped) from the second-to-last of 3 CLIP layers, over the tiny llama."""
     import transformers as tf
 
+    if name == "llava":
+        vision = tf.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=3,
+            image_size=VLM_IMAGE_SIZE, patch_size=8, projection_dim=16,
+        )
+        return tf.LlavaConfig(text_config=tiny_config("llama"), vision_config=vision,
+                              image_token_index=VLM_IMAGE_TOKEN, eos_token_id=2, pad_token_id=0)
     if name != "gemma3_vlm":
         raise ValueError(name)
     text = tiny_config("gemma3")
@@ -105,14 +117,19 @@ def save_tiny_vlm_checkpoint(path: Path, name: str = "gemma3_vlm", seed: int = 0
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.Gemma3ForConditionalGeneration._from_config(tiny_vlm_config(name), attn_implementation="eager")
+    cls = tf.LlavaForConditionalGeneration if name == "llava" else tf.Gemma3ForConditionalGeneration
+    model = cls._from_config(tiny_vlm_config(name), attn_implementation="eager")
     with torch.no_grad():
         for pname, param in model.named_parameters():
-            if "norm" in pname or pname.endswith("bias"):
+            if "norm" in pname or pname.endswith("bias") or "class_embedding" in pname:
                 param.add_(torch.randn_like(param) * 0.2)
             elif "mm_input_projection" in pname:
                 param.normal_(0.0, 0.2)  # transformers initialises it to zeros: images would not matter
     model.eval().save_pretrained(str(path))
-    processor = tf.Gemma3ImageProcessorPil(size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE})
+    if name == "llava":
+        processor = tf.CLIPImageProcessorPil(size={"shortest_edge": VLM_IMAGE_SIZE},
+                                             crop_size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE})
+    else:
+        processor = tf.Gemma3ImageProcessorPil(size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE})
     processor.save_pretrained(str(path))
     return model, processor
