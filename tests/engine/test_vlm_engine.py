@@ -152,6 +152,13 @@ def test_forced_collision_is_exercised(make_vlm, monkeypatch):
     assert got.cached_tokens > start + 1
 
 
+def test_repetition_penalty_with_images(make_vlm):
+    """The penalty reads the prompt: image positions count as the image token the model saw."""
+    eng = make_vlm()
+    got = eng.generate(ask("What?", random_image(3)), {**GREEDY, "repetition_penalty": 1.3})
+    assert got.error is None and len(got.token_ids) == 6
+
+
 def test_bad_images_are_refused(make_vlm, tmp_path):
     eng = make_vlm()
     cases = [
