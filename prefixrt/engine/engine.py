@@ -241,6 +241,8 @@ class Engine(EngineAPI):
                                  param="messages")
         if getattr(self.core.runner, "model", None) is not self._built.model or self.config.tp_size > 1:
             raise InvalidRequest("images need a single-device engine", param="messages")
+        if self.config.host_kv_cache_tokens or self.config.kv_disk_dir:
+            raise InvalidRequest("images with a host or disk KV tier are not supported", param="messages")
         plain, sources = split_images(list(messages))
         images = processor.process(sources, param="messages")  # decodes, checks limits, hashes
         text: list[str] = []
