@@ -50,3 +50,27 @@ def test_bad_image_urls_are_400(make_vlm):
 def test_text_model_refuses_image_parts(engine):
     with OpenAI(engine=engine) as client, pytest.raises(openai.BadRequestError, match="images"):
         chat(client, data_url(random_image(1)), "What?")
+
+
+def test_image_url_parts_through_the_engine_process(vlm_checkpoints, tiny_tokenizer, tmp_path):
+    """The server's default engine lives in its own process (ProcessEngine): images cross the pipe as chat
+    messages and are prepared there; answers equal the in-process engine's."""
+    import shutil
+
+    from prefixrt.engine.process.client import ProcessEngine
+
+    folder = tmp_path / "vlm"
+    shutil.copytree(vlm_checkpoints("gemma3_vlm")[0], folder)
+    tiny_tokenizer.save_pretrained(str(folder))
+    image = random_image(71)
+    eng = ProcessEngine(str(folder), device="cpu", kv_cache_tokens=1024, attention_backend="torch")
+    try:
+        want = eng.generate(ask("What is the capital?", image), {**GREEDY, "detokenize": True})
+        with OpenAI(engine=eng) as client:
+            got = chat(client, data_url(image), "What is the capital?")
+            assert got.choices[0].message.content == want.text
+            assert got.usage.prompt_tokens_details.cached_tokens > 0
+            with pytest.raises(openai.BadRequestError, match="cannot decode image"):
+                chat(client, "data:image/png;base64,aGVsbG8=", "What?")
+    finally:
+        eng.shutdown()

@@ -62,6 +62,7 @@ from prefixrt.engine.process.messages import (
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.json_schema import to_json_schema
+from prefixrt.multimodal.messages import has_images
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
 
@@ -244,6 +245,8 @@ class ProcessEngine(EngineAPI):
         if self._closed is not None:
             raise EngineDeadError(self._closed)
         p = SamplingParams.coerce(params)
+        if has_images(prompt):  # decoded, processed and rendered in the engine process (it has the processor)
+            return self._submit_images(list(prompt), p, loop)
         ids = self._tokenize(prompt)
         packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
         self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
@@ -264,6 +267,31 @@ class ProcessEngine(EngineAPI):
             self._streams.pop(rid, None)
             raise
         return rid, stream, ids, p
+
+    def _submit_images(self, messages: list, p: SamplingParams, loop):
+        """_submit for chat messages holding images: the engine process prepares them (Add.messages); the caller
+        waits for its verdict, so a bad image is an InvalidRequest here."""
+        if p.choices is not None:
+            raise InvalidRequest("choices with images are not supported", param="choices")
+        ids = self.image_prompt_ids(messages)
+        self._validate_ids(ids, p)
+        if isinstance(p.json_schema, type):
+            p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
+        rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
+        if rid in self._streams:
+            raise InvalidRequest(f"request_id {rid!r} is already in flight", param="request_id")
+        p = dataclasses.replace(p, request_id=rid)
+        stream = RequestStream(loop)
+        self._streams[rid] = _InFlight(stream, set(range(p.n)))
+        try:
+            self._ask(lambda call_id: Add(call_id, rid, b"", p, messages))
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        return rid, stream, ids, p
+
+    def image_prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self._call_in_engine("image_prompt_ids", list(messages))
 
     def _select(self, prompt, p: SamplingParams) -> Completion:
         return self._call_in_engine("generate", prompt, p)
