@@ -9,7 +9,7 @@ URLs: data: URLs and local files (file:// or a path); remote ones are refused by
 from __future__ import annotations
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.multimodal.messages import IMAGE_MARKER
+from prefixrt.multimodal.messages import IMAGE_MARKER, restore_images
 from prefixrt.server.protocol import ChatCompletionRequest, ImageUrlPart, TextPart
 
 
@@ -34,23 +34,5 @@ def without_images(body: ChatCompletionRequest) -> tuple[ChatCompletionRequest, 
 
 
 def with_images(messages: list[dict], urls: list[str]) -> list[dict]:
-    """Lowered messages with each marker turned back into an image_url part (in order)."""
-    out, k = [], 0
-    for m in messages:
-        content = m.get("content")
-        if not isinstance(content, str) or IMAGE_MARKER not in content:
-            out.append(m)
-            continue
-        parts = []
-        for i, piece in enumerate(content.split(IMAGE_MARKER)):
-            if i:
-                if k >= len(urls):
-                    raise InvalidRequest(f"message text may not contain {IMAGE_MARKER!r}", param="messages")
-                parts.append({"type": "image_url", "image_url": {"url": urls[k]}})
-                k += 1
-            if piece:
-                parts.append({"type": "text", "text": piece})
-        out.append({**m, "content": parts})
-    if k != len(urls):
-        raise InvalidRequest(f"{len(urls) - k} images were dropped by the chat lowering", param="messages")
-    return out
+    """Lowered messages with each marker turned back into an image part (in order)."""
+    return restore_images(messages, urls)
