@@ -41,3 +41,28 @@ def test_text_model_refuses_image_blocks(make_engine):
     chat = ChatPrefixRT(engine=make_engine("llama"), max_tokens=4, temperature=0.0)
     with pytest.raises(InvalidRequest, match="takes no images"):
         chat.invoke([HumanMessage(content=blocks(random_image(1))[0] + [{"type": "text", "text": "hi"}])])
+
+
+def test_dspy_image_field(make_vlm):
+    """A dspy.Image input field reaches the vision tower; the reply parses (the adapter's format constraint)."""
+    import dspy
+
+    import prefixrt
+
+    eng = make_vlm()
+    lm = prefixrt.LM(engine=eng, max_tokens=48, temperature=0.0)
+
+    class Describe(dspy.Signature):
+        """Answer the question about the image."""
+
+        image: dspy.Image = dspy.InputField()
+        question: str = dspy.InputField()
+        answer: str = dspy.OutputField()
+
+    model = eng._built.model
+    with dspy.context(lm=lm, adapter=dspy.ChatAdapter()):
+        pred = dspy.Predict(Describe)(image=dspy.Image(data_url(random_image(91))), question=QUESTION)
+        assert isinstance(pred.answer, str)
+        assert model.vision_runs == 1
+        dspy.Predict(Describe)(image=dspy.Image(data_url(random_image(91))), question="Where is the fox?")
+    assert model.vision_runs == 1  # the second question about the same image: encoder output from the cache

@@ -96,11 +96,14 @@ def tiny_vlm_config(name: str = "gemma3_vlm"):
             hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=3,
             image_size=VLM_IMAGE_SIZE, patch_size=8, projection_dim=16,
         )
-        return tf.LlavaConfig(text_config=tiny_config("llama"), vision_config=vision,
+        text = tiny_config("llama")
+        text.max_position_embeddings = 1024  # room for DSPy's prompts
+        return tf.LlavaConfig(text_config=text, vision_config=vision,
                               image_token_index=VLM_IMAGE_TOKEN, eos_token_id=2, pad_token_id=0)
     if name != "gemma3_vlm":
         raise ValueError(name)
     text = tiny_config("gemma3")
+    text.max_position_embeddings = 1024  # room for DSPy's prompts
     vision = tf.SiglipVisionConfig(
         hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
         image_size=VLM_IMAGE_SIZE, patch_size=8, vision_use_head=False, layer_norm_eps=1e-6,
