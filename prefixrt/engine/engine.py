@@ -223,6 +223,11 @@ class Engine(EngineAPI):
         self._validate_ids(ids, p)
         return self._prepare_ids(ids, p, req_fields)
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether chat messages may hold images (a vision-language model with its image processor)."""
+        return getattr(self._built.model, "vision", None) is not None and self._built.image_processor is not None
+
     def image_prompt_ids(self, messages: list[dict]) -> list[int]:
         ids = self._tokenize_with_images(messages)[0]
         self._check_length(len(ids))
