@@ -183,3 +183,16 @@ def test_text_model_refuses_images(make_engine):
     eng = make_engine("llama")
     with pytest.raises(InvalidRequest, match="takes no images"):
         eng.generate(ask("What?", random_image(1)), GREEDY)
+
+
+def test_bidirectional_images_need_a_backend_that_honours_them(make_vlm, monkeypatch):
+    """Gemma-3's image blocks attend both ways: a backend without that (Triton's causal kernels) is refused up
+    front, not mid-forward."""
+    from prefixrt.model.attention.torch_backend import TorchAttentionBackend
+
+    eng = make_vlm()
+    monkeypatch.setattr(TorchAttentionBackend, "bidirectional_spans", False)
+    with pytest.raises(InvalidRequest, match="attention_backend='torch'"):
+        eng.generate(ask("What?", random_image(1)), GREEDY)
+    llava = make_vlm("llava")  # causal image tokens: any backend
+    assert llava.generate(ask("What?", random_image(1)), GREEDY).token_ids

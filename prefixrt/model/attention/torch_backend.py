@@ -27,6 +27,8 @@ class _Plan:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    bidirectional_spans = True  # honours ForwardBatch.mm.spans (image blocks that attend both ways)
+
     def __init__(self, pool: KVPool):
         self.pool = pool
         self._plan: _Plan | None = None
