@@ -245,11 +245,16 @@ class ProcessEngine(EngineAPI):
         if self._closed is not None:
             raise EngineDeadError(self._closed)
         p = SamplingParams.coerce(params)
-        if has_images(prompt):  # decoded, processed and rendered in the engine process (it has the processor)
-            return self._submit_images(list(prompt), p, loop)
-        ids = self._tokenize(prompt)
-        packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
-        self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
+        images = list(prompt) if has_images(prompt) else None  # chat messages the engine process prepares
+        if images is not None:
+            if p.choices is not None:
+                raise InvalidRequest("choices with images are not supported", param="choices")
+            ids, packed = self.image_prompt_ids(images), b""
+            self._validate_ids(ids, p)
+        else:
+            ids = self._tokenize(prompt)
+            packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
+            self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
         if isinstance(p.json_schema, type):  # a pydantic class: send its schema, not the class
             p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -259,32 +264,11 @@ class ProcessEngine(EngineAPI):
         stream = RequestStream(loop)
         self._streams[rid] = _InFlight(stream, set(range(p.n)))  # before sending: outputs may come at once
         try:
-            if p.constraint_kind not in (None, "choices"):
-                self._ask(lambda call_id: Add(call_id, rid, packed, p))  # compiles in the child: wait for its verdict
+            if images is not None or p.constraint_kind not in (None, "choices"):
+                # compiles a constraint or decodes images in the child: wait for its verdict
+                self._ask(lambda call_id: Add(call_id, rid, packed, p, images))
             else:
                 self._send(Add(None, rid, packed, p))
-        except BaseException:
-            self._streams.pop(rid, None)
-            raise
-        return rid, stream, ids, p
-
-    def _submit_images(self, messages: list, p: SamplingParams, loop):
-        """_submit for chat messages holding images: the engine process prepares them (Add.messages); the caller
-        waits for its verdict, so a bad image is an InvalidRequest here."""
-        if p.choices is not None:
-            raise InvalidRequest("choices with images are not supported", param="choices")
-        ids = self.image_prompt_ids(messages)
-        self._validate_ids(ids, p)
-        if isinstance(p.json_schema, type):
-            p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
-        rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
-        if rid in self._streams:
-            raise InvalidRequest(f"request_id {rid!r} is already in flight", param="request_id")
-        p = dataclasses.replace(p, request_id=rid)
-        stream = RequestStream(loop)
-        self._streams[rid] = _InFlight(stream, set(range(p.n)))
-        try:
-            self._ask(lambda call_id: Add(call_id, rid, b"", p, messages))
         except BaseException:
             self._streams.pop(rid, None)
             raise
