@@ -15,7 +15,14 @@ from typing import Any
 
 from prefixrt.choice_scoring import best_choice
 from prefixrt.errors import InvalidRequest
-from prefixrt.frontend.chat_format import ChatFormat, Message, Piece, PlainFormat, TemplateFormat
+from prefixrt.frontend.chat_format import (
+    ChatFormat,
+    Message,
+    Piece,
+    PlainFormat,
+    TemplateFormat,
+    message_dict,
+)
 from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_FLOAT, REGEX_STR, Gen
 from prefixrt.frontend.select import ChoiceScores, teacher_forced_scores
 
@@ -366,9 +373,7 @@ class ProviderBackend(ProgramBackend):
                 ctx.open_role is None or (ctx.open_role == "assistant" and not ctx.partial)):
             raise BackendError("a prompt with images must be whole chat messages followed by the gen "
                                "(e.g. user(image(path) + question), then assistant(gen(...)))")
-        from prefixrt.frontend.openai_backend import _message_dict  # (it imports this module)
-
-        return [_message_dict(m) for m in ctx.pieces]  # image parts as data: URLs of the files
+        return [message_dict(m) for m in ctx.pieces]  # image parts as data: URLs of the files
 
     def cache_prefix(self, ctx: Context) -> int:
         if not self.prefix_hints:
