@@ -59,6 +59,7 @@ from prefixrt.adapters._lowering import (
 from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.multimodal.messages import IMAGE_MARKER, restore_images
 from prefixrt.params import CONSTRAINT_FIELDS
 from prefixrt.reasoning import ReasoningParser
 
@@ -71,12 +72,27 @@ _ENGINE_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "frequ
 # ---------------------------------------------------------------------------------------------- lowering
 
 
-def _parts_text(parts, where: str) -> str:
-    """The text of message parts (tool calls and tool results are carried apart, by `_openai_messages`)."""
+def _image_of(part) -> str:
+    """An lm15 ImagePart as an image source the engine takes (a data: URL, a URL or a local path)."""
+    if part.data is not None:
+        return f"data:{part.media_type};base64,{part.data}"
+    if part.url is not None:
+        return part.url
+    if part.path is not None:
+        return str(part.path)
+    raise UnsupportedFeatureError("prefixrt: an image given by file_id cannot be read", provider=_PROVIDER)
+
+
+def _parts_text(parts, where: str, images: list | None = None) -> str:
+    """The text of message parts (tool calls and tool results are carried apart, by `_openai_messages`).
+    images: where image parts go (each leaves IMAGE_MARKER in the text); None: image parts are refused."""
     texts = []
     for part in parts:
         kind = part.type
-        if kind == "text":
+        if kind == "image" and images is not None:
+            images.append(_image_of(part))
+            texts.append(IMAGE_MARKER)
+        elif kind == "text":
             texts.append(part.text)
         elif kind in ("tool_call", "tool_result", "thinking", "citation"):
             continue  # calls and results travel as OpenAI fields; replay state and annotations are not text
@@ -88,8 +104,9 @@ def _parts_text(parts, where: str) -> str:
     return "\n".join(t for t in texts if t)
 
 
-def _openai_messages(request: Request) -> list[dict]:
-    """lm15 Request messages -> OpenAI chat messages (assistant `tool_calls`, one `tool` message per result)."""
+def _openai_messages(request: Request, images: list | None = None) -> list[dict]:
+    """lm15 Request messages -> OpenAI chat messages (assistant `tool_calls`, one `tool` message per result).
+    images: a list that receives user messages' image parts (see _parts_text); None refuses them."""
     messages = []
     if request.system is not None:
         system = request.system if isinstance(request.system, str) else _parts_text(request.system, "system")
@@ -99,7 +116,7 @@ def _openai_messages(request: Request) -> list[dict]:
         for r in results:
             messages.append({"role": "tool", "tool_call_id": r.id, "content": _parts_text(r.content, "tool result"),
                              **({"name": r.name} if r.name else {})})
-        text = _parts_text(m.parts, f"a {m.role} message")
+        text = _parts_text(m.parts, f"a {m.role} message", images if m.role == "user" else None)
         if results and not text:
             continue
         message = {"role": "system" if m.role == "developer" else "user" if m.role == "tool" else m.role,
@@ -166,7 +183,8 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
         tools, choice = _openai_tools(request)
         # One tool call per reply unless asked: a small model allowed "one or more" may write calls until
         # max_tokens.
-        lowered = lower_chat(_openai_messages(request), tools=tools, tool_choice=choice,
+        images: list = []
+        lowered = lower_chat(_openai_messages(request, images), tools=tools, tool_choice=choice,
                              parallel_tool_calls=bool(parallel), response_format=cfg.response_format)
         messages = lowered.messages
         if lowered.tools is None and lowered.constraint.get("json_object") and not reasoning:
@@ -180,6 +198,8 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
         if not reasoning and not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
             # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
             params.update(output_format_constraint(messages, params.get("max_new_tokens")))
+        if images:  # image parts back in place for the engine (dspy.Image fields)
+            messages = restore_images(messages, images)
     except InvalidRequest as e:
         raise InvalidRequestError(str(e), provider=_PROVIDER) from e
     return messages, params, lowered.tools

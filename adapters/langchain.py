@@ -53,19 +53,24 @@ from prefixrt.adapters._lowering import (
 )
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
+from prefixrt.multimodal.messages import IMAGE_MARKER, image_source, restore_images
 from prefixrt.reasoning import ReasoningParser, ReasoningSplitter
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
           "ai": "assistant"}
 
 
-def _content_text(content: str | list, where: str) -> str:
+def _content_text(content: str | list, where: str, images: list | None = None) -> str:
+    """images: where image blocks go (each leaves IMAGE_MARKER in the text); None: image blocks are refused."""
     if isinstance(content, str):
         return content
     texts = []
     for block in content:
         if isinstance(block, str):
             texts.append(block)
+        elif images is not None and image_source(block) is not None:
+            images.append(image_source(block))
+            texts.append(IMAGE_MARKER)
         elif block.get("type") == "text":
             texts.append(block.get("text", ""))
         elif block.get("type") in ("tool_use", "tool_call", "reasoning", "thinking"):
@@ -75,12 +80,13 @@ def _content_text(content: str | list, where: str) -> str:
     return "\n".join(t for t in texts if t)
 
 
-def to_openai_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+def to_openai_messages(messages: Sequence[BaseMessage], images: list | None = None) -> list[dict]:
     """LangChain messages -> OpenAI chat messages (assistant `tool_calls`, `tool` results), system text merged
-    into one leading message."""
+    into one leading message. images: a list that receives the image blocks of human messages (their text
+    holds IMAGE_MARKER there; multimodal.messages.restore_images puts them back); None refuses images."""
     out = []
     for m in messages:
-        text = _content_text(m.content, type(m).__name__)
+        text = _content_text(m.content, type(m).__name__, images if isinstance(m, HumanMessage) else None)
         if isinstance(m, SystemMessage):
             out.append({"role": "system", "content": text})
         elif isinstance(m, HumanMessage):
@@ -243,11 +249,14 @@ class ChatPrefixRT(BaseChatModel):
         # One call per reply unless bound with parallel_tool_calls=True: a small model allowed "one or more"
         # calls may keep writing calls until max_tokens. The schema goes in the prompt too: LangChain's
         # structured output sends no instructions of its own.
-        lowered = lower_chat(to_openai_messages(messages), tools=tools, tool_choice=choice,
+        images: list = []
+        lowered = lower_chat(to_openai_messages(messages, images), tools=tools, tool_choice=choice,
                              parallel_tool_calls=bool(parallel_tool_calls), response_format=response_format,
                              schema_note=True)
         lowered.apply(params)
         chat, plan = lowered.messages, lowered.tools
+        if images:  # image parts back in place (the engine renders them; a text-only model refuses them)
+            chat = restore_images(chat, images)
         return chat, params, plan
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageMetadata:

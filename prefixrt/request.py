@@ -36,6 +36,8 @@ class Req:
     sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
     salt: Any = None  # the request's cache_salt: requests with different salts never share KV
+    # Images (multimodal/inputs.py ReqImages) or None: prompt_ids then holds (ImageKey, offset) at their placeholders
+    images: Any = None
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)  # prompt_ids + output_ids, kept in step with them

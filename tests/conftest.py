@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny transformers checkpoints, a tiny byte-level tokenizer, and engines built on them.
+"""Shared fixtures: tiny transformers checkpoints, a tiny byte-level tokenizer, and engines built on them (tiny
+VLMs too: `vlm_checkpoints`, `make_vlm`).
 
 Every engine made through `make_engine` is checked at teardown: idle, kv_free + kv_evictable == kv_total,
 kv_locked == 0, and the internal accounting (free + cached + private == total) holds.
@@ -63,14 +64,15 @@ def tiny_checkpoints(tmp_path_factory):
 
 @pytest.fixture
 def make_engine(tiny_checkpoints, tiny_tokenizer):
-    """make_engine(arch="llama", **engine_kwargs) -> Engine on a tiny checkpoint (CPU, fp32)."""
+    """make_engine(arch="llama", folder=None, **engine_kwargs) -> Engine on a tiny checkpoint (CPU, fp32); folder:
+    a checkpoint folder of its own instead of tiny_checkpoints(arch)."""
     from prefixrt.engine.engine import Engine
     from prefixrt.hub.loader import load_model
 
     engines = []
 
-    def make(arch: str = "llama", **kwargs):
-        path, _ = tiny_checkpoints(arch)
+    def make(arch: str = "llama", folder=None, **kwargs):
+        path = folder if folder is not None else tiny_checkpoints(arch)[0]
         model = load_model(path, dtype="float32", device="cpu")
         resolved = SimpleNamespace(name=f"tiny-{arch}", revision="test", extra_eos_token_ids=(), path=str(path))
         kwargs.setdefault("device", "cpu")
@@ -89,6 +91,29 @@ def make_engine(tiny_checkpoints, tiny_tokenizer):
     finally:
         for eng in engines:
             eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vlm_checkpoints(tmp_path_factory):
+    """name -> (folder, transformers model) of the tiny vision-language checkpoints (tests/helpers/checkpoints.py
+    VLM_NAMES), each with its image processor, built once per session."""
+    from tests.helpers.checkpoints import save_tiny_vlm_checkpoint
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = tmp_path_factory.mktemp(f"vlm-{name}")
+            cache[name] = (path, save_tiny_vlm_checkpoint(path, name)[0])
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture
+def make_vlm(vlm_checkpoints, make_engine):
+    """make_vlm(name="gemma3_vlm", **engine_kwargs) -> Engine on a tiny VLM (CPU, fp32, the tiny tokenizer)."""
+    return lambda name="gemma3_vlm", **kwargs: make_engine(name, folder=vlm_checkpoints(name)[0], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- Gemma-3-270M

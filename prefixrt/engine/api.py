@@ -18,6 +18,7 @@ from prefixrt.engine.detokenizer import IncrementalDetokenizer
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
 from prefixrt.hub.chat_templates import render_chat_template
+from prefixrt.multimodal.messages import has_images
 from prefixrt.outputs import Chunk, Completion, coalesce_chunks
 from prefixrt.params import SamplingParams
 from prefixrt.text_checks import check_json_value, check_text
@@ -144,7 +145,15 @@ class EngineAPI:
         """encode() in a worker thread."""
         return await self._offload(self.encode, prompt)
 
+    def image_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt ids of chat messages holding images (each image as the model's placeholder block).
+        Raises InvalidRequest; an engine that takes no images refuses them."""
+        raise InvalidRequest(f"model {self.model_name!r} takes no images here", param="messages")
+
     def _tokenize(self, prompt) -> list[int]:
+        if has_images(prompt):  # Engine.prepare takes them; scoring (choices) and other engines do not
+            raise InvalidRequest("images are accepted in generate / stream chat requests of an in-process "
+                                 "engine only", param="messages")
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequest("prompt is empty", param="prompt")
@@ -162,12 +171,14 @@ class EngineAPI:
                              param="prompt")
 
     def chat_prompt_ids(self, messages: list[dict], continue_final_message: bool = False,
-                        tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+                        tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                        text_out: list | None = None) -> list[int]:
         """Token ids of the model's chat template applied to messages, with the generation prompt (or, with
         continue_final_message, the final assistant message left open). The one place the engine renders
         chat; raises InvalidRequest for malformed messages, a model without a template or a template that
         refuses them. template_kwargs: extra variables for the template (a request's `chat_template_kwargs`,
-        e.g. {"enable_thinking": False})."""
+        e.g. {"enable_thinking": False}). text_out: a list that receives the rendered text instead (the ids
+        returned are then [])."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise InvalidRequest("each chat message needs 'role' and 'content'", param="messages")
@@ -183,6 +194,9 @@ class EngineAPI:
             with lock:
                 text = render_chat_template(tok, messages, continue_final_message=continue_final_message,
                                             tools=tools, template_kwargs=template_kwargs)
+            if text_out is not None:  # the caller splits the text itself (image markers)
+                text_out.append(text)
+                return []
             return self._encode_text(text, False)
         except InvalidRequest:
             raise

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -57,6 +58,7 @@ class Built:
     dtype: torch.dtype
     ranks: object  # the rank strategy (engine/ranks.py; stop_ranks() ends tensor-parallel ranks)
     owns_model: bool = False  # the builder loaded the weights (release() frees them); False when injected
+    image_processor: object = None  # a vision-language model's ImageProcessor (multimodal/processor.py), else None
 
 
 def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
@@ -175,12 +177,29 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
 
         auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
                                chunk_tokens=config.chunked_prefill_tokens)
+    encoder, processor = _vision_parts(config, model, resolved)
     core = EngineCore(
         runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size, max_context, device, hooks,
-        debug=config.debug, prefix_grouper=grouper, auditor=auditor,
+        debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder,
         overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
-    return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks)
+    return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks,
+                 image_processor=processor)
+
+
+def _vision_parts(config: EngineConfig, model, resolved):
+    """(EncoderCache, ImageProcessor) of a vision-language model, else (None, None). The processor is read from
+    the model folder's preprocessor_config.json (None without one: image requests are then refused). With the
+    radix cache off, encoder outputs are not kept either."""
+    if getattr(model, "vision", None) is None:
+        return None, None
+    from prefixrt.multimodal.inputs import DEFAULT_ENCODER_CACHE_IMAGES, EncoderCache
+    from prefixrt.multimodal.processor import ImageProcessor
+
+    encoder = EncoderCache(model.encode_images, DEFAULT_ENCODER_CACHE_IMAGES if config.radix_cache else 0)
+    folder = Path(str(getattr(resolved, "path", "") or ""))
+    processor = ImageProcessor.from_folder(folder) if (folder / "preprocessor_config.json").is_file() else None
+    return encoder, processor
 
 
 def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
@@ -188,7 +207,6 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
     size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
     digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape."""
     import hashlib
-    from pathlib import Path
 
     h = hashlib.sha256()
     folder = Path(str(getattr(resolved, "path", "") or ""))

@@ -31,6 +31,8 @@ from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
 from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
+from prefixrt.multimodal.inputs import ReqImages, keyed_prompt
+from prefixrt.multimodal.messages import IMAGE_MARKER, has_images, split_images
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req
@@ -212,9 +214,66 @@ class Engine(EngineAPI):
         if self._stopped:
             raise EngineDeadError("engine is shut down")
         p = SamplingParams.coerce(params)
+        if has_images(prompt):
+            ids, images = self._tokenize_with_images(prompt)
+            self._validate_ids(ids, p)
+            if p.constraint_kind == "choices":
+                raise InvalidRequest("choices with images are not supported", param="choices")
+            key = keyed_prompt(ids, images.blocks, images.images)
+            return self._prepare_ids(ids, p, {**req_fields, "images": images}, key=key)
         ids = self._tokenize(prompt)
         self._validate_ids(ids, p)
         return self._prepare_ids(ids, p, req_fields)
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether chat messages may hold images (a vision-language model with its image processor)."""
+        return getattr(self._built.model, "vision", None) is not None and self._built.image_processor is not None
+
+    def image_prompt_ids(self, messages: list[dict]) -> list[int]:
+        ids = self._tokenize_with_images(messages)[0]
+        self._check_length(len(ids))
+        return ids
+
+    def _tokenize_with_images(self, messages) -> tuple[list[int], ReqImages]:
+        """Chat messages holding images -> (prompt ids with each image's placeholder block, the images). The
+        template renders each image as a marker; the text between markers is encoded piece by piece and the
+        model's image block (VisionSpec.image_block) goes where each marker was. Raises InvalidRequest."""
+        spec = getattr(self._built.model, "vision", None)
+        if spec is None:
+            raise InvalidRequest(f"model {self.model_name!r} takes no images", param="messages")
+        processor = self._built.image_processor
+        if processor is None:
+            raise InvalidRequest(f"model {self.model_name!r} has no image processor (preprocessor_config.json)",
+                                 param="messages")
+        if getattr(self.core.runner, "model", None) is not self._built.model or self.config.tp_size > 1:
+            raise InvalidRequest("images need a single-device engine", param="messages")
+        backend = getattr(self.core.runner, "attn_backend", None)
+        if spec.bidirectional and not getattr(backend, "bidirectional_spans", False):
+            raise InvalidRequest(f"model {self.model_name!r} attends both ways within an image, which needs "
+                                 "attention_backend='torch'", param="messages")
+        if self.config.host_kv_cache_tokens or self.config.kv_disk_dir:
+            raise InvalidRequest("images with a host or disk KV tier are not supported", param="messages")
+        plain, sources = split_images(list(messages))
+        images = processor.process(sources, param="messages")  # decodes, checks limits, hashes
+        text: list[str] = []
+        self.chat_prompt_ids(plain, text_out=text)
+        pieces = text[0].split(IMAGE_MARKER)
+        if len(pieces) != len(images) + 1:
+            raise InvalidRequest(f"the chat template kept {len(pieces) - 1} of {len(images)} images",
+                                 param="messages")
+        ids: list[int] = []
+        blocks: list[tuple[int, int]] = []
+        block = spec.image_block()
+        offset = block.index(spec.image_token_id)
+        for i, piece in enumerate(pieces):
+            if piece:
+                ids.extend(self._encode_text(piece, False))
+            if i < len(images):
+                start = len(ids) + offset
+                ids.extend(block)
+                blocks.append((start, start + spec.tokens_per_image))
+        return ids, ReqImages(spec.image_token_id, blocks, images, spec.bidirectional)
 
     def prepare_packed(self, packed_ids: bytes, params) -> PreparedRequest:
         """prepare() for a token-id prompt packed by messages.pack_token_ids (what a ProcessEngine's server process
@@ -227,15 +286,18 @@ class Engine(EngineAPI):
         self._validate_ids(ids, p, packed_id_range(packed_ids) if ids else None)
         return self._prepare_ids(ids, p, {})
 
-    def _prepare_ids(self, ids: list[int], p: SamplingParams, req_fields: dict) -> PreparedRequest:
-        """The rest of prepare() for validated ids and params: compile the constraint, build one Req per sample."""
+    def _prepare_ids(self, ids: list[int], p: SamplingParams, req_fields: dict, key: list | None = None
+                     ) -> PreparedRequest:
+        """The rest of prepare() for validated ids and params: compile the constraint, build one Req per sample.
+        key: the prompt as the cache keys it (multimodal/inputs.py keyed_prompt), when it is not ids."""
         compiled = None
         if p.constraint_kind not in (None, "choices"):
             compiled = self._compile(p)
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
         reqs = []
         for i in range(p.n):
-            r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, salt=p.cache_salt, **req_fields)
+            r = Req(rid=rid, prompt_ids=ids if key is None else key, params=p, sink=None, index=i,
+                    salt=p.cache_salt, **req_fields)
             if compiled is not None:
                 budget = min(p.max_new_tokens, self.max_context - len(ids))
                 r.matcher = budget_matcher(self.grammar_compiler().backend, compiled, budget)

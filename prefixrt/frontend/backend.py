@@ -15,7 +15,14 @@ from typing import Any
 
 from prefixrt.choice_scoring import best_choice
 from prefixrt.errors import InvalidRequest
-from prefixrt.frontend.chat_format import ChatFormat, Message, Piece, PlainFormat, TemplateFormat
+from prefixrt.frontend.chat_format import (
+    ChatFormat,
+    Message,
+    Piece,
+    PlainFormat,
+    TemplateFormat,
+    message_dict,
+)
 from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_FLOAT, REGEX_STR, Gen
 from prefixrt.frontend.select import ChoiceScores, teacher_forced_scores
 
@@ -276,6 +283,8 @@ class ProviderBackend(ProgramBackend):
         return None
 
     def prompt(self, ctx: Context):
+        if ctx.partial_media or any(isinstance(p, Message) and p.media for p in ctx.pieces):
+            return self._image_messages(ctx)
         if self.tokenizer is None:
             messages = self._as_messages(ctx)
             if messages is not None:
@@ -352,8 +361,19 @@ class ProviderBackend(ProgramBackend):
         return out
 
     def check_media(self, kind: str) -> None:
+        if kind == "image" and getattr(self.provider, "takes_images", False):
+            return
         raise InvalidRequest(f"model {self.model_name!r} is a text-only model: {kind}() inputs need a multimodal "
                              f"model (one with an image processor)", param=kind)
+
+    def _image_messages(self, ctx: Context) -> list[dict]:
+        """ctx as chat messages with image parts (the engine renders them with the model's template and image
+        blocks). Images need whole messages before the gen: an open block holding one cannot be continued."""
+        if ctx.partial_media or not ctx.pieces or not all(isinstance(p, Message) for p in ctx.pieces) or not (
+                ctx.open_role is None or (ctx.open_role == "assistant" and not ctx.partial)):
+            raise BackendError("a prompt with images must be whole chat messages followed by the gen "
+                               "(e.g. user(image(path) + question), then assistant(gen(...)))")
+        return [message_dict(m) for m in ctx.pieces]  # image parts as data: URLs of the files
 
     def cache_prefix(self, ctx: Context) -> int:
         if not self.prefix_hints:

@@ -8,7 +8,9 @@ messages; `PlainFormat` is a readable "Role: content" layout for endpoints witho
 
 from __future__ import annotations
 
+import base64
 import logging
+import mimetypes
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +32,29 @@ class Message:
 
 
 Piece = Message | str
+
+
+def message_dict(m: Message) -> dict:
+    """An OpenAI chat message; with media, the content is a list of text and image_url/video_url parts."""
+    if not m.media:
+        return m.to_dict()
+    parts, pos = [], 0
+    for offset, media in m.media:
+        if m.content[pos:offset]:
+            parts.append({"type": "text", "text": m.content[pos:offset]})
+        pos = offset
+        key = f"{media.kind}_url"
+        parts.append({"type": key, key: {"url": data_url(media.path)}})
+    if m.content[pos:]:
+        parts.append({"type": "text", "text": m.content[pos:]})
+    return {"role": m.role, "content": parts}
+
+
+def data_url(path: str) -> str:
+    """A file as a data: URL (its MIME type guessed from the name)."""
+    mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
+    with open(path, "rb") as f:
+        return f"data:{mime};base64,{base64.b64encode(f.read()).decode('ascii')}"
 
 
 class ChatFormat(Protocol):

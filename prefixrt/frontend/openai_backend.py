@@ -13,9 +13,7 @@ resolves.
 
 from __future__ import annotations
 
-import base64
 import difflib
-import mimetypes
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +29,7 @@ from prefixrt.frontend.backend import (
     SpecText,
     TokenUsage,
 )
-from prefixrt.frontend.chat_format import Message, PlainFormat, TemplateFormat
+from prefixrt.frontend.chat_format import Message, PlainFormat, TemplateFormat, message_dict
 from prefixrt.json_schema import to_json_schema
 
 TOP_LOGPROBS = 20
@@ -80,7 +78,7 @@ class OpenAIBackend(ProgramBackend):
 
     # ------------------------------------------------------------------ requests
     def _messages(self, ctx: Context, continue_partial: bool) -> list[dict]:
-        messages = [_message_dict(p) for p in ctx.pieces if isinstance(p, Message)]
+        messages = [message_dict(p) for p in ctx.pieces if isinstance(p, Message)]
         if ctx.partial and continue_partial:
             messages.append({"role": "assistant", "content": ctx.partial})
         return messages
@@ -268,24 +266,3 @@ def nearest_choice(text: str, choices: list[str]) -> str:
         return max(starts, key=len)
     return max(choices, key=lambda c: difflib.SequenceMatcher(None, stripped[: 4 * len(c)], c).ratio())
 
-
-def _message_dict(m: Message) -> dict:
-    """An OpenAI chat message; with media, the content is a list of text and image_url/video_url parts."""
-    if not m.media:
-        return m.to_dict()
-    parts, pos = [], 0
-    for offset, media in m.media:
-        if m.content[pos:offset]:
-            parts.append({"type": "text", "text": m.content[pos:offset]})
-        pos = offset
-        key = f"{media.kind}_url"
-        parts.append({"type": key, key: {"url": _data_url(media.path)}})
-    if m.content[pos:]:
-        parts.append({"type": "text", "text": m.content[pos:]})
-    return {"role": m.role, "content": parts}
-
-
-def _data_url(path: str) -> str:
-    mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
-    with open(path, "rb") as f:
-        return f"data:{mime};base64,{base64.b64encode(f.read()).decode('ascii')}"

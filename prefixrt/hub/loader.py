@@ -1,13 +1,13 @@
 """Build a model from a local transformers folder (config.json + *.safetensors), or random weights.
 
 Nothing is downloaded: configs are read with local_files_only. Checkpoint names are transformers'
-(`model.layers.N...`); multimodal Gemma-3 checkpoints (`model.language_model.` / `language_model.model.`)
-load their text half only.
+(`model.layers.N...`); multimodal Gemma-3 checkpoints (`model.language_model.` / `language_model.model.`, with
+`vision_tower.` and `multi_modal_projector.`) load with their vision tower (Gemma3ForConditionalGeneration,
+LlavaForConditionalGeneration).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import zlib
 from collections.abc import Callable, Iterator
@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefixrt.model.base import CausalLM, eos_ids_from_hf
+from prefixrt.model.base import CausalLM
 from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
+from prefixrt.model.gemma3_vlm import Gemma3ForConditionalGeneration, Gemma3VLMConfig
 from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
 from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
+from prefixrt.model.llava import LlavaConfig, LlavaForConditionalGeneration
 
 if TYPE_CHECKING:  # a tensor-parallel rank's shard only: parallel/ is imported when one is loaded
     from prefixrt.parallel.layers import TPGroup
@@ -48,10 +50,16 @@ def _build_llama(hf_config, architecture: str) -> ModelSpec:
 def _build_gemma3(hf_config, architecture: str) -> ModelSpec:
     if architecture != "Gemma3ForConditionalGeneration":
         return ModelSpec(Gemma3ForCausalLM, Gemma3Config.from_hf(hf_config))
-    config = Gemma3Config.from_hf(hf_config.text_config)
-    if not config.eos_token_ids:  # multimodal configs keep it at the top level
-        config = dataclasses.replace(config, eos_token_ids=eos_ids_from_hf(hf_config))
-    return ModelSpec(Gemma3ForCausalLM, config)
+    return ModelSpec(Gemma3ForConditionalGeneration, Gemma3VLMConfig.from_hf(hf_config))
+
+
+def _build_llava(hf_config, architecture: str) -> ModelSpec:
+    text_type = getattr(hf_config.text_config, "model_type", "llama")
+    text_arch = _ARCH_OF_MODEL_TYPE.get(text_type)
+    if text_arch not in LLAMA_ARCHITECTURES:
+        raise ValueError(f"LLaVA over a {text_type!r} text model is not supported; supported: "
+                         f"{', '.join(LLAMA_ARCHITECTURES)}")
+    return ModelSpec(LlavaForConditionalGeneration, LlavaConfig.from_hf(hf_config, text_arch))
 
 
 def model_spec(hf_config) -> ModelSpec:
@@ -70,7 +78,8 @@ def read_model_spec(path: str | Path) -> ModelSpec:
 _BUILDERS: dict[str, Callable[[object, str], ModelSpec]] = {
     **{arch: _build_llama for arch in LLAMA_ARCHITECTURES},
     "Gemma3ForCausalLM": _build_gemma3,
-    "Gemma3ForConditionalGeneration": _build_gemma3,  # text half only
+    "Gemma3ForConditionalGeneration": _build_gemma3,
+    "LlavaForConditionalGeneration": _build_llava,
 }
 _ARCH_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -79,6 +88,7 @@ _ARCH_OF_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 
@@ -153,6 +163,8 @@ def init_dummy_weights(model: CausalLM, std: float = DUMMY_STD) -> None:
                 param.normal_(0.0, std)
             if isinstance(module, (RMSNorm, GemmaRMSNorm)):
                 param.add_(module.identity_weight)
+            elif isinstance(module, torch.nn.LayerNorm) and name == "weight":  # the vision towers' norms
+                param.add_(1.0)
 
 
 def load_model_from_config(
@@ -184,27 +196,37 @@ _TEXT_PREFIXES = (  # multimodal checkpoints -> our text-model names
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_NON_TEXT_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+_VISION_PREFIXES = (  # multimodal checkpoints -> our vision-model names (longest spelling first)
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+)
 
 
-def checkpoint_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name; None for tensors outside the text model."""
-    if name.startswith(_NON_TEXT_PREFIXES):
-        return None
+def checkpoint_name(name: str, vision: bool = False) -> str | None:
+    """Our parameter name for a checkpoint tensor name; None for tensors outside the model (the vision tower
+    and projector of a multimodal checkpoint unless `vision`)."""
+    for old, new in _VISION_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :] if vision else None
     for old, new in _TEXT_PREFIXES:
         if name.startswith(old):
             return new + name[len(old) :]
     return name
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every text-model tensor of the given safetensors files, one at a time."""
+def iter_checkpoint(files: list[Path], vision: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every model tensor of the given safetensors files, one at a time (the vision
+    tower's and projector's only with `vision`)."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
-                name = checkpoint_name(key)
+                name = checkpoint_name(key, vision)
                 if name is not None:
                     yield name, f.get_tensor(key)
 
@@ -247,7 +269,8 @@ def load_model(
         init_dummy_weights(model)
     else:
         with torch.no_grad():
-            model.load_weights(iter_checkpoint(checkpoint_files(path)))
+            vision = getattr(model, "vision", None) is not None
+            model.load_weights(iter_checkpoint(checkpoint_files(path), vision))
     return model
 
 

@@ -36,6 +36,24 @@ class ExtendPlan:
 
 
 @dataclass
+class MultimodalBatch:
+    """Encoder outputs to place in a forward, and the image blocks whose tokens attend each other.
+
+    embeds[j] replaces the token embedding of flat row token_index[j]. spans[i]: sequence i's image blocks as
+    absolute positions [start, end) that reach its new tokens, for models whose image tokens attend the whole
+    of their own block (Gemma-3): a block must end within seq_lens[i] (its keys are all in the pool after
+    this forward)."""
+
+    token_index: torch.Tensor  # [N] int64, rows of the flat token list that are image tokens
+    embeds: torch.Tensor  # [N, hidden], in the model's dtype
+    spans: list[list[tuple[int, int]]] = field(default_factory=list)  # per sequence; [] = causal only
+
+    @property
+    def has_spans(self) -> bool:
+        return any(self.spans)
+
+
+@dataclass
 class ForwardBatch:
     mode: ForwardMode
     input_ids: torch.Tensor  # [T] int64, new tokens of all sequences, concatenated
@@ -64,6 +82,9 @@ class ForwardBatch:
     # Optional: K/V loads into the pool still in flight (cache/transfer.py LoadWaiter). The model calls
     # kv_ready.wait(i) before layer i reads the pool; a graph replay calls kv_ready.wait_all() first.
     kv_ready: object | None = None
+    # Optional: image embeddings to place at image tokens, and bidirectional image blocks (MultimodalBatch).
+    # Only eager forwards take it: CUDA graphs decline such a batch.
+    mm: MultimodalBatch | None = None
 
     @property
     def batch_size(self) -> int:

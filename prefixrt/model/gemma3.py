@@ -135,8 +135,11 @@ class Gemma3ForCausalLM(DecoderLM):
         dtype = self.model.embed_tokens.weight.dtype
         return float(torch.tensor(self.config.hidden_size**0.5, dtype=dtype))
 
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
+        return self.model.embed_tokens(batch.input_ids) * self.embed_scale()
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids) * self.embed_scale()  # [T, hidden]
+        x = self.embed(batch)  # [T, hidden]
         local = self.local_rotary(batch.positions)  # (cos, sin), [T, head_dim] each
         full = self.global_rotary(batch.positions)
         rope = [local if layer.self_attn.is_sliding else full for layer in self.model.layers]

@@ -109,8 +109,11 @@ class LlamaForCausalLM(DecoderLM):
         super().__init__(config, DecoderStack(config, layers, RMSNorm(config.hidden_size, config.rms_norm_eps)))
         self.rotary = RotaryEmbedding(config.rope)
 
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
+        return self.model.embed_tokens(batch.input_ids)
+
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        x = self.embed(batch)  # [T, hidden]
         rope = self.rotary(batch.positions)  # (cos, sin), [T, head_dim] each
         x = self.run_layers(x, [rope] * len(self.model.layers), batch, attn)  # [L, hidden]
         return self.lm_head(x).float()  # [L, vocab]

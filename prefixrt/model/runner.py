@@ -35,6 +35,9 @@ class ModelRunner:
         """Run one step: writes the new tokens' K/V into the pool, returns float32 logits
         [len(batch.logits_indices), vocab_size]. A graph's logits are valid until the next forward."""
         with torch.inference_mode():
+            if batch.mm is not None:  # image embeddings / image blocks: graphs capture neither
+                self.replays["eager"] += 1
+                return self._forward_eager(batch)
             if self.graphs is not None and self.graphs.can_run(batch):
                 if batch.kv_ready is not None:  # a replay cannot wait per layer: the loads in flight finish first
                     batch.kv_ready.wait_all()

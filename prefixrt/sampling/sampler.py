@@ -157,7 +157,10 @@ class Sampler:
         p = r.params
         dev = row.device
         if p.repetition_penalty != 1.0 and r.all_ids:
-            ids = to_device(sorted(set(r.all_ids)), dev)
+            seen = set(r.all_ids)
+            if r.images is not None:  # image positions hold (key, offset) pairs: the model saw its image token
+                seen = {t if t.__class__ is int else r.images.image_token_id for t in seen}
+            ids = to_device(sorted(seen), dev)
             vals = row[ids]
             row[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and r.output_ids:

@@ -18,8 +18,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from prefixrt.errors import InvalidRequest
 from prefixrt.lowering import ToolPlan
 from prefixrt.server import convert
+from prefixrt.server import images as server_images
 from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -96,10 +98,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
     check_model(request.app.state, body.model)
     check_body(body)
+    body, image_urls = server_images.without_images(body)
     lowered = convert.chat_params(body, eng, request.app.state.generation_defaults)
     template_kwargs = convert.template_kwargs(body)
-    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
-                                  body.continue_final_message, template_kwargs)
+    if image_urls:  # the prompt: the lowered messages with their images back (Engine.prepare renders them)
+        if body.continue_final_message or lowered.template_tools:
+            raise InvalidRequest("images with continue_final_message or template tools are not supported",
+                                 param="messages")
+        prompt = server_images.with_images(lowered.messages, image_urls)
+        ids = await run_in_threadpool(eng.image_prompt_ids, prompt)
+    else:
+        ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
+                                      body.continue_final_message, template_kwargs)
+        prompt = ids
     reasoning = await _reasoning(request, template_kwargs, ids)
     params, mode = lowered.params, lowered.tools
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -110,14 +121,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     model, created = _model_name(request), int(time.time())
     if not body.stream:
         with lc.serving(eng, [rid]):
-            c = await until_disconnect(request, eng.agenerate(ids, params))
+            c = await until_disconnect(request, eng.agenerate(prompt, params))
         observe(request, rid, [c])
         _raise_if_aborted(lc, [c])
         return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode, reasoning)),
                                      lowered.warnings)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
-    chunks = observed(request, rid, await eng.astream_open(ids, params, coalesce=True), n=params.n)
+    chunks = observed(request, rid, await eng.astream_open(prompt, params, coalesce=True), n=params.n)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc, reasoning))

@@ -77,9 +77,19 @@ class RefusalPart(_Body):
     refusal: str
 
 
+class ImageURL(_Body):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(_Body):
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | RefusalPart] | None = None
+    content: str | list[TextPart | RefusalPart | ImageUrlPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None

@@ -42,7 +42,7 @@ print(json.dumps({"ran": sorted(ran), "imported": sorted(imported), "ranks": typ
 """
 
 # The units of docs/architecture.md's layer table that a single-device build may reach.
-ALLOWED = {"records", "kernels", "cache", "sampling", "constrained", "model", "hub", "engine"}
+ALLOWED = {"records", "kernels", "cache", "sampling", "constrained", "multimodal", "model", "hub", "engine"}
 
 
 def _walk(folder: Path) -> dict:

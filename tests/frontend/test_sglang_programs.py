@@ -442,3 +442,22 @@ def test_engine_and_remote_engine_agree(tiny_engine, served):
             assert a.variables() == b.variables(), prog.__name__
     finally:
         remote.close()
+
+
+def test_image_qa_on_a_vision_language_model(make_vlm, tmp_path):
+    """SGLang's image QA program, unchanged, on a tiny VLM engine: the image reaches the vision tower, and a
+    second question about it reuses the image's K/V (the tower does not run again)."""
+    from prefixrt.frontend.backend import ProviderBackend
+    from tests.helpers.images import png_bytes, random_image
+
+    path = tmp_path / "pic.png"
+    path.write_bytes(png_bytes(random_image(5)))
+    eng = make_vlm()
+    be = ProviderBackend(eng)
+    st = P.describe_image.run(path=str(path), question="What color is this?", backend=be, max_new_tokens=4,
+                              temperature=0)
+    assert isinstance(st["answer"], str)
+    assert eng._built.model.vision_runs == 1
+    P.describe_image.run(path=str(path), question="Where is it?", backend=be, max_new_tokens=4, temperature=0)
+    assert eng._built.model.vision_runs == 1
+    assert eng.stats().cached_tokens_total > 0

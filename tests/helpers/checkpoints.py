@@ -76,3 +76,63 @@ def save_tiny_checkpoint(name: str, path: Path, max_shard_size: str | None = Non
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(path), **kwargs)
     return model
+
+
+# Tiny Gemma-3 VLM: a 32x32 image is 4x4 patches of 8, pooled to 2x2 = 4 soft tokens.
+VLM_IMAGE_TOKEN, VLM_BOI, VLM_EOI = 300, 301, 302
+VLM_IMAGE_SIZE = 32
+
+
+VLM_NAMES = ("gemma3_vlm", "llava")
+
+
+def tiny_vlm_config(name: str = "gemma3_vlm"):
+    """gemma3_vlm: 4 soft tokens per 32x32 image between boi/eoi; llava: 16 image tokens (4x4 patches of a
+    32x32 image, class token dropped) from the second-to-last of 3 CLIP layers, over the tiny llama."""
+    import transformers as tf
+
+    if name == "llava":
+        vision = tf.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=3,
+            image_size=VLM_IMAGE_SIZE, patch_size=8, projection_dim=16,
+        )
+        text = tiny_config("llama")
+        text.max_position_embeddings = 1024  # room for DSPy's prompts
+        return tf.LlavaConfig(text_config=text, vision_config=vision,
+                              image_token_index=VLM_IMAGE_TOKEN, eos_token_id=2, pad_token_id=0)
+    if name != "gemma3_vlm":
+        raise ValueError(name)
+    text = tiny_config("gemma3")
+    text.max_position_embeddings = 1024  # room for DSPy's prompts
+    vision = tf.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
+        image_size=VLM_IMAGE_SIZE, patch_size=8, vision_use_head=False, layer_norm_eps=1e-6,
+    )
+    return tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VLM_IMAGE_TOKEN,
+        boi_token_index=VLM_BOI, eoi_token_index=VLM_EOI, eos_token_id=2, pad_token_id=0,
+    )
+
+
+def save_tiny_vlm_checkpoint(path: Path, name: str = "gemma3_vlm", seed: int = 0):
+    """A tiny random vision-language checkpoint plus its image processor (preprocessor_config.json), saved by
+    transformers; returns (the transformers model, the transformers image processor)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cls = tf.LlavaForConditionalGeneration if name == "llava" else tf.Gemma3ForConditionalGeneration
+    model = cls._from_config(tiny_vlm_config(name), attn_implementation="eager")
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias") or "class_embedding" in pname:
+                param.add_(torch.randn_like(param) * 0.2)
+            elif "mm_input_projection" in pname:
+                param.normal_(0.0, 0.2)  # transformers initialises it to zeros: images would not matter
+    model.eval().save_pretrained(str(path))
+    if name == "llava":
+        processor = tf.CLIPImageProcessorPil(size={"shortest_edge": VLM_IMAGE_SIZE},
+                                             crop_size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE})
+    else:
+        processor = tf.Gemma3ImageProcessorPil(size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE})
+    processor.save_pretrained(str(path))
+    return model, processor

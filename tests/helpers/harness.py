@@ -50,9 +50,10 @@ class PagedHarness:
             self.tokens[row] = self.tokens[share_prefix_of][:prefix_len]
         return row
 
-    def forward(self, work: list[tuple[int, list[int]]], all_logits: bool = True) -> list[torch.Tensor]:
+    def forward(self, work: list[tuple[int, list[int]]], all_logits: bool = True, mm=None) -> list[torch.Tensor]:
         """One forward over [(row, new tokens)]. Returns per sequence float32 CPU logits for every new
-        token ([n_new, vocab]) or, with all_logits=False, for its last one ([1, vocab])."""
+        token ([n_new, vocab]) or, with all_logits=False, for its last one ([1, vocab]). mm: a MultimodalBatch
+        for the batch (image embeddings and blocks), or None."""
         rows, prefix_lens, extend_tokens, out_loc, logits_indices = [], [], [], [], []
         offset = 0
         for row, new_tokens in work:
@@ -75,6 +76,7 @@ class PagedHarness:
             logits_indices=logits_indices,
             device=self.device,
         )
+        batch.mm = mm
         logits = self.runner.forward(batch).cpu()  # [L, vocab]
         for row, new_tokens in work:
             self.tokens[row].extend(new_tokens)

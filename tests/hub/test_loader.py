@@ -100,6 +100,12 @@ def test_checkpoint_names_of_multimodal_gemma3():
     assert checkpoint_name("model.vision_tower.vision_model.embeddings.patch_embedding.weight") is None
     assert checkpoint_name("model.multi_modal_projector.mm_soft_emb_norm.weight") is None
     assert checkpoint_name("model.embed_tokens.weight") == "model.embed_tokens.weight"
+    vision_name = "model.vision_tower.vision_model.embeddings.patch_embedding.weight"
+    assert checkpoint_name(vision_name, vision=True) == "vision_tower.embeddings.patch_embedding.weight"
+    assert checkpoint_name("vision_tower.encoder.layers.0.mlp.fc1.bias", vision=True) == (
+        "vision_tower.encoder.layers.0.mlp.fc1.bias")
+    assert checkpoint_name("multi_modal_projector.mm_soft_emb_norm.weight", vision=True) == (
+        "multi_modal_projector.mm_soft_emb_norm.weight")
 
 
 def _legacy(**fields):

@@ -71,8 +71,8 @@ class CacheAuditor:
         """Called once per request at its first admission, with req.cached_len tokens matched. Queues an
         audit of that prefix for a `rate` fraction of hits; locks the prefix until the audit ran."""
         n = req.cached_len
-        if n == 0 or self._rng.random() >= self.rate:
-            return
+        if n == 0 or req.images is not None or self._rng.random() >= self.rate:
+            return  # (a prefix with images is not audited: the recompute has no image inputs)
         cache = self.kv.cache
         m = cache.match_prefix(req.all_ids[:n], req.salt)
         if m.length != n:  # cannot happen right after admission; be safe rather than audit the wrong slots

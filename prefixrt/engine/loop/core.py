@@ -49,6 +49,8 @@ from prefixrt.engine.loop.hooks import LoopHooks
 from prefixrt.engine.loop.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.loop.step import HostSample, Step, StepFence
 from prefixrt.model.forward_batch import ForwardBatch
+from prefixrt.model.vision import SequenceImages, multimodal_batch
+from prefixrt.multimodal.inputs import model_ids
 from prefixrt.outputs import EngineStats
 from prefixrt.request import Req
 from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
@@ -56,6 +58,7 @@ from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
 if TYPE_CHECKING:
     from prefixrt.engine.loop.cache_audit import CacheAuditor
     from prefixrt.engine.loop.prefix_groups import PrefixGrouper
+    from prefixrt.multimodal.inputs import EncoderCache
 
 log = logging.getLogger("prefixrt")
 
@@ -76,11 +79,13 @@ class EngineCore:
         overlap: bool = True,
         prefix_grouper: PrefixGrouper | None = None,
         auditor: CacheAuditor | None = None,
+        encoder: EncoderCache | None = None,
     ):
         """Everything the loop uses comes in here; nothing is attached later. hooks: LoopHooks (delivery,
         detokenizer, grammar, events; default: deliver to RequestStreams, ids only, no grammar). prefix_grouper:
         shared-prefix groups of decode batches for cascade decode, or None; auditor: the CacheAuditor when
-        cache_audit_rate > 0, else None."""
+        cache_audit_rate > 0, else None; encoder: the EncoderCache of a vision-language model (its images' encoder
+        outputs), else None."""
         self.runner = runner
         self.scheduler = scheduler
         self.kv = scheduler.kv
@@ -94,6 +99,7 @@ class EngineCore:
         self.hooks = hooks = hooks if hooks is not None else LoopHooks()
         self.prefix_grouper = prefix_grouper
         self.auditor = auditor
+        self.encoder = encoder
         self.detokenizer = hooks.detokenizer  # gets [(DetokState | None, sink, StepOutput)] per step
         self.events = hooks.events
         self.masks = GrammarMasks(hooks.grammar)  # grammar masks for the sample unit (filled on their own worker)
@@ -247,6 +253,8 @@ class EngineCore:
                 holes.append(acc + n - 1)
                 hole_rows.append(row)
                 toks = toks + [0]
+            if r.images is not None:
+                toks = model_ids(toks, r.images.image_token_id)
             extend_tokens.append(toks)
             if r.input_logprobs_from is not None:
                 pos = [j for j in range(p, p + n) if r.input_logprobs_from - 1 <= j <= r.seq_len - 2]
@@ -285,6 +293,8 @@ class EngineCore:
                                if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
             )
             fb.kv_ready = self.kv.load_waiter(batch.reqs)  # host-tier loads into their paths (None: nothing)
+            if any(r.images is not None for r in batch.reqs):
+                fb.mm = self._images_of(batch)
             if holes:
                 idx = torch.tensor([holes, hole_rows], dtype=torch.int64)
                 step.hole_idx = idx.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
@@ -297,6 +307,23 @@ class EngineCore:
             r.num_unresolved += 1
             r.future = (step, i)
         return step
+
+    def _images_of(self, batch: ScheduledBatch):
+        """The forward's MultimodalBatch: encoder outputs (from the encoder cache) for the image tokens it computes."""
+        if self.encoder is None:
+            raise RuntimeError("a request with images reached a model without a vision encoder")
+        seqs = []
+        for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.num_tokens):
+            im = r.images
+            if im is None:
+                seqs.append(SequenceImages([], p, n, []))
+                continue
+            needed = [i for i, (a, b) in enumerate(im.blocks) if a < p + n and b > p]
+            embeds: list = [None] * len(im.blocks)
+            for i, emb in zip(needed, self.encoder.get([im.images[i] for i in needed])):
+                embeds[i] = emb
+            seqs.append(SequenceImages(im.blocks, p, n, embeds))
+        return multimodal_batch(self.runner.model.vision, seqs, self.device)
 
     def launch(self, step: Step, prev: Step | None) -> Step | None:
         """Fill the holes from prev's device tokens (prev is drawn already) and run the model; the step's fence

@@ -126,6 +126,8 @@ class Scheduler:
                     continue
                 if n > 1:  # a prefill chunk or a jump-forward run: bounded by the token budget
                     n = min(n, max(left, 1))
+                    if req.images is not None:  # never split an image block (its tokens attend each other)
+                        n = req.images.chunk_end(req.kv_len, n)
                     left -= n
                 plan.append((req, n))
                 pages += pages_for(req, n)
@@ -233,6 +235,8 @@ class Scheduler:
             first_admission = req.num_cached_tokens is None
             kv.admit(req, m)
             n = min(req.num_pending, budget)
+            if req.images is not None:
+                n = req.images.chunk_end(req.kv_len, n)
             pages = kv.pages_for(req, n)
             if not kv.ensure_pages(pages + reserve_pages):
                 kv.release(req)

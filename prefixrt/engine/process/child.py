@@ -90,7 +90,7 @@ class EngineProcessServer:
             "generate": engine.generate, "check_integrity": engine.check_integrity,
             "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
             "score_continuations": engine.score_continuations,
-            "largest_prefixes": engine.largest_prefixes,
+            "largest_prefixes": engine.largest_prefixes, "image_prompt_ids": engine.image_prompt_ids,
         }
 
     def send(self, msg) -> None:
@@ -149,7 +149,9 @@ class EngineProcessServer:
     def add(self, msg: wire.Add) -> None:
         rid, call_id = msg.request_id, msg.call_id
         try:
-            self.engine.enqueue(self.engine.prepare_packed(msg.packed_prompt_ids, msg.params), PipeSink(rid))
+            prepared = (self.engine.prepare(msg.messages, msg.params) if msg.messages is not None
+                        else self.engine.prepare_packed(msg.packed_prompt_ids, msg.params))
+            self.engine.enqueue(prepared, PipeSink(rid))
         except Exception as e:
             with self.compiling_lock:
                 self.compiling.pop(rid, None)

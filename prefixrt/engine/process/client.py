@@ -69,6 +69,7 @@ from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import ENGINE_UNRESPONSIVE, EngineDeadError, InvalidRequest
 from prefixrt.json_schema import to_json_schema
+from prefixrt.multimodal.messages import has_images
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams
 
@@ -277,9 +278,16 @@ class ProcessEngine(EngineAPI):
         if self._closed is not None:
             raise EngineDeadError(self._closed)
         p = SamplingParams.coerce(params)
-        ids = self._tokenize(prompt)
-        packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
-        self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
+        images = list(prompt) if has_images(prompt) else None  # chat messages the engine process prepares
+        if images is not None:
+            if p.choices is not None:
+                raise InvalidRequest("choices with images are not supported", param="choices")
+            ids, packed = self.image_prompt_ids(images), b""
+            self._validate_ids(ids, p)
+        else:
+            ids = self._tokenize(prompt)
+            packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
+            self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
         if isinstance(p.json_schema, type):  # a pydantic class: send its schema, not the class
             p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -289,14 +297,18 @@ class ProcessEngine(EngineAPI):
         stream = RequestStream(loop)
         self._streams[rid] = _InFlight(stream, set(range(p.n)))  # before sending: outputs may come at once
         try:
-            if p.constraint_kind not in (None, "choices"):
-                self._ask(lambda call_id: Add(call_id, rid, packed, p))  # compiles in the child: wait for its verdict
+            if images is not None or p.constraint_kind not in (None, "choices"):
+                # compiles a constraint or decodes images in the child: wait for its verdict
+                self._ask(lambda call_id: Add(call_id, rid, packed, p, images))
             else:
                 self._send(Add(None, rid, packed, p))
         except BaseException:
             self._streams.pop(rid, None)
             raise
         return rid, stream, ids, p
+
+    def image_prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self._call_in_engine("image_prompt_ids", list(messages))
 
     def _select(self, prompt, p: SamplingParams) -> Completion:
         return self._call_in_engine("generate", prompt, p)

@@ -56,6 +56,7 @@ class Add:
     request_id: str
     packed_prompt_ids: bytes  # pack_token_ids(prompt ids): a long prompt crosses the pipe as one buffer
     params: SamplingParams
+    messages: list | None = None  # chat messages holding images (prepared in the engine process), else None
 
     @classmethod
     def of(cls, call_id: int | None, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Add:

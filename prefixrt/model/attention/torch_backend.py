@@ -27,6 +27,8 @@ class _Plan:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    bidirectional_spans = True  # honours ForwardBatch.mm.spans (image blocks that attend both ways)
+
     def __init__(self, pool: KVPool):
         self.pool = pool
         self._plan: _Plan | None = None
@@ -59,6 +61,11 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(prefix_len, seq_len, device=device)[:, None]  # [E, 1]
             k_pos = torch.arange(seq_len, device=device)[None, :]  # [1, S]
             mask = k_pos <= q_pos
+            mm = plan.batch.mm
+            for start, end in mm.spans[i] if mm is not None and mm.spans else ():
+                if end > seq_len:
+                    raise ValueError(f"image block [{start}, {end}) ends past the sequence's {seq_len} tokens")
+                mask |= (q_pos >= start) & (q_pos < end) & (k_pos >= start) & (k_pos < end)
             if window is not None:
                 mask &= k_pos > q_pos - window
             plan.masks[key] = mask

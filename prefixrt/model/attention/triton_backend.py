@@ -102,6 +102,8 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         """Plan this forward from the batch's host lengths; mutates only the backend's per-forward plan.
         Raises ValueError for a decode batch above max_batch_size or inconsistent prefix_groups."""
+        if batch.mm is not None and batch.mm.has_spans:
+            raise NotImplementedError("bidirectional image blocks (Gemma-3 images) need attention_backend='torch'")
         self._batch = batch
         self.cascade_plan = None
         num_kv_heads = self.pool.num_kv_heads
