@@ -20,6 +20,7 @@ from prefixrt.lowering import (  # noqa: F401  (re-exported for the adapters)
     ToolPlan,
     format_call,
     format_tool_result,
+    lower_chat,
     new_call_id,
     plan_tools,
     response_format_constraint,
@@ -144,8 +145,8 @@ def sampling_params(options: dict[str, Any], *, what: str) -> dict[str, Any]:
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Chat messages as every chat template accepts them: system text merged into one leading message,
-    roles limited to system/user/assistant (callers turn tool results into user turns first)."""
+    """Chat messages as every chat template accepts them: system text merged into one leading message (the
+    rest kept as they are: prefixrt.lowering.lower_chat turns tool calls and results into text turns)."""
     system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
     rest = [m for m in messages if m["role"] != "system"]
     out = [{"role": "system", "content": "\n\n".join(system)}] if system else []

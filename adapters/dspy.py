@@ -48,17 +48,11 @@ from dspy.lm15 import (
 )
 from prefixrt.adapters._lowering import (
     ProviderHandle,
-    Tool,
-    ToolCall,
     ToolPlan,
-    format_call,
-    format_tool_result,
+    lower_chat,
     new_call_id,
     normalize_messages,
-    plan_tools,
-    response_format_constraint,
     sampling_params,
-    with_tools_prompt,
 )
 from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint
 
@@ -75,17 +69,14 @@ _ENGINE_OPTIONS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "frequ
 
 
 def _parts_text(parts, where: str) -> str:
+    """The text of message parts (tool calls and tool results are carried apart, by `_openai_messages`)."""
     texts = []
     for part in parts:
         kind = part.type
         if kind == "text":
             texts.append(part.text)
-        elif kind == "tool_call":
-            texts.append(format_call(ToolCall(part.name, part.input)))
-        elif kind == "tool_result":
-            texts.append(format_tool_result(part.name, _parts_text(part.content, "tool result")))
-        elif kind in ("thinking", "citation"):
-            continue  # replay state and annotations, not conversation text
+        elif kind in ("tool_call", "tool_result", "thinking", "citation"):
+            continue  # calls and results travel as OpenAI fields; replay state and annotations are not text
         elif kind == "data":
             texts.append(json.dumps(part.value, ensure_ascii=False))
         else:
@@ -94,41 +85,67 @@ def _parts_text(parts, where: str) -> str:
     return "\n".join(t for t in texts if t)
 
 
-def request_messages(request: Request) -> list[dict]:
-    """lm15 Request -> chat messages (system/user/assistant) for the Provider's chat template."""
+def _openai_messages(request: Request) -> list[dict]:
+    """lm15 Request messages -> OpenAI chat messages (assistant `tool_calls`, one `tool` message per result)."""
     messages = []
     if request.system is not None:
         system = request.system if isinstance(request.system, str) else _parts_text(request.system, "system")
         messages.append({"role": "system", "content": system})
     for m in request.messages:
-        role = {"developer": "system", "tool": "user"}.get(m.role, m.role)
-        messages.append({"role": role, "content": _parts_text(m.parts, f"a {m.role} message")})
+        results = [p for p in m.parts if p.type == "tool_result"]
+        for r in results:
+            messages.append({"role": "tool", "tool_call_id": r.id, "content": _parts_text(r.content, "tool result"),
+                             **({"name": r.name} if r.name else {})})
+        text = _parts_text(m.parts, f"a {m.role} message")
+        if results and not text:
+            continue
+        message = {"role": "system" if m.role == "developer" else "user" if m.role == "tool" else m.role,
+                   "content": text}
+        calls = [p for p in m.parts if p.type == "tool_call"]
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": json.dumps(c.input, ensure_ascii=False)}} for c in calls]
+        messages.append(message)
     return normalize_messages(messages)
 
 
-def _tool_choice(request: Request) -> str | None:
-    """"required", "auto", a tool name, or None (no tools, or tool_choice none)."""
+def request_messages(request: Request) -> list[dict]:
+    """lm15 Request -> chat messages (system/user/assistant) for the Provider's chat template."""
+    return lower_chat(_openai_messages(request)).messages
+
+
+def _openai_tools(request: Request) -> tuple[list[dict], Any]:
+    """lm15 tools and tool choice -> OpenAI's `tools` and `tool_choice`."""
     if not request.tools:
-        return None
+        return [], None
+    if any(t.type != "function" for t in request.tools):
+        raise UnsupportedFeatureError("prefixrt: only function tools are supported", provider=_PROVIDER)
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": dict(t.parameters)}} for t in request.tools]
     tc = request.config.tool_choice
     if tc is None or tc.mode == "auto":
-        mode = "auto"
-    elif tc.mode == "none":
-        return None
-    else:
-        mode = "required"
-    if tc is not None and len(tc.allowed) == 1 and mode == "required":
-        return tc.allowed[0]
-    return mode
+        return tools, "auto"
+    if tc.mode == "none":
+        return tools, "none"
+    if len(tc.allowed) == 1:
+        return tools, {"type": "function", "function": {"name": tc.allowed[0]}}
+    return tools, "required"
 
 
 def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
-    """Request -> (chat messages, SamplingParams dict, the tool plan when tools constrain the reply)."""
+    """Request -> (chat messages, SamplingParams dict, the tool plan when tools constrain the reply).
+
+    The chat request itself (messages, tools, tool choice, response format) is lowered by
+    prefixrt.lowering.lower_chat, as `prefixrt serve` lowers it; what is DSPy's own is the reply format its
+    adapters ask for in the prompt (adapters/dspy_formats.py), which becomes the constraint when nothing else
+    is one."""
     cfg = request.config
     options: dict[str, Any] = {name: getattr(cfg, name) for name in _ENGINE_OPTIONS}
     options["stop"] = list(cfg.stop) or None
     extensions = dict(cfg.extensions or {})
-    parallel = bool(extensions.pop("parallel_tool_calls", False))  # one tool call per reply unless asked
+    parallel = extensions.pop("parallel_tool_calls", None)
+    if parallel is None and cfg.tool_choice is not None:
+        parallel = cfg.tool_choice.parallel
     if "top_logprobs" in extensions:
         options["logprobs"] = extensions.pop("top_logprobs")
     for key in ("max_completion_tokens",):
@@ -138,35 +155,26 @@ def lower_request(request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
                                       "supported (prefix caching is automatic)", provider=_PROVIDER)
     try:
         params = sampling_params({**options, **extensions}, what="dspy request")
-        messages = request_messages(request)
-        tools = None
-        choice = _tool_choice(request)
-        if choice is not None:
-            specs = [Tool(t.name, t.description or "", dict(t.parameters))
-                     for t in request.tools if t.type == "function"]
-            if len(specs) != len(request.tools):
-                raise UnsupportedFeatureError("prefixrt: only function tools are supported", provider=_PROVIDER)
-            if cfg.response_format is not None:
-                raise InvalidRequest("pass tools or response_format, not both", param="response_format")
-            tools = plan_tools(specs, choice, parallel)
-            params.update(tools.constraint)
-            messages = with_tools_prompt(messages, tools)
-        else:
-            answer = response_format_constraint(cfg.response_format)
-            if answer.get("json_object"):
-                # JSONAdapter sends json_object for signatures with an open mapping field; its prompt names
-                # the reply's fields, so the reply is held to them (any JSON object lets a small model write
-                # keys of its own, and the reply does not parse).
-                schema = json_adapter_schema(messages)
-                if schema is not None:
-                    answer = {"json_schema": schema}
-            params.update(answer)
-            if not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
-                # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
-                params.update(output_format_constraint(messages, params.get("max_new_tokens")))
+        tools, choice = _openai_tools(request)
+        # One tool call per reply unless asked: a small model allowed "one or more" may write calls until
+        # max_tokens.
+        lowered = lower_chat(_openai_messages(request), tools=tools, tool_choice=choice,
+                             parallel_tool_calls=bool(parallel), response_format=cfg.response_format)
+        messages = lowered.messages
+        if lowered.tools is None and lowered.constraint.get("json_object"):
+            # JSONAdapter sends json_object for signatures with an open mapping field; its prompt names the
+            # reply's fields, so the reply is held to them (any JSON object lets a small model write keys of its
+            # own, and the reply does not parse).
+            schema = json_adapter_schema(messages)
+            if schema is not None:
+                lowered.constraint = {"json_schema": schema}
+        lowered.apply(params)
+        if not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
+            # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
+            params.update(output_format_constraint(messages, params.get("max_new_tokens")))
     except InvalidRequest as e:
         raise InvalidRequestError(str(e), provider=_PROVIDER) from e
-    return messages, params, tools
+    return messages, params, lowered.tools
 
 
 def _translate(e: Exception) -> Exception:

@@ -44,23 +44,14 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import secret_from_env
 from prefixrt.adapters._lowering import (
     ProviderHandle,
-    Tool,
-    ToolCall,
     ToolPlan,
-    format_call,
-    format_tool_result,
+    lower_chat,
     new_call_id,
     normalize_messages,
-    plan_tools,
-    response_format_constraint,
     sampling_params,
     strict_schema,
-    with_system_note,
-    with_tools_prompt,
 )
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
-
-from prefixrt.errors import InvalidRequest
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
           "ai": "assistant"}
@@ -82,8 +73,9 @@ def _content_text(content: str | list, where: str) -> str:
     return "\n".join(t for t in texts if t)
 
 
-def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
-    """LangChain messages -> chat messages a chat template accepts (system/user/assistant only)."""
+def to_openai_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages -> OpenAI chat messages (assistant `tool_calls`, `tool` results), system text merged
+    into one leading message."""
     out = []
     for m in messages:
         text = _content_text(m.content, type(m).__name__)
@@ -92,15 +84,25 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
         elif isinstance(m, HumanMessage):
             out.append({"role": "user", "content": text})
         elif isinstance(m, AIMessage):
-            calls = [format_call(ToolCall(tc["name"], tc["args"])) for tc in m.tool_calls]
-            out.append({"role": "assistant", "content": "\n".join(t for t in [text, *calls] if t)})
+            message: dict = {"role": "assistant", "content": text}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": tc.get("id") or "", "type": "function", "function": {
+                    "name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
+                    for tc in m.tool_calls]
+            out.append(message)
         elif isinstance(m, ToolMessage):
-            out.append({"role": "user", "content": format_tool_result(m.name, text)})
+            out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id,
+                        **({"name": m.name} if m.name else {})})
         elif isinstance(m, ChatMessage) and m.role in _ROLES:
             out.append({"role": _ROLES[m.role], "content": text})
         else:
             raise ValueError(f"ChatPrefixRT cannot send a {type(m).__name__}")
     return normalize_messages(out)
+
+
+def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages -> chat messages a chat template accepts (system/user/assistant only)."""
+    return lower_chat(to_openai_messages(messages)).messages
 
 
 def _tool_choice_name(tool_choice: Any, names: list[str]) -> str:
@@ -226,29 +228,19 @@ class ChatPrefixRT(BaseChatModel):
                    "cache_salt": self.cache_salt, "stop": stop if stop is not None else self.stop}
         options.update(kwargs)
         params = sampling_params(options, what="ChatPrefixRT")
-        chat = to_chat_messages(messages)
-        plan = None
+        choice = None
         if tools:
-            names = [t["function"]["name"] for t in tools]
-            choice = _tool_choice_name(tool_choice, names)
-            if choice != "none":
-                if response_format is not None:
-                    raise InvalidRequest("bind tools or a response_format, not both", param="response_format")
-                specs = [Tool(t["function"]["name"], t["function"].get("description", ""),
-                              t["function"].get("parameters") or {"type": "object", "properties": {}},
-                              t["function"].get("strict"))
-                         for t in tools]
-                # One call per reply unless bound with parallel_tool_calls=True: a small model allowed "one or
-                # more" calls may keep writing calls until max_tokens.
-                plan = plan_tools(specs, choice, bool(parallel_tool_calls))
-                params.update(plan.constraint)
-                chat = with_tools_prompt(chat, plan)
-        if plan is None and response_format is not None:
-            params.update(response_format_constraint(response_format))
-            schema = params.get("json_schema")
-            if isinstance(schema, dict):
-                note = f"Reply with a JSON object matching this JSON schema: {json.dumps(schema, separators=(',', ':'))}"
-                chat = with_system_note(chat, note)
+            choice = _tool_choice_name(tool_choice, [t["function"]["name"] for t in tools])
+            if choice not in ("auto", "required", "none"):
+                choice = {"type": "function", "function": {"name": choice}}
+        # One call per reply unless bound with parallel_tool_calls=True: a small model allowed "one or more"
+        # calls may keep writing calls until max_tokens. The schema goes in the prompt too: LangChain's
+        # structured output sends no instructions of its own.
+        lowered = lower_chat(to_openai_messages(messages), tools=tools, tool_choice=choice,
+                             parallel_tool_calls=bool(parallel_tool_calls), response_format=response_format,
+                             schema_note=True)
+        lowered.apply(params)
+        chat, plan = lowered.messages, lowered.tools
         return chat, params, plan
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageMetadata:

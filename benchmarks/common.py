@@ -194,7 +194,7 @@ class PhaseTimer:
         def go():
             for n in self.UNITS:
                 self._wrap(core, n)
-            from prefixrt.engine import core as core_mod
+            from prefixrt.engine.loop import core as core_mod
             orig = core_mod.StepFence.wait
             acc = self.acc
 
@@ -369,7 +369,7 @@ def json_bench(eng, vocab: int, batch: int, order: tuple[bool, ...] = (True, Fal
         out["unconstrained_phases_ms_per_step"] = timer.per_step_ms(passes)
     out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
     out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
-    if os.environ.get("MASK_THREADS") and hasattr(eng.core.grammar_backend, "_mask_threads"):
+    if os.environ.get("MASK_THREADS") and hasattr(eng.core.masks.backend, "_mask_threads"):
         out["mask_fill"] = _mask_fill_by_threads(eng, prompts, base)
     if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
         out["profile_jf_off"] = torch_profile(eng, prompts, "json_jf_off",
@@ -380,7 +380,7 @@ def json_bench(eng, vocab: int, batch: int, order: tuple[bool, ...] = (True, Fal
 
 def _mask_fill_by_threads(eng, prompts, base: dict) -> dict:
     """The grammar mask fill per call with MASK_THREADS=a,b executor threads (jump-forward off, same prompts)."""
-    backend = eng.core.grammar_backend
+    backend = eng.core.masks.backend
     out = {}
     for threads in (int(x) for x in os.environ["MASK_THREADS"].split(",")):
         backend._mask_threads, backend._executor = threads, None

@@ -86,7 +86,8 @@ def run_one(label, model, workload, concurrency, engine_kw, turns) -> tuple[dict
         "wall_s": round(r.duration_s, 2), "ttft_p50_ms": r.ttft_ms.get("p50"), "ttft_p99_ms": r.ttft_ms.get("p99"),
         "ttft_by_turn": by_turn(r.records, turns), "computed_tokens": r.input_tokens - r.cached_tokens,
         "input_tokens": r.input_tokens, "output_tok_s": round(r.output_throughput, 1),
-        "retracted": delta("retracted_requests_total"), "evicted_tokens": delta("evicted_tokens_total"),
+        "retracted": delta("retracted_requests_total"), "preempted": delta("preempted_requests_total"),
+        "evicted_tokens": delta("evicted_tokens_total"),
         "host_hit_tokens": delta("host_hit_tokens_total"), "host_load_gb": round(load_b / 1e9, 3),
         "host_load_gbps": round(load_b / load_t / 1e9, 2) if load_t else None,
         "host_backup_gb": round(delta("host_backup_bytes_total") / 1e9, 3),
@@ -182,6 +183,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=None, help="requests in flight unless a run says @cN")
     ap.add_argument("--host-ratio", type=float, default=1.1, help="host tier size / working set")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--preempt-after-s", type=float, default=-1.0,
+                    help="host tier: a new request's wait before it preempts running ones (negative: never)")
     ap.add_argument("--copy-sizes", default="512,4096,32768", help="tokens per copy in the bandwidth check ('' skips)")
     args = ap.parse_args()
     from prefixrt.bench import workloads as W
@@ -207,6 +210,7 @@ def main() -> None:
         extra = dict(kv_cache_tokens=pool)
         if tier:
             extra["host_kv_cache_tokens"] = int(ws * args.host_ratio) // ps * ps + ps
+            extra["host_kv_preempt_after_s"] = args.preempt_after_s if args.preempt_after_s >= 0 else None
         row, o = run_one(label, model, w, conc or args.concurrency or sessions, {**kw, **extra}, turns)
         rows.append(row)
         outs.append(o)

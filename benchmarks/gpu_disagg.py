@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation on ONE GPU: a prefill worker and a decode worker, two processes on the same
-device, against one plain engine (issue 18; prefixrt/engine/disagg.py).
+device, against one plain engine (issue 18; prefixrt/disagg/decode.py).
 
     PYTHONPATH=$PWD python benchmarks/gpu_disagg.py --model llama-3.2-1b              # on the GPU host (dummy weights)
     PYTHONPATH=$PWD python benchmarks/gpu_disagg.py --device cpu --model TINY_HF_DIR  # the same logic on the CPU
@@ -74,9 +74,9 @@ def assert_clean(eng) -> None:
 
 def prefill_main(model: str, engine_kw: dict, addr: str, conn) -> None:
     """The prefill process: Engine + PrefillWorker at rank 1; reports its weights' checksum, then its stats."""
-    from prefixrt.cache.kv_transport import make_group
+    from prefixrt.disagg.prefill import PrefillWorker
     from prefixrt.engine.engine import Engine
-    from prefixrt.engine.prefill_worker import PrefillWorker
+    from prefixrt.parallel.kv_transport import make_group
 
     eng = Engine(model, **engine_kw)
     conn.send(("ready", weights_checksum(eng)))
@@ -117,9 +117,9 @@ def main() -> int:
     kw = dict(device=args.device, dtype=args.dtype, load_format=args.load_format, kv_cache_tokens=args.kv_cache_tokens,
               seed=0)
 
-    from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine
+    from prefixrt.disagg.decode import DecodeEngine
     from prefixrt.engine.engine import Engine
+    from prefixrt.parallel.kv_transport import make_group
 
     t0 = time.perf_counter()
     single = Engine(args.model, **kw)

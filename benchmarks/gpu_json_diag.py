@@ -2,7 +2,7 @@
 unconstrained baseline: string lengths checked beside the grammar (LLGuidanceBackend string_lengths=True, the
 default) or compiled into it (False, as before), then optionally the older set-ups (SETUPS=all): matchers copied
 from a warmed per-grammar template (warm_lexer=True) and the budget rule switched off; SWITCH_INTERVALS=a,b runs
-every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each EngineCore.mask_parts;
+every set-up under each GIL switch interval (seconds); MASK_PARTS=4,1 under each GrammarMasks.parts;
 ALLOCS=numpy,full runs every set-up with the step's host bitmask allocated as now (numpy fill, one thread) and as
 before (torch.full, which wakes torch's OpenMP workers); TORCH_THREADS=n sets torch's intra-op threads (torch.set_num_threads) before the engine starts; PROFILE=n prints the loop thread's cProfile (n lines)
 of one more batch of the last set-up, jump-forward off (PROFILE_JF=on: on).
@@ -85,7 +85,7 @@ def main() -> None:
     for name, warm, budget, lengths, interval, parts, alloc in setups:
         L.allocate_bitmask = allocs[alloc]
         sys.setswitchinterval(interval or default_interval)
-        eng.core.mask_parts = parts or 4
+        eng.core.masks.parts = parts or 4
         backend.warm_lexer = warm
         backend.string_lengths = lengths
         E.budget_matcher = plain_budget if budget else (lambda b, c, n: b.matcher(c))

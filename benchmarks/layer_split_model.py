@@ -1,4 +1,4 @@
-"""Capacity and throughput model of layer-split K/V for context-parallel prefill (prefixrt/model/layer_split.py),
+"""Capacity and throughput model of layer-split K/V for context-parallel prefill (prefixrt/parallel/experimental/layer_split.py),
 against replicating every layer's K/V on every rank. Prints the markdown table of docs/layer_split.md.
 
     python benchmarks/layer_split_model.py                      # Llama-3.1-8B shape, 4 ranks (the docs' table)

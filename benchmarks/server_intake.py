@@ -170,7 +170,7 @@ def wire_costs(requests: int, prompt_len: int, repeat: int = 2000) -> dict:
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from prefixrt.engine import messages as M
+    from prefixrt.engine.process import messages as M
     from prefixrt.engine.stream import StepOutput
     from prefixrt.params import SamplingParams
 

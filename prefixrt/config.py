@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prefixrt.default_models import BASE_MODEL
 
-POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/policy.py implements each
+POLICIES = ("lpm", "dfs", "fcfs")  # schedule_policy names; engine/loop/schedule_policy.py implements each
 # host_kv_write_policy names (cache/tiered_radix.py): when a node's K/V is copied to the host tier.
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # host_kv_prefetch names (engine/scheduler.py): loading a waiting request's host-tier prefix into the pool ahead of
@@ -15,6 +15,9 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
 QUANTIZATIONS = (None, "fp8")  # quantization: weights as the checkpoint stores them, or FP8 (e4m3) decoder linears
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kv_cache_dtype: the model's dtype, or e4m3 with per-layer/head scales
+# prefix_cache names: the radix tree (cache/radix.py), or the hash-block table of vLLM-style prefix caching
+# (cache/block.py, full blocks of 16 tokens: the baseline of the table-cache ablation).
+PREFIX_CACHES = ("radix", "block")
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,8 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
     page_size: int = 1
-    radix_cache: bool = True
+    radix_cache: bool = True  # False: no prefix cache at all (nothing is reused)
+    prefix_cache: str = "radix"  # with radix_cache=True: which cache, one of PREFIX_CACHES
     schedule_policy: str = "lpm"
     chunked_prefill_tokens: int = 8192
     max_running_requests: int | None = None
@@ -50,7 +54,7 @@ class EngineConfig:
     # Programmatic dependent launch (kernels/_common.py) for the fused decode-path kernels (CUDA, Hopper and
     # later, Triton backend): each kernel is scheduled while the one before it finishes and the GEMV reads its
     # first weight tile meanwhile; small-batch linears then run the Triton GEMV wherever the table knows the
-    # shape. None: the engine's default (rank_setup.PDL).
+    # shape. None: the engine's default (model/rank_setup.py PDL).
     pdl: bool | None = None
     # Schedule step N+1 and post-process step N while the device runs (core.py). None: on for CUDA, off on the
     # CPU, where every op completes before the host goes on, so there is nothing to overlap with.
@@ -67,14 +71,18 @@ class EngineConfig:
     host_kv_write_threshold: int = 2  # write_through_selective: hits before a node is copied to the host
     host_kv_debug_delay_s: float = 0.0  # race mode: delay every layer of every host<->pool copy (tests)
     host_kv_prefetch: str = "wait_complete"  # one of PREFETCH_POLICIES
+    # A new request that has waited this long for pool memory preempts running requests that have already
+    # streamed (retracted to the host tier, resumed later); host tier only. None (default): never. Measured on
+    # the agent workload (docs/benchmarks.md) it did not shorten first tokens there and cost wall time.
+    host_kv_preempt_after_s: float | None = None
     # Disk tier below the host tier (cache/disk_radix.py): host evictions are written to files in this directory
     # and read back on a hit; the files outlive the engine (a restart comes up warm). Needs the host tier.
     kv_disk_dir: str | None = None
     kv_disk_max_gb: float = 64.0  # size cap of the directory's KV files (LRU files deleted beyond it)
-    # Tenant fairness: once the pool must evict, a cache_salt (namespace) holding more than this fraction of the
+    # Tenant fairness: once the pool must evict, a cache_salt holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
-    # Tensor parallelism (model/parallel.py, engine/tp_worker.py): the model split over tp_size ranks, one process
+    # Tensor parallelism (parallel/layers.py, parallel/tp_worker.py): the model split over tp_size ranks, one process
     # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
     # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"
     # is the torch.distributed rendezvous (None: a free port on 127.0.0.1, one node only).
@@ -105,6 +113,11 @@ class EngineConfig:
             bad("mem_fraction must be in (0, 1)")
         if self.page_size < 1:
             bad("page_size must be >= 1")
+        if self.prefix_cache not in PREFIX_CACHES:
+            bad(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        if self.prefix_cache == "block" and self.radix_cache and (
+                self.host_kv_cache_tokens or self.max_cached_fraction_per_salt is not None):
+            bad("prefix_cache='block' has no host tier and no per-salt quota (those need the radix tree)")
         if self.schedule_policy not in POLICIES:
             bad(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if self.chunked_prefill_tokens < 1:
@@ -121,6 +134,8 @@ class EngineConfig:
             bad(f"host_kv_write_policy must be one of {WRITE_POLICIES}, got {self.host_kv_write_policy!r}")
         if self.host_kv_write_threshold < 1:
             bad("host_kv_write_threshold must be >= 1")
+        if self.host_kv_preempt_after_s is not None and not self.host_kv_preempt_after_s >= 0:
+            bad("host_kv_preempt_after_s must be >= 0 or None")
         if self.host_kv_prefetch not in PREFETCH_POLICIES:
             bad(f"host_kv_prefetch must be one of {PREFETCH_POLICIES}, got {self.host_kv_prefetch!r}")
         if not self.host_kv_debug_delay_s >= 0:

@@ -19,9 +19,10 @@ from prefixrt.default_models import CHAT_MODEL
 
 # The flags that become Engine keyword arguments as they are (EngineConfig fields of the same name).
 ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "kv_cache_dtype", "attention_backend",
-                "kv_cache_tokens", "mem_fraction", "page_size", "schedule_policy", "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
+                "kv_cache_tokens", "mem_fraction", "page_size", "prefix_cache", "schedule_policy",
+                "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
-                "host_kv_prefetch",
+                "host_kv_prefetch", "host_kv_preempt_after_s",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
                 "dist_init_addr", "cascade_decode")
 
@@ -48,6 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--no-radix-cache", action="store_true", help="disable cross-request prefix reuse")
     p.add_argument("--schedule-policy", choices=["lpm", "dfs", "fcfs"], default="lpm")
+    p.add_argument("--prefix-cache", choices=["radix", "block"], default="radix",
+                   help="block: a vLLM-style hash-block table cache instead of the radix tree (an ablation)")
     p.add_argument("--chunked-prefill-tokens", type=int, default=8192)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -63,6 +66,10 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    help="load a waiting request's host-tier prefix into the GPU pool ahead of its admission: "
                         "wait_complete admits it once loaded (others run meanwhile), best_effort whenever it fits "
                         "(its first forward waits for the load), off loads at admission (docs/serving.md)")
+    p.add_argument("--host-kv-preempt-after-s", type=float, default=-1.0,
+                   help="with the host tier: a new request waiting this long for GPU memory preempts running "
+                        "requests that have already streamed (moved to the host, resumed later); negative "
+                        "(default): off")
     p.add_argument("--kv-disk-dir", default=None,
                    help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
                         "evicted from host memory are written there and read back on a hit; they outlive the "
@@ -117,6 +124,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed flags as Engine keyword arguments."""
     kw = {name: getattr(args, name) for name in ENGINE_FLAGS}
     kw["radix_cache"] = not args.no_radix_cache
+    if kw["host_kv_preempt_after_s"] is not None and kw["host_kv_preempt_after_s"] < 0:
+        kw["host_kv_preempt_after_s"] = None
     return kw
 
 

@@ -14,6 +14,9 @@ The strict-mode rule and embedding live here too:
   `load_json_schema`); the server and adapters whatever a request's `"strict"` says, as vLLM and xgrammar do.
   `strict=False` keeps JSON Schema's meaning (objects marked open explicitly) for callers that want it.
   Objects without `properties` (`{"type": "object"}`, `dict[str, Any]`) are open either way.
+- `normalized_types(schema)`: `"type"` names as people write them (Python's `int`, `str`, `float`, `bool`,
+  `dict`, `list`, `None`; any capitalisation) -> JSON Schema's, with a warning per rename; a name that is
+  neither is an InvalidRequest naming the node's path (`/properties/age/type`).
 - `embed(schema, name)`: a schema that will sit inside a larger one (a tool's parameters under
   `properties.arguments`) is moved whole to `#/$defs/<name>` with its local `$ref`s (`#`, `#/$defs/X`,
   `#/properties/...`) rewritten to point there, so they resolve wherever it is embedded.
@@ -121,6 +124,65 @@ def _map_subschemas(schema: dict, fn) -> dict:
     if isinstance(out.get("items"), list):  # draft-4 tuple form
         out["items"] = [fn(s) for s in out["items"]]
     return out
+
+
+JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
+# Type names that are not JSON Schema's but whose meaning is plain (SGLang serves Python's names).
+TYPE_ALIASES = {"int": "integer", "long": "integer", "str": "string", "text": "string", "float": "number",
+                "double": "number", "decimal": "number", "bool": "boolean", "dict": "object", "map": "object",
+                "list": "array", "tuple": "array", "none": "null", "nonetype": "null", "nil": "null"}
+
+
+def normalized_types(schema: Any, param: str = "json_schema") -> tuple[Any, list[str]]:
+    """(a copy of `schema` with every `"type"` a JSON Schema type name, the warnings for names it renamed).
+
+    A name in TYPE_ALIASES, or a JSON Schema name in other capitalisation (`"Integer"`), becomes the JSON
+    Schema name; anything else raises InvalidRequest with the JSON pointer of the bad node. `schema` is not
+    mutated; without a rename the result is `schema` itself."""
+    warnings: list[str] = []
+    out = _normalized(schema, "", param, warnings)
+    return (out if warnings else schema), warnings
+
+
+def _type_name(name: Any, path: str, param: str, warnings: list[str]) -> str:
+    if isinstance(name, str):
+        if name in JSON_TYPES:
+            return name
+        key = name.strip().lower()
+        json_name = key if key in JSON_TYPES else TYPE_ALIASES.get(key)
+        if json_name is not None:
+            warnings.append(f"{param}: type {name!r} at {path or '/'} read as {json_name!r}")
+            return json_name
+    raise InvalidRequest(f"{param}: unknown type {name!r} at {path or '/'} (JSON Schema types: "
+                         f"{', '.join(JSON_TYPES)})", param=param)
+
+
+def _normalized(schema: Any, path: str, param: str, warnings: list[str]) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "type" in out:
+        t = out["type"]
+        where = f"{path}/type"
+        out["type"] = ([_type_name(x, f"{where}/{i}", param, warnings) for i, x in enumerate(t)]
+                       if isinstance(t, list) else _type_name(t, where, param, warnings))
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_normalized(s, f"{path}/{key}/{i}", param, warnings) for i, s in enumerate(out[key])]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _normalized(s, f"{path}/{key}/{_pointer(name)}", param, warnings)
+                        for name, s in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = _normalized(out[key], f"{path}/{key}", param, warnings)
+    if isinstance(out.get("items"), list):  # draft-4 tuple form
+        out["items"] = [_normalized(s, f"{path}/items/{i}", param, warnings) for i, s in enumerate(out["items"])]
+    return out
+
+
+def _pointer(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
 
 
 def _is_object(schema: dict) -> bool:

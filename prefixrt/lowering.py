@@ -10,7 +10,16 @@ routes) and the DSPy and LangChain adapters all lower requests here:
   for exactly one call, else an llguidance Lark grammar), how calls are written, and `parse` for the reply;
 - `engine_messages` / `tools_prompt`: OpenAI chat messages -> what the chat template renders, with the
   tools given to the template when it has a tool format (`<tool_call>` tags, as Qwen and Hermes templates
-  write them), else described in a system message (`tools_prompt`, the documented fallback).
+  write them), else described in a system message (`tools_prompt`, the documented fallback);
+- `lower_chat`: all of the above for one chat request (messages, tools, tool_choice, response_format) -> a
+  `LoweredChat`. The server, the DSPy adapter and the LangChain adapter each turn their own request into
+  OpenAI-shaped dicts and call it, so one request lowers the same way whichever door it came in by.
+
+tools together with response_format (one rule, in `lower_chat`):
+  no callable tool    the response format constrains the reply;
+  "auto"              the reply is one or more calls, or an answer in the response format (the format takes
+                      the place of plain text in the grammar);
+  "required" / named  the reply is a call, so the response format has nothing to constrain and is unused.
 
 Tool calls are JSON objects `{"name": <tool>, "arguments": {...}}`, one per call, separated by a newline
 (inside `<tool_call>` tags when the template uses them). Decoding is constrained, so a call always names a
@@ -36,8 +45,8 @@ from typing import Any
 
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import embed, strict_schema, to_json_schema, with_defs
-from prefixrt.params import CONSTRAINT_FIELDS
+from prefixrt.json_schema import embed, normalized_types, strict_schema, to_json_schema, with_defs
+from prefixrt.params import CONSTRAINT_FIELDS, checked_logit_bias
 
 # ---------------------------------------------------------------------------------------------- options
 
@@ -72,10 +81,33 @@ OPTION_NAMES = {
 }
 
 
-def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
+# OpenAI's output limits: at least one token (as OpenAI and vLLM answer; the engine's own max_new_tokens may be 0).
+OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+OPENAI_SEED_MIN, OPENAI_SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as vLLM checks it
+
+
+def check_output_limit(value: Any, param: str) -> None:
+    """InvalidRequest naming `param` unless an OpenAI output limit (max_tokens, ...) is None or an integer >= 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"{param} must be at least 1, got {value!r}", param=param)
+
+
+def check_seed(value: Any, param: str = "seed") -> None:
+    """InvalidRequest unless an OpenAI seed is None or a signed 64-bit integer."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not OPENAI_SEED_MIN <= value <= OPENAI_SEED_MAX:
+        raise InvalidRequest(f"{param} must be an integer in [-2**63, 2**63 - 1], got {value!r}", param=param)
+
+
+def sampling_options(options: dict[str, Any], *, what: str, warnings: list[str] | None = None) -> dict[str, Any]:
     """Options under OpenAI names -> a SamplingParams dict. None values mean "engine default".
 
-    Raises InvalidRequest naming an option prefixrt has no meaning for; `what` says who passed it."""
+    Raises InvalidRequest naming an option prefixrt has no meaning for, or an OpenAI output limit below 1 or a
+    seed outside the signed 64-bit range; `what` says who passed it. A `json_schema` has its type names
+    normalised (`json_schema.normalized_types`), each rename appended to `warnings`."""
     params: dict[str, Any] = {}
     for key, value in options.items():
         if value is None:
@@ -83,12 +115,18 @@ def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
         name = OPTION_NAMES.get(key)
         if name is None:
             raise InvalidRequest(f"{what}: prefixrt has no sampling option {key!r}", param=key)
+        if key in OUTPUT_LIMITS:
+            check_output_limit(value, key)
+        if key == "seed":
+            check_seed(value)
         if name == "stop":
             value = [value] if isinstance(value, str) else list(value)
             if not value:
                 continue
         if name == "logit_bias":
             value = logit_bias(value)
+        if name == "json_schema" and not isinstance(value, type):
+            value = schema_types(to_json_schema(value), "json_schema", warnings)
         if name in params and params[name] != value:
             raise InvalidRequest(f"{what}: {key} conflicts with another option for {name}", param=key)
         params[name] = value
@@ -97,18 +135,17 @@ def sampling_options(options: dict[str, Any], *, what: str) -> dict[str, Any]:
 
 def logit_bias(bias: dict) -> dict[int, float]:
     """OpenAI's logit_bias ({"<token id>": bias}, ids as JSON strings) -> {int id: float}; ids are checked
-    against the vocabulary when the request is submitted, values here ([-100, 100], as OpenAI)."""
-    if not isinstance(bias, dict):
-        raise InvalidRequest("logit_bias must be an object mapping token ids to numbers", param="logit_bias")
-    out: dict[int, float] = {}
-    for k, v in bias.items():
-        try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {v!r}", param="logit_bias")
-        out[tid] = float(v)
+    against the vocabulary when the request is submitted, values here ([-100, 100], as OpenAI). One
+    InvalidRequest names every offending key (prefixrt.params.checked_logit_bias)."""
+    return checked_logit_bias(bias)
+
+
+def schema_types(schema: Any, param: str, warnings: list[str] | None) -> Any:
+    """`schema` with its type names normalised (Python's `int`, `str`, ... -> JSON Schema's), the renames
+    appended to `warnings`; InvalidRequest naming the path of a type name that is neither."""
+    out, renamed = normalized_types(schema, param)
+    if warnings is not None:
+        warnings.extend(renamed)
     return out
 
 
@@ -125,7 +162,8 @@ def merge_constraint(params: dict, constraint: dict, param: str) -> None:
 # ---------------------------------------------------------------------------------------------- response_format
 
 
-def response_format_constraint(response_format: dict | None, param: str = "response_format") -> dict[str, Any]:
+def response_format_constraint(response_format: dict | None, param: str = "response_format",
+                               warnings: list[str] | None = None) -> dict[str, Any]:
     """A response format -> {"json_schema": ...} for constrained decoding ({} for plain text).
 
     Accepts chat's {"type": "json_schema", "json_schema": {"schema", "strict"}}, the Responses API's
@@ -147,7 +185,7 @@ def response_format_constraint(response_format: dict | None, param: str = "respo
         # Decoding is strict whatever "strict" says (as vLLM and xgrammar do): clients send "strict": false for
         # schemas they cannot make strict-valid (LangChain's TypedDicts), and an open object lets a small model
         # invent keys until max_tokens.
-        return {"json_schema": strict_schema(to_json_schema(schema))}
+        return {"json_schema": strict_schema(schema_types(to_json_schema(schema), param, warnings))}
     raise InvalidRequest(f"unsupported {param} type {kind!r}", param=param)
 
 
@@ -164,9 +202,11 @@ class Tool:
     strict: bool | None = None
 
 
-def tools_from_openai(tools: list[dict] | None, param: str = "tools") -> list[Tool]:
+def tools_from_openai(tools: list[dict] | None, param: str = "tools", warnings: list[str] | None = None
+                      ) -> list[Tool]:
     """Chat's [{"type": "function", "function": {...}}] or the Responses API's [{"type": "function", "name",
-    ...}] -> Tools. Names must be unique; parameters must be an object schema."""
+    ...}] -> Tools. Names must be unique; parameters must be an object schema (type names normalised, the
+    renames appended to `warnings`)."""
     out: list[Tool] = []
     for t in tools or []:
         if t.get("type", "function") != "function":
@@ -177,6 +217,8 @@ def tools_from_openai(tools: list[dict] | None, param: str = "tools") -> list[To
             raise InvalidRequest("every tool needs a name", param=param)
         params = fn.get("parameters")
         where = f"{param}[{len(out)}].function.parameters" if "function" in t else f"{param}[{len(out)}].parameters"
+        if isinstance(params, dict):
+            params = schema_types(params, where, warnings)
         check_tool_parameters(name, params, where)
         if params is None:
             params = {"type": "object", "properties": {}}
@@ -566,3 +608,57 @@ def template_tools(tools: list[Tool]) -> list[dict]:
     """Tools in the form chat templates read (`apply_chat_template(tools=...)`)."""
     return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                               "parameters": t.parameters}} for t in tools]
+
+
+# ---------------------------------------------------------------------------------------------- one chat request
+
+
+@dataclass
+class LoweredChat:
+    """A chat request lowered: what the chat template renders, what decoding is held to, how the reply reads."""
+
+    messages: list[dict]  # {role, content} dicts (plus tool_calls / tool messages when the template renders tools)
+    constraint: dict  # {kind: spec} for SamplingParams ({} when the reply is free text)
+    tools: ToolPlan | None  # the tool plan, when a tool may be called
+    template_tools: list[dict] | None  # tools for apply_chat_template(tools=...), when the template renders them
+    constraint_param: str = "response_format"  # the request field the constraint comes from (for errors)
+    warnings: list[str] = field(default_factory=list)  # what was read other than as written (schema type names)
+
+    def apply(self, params: dict) -> dict:
+        """params (a SamplingParams dict) with the constraint added; InvalidRequest if it already has one."""
+        merge_constraint(params, self.constraint, self.constraint_param)
+        return params
+
+
+def lower_chat(messages: list[dict], *, tools: list[dict] | None = None, tool_choice: Any = None,
+               parallel_tool_calls: bool | None = None, response_format: dict | None = None,
+               syntax: CallSyntax | None = None, tool_prompt: bool = True, schema_note: bool = False) -> LoweredChat:
+    """One chat request in OpenAI's vocabulary -> a LoweredChat (InvalidRequest when it is malformed).
+
+    messages: OpenAI chat messages (dicts; assistant `tool_calls`, `tool` results). tools / tool_choice /
+    parallel_tool_calls / response_format: as OpenAI's chat API takes them (tools also in the Responses API's
+    flat form). syntax: the chat template's own call syntax when it renders tools (`template_call_syntax`),
+    else None: calls are then written BARE and the tools are described in a system message, unless
+    `tool_prompt` is False (the caller's prompt already describes them). schema_note: say the response
+    format's JSON schema in the system message too (for callers whose prompt does not describe the reply).
+    The rule for tools beside a response format is the module docstring's."""
+    warnings: list[str] = []
+    answer = response_format_constraint(response_format, warnings=warnings)
+    specs = tools_from_openai(tools, warnings=warnings)
+    syntax = syntax if specs else None
+    text_schema = answer.get("json_schema") or ("json_object" if answer else None)
+    plan = plan_tools(specs, tool_choice, parallel_tool_calls, syntax or BARE, text_schema=text_schema)
+    in_template = syntax is not None and plan is not None
+    out = engine_messages(messages, template_tools=in_template, syntax=syntax or BARE)
+    if plan is not None and not in_template and tool_prompt:
+        out = with_tools_prompt(out, plan)
+    if plan is None:
+        constraint = answer
+        schema = answer.get("json_schema")
+        if schema_note and isinstance(schema, dict):
+            note = json.dumps(schema, separators=(",", ":"))
+            out = with_system_note(out, f"Reply with a JSON object matching this JSON schema: {note}")
+    else:
+        constraint = plan.constraint
+    return LoweredChat(out, constraint, plan, template_tools(plan.tools) if in_template else None,
+                       "response_format" if plan is None else "tool_choice", warnings)

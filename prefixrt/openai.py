@@ -7,7 +7,8 @@
 The returned objects are real `openai.OpenAI` / `openai.AsyncOpenAI` clients; their httpx client's transport
 runs the server's own ASGI app in-process (prefixrt.server.app.create_app), so requests, responses, errors and
 streaming are exactly those of `prefixrt serve`. Streams arrive incrementally; breaking out of one aborts it.
-The `model` field of requests is not checked: whatever name the calling code uses is served by this engine.
+The `model` field of requests is not checked (the server's `--any-model-name`): whatever name the calling code
+uses is served by this engine, so code written for a vendor's model name runs unchanged.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def OpenAI(engine=None, model: str | None = None, *, api_key: str = "prefixrt", 
     """A real `openai.OpenAI` whose requests run on `engine` (or on a new Engine(model, **engine_kwargs),
     shut down when the client is closed)."""
     eng, on_close = _engine_and_owner(engine, model, engine_kwargs)
-    transport = SyncASGIStreamTransport(create_app(eng), on_close=on_close)
+    transport = SyncASGIStreamTransport(create_app(eng, any_model_name=True), on_close=on_close)
     http_client = httpx.Client(transport=transport, base_url=BASE_URL, timeout=None)
     client = _openai.OpenAI(api_key=api_key, base_url=BASE_URL, http_client=http_client, max_retries=max_retries)
     client.prefixrt_engine = eng
@@ -58,7 +59,7 @@ def AsyncOpenAI(engine=None, model: str | None = None, *, api_key: str = "prefix
                 **engine_kwargs: Any) -> _openai.AsyncOpenAI:
     """A real `openai.AsyncOpenAI` whose requests run on `engine` in the caller's event loop."""
     eng, on_close = _engine_and_owner(engine, model, engine_kwargs)
-    transport = AsyncASGIStreamTransport(create_app(eng), on_close=on_close)
+    transport = AsyncASGIStreamTransport(create_app(eng, any_model_name=True), on_close=on_close)
     http_client = httpx.AsyncClient(transport=transport, base_url=BASE_URL, timeout=None)
     client = _openai.AsyncOpenAI(api_key=api_key, base_url=BASE_URL, http_client=http_client,
                                  max_retries=max_retries)

@@ -110,6 +110,7 @@ class EngineStats:
     kv_locked: int = 0
     forward_passes_total: int = 0
     retracted_requests_total: int = 0
+    preempted_requests_total: int = 0  # of the retracted: preempted for a waiting request's first token (host tier)
     aborted_requests_total: int = 0
     cache_audits_total: int = 0  # cache hits whose K/V was recomputed and compared (cache_audit_rate)
     cache_audit_mismatches_total: int = 0  # audits that found cached K/V differing from the recomputation

@@ -124,15 +124,7 @@ class SamplingParams:
              f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
              f"got {self.repetition_penalty!r}", "repetition_penalty")
         if self.logit_bias is not None:
-            need(isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers", "logit_bias")
-            try:
-                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}  # JSON keys arrive as text
-            except (TypeError, ValueError):
-                need(False, "logit_bias keys must be token ids (integers)", "logit_bias")
-            need(all(k >= 0 for k in self.logit_bias), "logit_bias keys must be token ids >= 0", "logit_bias")
-            need(all(in_range(v, -100, 100) for v in self.logit_bias.values()),
-                 "logit_bias values must be numbers in [-100, 100]", "logit_bias")
-            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()} or None
+            self.logit_bias = checked_logit_bias(self.logit_bias) or None
         need(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
              f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}", "seed")
         if isinstance(self.stop, str):
@@ -207,6 +199,35 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+
+def checked_logit_bias(bias: Any) -> dict[int, float]:
+    """A logit_bias ({token id: bias}; ids may be JSON strings, as OpenAI sends them) -> {int id: float}.
+    Raises one InvalidRequest naming every offending key: ids must be integers >= 0 (the vocabulary bound is
+    the engine's to check), values numbers in [-100, 100] (OpenAI's range)."""
+    if not isinstance(bias, dict):
+        raise InvalidRequest("logit_bias must be an object mapping token ids to numbers", param="logit_bias")
+    out: dict[int, float] = {}
+    not_ids, bad_values = [], []
+    for k, v in bias.items():
+        try:
+            tid = int(k) if not isinstance(k, (bool, float)) else None
+        except (TypeError, ValueError):
+            tid = None
+        if tid is None or tid < 0:
+            not_ids.append(k)
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:  # NaN fails too
+            bad_values.append(f"{k!r}: {v!r}")
+        else:
+            out[tid] = float(v)
+    problems = []
+    if not_ids:
+        problems.append(f"keys that are not token ids: {', '.join(repr(k) for k in not_ids)}")
+    if bad_values:
+        problems.append(f"values outside [-100, 100] (numbers only): {', '.join(bad_values)}")
+    if problems:
+        raise InvalidRequest(f"logit_bias has {'; '.join(problems)}", param="logit_bias")
+    return out
 
 
 def _constraint_given(p: SamplingParams, name: str) -> bool:

@@ -35,7 +35,7 @@ class Req:
     params: SamplingParams
     sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
-    namespace: Any = None  # cache_salt: requests in different namespaces never share KV
+    salt: Any = None  # the request's cache_salt: requests with different salts never share KV
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     all_ids: list[int] = field(default_factory=list)  # prompt_ids + output_ids, kept in step with them
@@ -67,7 +67,7 @@ class Req:
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
     retractions: int = 0
-    # Overlap scheduling (engine/core.py): samples launched on the device and not yet read by the host
+    # Overlap scheduling (engine/loop/core.py): samples launched on the device and not yet read by the host
     num_unresolved: int = 0
     future: Any = None  # (step, row): where the last unresolved token lives on the device
     chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache

@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def underestimated_decode(monkeypatch):
     """Admission that reserves one decode token per request (its estimate far too low), so a small pool fills
     while requests decode and the scheduler must retract: the last-resort path, exercised on purpose."""
-    from prefixrt.engine.admission import DecodeEstimate
+    from prefixrt.engine.loop.admission import DecodeEstimate
 
     def remaining(self, req):
         return min(1, max(0, req.params.max_new_tokens - len(req.output_ids) - req.num_unresolved))

@@ -192,3 +192,32 @@ def test_module_map_names_every_module():
     empty_inits = {f for f in files if f.endswith("__init__.py") and not (REPO / f).read_text().strip()}
     assert sorted(files - empty_inits - table_paths) == [], "modules missing from docs/architecture.md's map"
     assert sorted(table_paths - files) == [], "docs/architecture.md's map names files that do not exist"
+
+
+def test_parallel_and_disagg_layers():
+    """Tensor parallelism and disaggregation have rows of their own: parallel/ below hub/ (the loader shards
+    through it), its rank processes above hub/, both below engine/; disagg/ above engine/ and below server/.
+    An engine module importing disagg/, or parallel/ importing the engine, is reported."""
+    rows = layer_table()
+    level = {unit: lvl for lvl, unit, _ in rows}
+    assert unit_of("prefixrt.parallel.tp_runner", rows)[1] == unit_of("prefixrt.parallel.kv_transport", rows)[1]
+    parallel, ranks = unit_of("prefixrt.parallel.layers", rows), unit_of("prefixrt.parallel.tp_worker", rows)
+    engine, disagg = unit_of("prefixrt.engine.loop.core", rows), unit_of("prefixrt.disagg.decode", rows)
+    assert parallel[0] < level["hub"] < ranks[0] < engine[0] < disagg[0] < level["server"]
+    assert unit_of("prefixrt.engine.process.client", rows) == engine
+    g = graph()
+    g["prefixrt.engine.builder"] = g["prefixrt.engine.builder"] | {"prefixrt.disagg.decode"}
+    g["prefixrt.parallel.tp_runner"] = g["prefixrt.parallel.tp_runner"] | {"prefixrt.engine.loop.core"}
+    bad = violations(g, rows)
+    assert any(b.startswith("prefixrt.engine.builder") and "prefixrt.disagg.decode" in b for b in bad), bad
+    assert any(b.startswith("prefixrt.parallel.tp_runner") and b.endswith("upward") for b in bad), bad
+
+
+def test_the_loop_does_not_know_the_process_boundary():
+    """engine/loop/ (the scheduler loop's units) imports neither engine/process/ nor the Engine or its builder:
+    the same loop runs in a thread and in the engine process."""
+    g = graph()
+    outside = {"prefixrt.engine.engine", "prefixrt.engine.builder", "prefixrt.engine.api"}
+    bad = sorted((m, d) for m, deps in g.items() if m.startswith("prefixrt.engine.loop.")
+                 for d in deps if d.startswith("prefixrt.engine.process") or d in outside)
+    assert bad == []

@@ -8,6 +8,14 @@ same run) or against a `prefixrt serve` URL; prints a table and optionally write
     prefixrt bench --workload shared-prefix --plot bench.png   # throughput + cold/hot TTFT as a picture
     prefixrt bench --workload long-context --model llama-3-8b --load-format dummy --baselines radix
 
+    prefixrt bench --program tree-of-thought --model llama-3-8b --load-format dummy --preset gpu \
+        --ablations full,no-cache,block-cache,fcfs,no-hint,no-parallel --json tot.json --plot tot.png
+    prefixrt bench --program all --preset ci --url http://127.0.0.1:30000 --ablations full,no-hint
+
+--program runs the SGLang paper's LM-program workloads (prefixrt/bench/programs/, docs/benchmarks-programs.md):
+programs/s, tokens/s, program latency, cache hit rate and the ideal hit rate of the same request trace, under each
+ablation (engine ablations need an in-process engine; over --url only full, no-hint and no-parallel run).
+
 long-context also prints the throughput of the computed (uncached) prompt tokens beside the bf16 compute
 floor (compute_floor.py; --peak-tflops, default the H200's 790).
 """
@@ -30,6 +38,17 @@ from prefixrt.default_models import BASE_MODEL
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="prefixrt bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--program", default=None,
+                    help="an LM-program workload (or 'all', or a comma list) instead of --workload: "
+                         "mmlu, hellaswag, react, generative-agents, tree-of-thought, skeleton-of-thought, "
+                         "llm-judge, json, multi-turn-short, multi-turn-long, dspy-rag")
+    ap.add_argument("--preset", default="ci", choices=["ci", "gpu"], help="--program sizes (base.py)")
+    ap.add_argument("--ablations", default="full,no-cache",
+                    help="--program: comma list of full, no-cache, block-cache, fcfs, no-hint, no-parallel")
+    ap.add_argument("--num-threads", type=int, default=64, help="--program: programs run at once")
+    ap.add_argument("--tokenizer", default=None,
+                    help="--program with --url: registry name or folder of the served model's tokenizer "
+                         "(default: the served model's name)")
     ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context", "agent"],
                     default="shared-prefix")
     ap.add_argument("--model", default=BASE_MODEL, help="registry name or local folder")
@@ -70,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-tokens", type=int, default=None)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--schedule-policy", default="lpm")
+    ap.add_argument("--prefix-cache", default="radix", choices=["radix", "block"])
     ap.add_argument("--chunked-prefill-tokens", type=int, default=8192)
     ap.add_argument("--max-running-requests", type=int, default=None)
     ap.add_argument("--host-kv-cache-tokens", type=int, default=None, help="host tier of the KV cache (tokens)")
@@ -98,6 +118,10 @@ def make_workload(args, vocab: int) -> W.Workload:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.program:
+        from prefixrt.bench.programs.cli import run_programs
+
+        return run_programs(args, argv)
     results: list[R.Result] = []
     floors: list[str] = []  # long-context: computed-token throughput beside the compute floor, per run
     meta = {"date": datetime.date.today().isoformat(), "argv": ["prefixrt", "bench", *(argv or sys.argv[1:])],
@@ -121,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                              attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                              page_size=args.page_size, schedule_policy=args.schedule_policy,
+                             prefix_cache=args.prefix_cache,
                              chunked_prefill_tokens=args.chunked_prefill_tokens,
                              max_running_requests=args.max_running_requests, seed=args.seed,
                              host_kv_cache_tokens=args.host_kv_cache_tokens,

@@ -146,3 +146,25 @@ def optimal_hit_rate(prompts: list[list[int]]) -> float:
                 nodes += 1
             cur = nxt
     return (total - nodes) / total if total else 0.0
+
+
+def ideal_hit_rate(requests: list[tuple[list[int], list[int], int]]) -> float:
+    """Hit rate of an ideal cache over a request trace in submission order: each request (prompt ids, output ids,
+    reuse cap) reuses the longest prefix of its prompt that any earlier request computed (its prompt, or its
+    prompt plus all but the last of its output tokens, whose K/V an engine computes while decoding), at most
+    `reuse cap` tokens (an engine recomputes at least the last prompt token). A cache that never evicts and
+    matches token by token reaches it; the offline optimum of the paper's hit-rate comparison."""
+    trie: dict = {}
+    hits = total = 0
+    for prompt, output, cap in requests:
+        total += len(prompt)
+        node, depth = trie, 0
+        for t in prompt:
+            nxt = node.get(t)
+            if nxt is None:
+                break
+            node, depth = nxt, depth + 1
+        hits += max(0, min(depth, cap))
+        for t in (prompt + output[:-1])[depth:]:
+            node = node.setdefault(t, {})
+    return hits / total if total else 0.0

@@ -1,4 +1,5 @@
-"""The prefix-cache contract. RadixCache is the real one; NoReuseCache is the null one (radix_cache=False).
+"""The prefix-cache contract. RadixCache is the real one; BlockCache (block.py) the hash-block baseline;
+NoReuseCache is the null one (radix_cache=False).
 
 Ownership: slots handed to `insert` belong to the cache afterwards (it frees them through the allocator on
 eviction). Slots returned by `match_prefix` stay the cache's; a caller that uses them must `lock` the match
@@ -31,8 +32,14 @@ class PrefixCache(ABC):
     retains: bool  # False: nothing is ever kept (the no-reuse ablation)
     supports_insert_below = False  # RadixCache: insert_below, the walk from a locked node (kv_manager.cache_unfinished)
 
+    @property
+    def align_tokens(self) -> int:
+        """Cached prefixes are whole multiples of this many tokens (a multiple of page_size): matches have such
+        lengths and insert keeps only such a prefix. The page size, unless the cache stores larger units."""
+        return self.page_size
+
     @abstractmethod
-    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
         """Longest cached page-aligned prefix of tokens[:max_len]. Read-only for the tree's structure; it
         refreshes the recency of every node on the matched path."""
 
@@ -46,7 +53,7 @@ class PrefixCache(ABC):
         """Undo one lock. The slots become evictable once no lock covers them."""
 
     @abstractmethod
-    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
+    def insert(self, tokens: list[int], slots: list[int], salt: Any = None) -> int:
         """Offer tokens[:n] (n = len(tokens) rounded down to a page) with their slots. Returns how many leading
         tokens were already cached: the caller keeps ownership of slots[:that] (free them if they were private
         duplicates); the cache takes ownership of slots[that:n]."""

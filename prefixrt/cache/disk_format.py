@@ -4,11 +4,11 @@ Layout (little-endian):
     MAGIC (8 bytes) | header length (u32) | header JSON, space-padded so the K/V starts 64-byte aligned |
     token ids [0, end) (int64) | K [layers, end - start, kv_heads, head_dim] | V (same) | checksum (16 bytes,
     BLAKE2b of everything before it)
-The header names the engine identity (model revision and weights, dtype, K/V shape), the namespace
+The header names the engine identity (model revision and weights, dtype, K/V shape), the salt
 (cache_salt), start and end. Invariants:
 - Written atomically: a temporary file in the same directory, renamed into place once complete.
 - A read is usable only if the size, the checksum and the header all check out, the header is this engine's
-  (identity, namespace), and the stored token ids [0, start) equal the request's; then exactly the page-aligned
+  (identity, salt), and the stored token ids [0, start) equal the request's; then exactly the page-aligned
   part of [start, end) whose tokens equal the request's is returned. Nothing here trusts a hash.
 """
 
@@ -64,9 +64,10 @@ class KVFileFormat:
         self.page_size = page_size
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def header(self, namespace: Any, start: int, end: int) -> dict:
+    def header(self, salt: Any, start: int, end: int) -> dict:
         layers, heads, dim = self.shape
-        return {"identity": self.identity, "namespace": namespace, "start": start, "end": end, "layers": layers,
+        # "namespace": the file format's name for the cache_salt (kept: files written before stay readable)
+        return {"identity": self.identity, "namespace": salt, "start": start, "end": end, "layers": layers,
                 "kv_heads": heads, "head_dim": dim, "dtype": str(self.dtype).removeprefix("torch.")}
 
     def read_header(self, f, size: int) -> tuple[dict, list[int], int] | None:
@@ -97,10 +98,10 @@ class KVFileFormat:
             raise Damaged("truncated token ids")
         return hdr, array.array("q", raw).tolist(), kv_off
 
-    def write(self, directory: Path, name: str, namespace: Any, tokens: list[int], start: int, k: torch.Tensor,
+    def write(self, directory: Path, name: str, salt: Any, tokens: list[int], start: int, k: torch.Tensor,
               v: torch.Tensor) -> int:
         """Write the segment [start, len(tokens)) atomically as directory/name; returns the file's size."""
-        hdr = json.dumps(self.header(namespace, start, len(tokens))).encode()
+        hdr = json.dumps(self.header(salt, start, len(tokens))).encode()
         pad = -(len(MAGIC) + 4 + len(hdr)) % _ALIGN  # tokens are 8 bytes each: the K/V starts aligned too
         hdr += b" " * pad
         parts = [MAGIC, struct.pack("<I", len(hdr)), hdr, token_bytes(tokens),
@@ -117,8 +118,8 @@ class KVFileFormat:
         os.replace(tmp, directory / name)
         return (directory / name).stat().st_size
 
-    def read(self, path: Path, namespace: Any, ids: list[int], cap: int, pos: int) -> tuple[Segment | str | None, int]:
-        """Read and verify the file at path for a request (ids, namespace) whose match ends at pos; use at most
+    def read(self, path: Path, salt: Any, ids: list[int], cap: int, pos: int) -> tuple[Segment | str | None, int]:
+        """Read and verify the file at path for a request (ids, salt) whose match ends at pos; use at most
         ids[:cap]. Returns (what, bytes read): a Segment; a reason string (never used, not damaged); None (gone,
         or no whole page in common). Raises Damaged."""
         try:
@@ -133,8 +134,8 @@ class KVFileFormat:
         if hashlib.blake2b(memoryview(data)[:-_SUM_BYTES], digest_size=_SUM_BYTES).digest() != data[-_SUM_BYTES:]:
             raise Damaged("failed its checksum")
         parsed = self.read_header(io.BytesIO(data), size)
-        if parsed is None or parsed[0]["namespace"] != namespace:
-            return "belongs to another model revision or namespace (hash collision)", size
+        if parsed is None or parsed[0]["namespace"] != salt:
+            return "belongs to another model revision or cache_salt (hash collision)", size
         hdr, tokens, kv_off = parsed
         start, end = hdr["start"], hdr["end"]
         if start != pos or tokens[:start] != ids[:start]:

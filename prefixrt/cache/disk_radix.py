@@ -34,7 +34,7 @@ class DiskTieredRadixCache(TieredRadixCache):
     def __init__(self, *args, disk: DiskKVStore, **kwargs):
         super().__init__(*args, **kwargs)
         self.disk = disk
-        self._held: list = []  # (marker, host slots, namespace, path tokens [0, end), start), FIFO order
+        self._held: list = []  # (marker, host slots, salt, path tokens [0, end), start), FIFO order
         self._held_tokens = 0
         self._spill_off = False  # flush(): copies leaving the host tier are dropped, not written
 
@@ -47,8 +47,8 @@ class DiskTieredRadixCache(TieredRadixCache):
         return [t for key in reversed(parts) for t in key]
 
     def _host_copy_dropped(self, node, slots: list[int]) -> None:
-        ns = self._ns_of(node)
-        if self._spill_off or not self.disk.storable(ns):
+        salt = self._salt_of(node)
+        if self._spill_off or not self.disk.storable(salt):
             self._free_host(slots)
             return
         if not self.disk.offer_ok(len(slots)):  # the disk is behind: this copy is dropped, not queued
@@ -56,12 +56,12 @@ class DiskTieredRadixCache(TieredRadixCache):
             self._free_host(slots)
             return
         tokens = self._path_tokens(node)
-        if self.disk.has(ns, tokens):
+        if self.disk.has(salt, tokens):
             self._free_host(slots)
             return
         self._host_cached -= len(slots)
         self._held_tokens += len(slots)
-        self._held.append((self.transfer.marker(), list(slots), ns, tokens, len(tokens) - len(node.key)))
+        self._held.append((self.transfer.marker(), list(slots), salt, tokens, len(tokens) - len(node.key)))
 
     @property
     def host_held_tokens(self) -> int:
@@ -72,14 +72,14 @@ class DiskTieredRadixCache(TieredRadixCache):
         free their host slots; then apply the disk's finished writes to its index (loop thread)."""
         keep = []
         for rec in self._held:
-            mark, slots, ns, tokens, start = rec
+            mark, slots, salt, tokens, start = rec
             if wait:
                 mark.wait()
             if keep or not mark.query():  # FIFO: a later mark cannot pass before an earlier one
                 keep.append(rec)
                 continue
             k, v = self.host.read(slots)
-            self.disk.write(ns, tokens, start, k, v)  # [layers, n, kv_heads, head_dim]; skipped if the queue is full
+            self.disk.write(salt, tokens, start, k, v)  # [layers, n, kv_heads, head_dim]; skipped if the queue is full
             self._held_tokens -= len(slots)
             self._return_host_slots(slots)
         self._held = keep
@@ -95,9 +95,9 @@ class DiskTieredRadixCache(TieredRadixCache):
         return got
 
     # ------------------------------------------------------------------ disk -> host
-    def _walk(self, namespace, tokens: list[int], limit: int):
+    def _walk(self, salt, tokens: list[int], limit: int):
         """Read-only: (matched tokens, last node, tokens of it matched) of tokens[:limit]; node None: no root."""
-        root = self._roots.get(namespace)
+        root = self._roots.get(salt)
         if root is None:
             return 0, None, 0
         node, pos = root, 0
@@ -112,13 +112,13 @@ class DiskTieredRadixCache(TieredRadixCache):
             node = child
         return pos, node, len(node.key)
 
-    def attach_from_disk(self, namespace, ids: list[int], fetch: Fetch) -> int:
+    def attach_from_disk(self, salt, ids: list[int], fetch: Fetch) -> int:
         """Insert a finished fetch's verified segments as host-only nodes where the tree holds exactly the
         tokens before them. Returns the tokens attached (counted as disk hits)."""
         attached = 0
         for seg in fetch.segments:
             start, end, k, v = seg.start, seg.end, seg.k, seg.v
-            pos, node, off = self._walk(namespace, ids, end)
+            pos, node, off = self._walk(salt, ids, end)
             if pos < start:
                 break  # the path to the segment left the tree meanwhile
             if pos >= end:
@@ -126,13 +126,13 @@ class DiskTieredRadixCache(TieredRadixCache):
             host = self._alloc_host(end - pos)
             if host is None:
                 break
-            if self._walk(namespace, ids, end) != (pos, node, off):  # making room changed the path
+            if self._walk(salt, ids, end) != (pos, node, off):  # making room changed the path
                 self._return_host_slots(host)
                 break
             self.transfer.barrier()
             self.host.write(host, k[:, pos - start:], v[:, pos - start:])  # k, v: [layers, end - start, kvh, d]
             if node is None:
-                node = self._roots[namespace] = _TNode([], [], None, 0)
+                node = self._roots[salt] = _TNode([], [], None, 0)
             elif off < len(node.key):
                 node = self._split(node, off)
             new = _TNode(list(ids[pos:end]), None, node, next(self._clock), host)
@@ -164,16 +164,16 @@ class DiskTieredRadixCache(TieredRadixCache):
         self.transfer.barrier()
         pool = self.transfer.pool
         for node in list(self._iter_nodes()):  # parents before children
-            ns = self._ns_of(node)
+            salt = self._salt_of(node)
             tokens = self._path_tokens(node)
-            if not self.disk.storable(ns) or self.disk.has(ns, tokens):
+            if not self.disk.storable(salt) or self.disk.has(salt, tokens):
                 continue
             if node.host_slots is not None:
                 k, v = self.host.read(node.host_slots)
             else:
                 idx = torch.tensor(node.slots, dtype=torch.int64, device=pool.device)
                 k, v = pool.k_all.index_select(1, idx).cpu(), pool.v_all.index_select(1, idx).cpu()
-            if self.disk.write(ns, tokens, len(tokens) - len(node.key), k, v, block=True):
+            if self.disk.write(salt, tokens, len(tokens) - len(node.key), k, v, block=True):
                 written += len(node.key)
         self.disk.flush()
         if written:

@@ -1,11 +1,11 @@
 """DiskKVStore: the disk tier of the KV cache, one file per radix segment, with its index and its own LRU.
 
 A file (disk_format.py) holds one segment [start, end) of a cached prefix: the prefix's token ids [0, end), the
-K/V of positions [start, end), a checksum. Its name is a hash of (engine identity, namespace, token ids [0, end));
+K/V of positions [start, end), a checksum. Its name is a hash of (engine identity, salt, token ids [0, end));
 the index finds segments by the hash of the tokens *before* them plus their first page of tokens, so a chain of
 segments rebuilds a long prefix. Invariants:
 - A hit never trusts a hash: the lookup only proposes files; the reader (KVFileFormat.read) verifies size,
-  checksum, identity, namespace and every token id before anything is used. A damaged file is deleted.
+  checksum, identity, salt and every token id before anything is used. A damaged file is deleted.
 - The index and the LRU belong to the loop thread. File I/O (writes, reads, deletes) runs on one worker thread;
   its results come back through a queue that `poll()` applies on the loop thread.
 - Start-up scans the directory and rebuilds the index from the files' headers (the K/V is not read), so a
@@ -45,8 +45,8 @@ def _digest(h) -> str:
 @dataclass
 class _Entry:
     name: str  # file name in the directory
-    key: str  # hash of (identity, namespace, tokens[:end])
-    start_key: str  # hash of (identity, namespace, tokens[:start])
+    key: str  # hash of (identity, salt, tokens[:end])
+    start_key: str  # hash of (identity, salt, tokens[:start])
     head: tuple  # tokens[start:start + page_size]
     start: int
     end: int
@@ -59,7 +59,7 @@ class Fetch:
     `segments` (disk_format.Segment: the usable, verified part of each file, in order); `rejected`
     [(entry, reason, damaged)]. `done` is set when the worker is through."""
 
-    namespace: Any
+    salt: Any
     ids: list[int]
     start: int
     cap: int
@@ -112,24 +112,24 @@ class DiskKVStore:
         return len(self._lru)
 
     # ------------------------------------------------------------------ keys
-    def _base(self, namespace) -> Any:
+    def _base(self, salt) -> Any:
         h = hashlib.blake2b(digest_size=16)
-        h.update(self.identity.encode() + b"\0" + json.dumps(namespace).encode() + b"\0")
+        h.update(self.identity.encode() + b"\0" + json.dumps(salt).encode() + b"\0")
         return h
 
-    def key_of(self, namespace, tokens) -> str:
-        h = self._base(namespace)
+    def key_of(self, salt, tokens) -> str:
+        h = self._base(salt)
         h.update(token_bytes(tokens))
         return _digest(h)
 
     @staticmethod
-    def storable(namespace) -> bool:
-        return namespace is None or isinstance(namespace, str)
+    def storable(salt) -> bool:
+        return salt is None or isinstance(salt, str)
 
     # ------------------------------------------------------------------ the loop thread's side
-    def has(self, namespace, tokens) -> bool:
+    def has(self, salt, tokens) -> bool:
         """Whether a segment ending with exactly these tokens is on disk or being written (its LRU refreshed)."""
-        key = self.key_of(namespace, tokens)
+        key = self.key_of(salt, tokens)
         name = self._by_key.get(key)
         if name is not None:
             self._lru.move_to_end(name)
@@ -141,11 +141,11 @@ class DiskKVStore:
         with self._lock:
             return self._pending_bytes + num_tokens * self.bytes_per_token <= self.max_pending_bytes
 
-    def write(self, namespace, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor,
+    def write(self, salt, tokens: list[int], start: int, k: torch.Tensor, v: torch.Tensor,
               block: bool = False) -> bool:
         """Queue a segment for writing: tokens = the prefix [0, end), k/v [layers, end - start, heads, dim] (the
         store owns them now). block=False: skipped (False) when the queue is full; True: waits for room."""
-        if not self.storable(namespace):
+        if not self.storable(salt):
             return False
         n = len(tokens) - start
         nbytes = n * self.bytes_per_token
@@ -154,22 +154,22 @@ class DiskKVStore:
                 self.write_skipped_total += 1
                 return False
             time.sleep(0.005)
-        key = self.key_of(namespace, tokens)
-        start_key = self.key_of(namespace, tokens[:start])
+        key = self.key_of(salt, tokens)
+        start_key = self.key_of(salt, tokens[:start])
         with self._lock:
             self._pending_bytes += nbytes
         self._pending_keys.add(key)
         self._jobs.put(("write", _Entry(f"{key}{SUFFIX}", key, start_key, tuple(tokens[start:start + self.page_size]),
-                                        start, len(tokens), 0), namespace, list(tokens), k, v, nbytes))
+                                        start, len(tokens), 0), salt, list(tokens), k, v, nbytes))
         return True
 
-    def lookup(self, namespace, ids: list[int], start: int, cap: int) -> list[_Entry]:
+    def lookup(self, salt, ids: list[int], start: int, cap: int) -> list[_Entry]:
         """The chain of segments that may extend a match ending at `start` (page-aligned) of ids[:cap]: read-only
         but for recency. Hash-based: the reader verifies every token before anything is used."""
-        if not self.storable(namespace) or start >= cap:
+        if not self.storable(salt) or start >= cap:
             return []
         ps = self.page_size
-        h = self._base(namespace)
+        h = self._base(salt)
         h.update(token_bytes(ids[:start]))
         chain, pos = [], start
         while pos + ps <= cap:
@@ -193,9 +193,9 @@ class DiskKVStore:
             pos, h = best.end, best_h
         return chain
 
-    def fetch(self, namespace, ids: list[int], start: int, cap: int, entries: list[_Entry]) -> Fetch:
+    def fetch(self, salt, ids: list[int], start: int, cap: int, entries: list[_Entry]) -> Fetch:
         """Read (on the worker) the chain `entries` for ids[:cap] from `start`; poll f.done."""
-        f = Fetch(namespace, list(ids[:cap]), start, cap, entries)
+        f = Fetch(salt, list(ids[:cap]), start, cap, entries)
         self._jobs.put(("read", f))
         return f
 
@@ -307,8 +307,8 @@ class DiskKVStore:
             if parsed is None:  # another identity's file, or a page size this engine cannot use
                 continue
             hdr, tokens, _ = parsed
-            ns, start, end = hdr["namespace"], hdr["start"], hdr["end"]
-            e = _Entry(name, self.key_of(ns, tokens), self.key_of(ns, tokens[:start]),
+            salt, start, end = hdr["namespace"], hdr["start"], hdr["end"]
+            e = _Entry(name, self.key_of(salt, tokens), self.key_of(salt, tokens[:start]),
                        tuple(tokens[start:start + self.page_size]), start, end, st.st_size)
             found.append((st.st_mtime, e))
         for _, e in sorted(found, key=lambda t: t[0]):
@@ -321,7 +321,7 @@ class DiskKVStore:
 
     def _read_segment(self, f: Fetch, e: _Entry, pos: int):
         """One file of a fetch (worker thread): KVFileFormat.read (tests wrap this to slow reads down)."""
-        return self.format.read(self.dir / e.name, f.namespace, f.ids, f.cap, pos)
+        return self.format.read(self.dir / e.name, f.salt, f.ids, f.cap, pos)
 
     # ------------------------------------------------------------------ the worker
     def _work(self) -> None:
@@ -332,10 +332,10 @@ class DiskKVStore:
             kind = job[0]
             try:
                 if kind == "write":
-                    _, entry, namespace, tokens, k, v, nbytes = job
+                    _, entry, salt, tokens, k, v, nbytes = job
                     t0 = time.perf_counter()
                     try:
-                        entry.nbytes = self.format.write(self.dir, entry.name, namespace, tokens, entry.start, k, v)
+                        entry.nbytes = self.format.write(self.dir, entry.name, salt, tokens, entry.start, k, v)
                         self._done.put(("written", entry, time.perf_counter() - t0))
                     except OSError as e:
                         log.warning("KV disk tier: writing %s failed: %s", entry.name, e)

@@ -143,7 +143,7 @@ class KVManager:
 
     def match(self, req: Req) -> MatchResult:
         """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
-        return self.cache.match_prefix(req.all_ids, req.namespace, max_len=self._reuse_cap(req))
+        return self.cache.match_prefix(req.all_ids, req.salt, max_len=self._reuse_cap(req))
 
     def disk_ready(self, req: Req, m: MatchResult) -> bool:
         """Admission check of the disk tier (True without one). If the disk holds the continuation of req's match
@@ -156,21 +156,21 @@ class KVManager:
             if not look.done.is_set():
                 return False
             self.disk.finish_fetch(look)
-            self.tiered.attach_from_disk(req.namespace, req.all_ids, look)
+            self.tiered.attach_from_disk(req.salt, req.all_ids, look)
             m = self.match(req)
             req.disk_lookup = m.length + m.host_length  # (a segment only partly read: the rest is recomputed)
             return True
         end = m.length + m.host_length
         if look == end:
             return True
-        entries = self.disk.lookup(req.namespace, req.all_ids, end, self._reuse_cap(req))
+        entries = self.disk.lookup(req.salt, req.all_ids, end, self._reuse_cap(req))
         if not entries:
             req.disk_lookup = end
             return True
         for f in self._fetches:  # another request reads the same file for the same position: wait for it to attach
-            if f.namespace == req.namespace and f.start == end and f.entries[0].name == entries[0].name:
+            if f.salt == req.salt and f.start == end and f.entries[0].name == entries[0].name:
                 return False
-        req.disk_lookup = self.disk.fetch(req.namespace, req.all_ids, end, self._reuse_cap(req), entries)
+        req.disk_lookup = self.disk.fetch(req.salt, req.all_ids, end, self._reuse_cap(req), entries)
         self._fetches.append(req.disk_lookup)
         return False
 
@@ -240,7 +240,7 @@ class KVManager:
             handle = self._load_host_part(m)
             if handle is not None:
                 self.prefetch_misses_total += 1
-                m = cache.match_prefix(req.all_ids, req.namespace, max_len=end)  # the locked path, now on the pool
+                m = cache.match_prefix(req.all_ids, req.salt, max_len=end)  # the locked path, now on the pool
                 assert m.length == end and m.handle is handle, "load_back did not make the locked path pool-resident"
                 cache.record_hit(handle)
                 return m, handle
@@ -335,7 +335,7 @@ class KVManager:
                 raise AssertionError(f"KV page {p} reused while a {t.kind} copy into/out of it is pending")
 
     # ------------------------------------------------------------------ K/V written by another engine
-    def begin_receive(self, tokens: list[int], namespace: Any) -> IncomingKV | None:
+    def begin_receive(self, tokens: list[int], salt: Any) -> IncomingKV | None:
         """Pages for K/V another engine will write into this pool: positions [start, n) of tokens, n = len(tokens)
         rounded down to a page, start = what the prefix cache already holds (that path stays locked until the
         receive ends). The pages are private to the receive and tracked by its Transfer (kind "receive"), whose
@@ -345,7 +345,7 @@ class KVManager:
         n = len(tokens) // ps * ps
         if not self.cache.retains or n == 0:
             return None
-        m = self.cache.match_prefix(tokens, namespace, max_len=n)
+        m = self.cache.match_prefix(tokens, salt, max_len=n)
         if m.length >= n:
             return None
         handle = self.cache.lock(m)
@@ -357,7 +357,7 @@ class KVManager:
         if self.debug:
             self._check_no_copy_pending(pages)
         slots = pages_to_slots(pages, ps)
-        inc = IncomingKV(tokens=list(tokens[:n]), namespace=namespace, start=m.length, prefix_slots=list(m.slots),
+        inc = IncomingKV(tokens=list(tokens[:n]), salt=salt, start=m.length, prefix_slots=list(m.slots),
                          pages=pages, slots=slots, handle=handle,
                          transfer=Transfer("receive", self.pool.num_layers, len(slots), cuda=False))
         self.track(inc.transfer, slots)
@@ -372,7 +372,7 @@ class KVManager:
         for p in inc.pages:
             if self._copying.get(p) is inc.transfer:
                 del self._copying[p]
-        existing = self.cache.insert(inc.tokens, inc.prefix_slots + inc.slots, inc.namespace)
+        existing = self.cache.insert(inc.tokens, inc.prefix_slots + inc.slots, inc.salt)
         ps = self.page_size
         dup = max(0, existing - inc.start) // ps
         self._free_pages(inc.pages[:dup])
@@ -491,7 +491,8 @@ class KVManager:
         ps = self.page_size
         # Only tokens the host knows are published (a request that failed before its last token was read
         # has K/V past all_ids: the tree must never hold K/V under a token it cannot name).
-        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // ps * ps
+        align = self.cache.align_tokens  # a block cache keeps whole blocks only: the rest stays private
+        n = min(req.kv_len if upto is None else min(upto, req.kv_len), len(req.all_ids)) // align * align
         if n <= req.cached_len:
             return
         tokens = req.all_ids[:n]
@@ -501,8 +502,8 @@ class KVManager:
             existing, have, m = self.cache.insert_below(req.cache_handle, start, tokens,
                                                         self.slots_of(req, start, n))
         else:
-            existing = self.cache.insert(tokens, self.slots_of(req, 0, n), req.namespace)
-            m = self.cache.match_prefix(tokens, req.namespace)
+            existing = self.cache.insert(tokens, self.slots_of(req, 0, n), req.salt)
+            m = self.cache.match_prefix(tokens, req.salt)
             have = m.slots[start:existing]
         assert m.length == n, f"inserted {n} tokens but matched {m.length}"
         if existing > start:
@@ -528,7 +529,7 @@ class KVManager:
         self._forget_prefix_row(req.row)
         fence = self.write_fence
         if fence is not None and not fence.query():
-            held = _HeldKV(all_ids=req.all_ids[: req.kv_len], namespace=req.namespace, row=req.row,
+            held = _HeldKV(all_ids=req.all_ids[: req.kv_len], salt=req.salt, row=req.row,
                            pages=req.pages, kv_len=req.kv_len, cached_len=req.cached_len,
                            cache_handle=req.cache_handle, to_host=to_host)
             self._running[req.row] = held
@@ -647,7 +648,7 @@ class _HeldKV:
     _release_now and cache_unfinished read)."""
 
     all_ids: list[int]
-    namespace: Any
+    salt: Any
     row: int
     pages: list[int]
     kv_len: int
@@ -662,7 +663,7 @@ class IncomingKV:
     tokens go to `slots`; positions [0, start) were already cached here (prefix_slots, locked by handle)."""
 
     tokens: list[int]
-    namespace: Any
+    salt: Any
     start: int
     prefix_slots: list[int]
     pages: list[int]

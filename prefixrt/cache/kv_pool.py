@@ -85,6 +85,11 @@ class KVPool:
         data = torch.cat((self.k_scales, self.v_scales)).cpu().numpy().tobytes()
         return hashlib.sha256(data).hexdigest()[:16]
 
+    def close(self) -> None:
+        """Free the K/V tensors (the pool is unusable afterwards)."""
+        self.k_buffers, self.v_buffers = [], []
+        self.k_all = self.v_all = None
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -15,7 +15,7 @@ class NoReuseCache(PrefixCache):
         self.allocator = allocator
         self.page_size = allocator.page_size
 
-    def match_prefix(self, tokens, namespace: Any = None, max_len=None) -> MatchResult:
+    def match_prefix(self, tokens, salt: Any = None, max_len=None) -> MatchResult:
         return MatchResult(0, [])
 
     def lock(self, match: MatchResult):
@@ -24,7 +24,7 @@ class NoReuseCache(PrefixCache):
     def unlock(self, handle) -> None:
         return None
 
-    def insert(self, tokens, slots, namespace: Any = None) -> int:
+    def insert(self, tokens, slots, salt: Any = None) -> int:
         n = len(tokens) // self.page_size * self.page_size
         self.allocator.free_slots(list(slots[:n]))
         return 0

@@ -3,7 +3,7 @@
 Invariants (docs/design.md): matches compare tokens, never hashes; a lookup never changes the tree's shape (only
 lock, insert and evict split nodes); every node on a matched path has its recency refreshed; only unlocked leaves
 are evicted (a long one may lose only its tail: EVICT_MIN_TOKENS), least recently used first, from an incremental heap (lazy deletion, compacted when stale
-entries outnumber live ones); each namespace (cache_salt) has its own root.
+entries outnumber live ones); each cache_salt has its own root.
 Keys are page-aligned: every node holds a whole number of pages.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.base import MatchResult, PrefixCache
 
-_ANY = object()  # _evict_lru: leaves of any namespace
+_ANY = object()  # _evict_lru: leaves of any salt
 # Eviction takes whole leaves, except that a leaf longer than what is needed plus this gives up only its tail of
 # max(needed, this) tokens: a session's context evicted to make room for a few pages keeps its head as a hit.
 EVICT_MIN_TOKENS = 512
@@ -81,8 +81,8 @@ class RadixCache(PrefixCache):
         self.version = 0
         self.on_evict = on_evict  # optional callback(slots) before slots are freed (debug poisoning)
         self.salt_quota: int | None = None  # set_salt_quota
-        self._ns_tokens: dict = {}  # namespace -> its pool tokens in the tree (namespaces holding none left out)
-        self.salt_counters = None  # SaltCounters (KVManager's): pool evictions per namespace
+        self._salt_tokens: dict = {}  # salt -> its pool tokens in the tree (salts holding none left out)
+        self.salt_counters = None  # SaltCounters (KVManager's): pool evictions per salt
 
     # ------------------------------------------------------------------ helpers
     def _page_key(self, tokens: list[int], pos: int) -> tuple[int, ...]:
@@ -128,8 +128,8 @@ class RadixCache(PrefixCache):
         return upper
 
     # ------------------------------------------------------------------ contract
-    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
-        root = self._roots.get(namespace)
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
+        root = self._roots.get(salt)
         limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
         if root is None or limit == 0:
             return MatchResult(0, [], None, 0, self.version)
@@ -200,27 +200,38 @@ class RadixCache(PrefixCache):
             node = node.parent
         return total
 
-    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
+    def insert(self, tokens: list[int], slots: list[int], salt: Any = None) -> int:
         n_total = self._align(len(tokens))
         if n_total == 0:
             return 0
-        root = self._roots.get(namespace)
+        root = self._roots.get(salt)
         if root is None:
-            root = self._roots[namespace] = _Node([], [], None, 0)
+            root = self._roots[salt] = self._node_class([], [], None, 0)
         tick = next(self._clock)
-        node, pos = root, 0
+        node, pos, existing = root, 0, None  # existing: where the caller's slots were first taken (see _adopt)
         while pos < n_total:
             child = node.children.get(self._page_key(tokens, pos))
             if child is None:
-                self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick)
-                return pos
+                self._inserted_leaf(self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick))
+                return pos if existing is None else existing
             n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
             if n < len(child.key):
                 child = self._split(child, n)
+            if self._adopt(child, slots[pos: pos + n]) and existing is None:
+                existing = pos
             self._touch(child, tick)
             pos += n
             node = child
-        return pos
+        return pos if existing is None else existing
+
+    def _inserted_leaf(self, node: _Node) -> None:
+        """Hook: insert() created this leaf (a tiered cache may copy it to its host tier)."""
+
+    def _adopt(self, node: _Node, slots: list[int]) -> bool:
+        """Hook: insert() walks through node, which it matched in full; True if node took the caller's slots
+        (a tiered cache's host-only node). The caller's slots past that point are the cache's then, which insert's
+        answer says by stopping the count of tokens already cached there."""
+        return False
 
     def insert_below(self, handle: _Node, start: int, tokens: list[int], slots: list[int]
                      ) -> tuple[int, list[int], MatchResult]:
@@ -253,24 +264,24 @@ class RadixCache(PrefixCache):
 
     def evict(self, num_tokens: int) -> int:
         freed = 0
-        if self.salt_quota is not None:  # namespaces over their quota give up their own LRU leaves first
-            for ns, used in list(self._ns_tokens.items()):
+        if self.salt_quota is not None:  # salts over their quota give up their own LRU leaves first
+            for salt, used in list(self._salt_tokens.items()):
                 if used > self.salt_quota and freed < num_tokens:
-                    freed += self._evict_lru(min(used - self.salt_quota, num_tokens - freed), ns)
+                    freed += self._evict_lru(min(used - self.salt_quota, num_tokens - freed), salt)
         freed += self._evict_lru(num_tokens - freed, _ANY)
         if len(self._heap) > 4 * self._num_nodes + 64:
             self._compact_heap()
         return freed
 
-    def _evict_lru(self, num_tokens: int, namespace) -> int:
-        """Evict LRU leaves (of `namespace` only, unless _ANY) until num_tokens are freed or none is left."""
+    def _evict_lru(self, num_tokens: int, salt) -> int:
+        """Evict LRU leaves (of `salt` only, unless _ANY) until num_tokens are freed or none is left."""
         freed, others = 0, []
         while freed < num_tokens and self._heap:
             entry = heapq.heappop(self._heap)
             tick, _, node = entry
             if not self._evictable_entry(node, tick):
                 continue  # stale entry: the node was touched, locked, grew children, or is gone
-            if namespace is not _ANY and self._ns_of(node) != namespace:
+            if salt is not _ANY and self._salt_of(node) != salt:
                 others.append(entry)
                 continue
             keep = len(node.key) - max(self._align(num_tokens - freed + self.page_size - 1), EVICT_MIN_TOKENS)
@@ -303,14 +314,14 @@ class RadixCache(PrefixCache):
             self._push_if_evictable_leaf(parent)
         return len(node.key)
 
-    # ------------------------------------------------------------------ per-namespace quota
+    # ------------------------------------------------------------------ per-salt quota
     def set_salt_quota(self, tokens: int | None) -> None:
-        """Cap on the pool tokens one namespace (cache_salt) keeps once memory is short: when eviction is
-        needed, namespaces over it lose their own LRU leaves first (max_cached_fraction_per_salt)."""
+        """Cap on the pool tokens one cache_salt keeps once memory is short: when eviction is
+        needed, salts over it lose their own LRU leaves first (max_cached_fraction_per_salt)."""
         self.salt_quota = tokens
-        self._ns_tokens = {}
-        for ns, root in self._roots.items():
-            self._ns_tokens[ns] = sum(len(n.key) for n in self._subtree(root) if n is not root and n.slots is not None)
+        self._salt_tokens = {}
+        for salt, root in self._roots.items():
+            self._salt_tokens[salt] = sum(len(n.key) for n in self._subtree(root) if n is not root and n.slots is not None)
 
     def _subtree(self, node: _Node):
         stack = [node]
@@ -319,38 +330,38 @@ class RadixCache(PrefixCache):
             yield n
             stack.extend(n.children.values())
 
-    def _ns_of(self, node: _Node):
+    def _salt_of(self, node: _Node):
         while node.parent is not None:
             node = node.parent
-        for ns, root in self._roots.items():
+        for salt, root in self._roots.items():
             if root is node:
-                return ns
+                return salt
         return _ANY
 
     def _count(self, node: _Node, delta: int) -> None:
-        """Pool tokens of node's namespace change by delta."""
+        """Pool tokens of node's salt change by delta."""
         if delta:
-            ns = self._ns_of(node)
-            left = self._ns_tokens.get(ns, 0) + delta
+            salt = self._salt_of(node)
+            left = self._salt_tokens.get(salt, 0) + delta
             if left:
-                self._ns_tokens[ns] = left
+                self._salt_tokens[salt] = left
             else:
-                self._ns_tokens.pop(ns, None)
+                self._salt_tokens.pop(salt, None)
 
     def _count_eviction(self, node: _Node, num_tokens: int) -> None:
         if self.salt_counters is not None:
-            self.salt_counters.add(self._ns_of(node), "evicted_tokens_total", num_tokens)
+            self.salt_counters.add(self._salt_of(node), "evicted_tokens_total", num_tokens)
 
     def _check_salt_counts(self) -> None:
-        for ns, root in self._roots.items():
+        for salt, root in self._roots.items():
             want = sum(len(n.key) for n in self._subtree(root) if n is not root and n.slots is not None)
-            assert self._ns_tokens.get(ns, 0) == want, f"namespace count {self._ns_tokens.get(ns)} != {want}"
-        for ns, used in self._ns_tokens.items():
-            assert ns in self._roots or used == 0, "a namespace without a tree still counts tokens"
+            assert self._salt_tokens.get(salt, 0) == want, f"salt count {self._salt_tokens.get(salt)} != {want}"
+        for salt, used in self._salt_tokens.items():
+            assert salt in self._roots or used == 0, "a salt without a tree still counts tokens"
 
     def salt_usage(self) -> dict:
-        """Pool tokens cached per namespace (namespaces holding none are left out)."""
-        return dict(self._ns_tokens)
+        """Pool tokens cached per salt (salts holding none are left out)."""
+        return dict(self._salt_tokens)
 
     def _compact_heap(self) -> None:
         live = [(n.last_access, n.id, n) for n in self._iter_nodes() if n.lock_ref == 0 and not n.children]
@@ -372,7 +383,7 @@ class RadixCache(PrefixCache):
     def largest_prefixes(self, max_nodes: int = 40, head_tokens: int = 12) -> list[dict]:
         """The biggest cached subtrees as a pruned tree, for display (read-only: no recency, no splits).
 
-        One entry per namespace root that holds tokens: {"namespace": None or "salted", "tokens": its cached
+        One entry per salt root that holds tokens: {"namespace": None or "salted", "tokens": its cached
         tokens, "children": [...]}. A node entry: {"tokens": len(its key), "prefix_tokens": tokens from the
         root to its end, "subtree_tokens": its tokens plus its descendants', "locked": whether a running
         request holds it, "head": the first `head_tokens` ids of its key, "children": [...]}. Children are
@@ -382,8 +393,8 @@ class RadixCache(PrefixCache):
         for node in reversed(list(self._iter_nodes())):  # children come after parents in _iter_nodes
             sizes[node.id] = len(node.key) + sum(sizes[c.id] for c in node.children.values())
         out, frontier = [], []
-        for ns, root in self._roots.items():
-            entry = {"namespace": None if ns is None else "salted", "children": [],
+        for salt, root in self._roots.items():
+            entry = {"namespace": None if salt is None else "salted", "children": [],
                      "tokens": sum(sizes[c.id] for c in root.children.values())}
             if entry["tokens"]:
                 out.append(entry)

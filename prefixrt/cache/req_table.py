@@ -23,9 +23,13 @@ class ReqToTokenTable:
         self._copy_extent: dict[int, int] = {}  # row -> cells [0, n) a copy of the segment reads or writes there
         self._copy_dsts: set[int] = set()
         self._segments: list[tuple[list, list]] = []  # earlier segments (writes, copies), closed by a conflict
-        # Tensor parallelism (model/tp_runner.py): a list that flush() appends each applied batch of writes to, as
+        # Tensor parallelism (parallel/tp_runner.py): a list that flush() appends each applied batch of writes to, as
         # a host int64 [3, n] (rows, cols, slots), for the other ranks' copies of the table. None: not kept.
         self.journal: list[torch.Tensor] | None = None
+
+    def close(self) -> None:
+        """Free the device table (the table is unusable afterwards)."""
+        self.table = torch.empty((0, self.max_context), dtype=torch.int32)
 
     @property
     def free_rows(self) -> int:

@@ -1,7 +1,7 @@
-"""SaltCounters: cache counters per namespace (cache_salt) under a bounded set of labels.
+"""SaltCounters: cache counters per cache_salt under a bounded set of labels.
 
 A salt is often a tenant or user id: it is never exported as is. Its label is `salt-` + the first 12 hex digits
-of its SHA-256 ("none" for requests without a salt); the first MAX_LABELS namespaces seen get their own label,
+of its SHA-256 ("none" for requests without a salt); the first MAX_LABELS salts seen get their own label,
 every later one counts under "other". So the label set (Prometheus series, stats() keys) and this object's
 memory stay bounded however many salts arrive, and a salt's label never changes (counters stay monotonic).
 """
@@ -22,26 +22,26 @@ class SaltCounters:
         self._labels: dict[Any, str] = {}  # at most max_labels entries
         self._counts: dict[str, dict[str, int]] = {}
 
-    def label(self, namespace: Any) -> str:
-        lab = self._labels.get(namespace)
+    def label(self, salt: Any) -> str:
+        lab = self._labels.get(salt)
         if lab is None:
             if len(self._labels) >= self.max_labels:
                 return OTHER
-            lab = "none" if namespace is None else "salt-" + hashlib.sha256(str(namespace).encode()).hexdigest()[:12]
-            self._labels[namespace] = lab
+            lab = "none" if salt is None else "salt-" + hashlib.sha256(str(salt).encode()).hexdigest()[:12]
+            self._labels[salt] = lab
         return lab
 
-    def add(self, namespace: Any, counter: str, n: int) -> None:
+    def add(self, salt: Any, counter: str, n: int) -> None:
         if n:
-            c = self._counts.setdefault(self.label(namespace), dict.fromkeys(COUNTERS, 0))
+            c = self._counts.setdefault(self.label(salt), dict.fromkeys(COUNTERS, 0))
             c[counter] += n
 
     def snapshot(self, resident: dict[Any, int]) -> dict[str, dict[str, int]]:
-        """label -> the counters and `kv_cached_tokens` (pool tokens cached now, from `resident`: namespace ->
+        """label -> the counters and `kv_cached_tokens` (pool tokens cached now, from `resident`: salt ->
         tokens)."""
         out = {lab: {**c, "kv_cached_tokens": 0} for lab, c in self._counts.items()}
-        for ns, tokens in resident.items():
+        for salt, tokens in resident.items():
             if tokens:
-                entry = out.setdefault(self.label(ns), {**dict.fromkeys(COUNTERS, 0), "kv_cached_tokens": 0})
+                entry = out.setdefault(self.label(salt), {**dict.fromkeys(COUNTERS, 0), "kv_cached_tokens": 0})
                 entry["kv_cached_tokens"] += tokens
         return out

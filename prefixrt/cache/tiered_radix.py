@@ -27,7 +27,7 @@ from typing import Any
 from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult
 from prefixrt.cache.host_pool import HostKVPool
-from prefixrt.cache.radix import RadixCache, _common_prefix_len, _matched_len, _Node
+from prefixrt.cache.radix import RadixCache, _matched_len, _Node
 from prefixrt.cache.transfer import KVTransfer, Transfer
 from prefixrt.config import WRITE_POLICIES
 
@@ -107,8 +107,8 @@ class TieredRadixCache(RadixCache):
         return upper
 
     # ------------------------------------------------------------------ contract
-    def match_prefix(self, tokens: list[int], namespace: Any = None, max_len: int | None = None) -> MatchResult:
-        root = self._roots.get(namespace)
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
+        root = self._roots.get(salt)
         limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
         if root is None or limit == 0:
             return MatchResult(0, [], None, 0, self.version)
@@ -251,39 +251,21 @@ class TieredRadixCache(RadixCache):
                 self._backup(node)
             node = node.parent
 
-    def insert(self, tokens: list[int], slots: list[int], namespace: Any = None) -> int:
-        n_total = self._align(len(tokens))
-        if n_total == 0:
-            return 0
-        root = self._roots.get(namespace)
-        if root is None:
-            root = self._roots[namespace] = _TNode([], [], None, 0)
-        tick = next(self._clock)
-        node, pos, existing = root, 0, None
-        while pos < n_total:
-            child = node.children.get(self._page_key(tokens, pos))
-            if child is None:
-                new = self._add_leaf(node, tokens[pos:n_total], slots[pos:n_total], tick)
-                if self.policy == "write_through":
-                    self._backup(new)
-                return pos if existing is None else existing
-            n = self._align(_common_prefix_len(child.key, tokens[pos:n_total]))
-            if n < len(child.key):
-                child = self._split(child, n)
-            if child.slots is None:  # host-only: adopt the caller's freshly computed K/V (prefix-closed)
-                if existing is None:
-                    existing = pos
-                child.slots = list(slots[pos: pos + n])
-                if child.lock_ref:
-                    self._locked += n
-                else:
-                    self._evictable += n
-                self._count(child, n)
-                self.version += 1
-            self._touch(child, tick)
-            pos += n
-            node = child
-        return pos if existing is None else existing
+    def _inserted_leaf(self, node) -> None:
+        if self.policy == "write_through":
+            self._backup(node)
+
+    def _adopt(self, node, slots: list[int]) -> bool:
+        if node.slots is not None:
+            return False
+        node.slots = list(slots)  # host-only: adopt the caller's freshly computed K/V (prefix-closed)
+        if node.lock_ref:
+            self._locked += len(slots)
+        else:
+            self._evictable += len(slots)
+        self._count(node, len(slots))
+        self.version += 1
+        return True
 
     def _evictable_entry(self, node, tick: int) -> bool:
         return (node.parent is not None and node.slots is not None and node.lock_ref == 0

@@ -44,7 +44,7 @@ class Transfer:
     _seq = itertools.count()
 
     def __init__(self, kind: str, num_layers: int, num_tokens: int, cuda: bool):
-        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: cache/kv_transport.py)
+        self.kind = kind  # "load" | "backup" | "receive" (K/V written by another engine: parallel/kv_transport.py)
         self.seq = next(Transfer._seq)
         self.num_tokens = num_tokens
         self.cuda = cuda

@@ -1,6 +1,6 @@
 """Builds an EngineCore from an EngineConfig: model, tokenizer, KV pool sizing, cache, scheduler, attention backend.
 
-Kept apart from the front (engine.py) so that the front is only about threads and requests.
+Kept apart from the Engine (engine.py) so that the Engine is only about threads and requests.
 """
 
 from __future__ import annotations
@@ -13,27 +13,29 @@ from dataclasses import dataclass
 import torch
 
 from prefixrt.cache.allocator import PageAllocator
+from prefixrt.cache.block import BlockCache
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KV_CACHE_DTYPES, KVPool
 from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config import EngineConfig
-from prefixrt.engine.core import EngineCore
-from prefixrt.engine.rank_setup import (
-    kv_pool_slots,
-    make_runner,
-    resolve_device,
-    resolve_dtype,
-)
-from prefixrt.engine.scheduler import Scheduler, SchedulerConfig
+from prefixrt.engine.detokenizer import DetokenizerWorker
+from prefixrt.engine.grammar import EngineGrammar
+from prefixrt.engine.loop.core import EngineCore
+from prefixrt.engine.loop.hooks import LoopHooks
+from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
+from prefixrt.engine.ranks import SingleDevice, start_ranks
+from prefixrt.engine.stream import RequestStream
+from prefixrt.model.cuda_graphs import CascadeSpec
+from prefixrt.model.rank_setup import kv_pool_slots, resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
 
 EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
 # Shared-prefix (cascade) decode inside the decode graphs, for groups of >= 2 running requests sharing
-# >= CASCADE_MIN_PREFIX cached tokens (engine/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
+# >= CASCADE_MIN_PREFIX cached tokens (engine/loop/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
 # cascade_decode overrides it. On by default: on an H200 (docs/benchmarks.md) an fp32 engine gives greedy
 # outputs identical to plain decode on 64 of 64 RAG prompts (logprob rel err 9e-7), and the RAG case streamed
 # with text runs 1.31x faster in bf16. In bf16 with dummy weights greedy outputs flip on near-ties as they do
@@ -53,18 +55,16 @@ class Built:
     model: object
     device: torch.device
     dtype: torch.dtype
+    ranks: object  # the rank strategy (engine/ranks.py; stop_ranks() ends tensor-parallel ranks)
     owns_model: bool = False  # the builder loaded the weights (release() frees them); False when injected
-    ranks: object = None  # engine/tp_worker.Ranks with tensor parallelism (stop_ranks() ends them), else None
 
 
-def build(config: EngineConfig, progress=None) -> Built:
-    from prefixrt.hub.loader import load_model
+def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
     from prefixrt.hub.registry import load_tokenizer, resolve_model
 
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
     torch.manual_seed(config.seed)
 
     say(f"resolving model {config.model!r}")
@@ -72,27 +72,15 @@ def build(config: EngineConfig, progress=None) -> Built:
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
     tokenizer = load_tokenizer(resolved)
-    ranks = spec = None
-    if config.tp_size > 1:
-        from prefixrt.engine import tp_worker
-        from prefixrt.hub.loader import read_model_spec
-
-        say(f"starting {config.tp_size} tensor-parallel ranks ({config.nnodes} node(s))")
-        spec = read_model_spec(resolved.path)
-        ranks = tp_worker.start(config, str(resolved.path), spec)
-        device = ranks.device
+    ranks = start_ranks(config, resolved.path, say)
     try:
-        say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {device}"
-            + (f" (rank 0 of {config.tp_size})" if ranks is not None else ""))
-        model = load_model(resolved.path, load_format=config.load_format, dtype=dtype, device=device,
-                           tp=ranks.tp if ranks is not None else None, spec=spec, quantization=config.quantization)
+        say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
+            + (f" (rank 0 of {ranks.size})" if ranks.size > 1 else ""))
+        model = ranks.load_model(resolved.path, config, dtype)
         load_s = time.perf_counter() - t0
-        built = assemble(config, model, tokenizer, resolved, device, dtype, say, ranks=ranks)
+        built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks, deliver=deliver)
     except BaseException:
-        if ranks is not None:
-            from prefixrt.engine import tp_worker
-
-            tp_worker.stop(ranks)
+        ranks.stop()
         raise
     built.owns_model = True
     built.startup["load_s"] = load_s
@@ -101,11 +89,14 @@ def build(config: EngineConfig, progress=None) -> Built:
     return built
 
 
-def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None) -> Built:
-    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core. Tests inject models here.
-    ranks: tensor parallelism (engine/tp_worker.Ranks, this is rank 0): the pool size is agreed with the other
-    ranks, which get the table shape, and the runner drives them."""
+def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None,
+             deliver=RequestStream.push_many) -> Built:
+    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core and its hooks (deliver:
+    where the loop's outputs go, LoopHooks.deliver). Tests inject models here.
+    ranks: the rank strategy (engine/ranks.py; default one device). With tensor parallelism (this is rank 0) the
+    pool size is agreed with the other ranks, which get the table shape, and the runner drives them."""
     say = say or (lambda msg: log.info(msg))
+    ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
     if config.quantization == "fp8":  # (build's loader already did it; an injected model gets it here)
         from prefixrt.model.quantize import quantize_fp8_weights
@@ -114,13 +105,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
-    num_slots = kv_pool_slots(config, bytes_per_token, device)
-    if ranks is not None:
-        from prefixrt.engine import tp_worker
-
-        num_slots = tp_worker.agree_num_slots(ranks.tp, num_slots)
+    num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
-        f"{' per rank' if ranks is not None else ''})")
+        f"{' per rank' if ranks.size > 1 else ''})")
     pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
     if pool.quantized:  # before anything is written: the scales are constants of the pool
         from prefixrt.model.kv_calibration import set_kv_scales
@@ -129,16 +116,19 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
         cache = make_tiered_cache(config, pool, allocator, device, say, resolved)
+    elif not config.radix_cache:
+        cache = NoReuseCache(allocator)
+    elif config.prefix_cache == "block":
+        cache = BlockCache(allocator)
     else:
-        cache = RadixCache(allocator) if config.radix_cache else NoReuseCache(allocator)
+        cache = RadixCache(allocator)
     if config.max_cached_fraction_per_salt is not None and isinstance(cache, RadixCache):
         cache.set_salt_quota(int(config.max_cached_fraction_per_salt * allocator.total_tokens))
-    if config.debug and type(cache) is RadixCache:  # (the tiered cache frees through KVManager, which poisons)
+    if config.debug and type(cache) in (RadixCache, BlockCache):  # (the tiered cache frees through KVManager)
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
-    if ranks is not None:
-        tp_worker.send_setup(ranks.tp, num_slots, table.max_requests, table.max_context, max_running)
+    ranks.send_setup(num_slots, table.max_requests, table.max_context, max_running)
     kv = KVManager(pool, allocator, table, cache, debug=config.debug)
     scheduler = Scheduler(kv, SchedulerConfig(
         policy=config.schedule_policy,
@@ -146,8 +136,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         max_running_requests=max_running,
         aging_s=config.aging_s,
         prefetch=config.host_kv_prefetch,
+        preempt_after_s=config.host_kv_preempt_after_s,
     ))
-    runner = make_runner(config, model, pool, device, max_running, startup, say, ranks, table)
+    runner = ranks.make_runner(config, model, pool, max_running, startup, say, table)
     attention = runner.attn_backend
     triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
     pad_row = table.alloc_row() if triton_on_gpu else None  # never freed: stays all zeros (padding reads it)
@@ -161,15 +152,13 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
         # On failure: plain decode graphs alone, then eager.
-        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_args(attention, config)), (0, None)):
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
                                                           max_extend_tokens=extend_tokens, cascade=cascade)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
-                if ranks is not None:  # the other ranks captured (or failed) on their own: no common retry
-                    raise RuntimeError(f"CUDA graph capture failed with tensor parallelism: {e}; start with "
-                                       "cuda_graph=False to run eagerly") from e
+                ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
                 runner.release_graphs()
                 what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
                 log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
@@ -180,24 +169,26 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
                  | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
-    try:
-        from prefixrt.constrained import logits as bitmask_ops
-    except ImportError:
-        bitmask_ops = None
+    hooks = LoopHooks(
+        deliver=deliver,
+        detokenizer=DetokenizerWorker(tokenizer, lock, deliver),  # started by the Engine
+        grammar=EngineGrammar(config.grammar_backend, tokenizer, model.vocab_size, eos, config.grammar_timeout_s),
+    )
+    grouper = auditor = None
+    if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
+        from prefixrt.engine.loop.prefix_groups import PrefixGrouper
+
+        grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
+    if config.cache_audit_rate > 0 and cache.retains:
+        from prefixrt.engine.loop.cache_audit import CacheAuditor
+
+        auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
+                               chunk_tokens=config.chunked_prefill_tokens)
     core = EngineCore(
-        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size,
-        max_context, device, debug=config.debug, bitmask_ops=bitmask_ops,
+        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size, max_context, device, hooks,
+        debug=config.debug, prefix_grouper=grouper, auditor=auditor,
         overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
-    if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
-        from prefixrt.engine.prefix_groups import PrefixGrouper
-
-        core.prefix_grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
-    if config.cache_audit_rate > 0 and cache.retains:
-        from prefixrt.engine.cache_audit import CacheAuditor
-
-        core.auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
-                                    chunk_tokens=config.chunked_prefill_tokens)
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks)
 
 
@@ -255,12 +246,12 @@ def cascade_enabled(config: EngineConfig) -> bool:
     return CASCADE_DECODE if config.cascade_decode is None else config.cascade_decode
 
 
-def cascade_args(attention, config: EngineConfig) -> dict | None:
-    """DecodeGraphs.enable_cascade arguments for this backend, or None (no cascade decode graphs)."""
+def cascade_spec(attention, config: EngineConfig) -> CascadeSpec | None:
+    """The cascade decode graphs for this backend, or None (none captured)."""
     if not cascade_enabled(config) or not getattr(attention, "use_cascade", False):
         return None
-    return {"queries_per_tile": attention.cascade_queries_per_tile, "min_prefix_len": CASCADE_MIN_PREFIX,
-            "min_group_size": attention.cascade_min_group_size}
+    return CascadeSpec(queries_per_tile=attention.cascade_queries_per_tile, min_prefix_len=CASCADE_MIN_PREFIX,
+                       min_group_size=attention.cascade_min_group_size)
 
 
 def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, max_running: int,
@@ -294,30 +285,32 @@ def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, 
 
 def stop_ranks(built: Built) -> None:
     """Tensor parallelism: end the other ranks and leave the group (after the loop has stopped). No-op otherwise."""
-    if built.ranks is not None:
-        from prefixrt.engine import tp_worker
-
-        tp_worker.stop(built.ranks, built.core.runner if built.core is not None else None)
+    built.ranks.stop(built.core.runner if built.core is not None else None)
 
 
 def release(built: Built) -> None:
     """Free every device allocation the engine made (graphs and their pool, KV pool, request table,
     workspaces, and the weights when the builder loaded them). The engine is unusable afterwards; call only
     once its loop has stopped. CPU engines are left alone (their memory goes with the objects)."""
-    core = built.core
-    if core is None or built.device.type == "cpu":
+    if built.core is None or built.device.type == "cpu":
         return
-    runner = core.runner
-    runner.release_graphs()
-    seen: set[int] = set()
-    if not built.owns_model:
-        seen.add(id(built.model))  # injected (a test's): not ours to free
-    for root in (core, built.model, runner, runner.attn_backend, core.kv, core.scheduler, core.sampler):
-        _drop_device_tensors(root, seen)
+    free_device_memory(built)
     if built.device.type == "cuda":
         torch.cuda.synchronize(built.device)
         clear_blas_workspaces()
         torch.cuda.empty_cache()
+
+
+def free_device_memory(built: Built) -> None:
+    """Each owner frees its own: the runner its CUDA graphs and attention workspaces, the KV pool and the
+    request table their tensors (the builder made them), the model its weights when the builder loaded them (an
+    injected model is not ours to free)."""
+    core = built.core
+    core.runner.close()
+    core.kv.pool.close()
+    core.kv.table.close()
+    if built.owns_model:
+        built.model.release_weights()
 
 
 def clear_blas_workspaces() -> None:
@@ -325,39 +318,3 @@ def clear_blas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
-
-
-def _drop_device_tensors(obj, seen: set[int], depth: int = 0) -> None:
-    """Replace every non-CPU tensor reachable through prefixrt objects' attributes, lists and dicts (and
-    torch modules' parameters and buffers) by an empty CPU tensor."""
-    if id(obj) in seen or depth > 12:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.nn.Module):
-        obj.to("meta")
-    items = None
-    if isinstance(obj, dict):
-        items = list(obj.items())
-    elif isinstance(obj, list):
-        items = list(enumerate(obj))
-    elif hasattr(obj, "__dict__") and (type(obj).__module__.startswith("prefixrt")
-                                       or isinstance(obj, torch.nn.Module)):
-        items = list(vars(obj).items())
-    if items is None:
-        return
-    for key, value in items:
-        new = None
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            new = torch.empty(0, dtype=value.dtype)
-        elif isinstance(value, tuple) and any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in value):
-            new = tuple(torch.empty(0, dtype=v.dtype) if isinstance(v, torch.Tensor) else v for v in value)
-        if new is not None:
-            if isinstance(obj, (dict, list)):
-                obj[key] = new
-            else:
-                try:
-                    object.__setattr__(obj, key, new)
-                except Exception:  # a slot or property: nothing to drop there
-                    pass
-        elif isinstance(value, (dict, list)) or hasattr(value, "__dict__"):
-            _drop_device_tensors(value, seen, depth + 1)

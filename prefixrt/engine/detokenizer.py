@@ -3,7 +3,7 @@
 The loop streams token ids only. Each step's outputs go to the DetokenizerWorker (a thread), which decodes every
 request of the step in one batched tokenizer call, searches stop strings, fills logprob token strings, and then
 delivers the outputs to their streams. A stop string ends the request's stream as soon as it appears; the worker
-then tells the loop (on_stop), which finishes the request at its next step: the few tokens computed meanwhile
+then tells the loop (take_stopped), which finishes the request at its next step: the few tokens computed meanwhile
 are discarded, never streamed. Ordering: outputs of one request are delivered in the order the loop produced
 them; the worker drops everything a request sends after its final output.
 
@@ -100,7 +100,7 @@ def _fast_backend(tokenizer):
 
 class DetokState:
     """One sample's text state. Created by the loop when the request is added; read and written only by the
-    worker afterwards. `req` is handed back to the loop (on_stop) and never read here."""
+    worker afterwards. `req` is handed back to the loop (take_stopped) and never read here."""
 
     def __init__(self, req: Any, stops: list[str] | None, skip_special_tokens: bool, detokenize: bool):
         self.req = req
@@ -119,18 +119,19 @@ class DetokenizerWorker:
     """The thread that turns the loop's token outputs into text outputs and delivers them.
 
     submit(items) takes one step's [(DetokState | None, sink, StepOutput)] from the loop (never blocks it);
-    deliver(pairs) receives [(sink, StepOutput)] on the worker thread; on_stop(req) is told which requests a stop
-    string finished. process(items) is the synchronous unit, also used by tests."""
+    deliver(pairs) receives [(sink, StepOutput)] on the worker thread; take_stopped() returns (to the loop) the
+    requests a stop string finished since its last call. process(items) is the synchronous unit, also used by
+    tests."""
 
     # submit() waits while more than this many steps are queued: streams lag the loop by a bounded number of
     # steps even when the loop thread holds the GIL most of the time.
     MAX_LAG_STEPS = 2
 
-    def __init__(self, tokenizer, lock: threading.Lock | None, deliver: Callable, on_stop: Callable):
+    def __init__(self, tokenizer, lock: threading.Lock | None, deliver: Callable):
         self.tokenizer = tokenizer
         self.lock = lock or threading.Lock()
         self.deliver = deliver
-        self.on_stop = on_stop
+        self._stopped: queue.SimpleQueue = queue.SimpleQueue()  # requests a stop string ended, for the loop
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._queued = 0  # submissions not yet delivered
@@ -147,6 +148,15 @@ class DetokenizerWorker:
                 self._cv.wait_for(lambda: self._queued <= self.MAX_LAG_STEPS, timeout=1.0)
             self._queued += 1
         self._q.put(items)
+
+    def take_stopped(self) -> list:
+        """The requests a stop string ended since the last call (the loop finishes them; any thread)."""
+        out = []
+        while True:
+            try:
+                out.append(self._stopped.get_nowait())
+            except queue.Empty:
+                return out
 
     def close(self, timeout: float = 30.0) -> None:
         """Deliver what is queued, then stop the thread."""
@@ -257,7 +267,7 @@ class DetokenizerWorker:
                 if hit is not None:
                     st.text = st.text[: hit[0]]
                     out.finished, out.finish_reason, out.matched_stop = True, "stop", hit[1]
-                    self.on_stop(st.req)
+                    self._stopped.put(st.req)
                 upto = len(st.text) if out.finished else len(st.text) - stop_holdback(st.text, st.stops)
                 text = st.text[st.emitted:upto] if upto > st.emitted else ""
                 st.emitted = max(st.emitted, upto)

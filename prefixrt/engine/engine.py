@@ -1,9 +1,9 @@
-"""Engine: the in-process front of prefixrt (docs/api.md). Thread-safe and asyncio-friendly.
+"""Engine: prefixrt in-process (docs/api.md). Thread-safe and asyncio-friendly.
 
 Callers' threads tokenize, validate and compile grammars (so a bad request fails in the caller and the loop
 never sees it), then hand requests to the scheduler loop through an inbox. The loop runs EngineCore.step()
 on its own thread and streams StepOutputs back through one RequestStream per request. The caller-side half
-(tokenization, validation, Completion/Chunk assembly) is EngineFront (front.py), shared with ProcessEngine.
+(tokenization, validation, Completion/Chunk assembly) is EngineAPI (api.py), shared with ProcessEngine.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
 from prefixrt.default_models import BASE_MODEL
-from prefixrt.engine.busy_gc import BusyGC
-from prefixrt.engine.detokenizer import DetokenizerWorker
-from prefixrt.engine.front import EngineFront
-from prefixrt.engine.messages import packed_id_range, unpack_token_ids
-from prefixrt.engine.postprocess import jump_forward
+from prefixrt.engine.api import EngineAPI
+from prefixrt.engine.loop.busy_gc import BusyGC
+from prefixrt.engine.loop.postprocess import jump_forward
+from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.outputs import Completion, EngineStats
@@ -49,22 +48,25 @@ class PreparedRequest:
     reqs: list[Req]
 
 
-class Engine(EngineFront):
+class Engine(EngineAPI):
     """See docs/api.md. `Engine(model="gemma-3-270m", ...)`; use as a context manager or call shutdown()."""
 
     def __init__(self, model: str = BASE_MODEL, **kwargs: Any):
         progress = kwargs.pop("progress", None)
         parts = kwargs.pop("_parts", None)  # (model, tokenizer, resolved): tests inject a ready model
+        # Where the loop's outputs go (LoopHooks.deliver): RequestStreams, or the engine process's pipe.
+        deliver = kwargs.pop("_deliver", None) or RequestStream.push_many
         self.config = EngineConfig(model=model if isinstance(model, str) else "custom", **kwargs)
         from prefixrt.engine import builder
 
         if parts is None:
-            built = builder.build(self.config, progress)
+            built = builder.build(self.config, progress, deliver)
         elif self.config.tp_size > 1:
             raise ValueError("tp_size > 1 loads each rank's shard itself: pass a model name or folder, not a model")
         else:
             dev = builder.resolve_device(self.config.device)
-            built = builder.assemble(self.config, *parts, dev, builder.resolve_dtype(self.config.dtype, dev))
+            built = builder.assemble(self.config, *parts, dev, builder.resolve_dtype(self.config.dtype, dev),
+                                     deliver=deliver)
         self._built = built
         self.core = built.core
         self._tokenizer = built.tokenizer
@@ -75,13 +77,9 @@ class Engine(EngineFront):
         self.vocab_size = built.model.vocab_size
         self.max_context = self.core.max_context
         self.kv_total_tokens = self.core.kv.total_tokens
-        self._compiler = None
-        self._compiler_lock = threading.Lock()
-        core = self.core
-        # Text, stop strings and logprob strings leave the loop: the worker delivers through core.deliver (which
-        # the engine process replaces) and tells the loop when a stop string ended a request.
-        core.detokenizer = DetokenizerWorker(self._tokenizer, self._tok_lock, lambda items: core.deliver(items),
-                                             core.stop_hit).start()
+        self._grammar = self.core.hooks.grammar
+        # Text, stop strings and logprob strings leave the loop on the detokenizer's thread.
+        self.core.detokenizer.start()
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
@@ -176,20 +174,7 @@ class Engine(EngineFront):
     # ------------------------------------------------------------------ submission
     def grammar_compiler(self):
         """The engine's GrammarCompiler (built on first use: the backend's vocab tables take ~1 s)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                import os
-
-                from prefixrt.constrained import GrammarCompiler, make_backend
-
-                # A mask inside a free-text JSON string walks most of the vocabulary (~1 ms a row for 128k
-                # tokens): every core but the loop's and the detokenizer's fills rows.
-                opts = {"mask_threads": max(2, min(16, (os.cpu_count() or 2) - 2))}
-                grammar_backend = make_backend(self.config.grammar_backend, self._tokenizer, self.vocab_size,
-                                       sorted(self.core.eos_token_ids), **opts)
-                self._compiler = GrammarCompiler(grammar_backend, timeout_s=self.config.grammar_timeout_s)
-                self.core.grammar_backend = grammar_backend
-            return self._compiler
+        return self._grammar.compiler()
 
     def warm_grammar(self) -> float:
         """Build the grammar backend and its vocabulary tables now, which the first constrained request would
@@ -198,19 +183,7 @@ class Engine(EngineFront):
         report as `grammar_warm_s`; a failure is logged, and the first constrained request meets it again."""
         t = time.perf_counter()
         try:
-            backend = self.grammar_compiler().backend
-            if getattr(backend, "string_lengths", False):
-                backend.token_table()  # llguidance: JSON string lengths checked beside the grammar
-            ops = self.core.bitmask_ops
-            if self.device.type == "cuda" and ops is not None:
-                import torch
-
-                # The mask kernel (a Triton kernel compiled on first use): row counts 1, a multiple of 16 and
-                # neither, the variants Triton specialises integer arguments into.
-                for rows in (1, 16, 17):
-                    logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
-                    ops.apply_token_bitmask(logits, ops.allocate_bitmask(rows, self.vocab_size).to(self.device))
-                torch.cuda.synchronize(self.device)
+            self._grammar.warm(self.device)
         except Exception:
             log.warning("grammar backend warm-up failed", exc_info=True)
         spent = time.perf_counter() - t
@@ -223,7 +196,7 @@ class Engine(EngineFront):
         return self.grammar_compiler().compile(kind, spec)
 
     def _submit(self, prompt, params, loop: asyncio.AbstractEventLoop | None = None, **req_fields):
-        """See EngineFront._submit: prepare, then enqueue with a new RequestStream on `loop` as the sink."""
+        """See EngineAPI._submit: prepare, then enqueue with a new RequestStream on `loop` as the sink."""
         prepared = self.prepare(prompt, params, **req_fields)
         stream = RequestStream(loop)
         self.enqueue(prepared, stream)
@@ -260,7 +233,7 @@ class Engine(EngineFront):
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
         reqs = []
         for i in range(p.n):
-            r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, namespace=p.cache_salt, **req_fields)
+            r = Req(rid=rid, prompt_ids=ids, params=p, sink=None, index=i, salt=p.cache_salt, **req_fields)
             if compiled is not None:
                 budget = min(p.max_new_tokens, self.max_context - len(ids))
                 r.matcher = budget_matcher(self.grammar_compiler().backend, compiled, budget)

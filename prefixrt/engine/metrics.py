@@ -2,11 +2,11 @@
 
 Counters and gauges are read from `Engine.stats()` at scrape time, so /metrics and /stats always agree (no
 second set of books). Latency histograms (TTFT, inter-token latency, end-to-end) are observed on the
-scheduler thread through `EngineCore.metrics_hook`. There is one Metrics (and one CollectorRegistry) per
+scheduler thread as an observer of the loop's events (`EngineCore.events`, engine/loop/hooks.py). There is one Metrics (and one CollectorRegistry) per
 engine, shared by every app serving it (`Metrics.for_engine`); separate engines never collide.
 
-It lives in the engine layer because the engine process installs it (engine/process.py) and the server
-only renders it (server/app.py's /metrics). prometheus-client is an optional extra, so engine/process.py
+It lives in the engine layer because the engine process installs it (engine/process/client.py) and the server
+only renders it (server/app.py's /metrics). prometheus-client is an optional extra, so engine/process/client.py
 imports this module lazily.
 """
 
@@ -25,6 +25,8 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "requests_total": ("prefixrt_requests", "Requests submitted."),
     "aborted_requests_total": ("prefixrt_aborted_requests", "Request samples aborted."),
     "retracted_requests_total": ("prefixrt_retracted_requests", "Requests retracted under KV pressure."),
+    "preempted_requests_total": ("prefixrt_preempted_requests",
+                                 "Retracted requests preempted for a waiting request's first token (host tier)."),
     "forward_passes_total": ("prefixrt_forward_passes", "Model forward passes."),
     "cache_audits_total": ("prefixrt_cache_audits", "Cache hits whose K/V was recomputed and compared."),
     "cache_audit_mismatches_total": ("prefixrt_cache_audit_mismatch",
@@ -128,7 +130,7 @@ class _StatsCollector:
 
 
 class Metrics:
-    """Owns the registry of one engine's metrics and installs the latency hook on its core."""
+    """Owns the registry of one engine's metrics; its latency histograms observe the core's loop events."""
 
     @classmethod
     def for_engine(cls, engine) -> Metrics:
@@ -152,14 +154,7 @@ class Metrics:
                                 ["finish_reason"], registry=self.registry)
         core = getattr(engine, "core", None)
         if core is not None:
-            previous = core.metrics_hook
-
-            def hook(event, **values):
-                self.observe(event, **values)
-                if previous is not None:
-                    previous(event, **values)
-
-            core.metrics_hook = hook
+            core.events.subscribe(self.observe)
 
     def observe(self, event: str, req=None, now: float = 0.0, **_) -> None:
         """Called on the scheduler thread: keep it cheap."""

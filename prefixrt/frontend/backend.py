@@ -148,6 +148,9 @@ class ProgramBackend(ABC):
 
     chat_format: ChatFormat = PlainFormat()
     speculative_tokens: int = 0
+    # False: a program's model calls are issued one at a time (its forks' branches wait for each other): the
+    # "no frontend parallelism" ablation. Programs of a run_batch still run side by side.
+    parallel: bool = True
     token_usage: TokenUsage
 
     def render(self, ctx: Context) -> str:
@@ -215,7 +218,8 @@ class ProviderBackend(ProgramBackend):
     made of whole chat messages is sent as messages, which the provider renders with the model's own chat
     template (the same prompt an Engine gets); other contexts are sent as plain text.
 
-    `prefix_hints=False` turns off fork/batch `cache_prefix` calls (the ablation). `select_method`: "auto"
+    `prefix_hints=False` turns off fork/batch `cache_prefix` calls (the ablation). `parallel=False` issues each
+    program's calls one at a time, forks included (ProgramBackend.parallel: the other ablation). `select_method`: "auto"
     (the engine's `choices` scoring when the provider reports `choice_scores`, else scoring each choice from
     the provider's top-k token logprobs), "engine" or "logprobs". `normalization`: the choice score, as the
     engine's `choices_method` ("token_length_normalized", "sum", or — engine scoring only —
@@ -223,7 +227,7 @@ class ProviderBackend(ProgramBackend):
     """
 
     def __init__(self, provider, prefix_hints: bool = True, select_method: str = "auto",
-                 normalization: str = "token_length_normalized", tokenizer=None):
+                 normalization: str = "token_length_normalized", tokenizer=None, parallel: bool = True):
         if select_method not in ("auto", "engine", "logprobs"):
             raise ValueError("select_method must be 'auto', 'engine' or 'logprobs'")
         if normalization not in ("token_length_normalized", "sum", "unconditional_normalized"):
@@ -233,6 +237,7 @@ class ProviderBackend(ProgramBackend):
                              "or 'engine')")
         self.provider = provider
         self.prefix_hints = prefix_hints
+        self.parallel = parallel
         self.select_method = select_method
         self.normalization = normalization
         own = getattr(provider, "tokenizer", None)

@@ -16,6 +16,7 @@ stop string occurs in it (or the continuation ended), so its value equals non-sp
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import threading
@@ -93,6 +94,9 @@ class StreamExecutor:
         self.streaming = streaming
         self.tracer = tracer
         self._ids = parent._ids if parent is not None else itertools.count()
+        # backend.parallel False: one lock per program (shared by its forks) around every model call
+        self.call_lock = parent.call_lock if parent is not None else (
+            None if getattr(backend, "parallel", True) else threading.Lock())
         self.stream_id = next(self._ids)
         self.pieces: list[Piece] = []
         self.open_role: str | None = None
@@ -238,6 +242,10 @@ class StreamExecutor:
                 self.streaming_vars.pop(name, None)
                 self._cond.notify_all()
 
+    def calls(self):
+        """Context of one model call: the program's call lock when its calls run one at a time, else nothing."""
+        return self.call_lock if self.call_lock is not None else contextlib.nullcontext()
+
     def _trace(self, kind: str, **fields):
         return self.tracer.record(self, kind, **fields) if self.tracer is not None else None
 
@@ -322,7 +330,8 @@ class StreamExecutor:
         if self.streaming:
             res = self._gen_streamed(g, args)
         else:
-            res = self.backend.generate(self.context(), args)
+            with self.calls():
+                res = self.backend.generate(self.context(), args)
             self.append(res.text)
         self.record("gen", g.name, res, t0)
         self._set(g.name, res.text)
@@ -338,7 +347,8 @@ class StreamExecutor:
                     self.streaming_vars[g.name] += delta
             self.append(delta)
 
-        return self.backend.generate_stream(self.context(), args, on_text)
+        with self.calls():
+            return self.backend.generate_stream(self.context(), args, on_text)
 
     def _gen_speculative(self, g: Gen, args: SamplingArgs, t0: float) -> GenResult | None:
         """The gen's value from the speculative buffer, or from a new speculative call; None: not resolvable
@@ -353,7 +363,8 @@ class StreamExecutor:
             self.spec = None
         if self.spec_refused:
             return None
-        spec = self.backend.speculate(self.context(), self.spec_tokens, args)
+        with self.calls():
+            spec = self.backend.speculate(self.context(), self.spec_tokens, args)
         if spec is None:
             return None  # declined: no call was made
         self.record("speculate", g.name, spec.result, t0)
@@ -375,7 +386,8 @@ class StreamExecutor:
             self.append(str.__str__(value))
             return
         t0 = time.monotonic()
-        res = self.backend.select(self.context(), sel.choices, sel.choices_method)
+        with self.calls():
+            res = self.backend.select(self.context(), sel.choices, sel.choices_method)
         self.record("select", sel.name, res, t0)
         if sel.name is not None:
             self.select_scores[sel.name] = res.scores
@@ -438,6 +450,11 @@ class ForkOp:
         ex._trace("fork", k=self.k, children=[c.stream_id for c in self.children])
         if ex.tracer is None and self.hint and self.k > 1 and (ex.pieces or ex.open_role):
             t0 = time.monotonic()
+            if ex.call_lock is not None:  # calls one at a time: the hint completes before the branches start
+                with ex.calls():
+                    self._finish_hint(ex, lambda: ex.backend.cache_prefix(ex.context()), t0)
+                self.snapshot.set_result(ex.snapshot())
+                return
             try:
                 wait = ex.backend.submit_prefix_hint(ex.context())
             except Exception as e:  # a lost hint costs speed, not correctness; the branches' calls report errors

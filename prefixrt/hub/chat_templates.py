@@ -1,5 +1,5 @@
 """Chat templates: the Jinja templates the registry supplies for models whose checkpoint carries none, and
-`render_chat_template`, the one function that applies a tokenizer's template (EngineFront, hence the server
+`render_chat_template`, the one function that applies a tokenizer's template (EngineAPI, hence the server
 and the in-process engine, and the frontend's TemplateFormat all render through it).
 
 Each renders `messages` (list of {"role", "content"}; content a string or a list of {"type": "text",

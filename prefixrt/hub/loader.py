@@ -13,6 +13,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,9 @@ from prefixrt.model.base import CausalLM, eos_ids_from_hf
 from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
 from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
-from prefixrt.model.parallel import TPGroup, shard_model
+
+if TYPE_CHECKING:  # a tensor-parallel rank's shard only: parallel/ is imported when one is loaded
+    from prefixrt.parallel.layers import TPGroup
 
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATIONS = (None, "fp8")
@@ -115,11 +118,13 @@ def _instantiate(
 ) -> CausalLM:
     """Construct the model (hf_config: a transformers config or a ModelSpec) with uninitialised parameters of
     `dtype` on `device` (no init cost); with a tensor-parallel group of more than one rank, only this rank's
-    shard (model/parallel.py)."""
+    shard (parallel/layers.py)."""
     spec = hf_config if isinstance(hf_config, ModelSpec) else model_spec(hf_config)
     with torch.device("meta"):
         model = spec.build()
         if tp is not None and tp.size > 1:
+            from prefixrt.parallel.layers import shard_model
+
             shard_model(model, tp)
     model.to(dtype=_resolve_dtype(dtype))  # still on meta: free
     model.to_empty(device=torch.device(device))

@@ -15,7 +15,7 @@ from torch import nn
 
 from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
 from prefixrt.model.forward_batch import ForwardBatch
-from prefixrt.model.layers import MergedLinear
+from prefixrt.model.layers import MergedLinear, RotaryEmbedding
 
 
 def eos_ids_from_hf(hf_config) -> tuple[int, ...]:
@@ -55,6 +55,13 @@ class CausalLM(nn.Module, ABC):
 
         Returns float32 logits [len(batch.logits_indices), vocab_size] for the rows batch.logits_indices of
         the flat token list. Mutates only the KV pool (through the backend)."""
+
+    def release_weights(self) -> None:
+        """Free the weights and every device copy the modules keep (the model is unusable afterwards)."""
+        self.to("meta")
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.drop_device_copy()
 
     # ---- dimensions the engine needs to size the KV pool and check requests ----
     @property

@@ -36,6 +36,22 @@ EXTEND_SEQ_BUCKETS = (1, 4, 16, 64, 128, 256)
 DEFAULT_MAX_EXTEND_TOKENS = 1024
 
 
+@dataclass(frozen=True)
+class CascadeSpec:
+    """Cascade (shared-prefix) decode graphs: which decode batches run them and how their padded plan is tiled
+    (kernels/cascade_plan.py). Built by the engine from its attention backend and config."""
+
+    queries_per_tile: int  # query rows per tile of the cascade kernel (the attention backend's)
+    min_prefix_len: int  # the shortest shared prefix, in tokens, that makes a group
+    min_group_size: int  # the fewest rows sharing it
+    max_groups: int = 8  # groups one padded plan holds (at most half the bucket's rows)
+
+    def __post_init__(self):
+        for name in ("queries_per_tile", "min_prefix_len", "min_group_size", "max_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CascadeSpec.{name} must be >= 1, got {getattr(self, name)}")
+
+
 def pick(buckets, n: int) -> int | None:
     """The smallest bucket >= n, or None."""
     return next((b for b in buckets if b >= n), None)
@@ -189,18 +205,18 @@ class DecodeGraphs(_Bank):
         self.extend_start_loc = torch.arange(n, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(n, dtype=torch.int64, device=device)
 
-    def enable_cascade(self, queries_per_tile: int, min_prefix_len: int, min_group_size: int,
-                       max_groups: int = 8) -> None:
+    def enable_cascade(self, spec: CascadeSpec) -> None:
         """Also capture, per bucket of >= 2 rows, a graph running cascade (shared-prefix) decode from a
         static plan padded to a fixed tile count (call before capture)."""
         from prefixrt.kernels.cascade_plan import PLAN_FIELDS, CascadePlan, padded_sizes
 
-        self.cascade_args = (queries_per_tile, min_prefix_len, min_group_size)
+        self.cascade_spec = spec
+        queries_per_tile = spec.queries_per_tile
         self.cascade: dict[int, tuple] = {}  # bs -> (buffer, sizes, CascadePlan, max_groups)
         for bs in self.buckets:
             if bs < 2:
                 continue
-            groups = min(max_groups, bs // 2)
+            groups = min(spec.max_groups, bs // 2)
             sizes = padded_sizes(bs, groups, queries_per_tile)
             buf = torch.zeros(sum(sizes.values()), dtype=torch.int32, device=self.device)
             views, off = [], 0
@@ -261,8 +277,9 @@ class DecodeGraphs(_Bank):
         from prefixrt.kernels.cascade_plan import pad_lists, plan_lists
 
         buf, sizes, _, max_groups = self.cascade[bs]
-        qpt, min_prefix, min_size = self.cascade_args
-        lists = plan_lists(groups, batch.seq_lens_cpu, qpt, min_prefix, min_size, max_groups=max_groups)
+        spec = self.cascade_spec
+        lists = plan_lists(groups, batch.seq_lens_cpu, spec.queries_per_tile, spec.min_prefix_len,
+                           spec.min_group_size, max_groups=max_groups)
         if lists is None:
             return None
         host = torch.tensor(pad_lists(lists, sizes), dtype=torch.int32)

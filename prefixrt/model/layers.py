@@ -189,6 +189,10 @@ class RotaryEmbedding(nn.Module):
         self._inv_freq_cpu = config.inv_freq()  # [head_dim // 2] float32
         self._inv_freq = self._inv_freq_cpu
 
+    def drop_device_copy(self) -> None:
+        """Free the inverse frequencies' copy on the device (made again at the next forward there)."""
+        self._inv_freq = self._inv_freq_cpu
+
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 -> (cos, sin), each [T, head_dim] float32."""
         if self._inv_freq.device != positions.device:

@@ -11,6 +11,7 @@ import torch
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.model.attention.base import AttentionBackend
 from prefixrt.model.base import CausalLM
+from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.model.forward_batch import ForwardBatch
 
 
@@ -54,12 +55,11 @@ class ModelRunner:
 
     def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
                        max_extend_tokens: int = 0, emulate: bool = False,
-                       cascade: dict | None = None) -> list[str]:
+                       cascade: CascadeSpec | None = None) -> list[str]:
         """Capture one CUDA graph per decode batch-size bucket and, with max_extend_tokens > 0, per EXTEND
         (token, sequence) bucket up to that many tokens. pad_row: a request-table row that stays all zeros,
         read by padded decode rows. emulate: no CUDA graphs, the static batches run eagerly (CPU tests).
-        cascade: keyword arguments of DecodeGraphs.enable_cascade (decode graphs for batches with
-        prefix_groups, from a padded plan), or None. Returns one line per bank: graphs, seconds, memory."""
+        cascade: a CascadeSpec (decode graphs for batches with prefix_groups, from a padded plan), or None. Returns one line per bank: graphs, seconds, memory."""
         from prefixrt.model.cuda_graphs import DecodeGraphs, ExtendGraphs
 
         self.release_graphs()
@@ -70,7 +70,7 @@ class ModelRunner:
             graphs = DecodeGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
                                   max_context, device, emulate=emulate)
             if cascade is not None:
-                graphs.enable_cascade(**cascade)
+                graphs.enable_cascade(cascade)
             graphs.capture(pool)
             self.graphs = graphs
             lines.append(_describe("decode", graphs.report))
@@ -95,6 +95,12 @@ class ModelRunner:
             if bank is not None:
                 bank.close()
         self.graphs = self.extend_graphs = None
+
+    def close(self) -> None:
+        """Free the runner's device memory: its CUDA graphs and the attention backend's workspaces (the pool
+        and the weights belong to others). The runner is unusable afterwards."""
+        self.release_graphs()
+        self.attn_backend.close()
 
     def warm_up(self, batches) -> float:
         """Run the given batches eagerly once (compiles the kernel variants a workload will hit, outside

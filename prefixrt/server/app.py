@@ -5,7 +5,7 @@ a 400 (InvalidRequest from the engine, and request-body validation errors too, w
 `x-should-retry: false` marks errors a retry cannot fix, so OpenAI clients do not retry them. Every request
 first passes admission (admission.py: API keys, draining, body size); a large JSON body is then decoded in a
 parser process (body.py), and routes check the body's text (validate.py) and tokenize off the event loop
-(EngineFront.aencode), so `/health` always answers at once.
+(EngineAPI.aencode), so `/health` always answers at once.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from starlette.responses import Response
 
 from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
 from prefixrt.errors import EngineDeadError, InvalidRequest
+from prefixrt.hub import generation as hub_generation
 from prefixrt.params import SamplingParams
 from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
 from prefixrt.server.body import BodyParser, OffloadedBodyRoute
@@ -125,11 +126,15 @@ def _detail(e: BaseException) -> str:
     return f": {e}" if str(e) else ""
 
 
-def create_app(engine, served_model_name: str | None = None, *, api_key: str | None = None,
+def create_app(engine, served_model_name: str | list[str] | None = None, *, any_model_name: bool = False,
+               generation_defaults: dict | None = None, api_key: str | None = None,
                admin_api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_BODY_BYTES,
                lifecycle: Lifecycle | None = None) -> FastAPI:
     """An ASGI app serving `engine` (a prefixrt.Engine, or a ProcessEngine: the engine in its own process).
-    The engine's lifetime is the caller's. `api_key` / `admin_api_key` / `max_request_bytes`: see
+    The engine's lifetime is the caller's. `served_model_name`: the names (one or several aliases) requests may
+    give as `model`, the first reported in responses (default: the engine's model name); another name is a 404
+    `model_not_found` unless `any_model_name`. `generation_defaults`: sampling settings for OpenAI requests that
+    leave them out (default: the model's generation config, prefixrt/hub/generation.py). `api_key` / `admin_api_key` / `max_request_bytes`: see
     admission.py; `lifecycle`: drain and engine-death state (the launcher passes its own)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,7 +147,13 @@ def create_app(engine, served_model_name: str | None = None, *, api_key: str | N
     lc = lifecycle or Lifecycle()
     app.state.engine = engine
     app.state.lifecycle = lc
-    app.state.model_name = served_model_name or engine.model_name
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    app.state.model_names = names or [engine.model_name]
+    app.state.model_name = app.state.model_names[0]
+    app.state.any_model_name = any_model_name
+    if generation_defaults is None:
+        generation_defaults = hub_generation.generation_defaults(engine.model_name)
+    app.state.generation_defaults = dict(generation_defaults)
     app.state.created = int(time.time())
     # A ProcessEngine renders its metrics in the engine process, where the latency histograms are observed.
     app.state.render_metrics = getattr(engine, "render_metrics", None) or Metrics.for_engine(engine).render

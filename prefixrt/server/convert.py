@@ -35,10 +35,26 @@ def constrained_decoding_available() -> bool:
     return importlib.util.find_spec("prefixrt.constrained.compiler") is not None
 
 
-def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int) -> dict[str, Any]:
+WARNING_HEADER = "x-prefixrt-warning"  # what the server read other than as written (schema type names)
+
+
+def with_warnings(response, warnings: list[str]):
+    """`response` with the request's warnings in its WARNING_HEADER ("; "-separated), when there are any."""
+    if warnings:
+        text = "; ".join(warnings).encode("ascii", "backslashreplace").decode("ascii")
+        response.headers[WARNING_HEADER] = text
+    return response
+
+
+def _base_params(req: _Sampling, max_new_tokens: int | None, default_max: int,
+                 warnings: list[str] | None = None, defaults: dict | None = None) -> dict[str, Any]:
+    """SamplingParams fields of the request; `defaults` (the model's generation config, hub/generation.py) fill
+    the sampling settings it leaves out."""
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    params = lowering.sampling_options({k: getattr(req, k) for k in _OPTIONS}, what="request")
+    params = lowering.sampling_options({k: getattr(req, k) for k in _OPTIONS}, what="request", warnings=warnings)
+    for name, value in (defaults or {}).items():
+        params.setdefault(name, value)
     params["max_new_tokens"] = default_max if max_new_tokens is None else max_new_tokens
     if req.min_tokens is not None:
         params["min_new_tokens"] = req.min_tokens
@@ -60,43 +76,39 @@ class ChatLowered:
     params: SamplingParams
     tools: lowering.ToolPlan | None
     template_tools: list[dict] | None  # tools for apply_chat_template(tools=...), when it renders them
+    warnings: list[str] = dataclasses.field(default_factory=list)  # for the response's WARNING_HEADER
 
 
-def chat_params(req: ChatCompletionRequest, eng) -> ChatLowered:
+def chat_params(req: ChatCompletionRequest, eng, defaults: dict | None = None) -> ChatLowered:
     """The messages, SamplingParams and tool plan for a chat request (InvalidRequest when bad); the route
-    renders the messages with `eng.encode_chat` (tools given to the template when it renders them)."""
+    renders the messages with `eng.encode_chat` (tools given to the template when it renders them). `defaults`:
+    sampling settings for those the request leaves out (the model's generation config)."""
     if req.functions is not None or req.function_call is not None:
         raise InvalidRequest("functions / function_call are deprecated; pass tools / tool_choice",
                              param="functions" if req.functions is not None else "function_call")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_tokens")
+    lowering.check_output_limit(req.max_tokens, "max_tokens")
+    lowering.check_output_limit(req.max_completion_tokens, "max_completion_tokens")
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # No limit given: generate until EOS or the context is full (the engine stops at max_context).
-    params = _base_params(req, limit, eng.max_context)
+    warnings: list[str] = []
+    params = _base_params(req, limit, eng.max_context, warnings, defaults)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     if req.logprobs:
         params["logprobs"] = req.top_logprobs or 0
     rf = req.response_format.model_dump(by_alias=True, exclude_none=True) if req.response_format else None
-    answer = lowering.response_format_constraint(rf)
-
-    tools = lowering.tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     syntax = lowering.template_call_syntax(eng.tokenizer) if tools and req.tool_prompt else None
     choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
-    plan = lowering.plan_tools(tools, choice, req.parallel_tool_calls, syntax or lowering.BARE,
-                               text_schema=answer.get("json_schema") or ("json_object" if answer else None))
-    if plan is None:  # with tools, "auto" folds the answer's schema into its plan; a forced call has no answer
-        lowering.merge_constraint(params, answer, "response_format")
-    if plan is not None:
-        lowering.merge_constraint(params, plan.constraint, "tool_choice")
-    in_template = syntax is not None and plan is not None
-    messages = lowering.engine_messages([m.model_dump(exclude_none=True) for m in req.messages],
-                                        template_tools=in_template, syntax=syntax or lowering.BARE)
-    if plan is not None and not in_template and req.tool_prompt:
-        messages = lowering.with_tools_prompt(messages, plan)
-    return ChatLowered(messages, _finish_params(params), plan,
-                       lowering.template_tools(plan.tools) if in_template else None)
+    lowered = lowering.lower_chat([m.model_dump(exclude_none=True) for m in req.messages], tools=tools,
+                                  tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
+                                  response_format=rf, syntax=syntax, tool_prompt=req.tool_prompt)
+    lowered.apply(params)
+    return ChatLowered(lowered.messages, _finish_params(params), lowered.tools, lowered.template_tools,
+                       warnings + lowered.warnings)
 
 
 def requested_max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -120,15 +132,16 @@ def fit_max_tokens(params: SamplingParams, requested: int | None, prompt_tokens:
     return dataclasses.replace(params, max_new_tokens=room)
 
 
-def completion_params(req: CompletionRequest) -> tuple[list, SamplingParams]:
-    """The prompts (one or a batch) and SamplingParams for a completions request."""
+def completion_params(req: CompletionRequest, warnings: list[str] | None = None, defaults: dict | None = None
+                      ) -> tuple[list, SamplingParams]:
+    """The prompts (one or a batch) and SamplingParams for a completions request (what was read other than as
+    written appended to `warnings`; `defaults` as for chat_params)."""
     if req.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of other than n is not supported", param="best_of")
-    if req.echo and req.stream and req.logprobs is not None:
-        raise InvalidRequest("echo with logprobs is not supported when streaming", param="echo")
-    params = _base_params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    lowering.check_output_limit(req.max_tokens, "max_tokens")
+    params = _base_params(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, warnings, defaults)
     if req.logprobs is not None:
         params["logprobs"] = req.logprobs
     p = req.prompt

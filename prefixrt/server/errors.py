@@ -13,6 +13,8 @@ a retry cannot fix (OpenAI clients honour it). A request the engine aborted is n
 | an internal error in the engine (the request's `error`) | 500 | `internal_error` |
 | aborted through `POST /abort` | 500 | `request_aborted` |
 
+A `model` the server does not serve is a 404 `model_not_found` naming the served names (`check_model`).
+
 Streams report the same error as an SSE event `data: {"error": {...}}`, then `data: [DONE]`.
 """
 
@@ -59,3 +61,18 @@ class RequestFailed(Exception):
         if error:
             return cls(500, f"the request failed in the engine: {error}", code="internal_error", retry=True)
         return cls(500, "the request was aborted (POST /abort)", code="request_aborted")
+
+
+def check_model(state, model: str | None) -> None:
+    """404 model_not_found unless `model` is one of the app's served names (`state.model_names`), omitted, or
+    the app serves any name (`state.any_model_name`: `--any-model-name`, the in-process shim)."""
+    if model is None or state.any_model_name or model in state.model_names:
+        return
+    raise model_not_found(state, model)
+
+
+def model_not_found(state, model: str) -> RequestFailed:
+    names = ", ".join(repr(n) for n in state.model_names)
+    return RequestFailed(404, f"The model {model!r} does not exist on this server; it serves {names} "
+                              "(prefixrt serve --served-model-name sets the names, --any-model-name serves any)",
+                         type_="invalid_request_error", code="model_not_found", param="model")

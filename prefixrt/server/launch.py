@@ -51,7 +51,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 def build_engine(args: argparse.Namespace, own_process: bool = False):
     """An Engine, or with own_process a ProcessEngine (the engine in a child process), printing progress."""
     if own_process:
-        from prefixrt.engine.process import ProcessEngine
+        from prefixrt.engine.process.client import ProcessEngine
 
         return start_engine(args, ProcessEngine, "in its own process")
     from prefixrt.engine.engine import Engine
@@ -60,41 +60,19 @@ def build_engine(args: argparse.Namespace, own_process: bool = False):
 
 
 def build_role_engine(args: argparse.Namespace):
-    """--role prefill|decode (engine/disagg.py): the engine in this process, joined to its peers through a
-    torch.distributed rendezvous at --disagg-addr (the decode server is rank 0 and hosts it; prefill servers are
-    ranks 1..--disagg-prefill-workers). Returns (engine, the PrefillWorker or None)."""
-    from prefixrt.cache.kv_transport import make_group
-    from prefixrt.engine.disagg import DecodeEngine
-    from prefixrt.engine.engine import Engine
-    from prefixrt.engine.prefill_worker import PrefillWorker
+    """--role prefill|decode (disagg/roles.py): the engine in this process, joined to its peers through a
+    torch.distributed rendezvous at --disagg-addr. Returns (engine, the PrefillWorker or None)."""
+    from prefixrt.disagg.roles import start_role
 
     t0 = time.monotonic()
 
     def progress(msg: str) -> None:
         print(f"[prefixrt {time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    if getattr(args, "tp_size", 1) > 1:  # the transfers would fill rank 0's slice of the KV pool only
-        raise ValueError(f"--role {args.role} does not support --tp > 1 yet")
-    world = args.disagg_prefill_workers + 1
-    rank = 0 if args.role == "decode" else args.disagg_rank
-    make = DecodeEngine if args.role == "decode" else Engine
-    progress(f"starting the {args.role} engine for {args.model!r} (in this process)")
-    eng = make(args.model, progress=progress, **engine_kwargs(args))
-    progress(f"joining the disaggregation group at {args.disagg_addr} as rank {rank} of {world} "
-             f"({args.disagg_backend})")
-    try:
-        group = make_group(args.disagg_addr, rank, world, args.disagg_backend, timeout_s=args.disagg_timeout)
-        if args.role == "decode":
-            eng.connect(group, range(1, world), backend=args.disagg_backend)
-            worker = None
-        else:
-            worker = PrefillWorker(eng, group, decode_ranks=(0,), backend=args.disagg_backend,
-                                   delay_s=args.disagg_debug_delay_s)
-    except BaseException:
-        eng.shutdown()
-        raise
-    progress(f"{args.role} engine ready: {eng.model_name} on {eng.device}")
-    return eng, worker
+    return start_role(args.role, args.model, engine_kwargs(args), addr=args.disagg_addr,
+                      prefill_workers=args.disagg_prefill_workers, rank=args.disagg_rank,
+                      backend=args.disagg_backend, timeout_s=args.disagg_timeout,
+                      debug_delay_s=args.disagg_debug_delay_s, progress=progress)
 
 
 def check_role_args(args: argparse.Namespace) -> None:
@@ -146,18 +124,20 @@ def _make_server(config, lifecycle):
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from prefixrt.hub.generation import generation_defaults
     from prefixrt.server.app import create_app
     from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
     from prefixrt.server.lifecycle import Lifecycle
 
     if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
         from prefixrt.config import EngineConfig
-        from prefixrt.engine.tp_worker import run_node
+        from prefixrt.parallel.tp_worker import run_node
 
         config = EngineConfig(model=args.model, **engine_kwargs(args))
         print(f"[prefixrt] node {config.node_rank}: running tensor-parallel ranks of {args.model!r}, rendezvous "
               f"at {config.dist_init_addr}", file=sys.stderr, flush=True)
         return run_node(config)
+    defaults = generation_defaults(args.model, args.generation_config)  # a bad folder fails before the engine starts
     worker = None
     try:
         if args.role == "standalone":
@@ -171,7 +151,11 @@ def serve(args: argparse.Namespace) -> int:
     if hasattr(eng, "on_death"):
         eng.on_death = lifecycle.engine_died
     try:
-        app = create_app(eng, served_model_name=args.served_model_name, api_key=args.api_key,
+        print(f"[prefixrt] sampling defaults for requests that leave them out: "
+              f"{' '.join(f'{k}={v:g}' for k, v in defaults.items()) or 'the engine defaults (temperature 1.0)'} "
+              f"(--generation-config {args.generation_config})", file=sys.stderr, flush=True)
+        app = create_app(eng, served_model_name=args.served_model_name, any_model_name=args.any_model_name,
+                         generation_defaults=defaults, api_key=args.api_key,
                          admin_api_key=args.admin_api_key, max_request_bytes=args.max_request_bytes,
                          lifecycle=lifecycle)
         app.state.body_parser = BodyParser(OFFLOAD_BYTES)  # large JSON bodies decoded in a parser process
@@ -197,7 +181,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None, help="the model id reported by /v1/models")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may give (aliases; the first is reported in responses and "
+                        "listed first by /v1/models); default: --model. Another name is a 404 model_not_found")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="sampling defaults for requests that leave them out: auto (default) = the model's "
+                        "generation_config.json (the catalogue's recommendation for a built-in model), vllm = the "
+                        "engine's own (temperature 1.0), or a folder's generation_config.json")
+    p.add_argument("--any-model-name", action="store_true",
+                   help="serve requests whatever `model` they name (for code that hard-codes a vendor's model)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--drain-timeout", "--graceful-timeout", dest="drain_timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted")

@@ -1,7 +1,7 @@
 """OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE);
 /v1/responses lives in responses.py (included here).
 
-Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineFront.aencode),
+Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineAPI.aencode),
 checks max_tokens against the context, then submits the token ids (off the event loop too: a constrained
 request waits for its grammar to compile). A request the engine ends with finish_reason "abort" is never
 returned as a success: it becomes an error object, or an error event and `[DONE]` in a stream (errors.py).
@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 
 from prefixrt.lowering import ToolPlan
 from prefixrt.server import convert
 from prefixrt.server.body import OffloadedBodyRoute
-from prefixrt.server.errors import RequestFailed
+from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
@@ -70,31 +69,32 @@ def _model_name(request: Request) -> str:
     return request.app.state.model_name
 
 
-def _model_card(request: Request) -> dict:
+def _model_card(request: Request, name: str) -> dict:
     eng = _engine(request)
-    return {"id": _model_name(request), "object": "model", "created": request.app.state.created,
+    return {"id": name, "object": "model", "created": request.app.state.created,
             "owned_by": "prefixrt", "max_model_len": getattr(eng, "max_context", None),
-            "vocab_size": getattr(eng, "vocab_size", None), "revision": getattr(eng, "model_revision", None)}
+            "vocab_size": getattr(eng, "vocab_size", None), "revision": getattr(eng, "model_revision", None),
+            "sampling_defaults": request.app.state.generation_defaults}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return JSON({"object": "list", "data": [_model_card(request)]})
+    return JSON({"object": "list", "data": [_model_card(request, n) for n in request.app.state.model_names]})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    if model_id != _model_name(request):
-        raise HTTPException(404, f"the model {model_id!r} does not exist; this server serves "
-                                 f"{_model_name(request)!r}")
-    return JSON(_model_card(request))
+    if model_id not in request.app.state.model_names:
+        raise model_not_found(request.app.state, model_id)
+    return JSON(_model_card(request, model_id))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
+    check_model(request.app.state, body.model)
     check_body(body)
-    lowered = convert.chat_params(body, eng)
+    lowered = convert.chat_params(body, eng, request.app.state.generation_defaults)
     ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
                                   body.continue_final_message)
     params, mode = lowered.params, lowered.tools
@@ -108,14 +108,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(ids, params))
         _raise_if_aborted(lc, [c])
-        return JSON(convert.chat_response(c, rid, model, created, mode))
+        return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode)), lowered.warnings)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
     chunks = await eng.astream_open(ids, params, coalesce=True)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc))
-    return EventStream(gen, on_close=_stream_close(eng, lc, [rid]))
+    return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])), lowered.warnings)
 
 
 async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
@@ -176,8 +176,10 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     eng, lc = _engine(request), _lifecycle(request)
+    check_model(request.app.state, body.model)
     check_body(body)
-    prompts, params = convert.completion_params(body)
+    warnings: list[str] = []
+    prompts, params = convert.completion_params(body, warnings, request.app.state.generation_defaults)
     encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
@@ -192,14 +194,9 @@ async def completions(body: CompletionRequest, request: Request):
         with lc.serving(eng, rids):
             cs = await until_disconnect(request, run())
         _raise_if_aborted(lc, cs)
-        echo = None
-        if body.echo:
-            if body.logprobs is not None:
-                echo = [await run_in_threadpool(convert.prompt_entries, eng, ids) for ids in encoded]
-                echo = [(convert.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, echo)]
-            else:
-                echo = [(convert.prompt_text(eng, p), None) for p in prompts]
-        return JSON(convert.completion_response(list(cs), rid, model, created, echo))
+        echo = await _echo_heads(eng, body, prompts, encoded)
+        return convert.with_warnings(JSON(convert.completion_response(list(cs), rid, model, created, echo)), warnings)
+    heads = await _echo_heads(eng, body, prompts, encoded)  # prompt logprobs go in the first chunk (as vLLM)
     opened = await asyncio.gather(*(eng.astream_open(ids, sp, coalesce=True) for ids, sp in zip(encoded, per_prompt)),
                                   return_exceptions=True)
     failed = [x for x in opened if isinstance(x, BaseException)]
@@ -209,14 +206,25 @@ async def completions(body: CompletionRequest, request: Request):
         raise failed[0]
     lc.register(eng, rids)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    heads = [convert.prompt_text(eng, p) for p in prompts] if body.echo else None
     gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
-    return EventStream(gen, on_close=_stream_close(eng, lc, rids))
+    return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, rids)), warnings)
 
 
-async def _completion_events(streams, n: int, rid: str, model: str, created: int,
-                             include_usage: bool, lc, heads: list[str] | None = None) -> AsyncIterator[str]:
-    """heads: with echo, each prompt's text, sent first on each of its samples."""
+async def _echo_heads(eng, body: CompletionRequest, prompts: list, encoded: list[list[int]]
+                      ) -> list[tuple[str, list[dict] | None]] | None:
+    """With echo: per prompt, its text (token-id prompts decoded) and, with logprobs, its tokens' logprob
+    entries; None without echo."""
+    if not body.echo:
+        return None
+    if body.logprobs is None:
+        return [(convert.prompt_text(eng, p), None) for p in prompts]
+    scored = [await run_in_threadpool(convert.prompt_entries, eng, ids) for ids in encoded]
+    return [(convert.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, scored)]
+
+
+async def _completion_events(streams, n: int, rid: str, model: str, created: int, include_usage: bool, lc,
+                             heads: list[tuple[str, list[dict] | None]] | None = None) -> AsyncIterator[str]:
+    """heads: with echo, each prompt's (text, logprob entries or None), sent first on each of its samples."""
     usage = convert.StreamUsage()
     # choice index -> text_offset of its next token: the lengths of the token strings before it (and of the
     # echoed prompt), as the whole response counts them, so offsets do not depend on how tokens were chunked.
@@ -229,17 +237,19 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
             return
         usage.add(k, ch)
         index = k * n + ch.index
-        text = ch.text
+        text, entries = ch.text, ch.logprobs
         if index not in next_offset:
-            head = heads[k] if heads is not None else ""
+            head, head_entries = heads[k] if heads is not None else ("", None)
             text = head + text
-            next_offset[index] = len(head)
-        lps = convert.completion_logprobs(ch.logprobs, next_offset[index])
-        if ch.logprobs:
-            next_offset[index] += sum(len(e["token"]) for e in ch.logprobs)
+            next_offset[index] = 0 if head_entries is not None else len(head)
+            if head_entries is not None:
+                entries = head_entries + (entries or [])
+        lps = convert.completion_logprobs(entries, next_offset[index])
+        if entries:
+            next_offset[index] += sum(len(e["token"]) for e in entries)
         if lps is None and (text or ch.finish_reason is not None):
             yield text_events.event(index, text, ch.finish_reason)
-        elif text or ch.logprobs or ch.finish_reason is not None:
+        elif text or entries or ch.finish_reason is not None:
             yield sse(convert.completion_chunk(rid, model, created, index, text, ch.finish_reason, lps))
     if include_usage:
         yield sse(convert.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))

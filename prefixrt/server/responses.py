@@ -29,10 +29,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.lowering import ToolCall, ToolPlan, content_text, new_call_id
+from prefixrt.lowering import ToolCall, ToolPlan, check_output_limit, content_text, new_call_id
 from prefixrt.server import convert
 from prefixrt.server.body import OffloadedBodyRoute
-from prefixrt.server.errors import RequestFailed
+from prefixrt.server.errors import RequestFailed, check_model
 from prefixrt.server.protocol import ChatCompletionRequest, _Body
 from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
 from prefixrt.server.validate import check_body
@@ -255,6 +255,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     eng = request.app.state.engine
+    check_model(request.app.state, body.model)
     store = _store(request)
     history: list[dict] = []
     if body.previous_response_id is not None:
@@ -264,9 +265,10 @@ async def create_response(body: ResponsesRequest, request: Request):
                                  param="previous_response_id")
         history = prev[0]
     conversation = history + input_messages(body.input)
+    check_output_limit(body.max_output_tokens, "max_output_tokens")
     chat = _chat_request(body, conversation)
     check_body(chat)
-    lowered = convert.chat_params(chat, eng)
+    lowered = convert.chat_params(chat, eng, request.app.state.generation_defaults)
     if lowered.params.n != 1:
         raise InvalidRequest("n must be 1 on /v1/responses", param="n")
     ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools)
@@ -290,7 +292,8 @@ async def create_response(body: ResponsesRequest, request: Request):
             c = await until_disconnect(request, eng.agenerate(ids, params))
         if c.finish_reason == "abort":
             raise RequestFailed.for_abort(lc, c.error)
-        return JSON(finish(c.text, c.finish_reason, _usage(c.prompt_tokens, c.completion_tokens, c.cached_tokens)))
+        return convert.with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
+            c.prompt_tokens, c.completion_tokens, c.cached_tokens))), lowered.warnings)
     chunks = await eng.astream_open(ids, params, coalesce=True)  # a bad request raises before any byte is sent
     lc.register(eng, [rid])
 
@@ -298,7 +301,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         eng.abort(rid)
         lc.release([rid])
 
-    return EventStream(_events(chunks, shell, lowered.tools, finish, lc), on_close=close)
+    return convert.with_warnings(EventStream(_events(chunks, shell, lowered.tools, finish, lc), on_close=close),
+                                 lowered.warnings)
 
 
 def _event(seq: list[int], kind: str, **fields) -> str:

@@ -22,9 +22,9 @@ def kv_of(tokens, start):
     return k, -k
 
 
-def read(s, ids, ns=None, start=0, cap=None):
+def read(s, ids, salt=None, start=0, cap=None):
     cap = len(ids) if cap is None else cap
-    f = s.fetch(ns, ids, start, cap, s.lookup(ns, ids, start, cap))
+    f = s.fetch(salt, ids, start, cap, s.lookup(salt, ids, start, cap))
     f.done.wait(10)
     s.finish_fetch(f)
     return f
@@ -52,8 +52,8 @@ def test_segments_survive_a_restart_and_chain_exactly(tmp_path):
     f = read(s, c)
     assert [(g.start, g.end) for g in f.segments] == [(0, 12), (12, 15)]
     assert torch.equal(f.segments[1].k, kv_of(c[:15], 12)[0])
-    # Another namespace or identity sees nothing of it.
-    assert read(s, b, ns="other").segments == []
+    # Another salt or identity sees nothing of it.
+    assert read(s, b, salt="other").segments == []
     s.close()
     other = store(tmp_path, identity="model@2")
     assert other.num_files == 0 and read(other, b).segments == []

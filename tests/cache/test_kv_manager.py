@@ -26,8 +26,8 @@ def make_kv(num_slots: int = 64, page_size: int = 1, radix: bool = True, debug: 
     return KVManager(pool, allocator, ReqToTokenTable(8, 128, "cpu"), cache, debug=debug)
 
 
-def req(ids: list[int], rid: str = "r", namespace=None, **params) -> Req:
-    return Req(rid=rid, prompt_ids=list(ids), params=SamplingParams(**params), sink=None, namespace=namespace)
+def req(ids: list[int], rid: str = "r", salt=None, **params) -> Req:
+    return Req(rid=rid, prompt_ids=list(ids), params=SamplingParams(**params), sink=None, salt=salt)
 
 
 def compute(kv: KVManager, r: Req, n: int | None = None) -> list[int]:
@@ -92,13 +92,13 @@ def test_match_stops_before_the_first_scored_token():
 
 def test_namespaces_never_share():
     kv = make_kv()
-    a = req([1, 2, 3, 4], namespace="tenant-a")
+    a = req([1, 2, 3, 4], salt="tenant-a")
     kv.admit(a)
     compute(kv, a)
     kv.release(a)
-    assert kv.match(req([1, 2, 3, 4], namespace="tenant-b")).length == 0
-    assert kv.match(req([1, 2, 3, 4], namespace=None)).length == 0
-    assert kv.match(req([1, 2, 3, 4], namespace="tenant-a")).length == 3
+    assert kv.match(req([1, 2, 3, 4], salt="tenant-b")).length == 0
+    assert kv.match(req([1, 2, 3, 4], salt=None)).length == 0
+    assert kv.match(req([1, 2, 3, 4], salt="tenant-a")).length == 3
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

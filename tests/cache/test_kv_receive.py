@@ -1,5 +1,5 @@
 """K/V received from another engine (KVManager.begin_receive / finish_receive / abandon_receive) and the wire it
-comes over (cache/kv_transport.py), on a real pool, allocator and radix tree on the CPU.
+comes over (parallel/kv_transport.py), on a real pool, allocator and radix tree on the CPU.
 
 The lifetime contract: a receive's pages go back to the allocator only once its Transfer is done (the sender
 confirmed it never started or has finished). The checker must trip when that is bypassed (the production bug:
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from prefixrt.cache.kv_transport import Channel, local_groups, write_layer
+from prefixrt.parallel.kv_transport import Channel, local_groups, write_layer
 from tests.cache.test_kv_manager import compute, make_kv, req
 
 

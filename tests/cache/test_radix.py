@@ -1,4 +1,8 @@
-"""RadixCache and KV accounting: unit tests plus a property test over random operation sequences."""
+"""RadixCache and KV accounting: unit tests plus a property test over random operation sequences.
+
+The tests of the PrefixCache contract (ownership on insert, LRU eviction of unlocked entries, alignment,
+namespaces, accounting under random operations) run for the radix tree and the hash-block cache (block.py, with
+blocks of one page, where both must behave alike); tests/cache/test_block.py has the block cache's own."""
 
 from __future__ import annotations
 
@@ -9,8 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixrt.cache.allocator import OutOfPages, PageAllocator, pages_to_slots
+from prefixrt.cache.block import BlockCache
 from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
+
+# The contract's implementations (blocks of one page: the block cache's alignment equals the tree's).
+CACHES = {"radix": RadixCache, "block": lambda a: BlockCache(a, block_tokens=a.page_size)}
+contract = pytest.mark.parametrize("make_cache", list(CACHES.values()), ids=list(CACHES))
 
 
 def _alloc_slots(alloc: PageAllocator, n: int) -> list[int]:
@@ -50,9 +59,10 @@ def test_match_is_read_only_and_lock_splits():
     c.check_integrity()
 
 
-def test_insert_reports_existing_prefix_and_takes_ownership_of_rest():
+@contract
+def test_insert_reports_existing_prefix_and_takes_ownership_of_rest(make_cache):
     a = PageAllocator(1000, 1)
-    c = RadixCache(a)
+    c = make_cache(a)
     s1 = _alloc_slots(a, 8)
     assert c.insert(list(range(8)), s1) == 0
     s2 = _alloc_slots(a, 12)
@@ -64,9 +74,10 @@ def test_insert_reports_existing_prefix_and_takes_ownership_of_rest():
     c.check_integrity()
 
 
-def test_eviction_is_lru_over_unlocked_leaves():
+@contract
+def test_eviction_is_lru_over_unlocked_leaves(make_cache):
     a = PageAllocator(1000, 1)
-    c = RadixCache(a)
+    c = make_cache(a)
     for first in (1, 2, 3):
         c.insert([first, 0, 0, 0], _alloc_slots(a, 4))
     c.match_prefix([1, 0, 0, 0])  # touch 1: now 2 is least recent
@@ -81,9 +92,10 @@ def test_eviction_is_lru_over_unlocked_leaves():
     c.check_integrity()
 
 
-def test_page_alignment():
+@contract
+def test_page_alignment(make_cache):
     a = PageAllocator(1024, 16)
-    c = RadixCache(a)
+    c = make_cache(a)
     toks = list(range(40))
     slots = _alloc_slots(a, 48)
     assert c.insert(toks, slots[:40]) == 0  # only 32 tokens (two pages) are kept
@@ -95,13 +107,14 @@ def test_page_alignment():
     c.check_integrity()
 
 
-def test_namespaces_never_share():
+@contract
+def test_namespaces_never_share(make_cache):
     a = PageAllocator(1000, 1)
-    c = RadixCache(a)
-    c.insert(list(range(10)), _alloc_slots(a, 10), namespace="tenant-a")
-    assert c.match_prefix(list(range(10)), namespace="tenant-b").length == 0
-    assert c.match_prefix(list(range(10)), namespace=None).length == 0
-    assert c.match_prefix(list(range(10)), namespace="tenant-a").length == 10
+    c = make_cache(a)
+    c.insert(list(range(10)), _alloc_slots(a, 10), salt="tenant-a")
+    assert c.match_prefix(list(range(10)), salt="tenant-b").length == 0
+    assert c.match_prefix(list(range(10)), salt=None).length == 0
+    assert c.match_prefix(list(range(10)), salt="tenant-a").length == 10
 
 
 def test_no_reuse_cache_frees_on_insert():
@@ -113,13 +126,14 @@ def test_no_reuse_cache_frees_on_insert():
     assert c.match_prefix(list(range(10))).length == 0
 
 
+@contract
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), page_size=st.sampled_from([1, 4]))
-def test_random_operations_keep_accounting(seed, page_size):
+def test_random_operations_keep_accounting(make_cache, seed, page_size):
     """Random insert/match/lock/unlock/evict/abort: free + evictable + locked + held == total always."""
     rng = random.Random(seed)
     a = PageAllocator(256 * page_size, page_size)
-    c = RadixCache(a)
+    c = make_cache(a)
     held: list[tuple[object, list[int]]] = []  # (lock handle, private slots of an 'in-flight request')
     vocab = [0, 1, 2]
 
@@ -183,8 +197,8 @@ def _tree(c: RadixCache) -> list[tuple]:
             out.append((p, tuple(child.slots), child.lock_ref))
             walk(child, p)
 
-    for ns, root in c._roots.items():
-        walk(root, (ns,))
+    for salt, root in c._roots.items():
+        walk(root, (salt,))
     return sorted(out)
 
 

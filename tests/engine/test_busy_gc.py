@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from prefixrt.engine.busy_gc import BusyGC
+from prefixrt.engine.loop.busy_gc import BusyGC
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Chat rendering has one home: EngineFront.chat_prompt_ids / render_chat over hub.chat_templates'
+"""Chat rendering has one home: EngineAPI.chat_prompt_ids / render_chat over hub.chat_templates'
 render_chat_template, checked against transformers' own apply_chat_template, and used by the server
 (continue_final_message) and the frontend (same tokenizer lock as the engine)."""
 

@@ -155,14 +155,14 @@ def test_select_scores_equal_transformers_logprobs(method, make_engine, tiny_che
 
 def test_grammar_warm_up_builds_the_backend_at_start(make_engine):
     cold = make_engine("llama")  # the CPU default: built on the first constrained request
-    assert cold._compiler is None and "grammar_warm_s" not in cold._built.startup
+    assert cold.core.hooks.grammar.backend is None and "grammar_warm_s" not in cold._built.startup
     eng = make_engine("llama", grammar_warm_up=True)
-    assert eng._compiler is not None and eng.core.grammar_backend is eng._compiler.backend
+    assert eng.core.hooks.grammar.backend is not None and eng.core.masks.backend is eng.grammar_compiler().backend
     assert eng._built.startup["grammar_warm_s"] > 0
-    backend = eng._compiler.backend
+    backend = eng.grammar_compiler().backend
     if getattr(backend, "string_lengths", False):
         assert backend._token_table is not None  # the string-length tables too
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}}, "required": ["a"]}
     out = eng.generate([1, 2, 3], {"max_new_tokens": 24, "temperature": 0, "json_schema": schema})
-    assert eng._compiler.backend is backend  # the warmed backend served the request
+    assert eng.grammar_compiler().backend is backend  # the warmed backend served the request
     assert out.finish_reason == "stop" and len(json.loads(out.text)["a"]) <= 3

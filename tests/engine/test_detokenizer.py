@@ -18,8 +18,8 @@ class _Req:  # stands in for prefixrt.request.Req: the worker only hands it back
     pass
 
 
-def _worker(tok, stopped):
-    return DetokenizerWorker(tok, threading.Lock(), deliver=None, on_stop=stopped.append)
+def _worker(tok):
+    return DetokenizerWorker(tok, threading.Lock(), deliver=None)
 
 
 def _out(ids, finished=False, reason=None, matched=None, logprobs=None):
@@ -40,30 +40,30 @@ def _run(worker, st, ids, per_step=1, batched=False, last_reason="length"):
 @pytest.mark.parametrize("per_step, batched", [(1, False), (3, False), (1, True), (2, True)])
 def test_text_deltas_equal_the_tokenizer_decode(tiny_tokenizer, per_step, batched):
     ids = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
-    stopped = []
+    w = _worker(tiny_tokenizer)
     st = DetokState(_Req(), None, True, True)
-    outs = _run(_worker(tiny_tokenizer, stopped), st, ids, per_step, batched)
+    outs = _run(w, st, ids, per_step, batched)
     assert "".join(o.text for o in outs) == tiny_tokenizer.decode(ids, skip_special_tokens=True) == TEXT
     assert outs[-1].final_text == TEXT and outs[-1].finish_reason == "length"
     assert [t for o in outs for t in o.token_ids] == ids
-    assert not stopped
+    assert w.take_stopped() == []
 
 
 @pytest.mark.parametrize("stop", ["quick b", "k br", "s ov", "dog.", "nine."])
 @pytest.mark.parametrize("per_step, batched", [(1, False), (2, True)])
 def test_stop_string_cuts_text_and_tells_the_loop(tiny_tokenizer, stop, per_step, batched):
     ids = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
-    stopped = []
+    w = _worker(tiny_tokenizer)
     req = _Req()
     st = DetokState(req, [stop, "\x00never"], True, True)
-    outs = _run(_worker(tiny_tokenizer, stopped), st, ids, per_step, batched)
+    outs = _run(w, st, ids, per_step, batched)
     cut = TEXT.index(stop)
     assert "".join(o.text for o in outs) == TEXT[:cut]
     last = outs[-1]
     assert last.finished and last.finish_reason == "stop" and last.matched_stop == stop
     assert last.final_text == TEXT[:cut]
     assert all(not o.finished for o in outs[:-1])
-    assert stopped == [req]
+    assert w.take_stopped() == [req] and w.take_stopped() == []
     # Tokens end with the step whose text completed the stop: none after it is streamed.
     streamed = [t for o in outs for t in o.token_ids]
     assert streamed == ids[: len(streamed)]
@@ -79,8 +79,7 @@ def test_stop_string_cuts_text_and_tells_the_loop(tiny_tokenizer, stop, per_step
 def test_stop_token_is_not_text_and_final_after_stop_is_dropped(tiny_tokenizer):
     ids = tiny_tokenizer.encode("A stitch in time", add_special_tokens=False)
     eos = tiny_tokenizer.eos_token_id
-    stopped = []
-    w = _worker(tiny_tokenizer, stopped)
+    w = _worker(tiny_tokenizer)
     st = DetokState(_Req(), None, False, True)
     outs = [o for _, o in w.process([(st, "s", _out(ids[:2])), (st, "s", _out(ids[2:] + [eos], True, "stop", eos))])]
     assert "".join(o.text for o in outs) == "A stitch in time"
@@ -98,7 +97,7 @@ def test_logprob_strings_and_passthrough(tiny_tokenizer):
     lps = [{"token_id": t, "token": None, "logprob": -0.5,
             "top_logprobs": [{"token_id": t, "token": None, "logprob": -0.5},
                              {"token_id": 3, "token": None, "logprob": -1.0}]} for t in ids]
-    w = _worker(tiny_tokenizer, [])
+    w = _worker(tiny_tokenizer)
     st = DetokState(_Req(), None, True, False)  # logprobs only: no text
     (_, out), = w.process([(st, "s", _out(ids, logprobs=lps))])
     assert out.text is None
@@ -111,7 +110,7 @@ def test_logprob_strings_and_passthrough(tiny_tokenizer):
 def test_worker_thread_delivers_in_order(tiny_tokenizer):
     ids = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
     stream = RequestStream()
-    w = DetokenizerWorker(tiny_tokenizer, threading.Lock(), RequestStream.push_many, lambda r: None).start()
+    w = DetokenizerWorker(tiny_tokenizer, threading.Lock(), RequestStream.push_many).start()
     st = DetokState(_Req(), None, True, True)
     for i, t in enumerate(ids):
         w.submit([(st, stream, _out([t], i == len(ids) - 1, "length" if i == len(ids) - 1 else None))])

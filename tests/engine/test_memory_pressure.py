@@ -166,3 +166,17 @@ def test_tier_metrics_agree_with_stats(make_engine):
         assert samples[("prefixrt_tier_hit_rate", (("tier", tier),))] == pytest.approx(rate)
     gbps = samples[("prefixrt_host_copy_gbps", (("direction", "load"),))]
     assert gbps == pytest.approx(s.host_load_bytes_total / s.host_load_seconds_total / 1e9)
+
+
+def test_preemption_for_first_tokens_equals_unbounded_pool(unbounded, make_engine):
+    """A new request that waited for memory preempts running requests that have streamed: they go to the host
+    tier mid-decode and resume later, and every output stays exact."""
+    w = _workload()
+    want, hit = unbounded
+    eng = make_engine("llama", kv_cache_tokens=_pool(w, 1 / 3), host_kv_cache_tokens=2048, chunked_prefill_tokens=16,
+                      host_kv_preempt_after_s=0.0, host_kv_debug_delay_s=0.0005)
+    got, tier_hit = _run(eng, w)
+    assert got == want
+    s = eng.stats()
+    assert s.preempted_requests_total > 0 and s.host_hit_tokens_total > 0  # (write_through: copies exist already)
+    assert tier_hit >= 0.95 * hit, (tier_hit, hit)

@@ -105,7 +105,7 @@ def test_jump_forward_and_stop_strings_exact_in_both_loops(overlap, make_engine)
     eng = make_engine("llama", overlap_schedule=overlap)
     ref = make_engine("llama", overlap_schedule=False)
     # 40 rows, every fifth unconstrained: the overlapped loop starts the next step's masks in chunks while it
-    # post-processes (core._early_masks); each chunk may fill only rows whose matcher is already current.
+    # post-processes (GrammarMasks.early); each chunk may fill only rows whose matcher is already current.
     prompts = [[1, 30 + i, 31] for i in range(40)]
     p = {"max_new_tokens": 60, "temperature": 0, "json_schema": SCHEMA}
     free_p = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefixrt.cache.allocator import PageAllocator, pages_to_slots
 from prefixrt.cache.radix import RadixCache
-from prefixrt.engine.policy import order_waiting
+from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req
 

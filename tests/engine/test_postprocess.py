@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixrt.engine import postprocess
+from prefixrt.engine.loop import postprocess
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req
 

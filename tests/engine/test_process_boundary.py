@@ -1,5 +1,5 @@
 """The serve process boundary: Engine.prepare / Engine.enqueue (what the engine process calls) and the typed
-pipe messages of engine/messages.py. tests/reliability/test_engine_death.py and tests/server run the real
+pipe messages of engine/process/messages.py. tests/reliability/test_engine_death.py and tests/server run the real
 two-process engine end to end."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from prefixrt.engine import messages as M
+from prefixrt.engine.process import messages as M
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
 from prefixrt.params import SamplingParams

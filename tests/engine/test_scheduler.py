@@ -12,7 +12,7 @@ from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
-from prefixrt.engine.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
+from prefixrt.engine.loop.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req, ReqState
 
@@ -219,10 +219,10 @@ def test_admission_stops_when_memory_runs_out_and_keeps_order():
 
 def test_uncached_prefix_index_answers_as_the_reference():
     """UncachedPrefixIndex.shares against Scheduler._shares_uncached_prefix over random leaders, requests,
-    namespaces, lengths and matched positions, leaders added between questions."""
+    salts, lengths and matched positions, leaders added between questions."""
     import random
 
-    from prefixrt.engine.scheduler import UncachedPrefixIndex
+    from prefixrt.engine.loop.scheduler import UncachedPrefixIndex
 
     rng = random.Random(0)
     k = PREFIX_DEDUP_MIN_TOKENS
@@ -233,7 +233,7 @@ def test_uncached_prefix_index_answers_as_the_reference():
             cut = rng.randrange(len(base))
             ids = base[:cut] + [rng.randrange(3, 5) for _ in range(rng.randrange(2 * k))]
             r = req(ids or [3], f"r{i}")
-            r.namespace = rng.choice([None, "s"])
+            r.salt = rng.choice([None, "s"])
             return r
 
         leaders = [make(i) for i in range(rng.randrange(4))]

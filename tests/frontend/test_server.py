@@ -135,7 +135,7 @@ def test_judge_on_openai_chat_endpoint_same_as_engine(engine, server):
     """OpenAIBackend on /v1/chat/completions: the server renders the same prompts as the Provider path, so the
     greedy judgments agree; one API call per gen."""
     on_engine = judge.run(essay=ESSAY, backend=engine, temperature=0, timeout=TIMEOUT)
-    be = OpenAIBackend("tiny", client=_client(server.url), chat=True)
+    be = OpenAIBackend("tiny-llama-1k", client=_client(server.url), chat=True)
     on_api = judge.run(essay=ESSAY, backend=be, temperature=0, timeout=TIMEOUT)
     assert [f["j"] for f in on_api.forks] == [f["j"] for f in on_engine.forks]
     assert [f.messages() for f in on_api.forks] == [f.messages() for f in on_engine.forks]
@@ -176,7 +176,7 @@ def test_openai_backend_select_uses_logprobs_when_returned(engine, server):
     def pick(s):
         s += PROMPT + select("x", choices=choices)
 
-    be = OpenAIBackend("tiny", client=_client(server.url), chat=False)
+    be = OpenAIBackend("tiny-llama-1k", client=_client(server.url), chat=False)
     st = pick.run(backend=be, timeout=TIMEOUT)
     assert _select_method(st) == "logprobs" and be.num_api_calls == 1
     assert st["x"] == choices[-1] == pick.run(backend=engine, timeout=TIMEOUT)["x"]
@@ -194,7 +194,7 @@ def test_openai_backend_select_uses_constrained_choices_without_logprobs(engine,
             s += PROMPT + select("x", choices=choices)
 
     transport = _NoLogprobs()
-    be = OpenAIBackend("tiny", client=_client(server.url, transport), chat=chat)
+    be = OpenAIBackend("tiny-llama-1k", client=_client(server.url, transport), chat=chat)
     st = pick.run(backend=be, timeout=TIMEOUT)
     assert _select_method(st) == "constrained"
     assert transport.bodies[-1]["choices"] == choices  # the server's constrained `choices` picked it
@@ -213,7 +213,7 @@ def test_constrained_gens_over_http(engine, server, kind):
         s += "\nCity:" + gen("city", choices=[" Paris", " Rome", " Oslo"])
         s += "\nJSON:" + gen("obj", max_tokens=24, json_schema=schema)
 
-    be = RemoteEngine(server.url) if kind == "remote" else OpenAIBackend("tiny", client=_client(server.url),
+    be = RemoteEngine(server.url) if kind == "remote" else OpenAIBackend("tiny-llama-1k", client=_client(server.url),
                                                                          chat=False)
     st = prog.run(backend=be, temperature=0, timeout=TIMEOUT)
     local = prog.run(backend=engine, temperature=0, timeout=TIMEOUT)
@@ -248,7 +248,7 @@ def test_stopped_server_raises_with_state(engine):
     with LiveServer(create_app(engine)) as live:
         url = live.url
         remote = RemoteEngine(url, timeout=10)
-        be = OpenAIBackend("tiny", client=_client(url, timeout=10), chat=False)
+        be = OpenAIBackend("tiny-llama-1k", client=_client(url, timeout=10), chat=False)
         assert set(prog.run(backend=remote, temperature=0, timeout=TIMEOUT).variables()) == {"a", "b"}
     for backend in (remote, be):
         t0 = time.monotonic()
@@ -293,7 +293,7 @@ def test_chat_gens_after_literal_text_continue_the_assistant_message(engine, ser
     chat endpoint gives what the Engine gives for the same program."""
     doc = "Alice Smith is an engineer in Paris."
     on_engine = extract_chat.run(doc=doc, backend=engine, temperature=0, timeout=TIMEOUT)
-    be = OpenAIBackend("tiny", client=_client(server.url), chat=True)
+    be = OpenAIBackend("tiny-llama-1k", client=_client(server.url), chat=True)
     on_api = extract_chat.run(doc=doc, backend=be, temperature=0, timeout=TIMEOUT)
     assert on_api.variables() == on_engine.variables() and be.num_api_calls == 3
     assert on_api.messages() == on_engine.messages()
@@ -304,8 +304,8 @@ def test_chat_speculation_fallback_on_real_server(server):
     runs as its own call, with the fields of non-speculative execution."""
     doc = "Alice Smith is an engineer in Paris."
     before = httpx.get(server.url + "/stats").json()["requests_total"]
-    plain = OpenAIBackend("tiny", client=_client(server.url), chat=True)
-    spec = OpenAIBackend("tiny", client=_client(server.url), chat=True, speculative_tokens=24)
+    plain = OpenAIBackend("tiny-llama-1k", client=_client(server.url), chat=True)
+    spec = OpenAIBackend("tiny-llama-1k", client=_client(server.url), chat=True, speculative_tokens=24)
     st_plain = extract_chat.run(doc=doc, backend=plain, temperature=0, timeout=TIMEOUT)
     st_spec = extract_chat.run(doc=doc, backend=spec, temperature=0, timeout=TIMEOUT)
     assert st_spec.variables() == st_plain.variables()

@@ -543,7 +543,7 @@ def test_padded_cascade_plan_equals_plain_decode(per_tile, max_groups, dtype, pa
 def test_prefix_grouper_groups_shared_tree_pages():
     from types import SimpleNamespace
 
-    from prefixrt.engine.prefix_groups import PrefixGrouper, common_prefix
+    from prefixrt.engine.loop.prefix_groups import PrefixGrouper, common_prefix
 
     assert common_prefix([1, 2, 3, 4], [1, 2, 9, 4], 4) == 2 and common_prefix([1, 2], [1, 2], 5) == 2
     shared = list(range(100, 400))

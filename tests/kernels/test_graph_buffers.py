@@ -21,6 +21,7 @@ from prefixrt.model.attention.torch_backend import TorchAttentionBackend  # noqa
 from prefixrt.model.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from prefixrt.model.cuda_graphs import (  # noqa: E402
     EXTEND_TOKEN_BUCKETS,
+    CascadeSpec,
     ExtendGraphs,
     extend_block_m,
     extend_buckets,
@@ -74,7 +75,7 @@ def setup(tmp_path_factory):
     backend = TritonAttentionBackend(pool, max_batch_size=8)
     graph_runner = ModelRunner(model, pool, backend)
     graph_runner.capture_graphs(table, pad_row, 8, ctx, max_extend_tokens=96, emulate=DEVICE == "cpu",
-                                cascade={"queries_per_tile": 2, "min_prefix_len": 8, "min_group_size": 2})
+                                cascade=CascadeSpec(queries_per_tile=2, min_prefix_len=8, min_group_size=2))
     ref_runner = ModelRunner(model, pool, TorchAttentionBackend(pool))
     return model, pool, table, graph_runner, ref_runner
 

@@ -20,8 +20,8 @@ USER, ADMIN = "user-key-123", "admin-key-456"
 
 USER_ROUTES = [
     ("GET", "/v1/models", None),
-    ("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
-    ("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}),
+    ("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("POST", "/v1/completions", {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}),
     ("POST", "/generate", {"prompt": "hi", "sampling_params": {"max_new_tokens": 2}}),
     ("POST", "/abort", {"request_id": "nothing-running"}),
     ("GET", "/openapi.json", None),
@@ -37,7 +37,7 @@ ADMIN_ROUTES = [
 
 @pytest.fixture(scope="module")
 def keyed_server(model_dirs, tmp_path_factory):
-    args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "4096", "--log-level",
+    args = ["--model", str(model_dirs("llama")), "--served-model-name", "tiny-llama", "--device", "cpu", "--kv-cache-tokens", "4096", "--log-level",
             "warning", "--api-key", USER, "--admin-api-key", ADMIN]
     with ServeProcess(args, tmp_path_factory.mktemp("auth") / "serve.log") as live:
         yield live
@@ -85,10 +85,10 @@ def test_clients_send_the_key(keyed_server, monkeypatch):
     from prefixrt import RemoteEngine, function, gen, user
 
     good = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=USER, max_retries=0)
-    assert good.completions.create(model="m", prompt="hi", max_tokens=2).usage.completion_tokens <= 2
+    assert good.completions.create(model="tiny-llama", prompt="hi", max_tokens=2).usage.completion_tokens <= 2
     bad = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        bad.completions.create(model="m", prompt="hi", max_tokens=2)
+        bad.completions.create(model="tiny-llama", prompt="hi", max_tokens=2)
     good.close()
     bad.close()
 

@@ -24,7 +24,7 @@ MSGS = [{"role": "user", "content": "Tell me about prefix caching."}]
 def _request(url: str, k: int, max_tokens: int, started: concurrent.futures.Future):
     """Request k of 16: chat or completions (k % 2), streaming or not (k // 2 % 2)."""
     path = "/v1/chat/completions" if k % 2 == 0 else "/v1/completions"
-    body = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny-llama", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             **({"messages": MSGS} if k % 2 == 0 else {"prompt": f"The quick brown fox {k}"})}
     if k // 2 % 2 == 0:
         started.set_result(True)
@@ -40,7 +40,7 @@ def _request(url: str, k: int, max_tokens: int, started: concurrent.futures.Futu
 
 
 def _drain(long_model_dir, tmp_path, drain_s: float, max_tokens: int):
-    args = ["--model", str(long_model_dir), "--device", "cpu", "--kv-cache-tokens", "65536", "--log-level",
+    args = ["--model", str(long_model_dir), "--served-model-name", "tiny-llama", "--device", "cpu", "--kv-cache-tokens", "65536", "--log-level",
             "warning", "--drain-timeout", str(drain_s)]
     with ServeProcess(args, tmp_path / "serve.log") as live, concurrent.futures.ThreadPoolExecutor(16) as pool:
         started = [concurrent.futures.Future() for _ in range(16)]
@@ -53,7 +53,7 @@ def _drain(long_model_dir, tmp_path, drain_s: float, max_tokens: int):
         signal_at = time.monotonic()
         os.killpg(live.proc.pid, signal.SIGTERM)  # the whole group, as a supervisor does: the engine too
         time.sleep(0.3)
-        refused = httpx.post(live.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+        refused = httpx.post(live.url + "/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2},
                              timeout=30)
         health = httpx.get(live.url + "/health", timeout=30)
         code = live.proc.wait(timeout=drain_s + 60)

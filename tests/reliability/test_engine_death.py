@@ -60,7 +60,7 @@ def _stream(url: str, path: str, body: dict, started: concurrent.futures.Future)
 def _openai_stream(url: str, started: concurrent.futures.Future):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     try:
-        for _ in client.chat.completions.create(model="m", messages=MSGS, stream=True, max_tokens=3000,
+        for _ in client.chat.completions.create(model="tiny-llama", messages=MSGS, stream=True, max_tokens=3000,
                                                 temperature=0, extra_body={"ignore_eos": True}):
             if not started.done():
                 started.set_result(True)
@@ -72,12 +72,12 @@ def _openai_stream(url: str, started: concurrent.futures.Future):
 
 
 def test_engine_killed_mid_run(long_model_dir, tmp_path):
-    args = ["--model", str(long_model_dir), "--device", "cpu", "--kv-cache-tokens", "32768", "--log-level", "warning"]
+    args = ["--model", str(long_model_dir), "--served-model-name", "tiny-llama", "--device", "cpu", "--kv-cache-tokens", "32768", "--log-level", "warning"]
     with ServeProcess(args, tmp_path / "serve.log") as live, concurrent.futures.ThreadPoolExecutor(8) as pool:
         engine_pid = _engine_pid(live.proc.pid)
         started = [concurrent.futures.Future() for _ in range(4)]
-        chat = {"model": "m", "messages": MSGS, **LONG}
-        cmpl = {"model": "m", "prompt": "The quick brown", **LONG}
+        chat = {"model": "tiny-llama", "messages": MSGS, **LONG}
+        cmpl = {"model": "tiny-llama", "prompt": "The quick brown", **LONG}
         gen = {"prompt": "The quick brown", "sampling_params": {"max_new_tokens": 3000, "temperature": 0,
                                                                "ignore_eos": True}}
         jobs = {
@@ -133,7 +133,7 @@ def test_frozen_engine_health_names_its_reason(model_dirs):
     """Issue item 9: a stopped engine process makes /health answer 503 with a reason (it used to be empty)."""
     from starlette.testclient import TestClient
 
-    from prefixrt.engine.process import ProcessEngine
+    from prefixrt.engine.process.client import ProcessEngine
     from prefixrt.server.app import create_app
 
     eng = ProcessEngine(str(model_dirs("llama")), device="cpu", kv_cache_tokens=1024)

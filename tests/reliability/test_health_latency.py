@@ -37,21 +37,21 @@ def _load(url: str, kind: str, offset: int, stop, results) -> None:
 
 def _big_bodies():
     prompt = ("The quick brown fox jumps over the lazy dog. " * 120_000)[:5_000_000]
-    return [("/v1/completions", json.dumps({"model": "m", "prompt": prompt, "max_tokens": 2}).encode()),
-            ("/v1/chat/completions", json.dumps({"model": "m", "max_tokens": 2,
+    return [("/v1/completions", json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": 2}).encode()),
+            ("/v1/chat/completions", json.dumps({"model": "tiny-llama", "max_tokens": 2,
                                                  "messages": [{"role": "user", "content": prompt}]}).encode())]
 
 
 def _grammars(offset: int):
     for k in itertools.count(offset, 2):  # every request a regex or schema never compiled before
         if k % 4 < 2:
-            yield "/v1/completions", json.dumps({"model": "m", "prompt": "Phone:", "max_tokens": 4,
+            yield "/v1/completions", json.dumps({"model": "tiny-llama", "prompt": "Phone:", "max_tokens": 4,
                                                  "regex": f"[0-9]{{3}}-{k}-[a-z]+"}).encode()
         else:
             schema = {"type": "object", "properties": {f"field_{k}": {"type": "integer"}},
                       "required": [f"field_{k}"]}
             yield "/v1/chat/completions", json.dumps({
-                "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
                 "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
             ).encode()
 
@@ -80,7 +80,7 @@ def test_health_p99_while_tokenizing_5mb_prompts_and_compiling_grammars(model_di
     average 10-25) delays any process, an idle server's /health included (p99 41 ms, max 121 ms at load 8
     with no request load at all). Before the fix no window came close: /health waited seconds behind one
     5 MB prompt's tokenization, then 160-400 ms behind the JSON decoding of the bodies on the loop."""
-    args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "8192", "--log-level",
+    args = ["--model", str(model_dirs("llama")), "--served-model-name", "tiny-llama", "--device", "cpu", "--kv-cache-tokens", "8192", "--log-level",
             "warning"]
     with ServeProcess(args, tmp_path / "serve.log") as live:
         ctx = multiprocessing.get_context("spawn")
@@ -124,7 +124,7 @@ def test_health_p99_while_tokenizing_5mb_prompts_and_compiling_grammars(model_di
 
 def test_long_text_fast_path_encodes_like_the_tokenizer(tiny_tokenizer, make_engine):
     """Long prompts are encoded by the Rust tokenizer directly (GIL released); ids identical to tok.encode."""
-    from prefixrt.engine.front import _FAST_ENCODE_CHARS, _probe_rust_backend
+    from prefixrt.engine.api import _FAST_ENCODE_CHARS, _probe_rust_backend
 
     backend = _probe_rust_backend(tiny_tokenizer)
     assert backend is not None

@@ -29,7 +29,7 @@ def _deep_schema(depth: int) -> dict:
 
 @pytest.fixture(scope="module")
 def live(model_dirs, tmp_path_factory):
-    args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "8192", "--log-level",
+    args = ["--model", str(model_dirs("llama")), "--served-model-name", "tiny-llama", "--device", "cpu", "--kv-cache-tokens", "8192", "--log-level",
             "warning"]
     with ServeProcess(args, tmp_path_factory.mktemp("bad") / "serve.log") as server:
         yield server
@@ -95,7 +95,7 @@ BAD_400 = [
 
 @pytest.mark.parametrize("path, body, param", BAD_400, ids=[f"{p} {q}" for p, _, q in BAD_400])
 def test_bad_input_is_a_400(live, path, body, param):
-    r = _post(live, path, {"model": "m", **body})
+    r = _post(live, path, {"model": "tiny-llama", **body})
     assert r.status_code == 400, (r.status_code, r.text[:500])
     err = assert_error_shape(r.json())
     assert err["type"] == "invalid_request_error" and r.headers["x-should-retry"] == "false"
@@ -104,7 +104,7 @@ def test_bad_input_is_a_400(live, path, body, param):
 
 def test_malformed_json_param_is_null(live):
     """Issue item 9: the error used to carry the byte offset as `param`."""
-    for raw in (b'{"model": "m", "prompt": "hi",', b"{not json}", b'{"prompt": "hi"} trailing'):
+    for raw in (b'{"model": "tiny-llama", "prompt": "hi",', b"{not json}", b'{"prompt": "hi"} trailing'):
         r = _post(live, "/v1/completions", raw)
         assert r.status_code == 400, r.text
         err = assert_error_shape(r.json())
@@ -113,7 +113,7 @@ def test_malformed_json_param_is_null(live):
 
 def test_body_size_limit_is_a_413(live):
     """Build 2: an oversized body gets a clear 413 (declared length, and a chunked body without one)."""
-    big = b'{"model": "m", "prompt": "' + b"a" * (33 * 2**20) + b'", "max_tokens": 2}'
+    big = b'{"model": "tiny-llama", "prompt": "' + b"a" * (33 * 2**20) + b'", "max_tokens": 2}'
     r = _post(live, "/v1/completions", big, timeout=120)
     assert r.status_code == 413, r.text[:300]
     err = assert_error_shape(r.json())
@@ -131,8 +131,8 @@ def test_body_size_limit_is_a_413(live):
 def test_five_megabyte_prompt_still_gets_an_answer(live):
     """Under the limit, a 5 MB prompt is tokenized and answered (here: it is longer than the 128-token context)."""
     prompt = ("The quick brown fox jumps over the lazy dog. " * 120_000)[:5_000_000]
-    for path, body in (("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 2}),
-                       ("/v1/chat/completions", {"model": "m", "max_tokens": 2,
+    for path, body in (("/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 2}),
+                       ("/v1/chat/completions", {"model": "tiny-llama", "max_tokens": 2,
                                                  "messages": [{"role": "user", "content": prompt}]})):
         r = _post(live, path, body, timeout=300)
         assert r.status_code == 400, r.text[:300]
@@ -153,7 +153,7 @@ SAMPLING_EXTREMES = [
 
 @pytest.mark.parametrize("extra", SAMPLING_EXTREMES, ids=[str(e) for e in SAMPLING_EXTREMES])
 def test_sampling_extremes_finish_normally(live, extra):
-    body = {"model": "m", "messages": MSGS, "max_tokens": 6, **extra}
+    body = {"model": "tiny-llama", "messages": MSGS, "max_tokens": 6, **extra}
     r = _post(live, "/v1/chat/completions", body, timeout=60)
     if r.status_code == 400:  # refused up front is fine; a crash, a hang or an abort is not
         assert_error_shape(r.json())
@@ -185,20 +185,20 @@ def test_engine_error_is_an_openai_error(make_engine, monkeypatch):
     monkeypatch.setattr(eng.core, "_post_process", poisoned)
     client = OpenAI(engine=eng)
     with pytest.raises(openai.InternalServerError) as e:
-        client.completions.create(model="m", prompt="hi", max_tokens=8, stop="POISON")
+        client.completions.create(model="tiny-llama", prompt="hi", max_tokens=8, stop="POISON")
     assert e.value.status_code == 500 and "post-processing poison" in e.value.message
     assert e.value.body["code"] == "internal_error"
     with pytest.raises(openai.APIError, match="post-processing poison"):
-        for _ in client.chat.completions.create(model="m", messages=MSGS, max_tokens=8, stop="POISON", stream=True):
+        for _ in client.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=8, stop="POISON", stream=True):
             pass
-    ok = client.completions.create(model="m", prompt="hi", max_tokens=8, extra_body={"ignore_eos": True})
+    ok = client.completions.create(model="tiny-llama", prompt="hi", max_tokens=8, extra_body={"ignore_eos": True})
     assert ok.choices[0].finish_reason == "length"
     client.close()
 
 
 def test_aborted_stream_ends_with_an_error_not_finish_reason_abort(live):
     """POST /abort on a running stream: OpenAI clients never see finish_reason "abort"."""
-    body = {"model": "m", "prompt": "hi", "max_tokens": 110, "ignore_eos": True, "stream": True}
+    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 110, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data: {"))

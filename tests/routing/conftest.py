@@ -39,7 +39,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 2
 def start_workers(model_dir: Path, n: int, kv_tokens: int, log_dir: Path) -> list[ServeProcess]:
     """n `prefixrt serve` workers (engine on a thread of the server process: half the processes), started at
     once and waited for together. The caller exits each (kills its group)."""
-    args = ["--model", str(model_dir), "--device", "cpu", "--kv-cache-tokens", str(kv_tokens),
+    args = ["--model", str(model_dir), "--served-model-name", "tiny", "--device", "cpu", "--kv-cache-tokens", str(kv_tokens),
             "--engine-in-process", "--log-level", "warning"]
     workers = [ServeProcess(args, log_dir / f"worker{i}.log", wait_healthy=False) for i in range(n)]
     for w in workers:

@@ -40,7 +40,7 @@ def ray_app(routing_model_dir):
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         engine_kwargs = {"device": "cpu", "kv_cache_tokens": KV_TOKENS}
-        serve.run(build_app(str(routing_model_dir), wl.REPLICAS, engine_kwargs, policy_kwargs={"block_size": 8,
+        serve.run(build_app(str(routing_model_dir), wl.REPLICAS, engine_kwargs, "tiny", policy_kwargs={"block_size": 8,
                             "max_tree_tokens": KV_TOKENS}), name="prefixrt", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -25,20 +25,20 @@ GREEDY = {"temperature": 0, "max_new_tokens": 2}  # /generate's spelling
 PAD = "pad " * 80_000  # 320 KB: above OFFLOAD_BYTES, so `prefixrt serve` sends it to the parser process too
 
 BODIES = [
-    json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "temperature": 0, "sampling_params": GREEDY}).encode(),
-    json.dumps({"model": "m", "prompt": "Ünïcode 🎉 " + PAD, "max_tokens": 2}, ensure_ascii=False).encode(),
-    json.dumps({"model": "m", "prompt": PAD, "max_tokens": 2}).encode(),  # over the 128-token context: a 400
-    json.dumps({"model": "m", "max_tokens": 2, "temperature": 0, "sampling_params": GREEDY,
+    json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2, "temperature": 0, "sampling_params": GREEDY}).encode(),
+    json.dumps({"model": "tiny-llama", "prompt": "Ünïcode 🎉 " + PAD, "max_tokens": 2}, ensure_ascii=False).encode(),
+    json.dumps({"model": "tiny-llama", "prompt": PAD, "max_tokens": 2}).encode(),  # over the 128-token context: a 400
+    json.dumps({"model": "tiny-llama", "max_tokens": 2, "temperature": 0, "sampling_params": GREEDY,
                 "messages": [{"role": "user", "content": "hi"}]}).encode(),
-    json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": PAD}]}).encode(),
-    json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "nobody", "content": PAD}]}).encode(),
-    json.dumps({"model": "m", "max_tokens": "two", "prompt": PAD}).encode(),
-    json.dumps({"model": "m", "max_tokens": 2, "prompt": "a\ud800" + PAD}).encode(),  # a lone surrogate
-    json.dumps({"model": "m", "max_tokens": 2, "prompt": "hi", "temperature": float("nan"),
+    json.dumps({"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": PAD}]}).encode(),
+    json.dumps({"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "nobody", "content": PAD}]}).encode(),
+    json.dumps({"model": "tiny-llama", "max_tokens": "two", "prompt": PAD}).encode(),
+    json.dumps({"model": "tiny-llama", "max_tokens": 2, "prompt": "a\ud800" + PAD}).encode(),  # a lone surrogate
+    json.dumps({"model": "tiny-llama", "max_tokens": 2, "prompt": "hi", "temperature": float("nan"),
                 "sampling_params": {"temperature": float("nan")}}).encode(),
-    b'{"model": "m", "prompt": "' + PAD.encode() + b'", "max_tokens": 2',  # truncated
-    b'{"model": "m", "prompt": "' + PAD.encode() + b'"} trailing',
-    b'{"model": "m", "prompt": "\xff\xfe' + PAD.encode() + b'"}',  # not UTF-8
+    b'{"model": "tiny-llama", "prompt": "' + PAD.encode() + b'", "max_tokens": 2',  # truncated
+    b'{"model": "tiny-llama", "prompt": "' + PAD.encode() + b'"} trailing',
+    b'{"model": "tiny-llama", "prompt": "\xff\xfe' + PAD.encode() + b'"}',  # not UTF-8
     b"[" * 200_000 + b"]" * 200_000,  # deeper than the recursion limit
     b"",
 ]
@@ -81,9 +81,9 @@ def test_serve_threshold_sends_large_bodies_to_the_parser_process(engine):
     assert app.state.body_parser.offload_bytes is None  # in-process apps parse inline (see BodyParser)
     app.state.body_parser = parser = BodyParser(OFFLOAD_BYTES)  # as `prefixrt serve` sets it
     with TestClient(app) as http:
-        r = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and parser._pool is None  # small: parsed inline
-        r = http.post("/v1/completions", json={"model": "m", "prompt": PAD, "max_tokens": 2})
+        r = http.post("/v1/completions", json={"model": "tiny-llama", "prompt": PAD, "max_tokens": 2})
         assert r.status_code == 400 and "context is 128" in r.json()["error"]["message"], r.text
         assert parser._pool is not None
     assert parser._pool is None  # the app's shutdown stopped it
@@ -93,7 +93,7 @@ def test_refused_bodies_never_reach_the_parser(engine):
     """API keys and the body-size limit are applied by Admission before any parsing."""
     app = create_app(engine, api_key="k", max_request_bytes=2 * len(PAD))
     app.state.body_parser = BodyParser(offload_bytes=0)
-    body = json.dumps({"model": "m", "prompt": PAD, "max_tokens": 2})
+    body = json.dumps({"model": "tiny-llama", "prompt": PAD, "max_tokens": 2})
     with TestClient(app) as http:
         r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text

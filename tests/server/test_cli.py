@@ -39,7 +39,7 @@ def _complete(url: str, max_tokens: int = 3) -> httpx.Response:
 
 
 def test_serve_in_process_answers_then_stops_on_sigterm(model_dirs, tmp_path):
-    args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "2048",
+    args = ["--model", str(model_dirs("llama")), "--served-model-name", "x", "--device", "cpu", "--kv-cache-tokens", "2048",
             "--log-level", "warning", "--engine-in-process"]
     with ServeProcess(args, tmp_path / "serve.log") as live:
         r = _complete(live.url)
@@ -52,7 +52,7 @@ def test_serve_in_process_answers_then_stops_on_sigterm(model_dirs, tmp_path):
 def test_engine_process_death(model_dirs, tmp_path):
     """The engine process dies: a running stream ends with an error event naming the cause and [DONE], and the
     server exits non-zero (fail fast). The server process dies: the engine process follows it."""
-    args = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "2048",
+    args = ["--model", str(model_dirs("llama")), "--served-model-name", "x", "--device", "cpu", "--kv-cache-tokens", "2048",
             "--log-level", "warning"]
     # The second case's server starts at once and loads while the first case runs (on two cores the two
     # start-ups overlap; one after the other they were most of this test's time).

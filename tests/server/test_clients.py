@@ -144,14 +144,14 @@ def test_responses_through_the_shim(engine):
 
     client = OpenAI(engine=engine)
     try:
-        r = client.responses.create(model="m", input="Hello", instructions="Be brief.", max_output_tokens=6,
+        r = client.responses.create(model="tiny-llama", input="Hello", instructions="Be brief.", max_output_tokens=6,
                                     temperature=0)
         assert r.output_text and r.status in ("completed", "incomplete")
-        events = list(client.responses.create(model="m", input="Hello", instructions="Be brief.",
+        events = list(client.responses.create(model="tiny-llama", input="Hello", instructions="Be brief.",
                                               max_output_tokens=6, temperature=0, stream=True))
         assert events[-1].type in ("response.completed", "response.incomplete")
         assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
-        follow = client.responses.create(model="m", input="And then?", previous_response_id=r.id,
+        follow = client.responses.create(model="tiny-llama", input="And then?", previous_response_id=r.id,
                                          instructions="Be brief.", max_output_tokens=4, temperature=0)
         assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens - 1
     finally:

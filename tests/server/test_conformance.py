@@ -154,6 +154,30 @@ def test_completion_echo(oai):
     assert streamed == echoed.choices[0].text
 
 
+def test_completion_echo_of_token_ids_and_streamed_prompt_logprobs(oai, tiny_tokenizer):
+    """echo with a prompt given as token ids echoes the decoded prompt; echo with logprobs under stream: true
+    is served, the prompt's logprobs in each sample's first chunk (as vLLM serves it)."""
+    prompt = "The quick brown fox"
+    ids = tiny_tokenizer.encode(prompt, add_special_tokens=False)
+    assert tiny_tokenizer.decode(ids) == prompt
+    plain = oai.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=4, temperature=0)
+    echoed = oai.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+
+    kw = dict(model=SERVED_NAME, max_tokens=4, temperature=0, echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    for p in (prompt, ids):
+        whole = oai.completions.create(prompt=p, **kw).choices[0]
+        chunks = [c.choices[0] for c in oai.completions.create(prompt=p, stream=True, **kw) if c.choices]
+        assert "".join(c.text for c in chunks) == whole.text
+        first = chunks[0].logprobs
+        n_prompt = len(whole.logprobs.tokens) - 4
+        assert first.tokens[:n_prompt] == whole.logprobs.tokens[:n_prompt] and first.token_logprobs[0] is None
+        streamed = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
+        offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        assert offsets == whole.logprobs.text_offset
+
+
 def test_completion_streaming_matches_and_stream_options(oai, http):
     kw = dict(model=SERVED_NAME, prompt="Once upon a time", max_tokens=8, temperature=0)
     text = oai.completions.create(**kw).choices[0].text
@@ -201,6 +225,25 @@ def test_logit_bias(oai, http):
     assert e.value.param == "logit_bias"
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=1, logit_bias={"5": 300})
+
+
+def test_logit_bias_names_every_bad_key(oai, http):
+    """One 400 names every offending logit_bias key, not only the first: keys that are not token ids, values
+    outside [-100, 100], ids outside the vocabulary."""
+    cases = [({"abc": 1, "-4": 2, "7": 3}, ["'abc'", "'-4'"]),
+             ({"5": 300, "6": -101, "7": 1}, ["'5': 300", "'6': -101"]),
+             ({"1000000": 5, "2000000": 5, "7": 1}, ["1000000", "2000000"])]
+    for bias, named in cases:
+        for call in (lambda b=bias: oai.completions.create(model=SERVED_NAME, prompt="Hi", max_tokens=1,
+                                                           logit_bias=b),
+                     lambda b=bias: oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=1,
+                                                                logit_bias=b)):
+            with pytest.raises(openai.BadRequestError) as e:
+                call()
+            assert e.value.param == "logit_bias" and all(n in e.value.message for n in named), e.value.message
+    r = http.post("/generate", json={"prompt": "Hi", "sampling_params": {"max_new_tokens": 1,
+                                                                      "logit_bias": {"x": 1, "y": 2}}})
+    assert r.status_code == 400 and "'x'" in r.text and "'y'" in r.text
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -261,7 +304,10 @@ def test_chat_message_forms(oai):
 
 def test_errors_conform(http):
     for body in ({"model": SERVED_NAME, "messages": []}, {"model": SERVED_NAME, "messages": MSGS, "n": 0},
-                 {"model": SERVED_NAME, "messages": MSGS, "stream_options": {"include_usage": True}}):
+                 {"model": SERVED_NAME, "messages": MSGS, "stream_options": {"include_usage": True}},
+                 {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 0},
+                 {"model": SERVED_NAME, "messages": MSGS, "max_completion_tokens": 0},
+                 {"model": SERVED_NAME, "messages": MSGS, "seed": 2**63}):
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400
         conforms("ErrorResponse", r.json())
@@ -273,6 +319,21 @@ def test_errors_conform(http):
 PERSON_OPEN = {"type": "object", "required": ["name", "age"],  # no additionalProperties: closed all the same
                "properties": {"name": {"type": "string", "maxLength": 8},
                               "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+@needs_constrained_decoding()
+def test_json_schema_with_python_type_names(oai):
+    """SGLang's server tests write schemas with Python's type names ("int", "str"); SGLang serves them, and so
+    does prefixrt (normalised, with a warning header)."""
+    schema = {"type": "object", "properties": {"name": {"type": "str", "maxLength": 8},
+                                               "population": {"type": "int", "minimum": 0, "maximum": 10**6}},
+              "required": ["name", "population"]}
+    out = oai.chat.completions.create(model=SERVED_NAME, messages=MSGS, max_tokens=48, temperature=0,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "city", "schema": schema}})
+    if out.choices[0].finish_reason == "stop":
+        value = json.loads(out.choices[0].message.content)
+        assert isinstance(value["name"], str) and isinstance(value["population"], int)
 
 
 @needs_constrained_decoding()

@@ -13,7 +13,7 @@ def test_prefill_and_decode_servers_serve_the_single_engine_output(model_dirs, t
     prompt = [1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58]
     want = make_engine("llama").generate(prompt, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     addr = f"127.0.0.1:{free_port()}"
-    common = ["--model", str(model_dirs("llama")), "--device", "cpu", "--kv-cache-tokens", "2048", "--debug",
+    common = ["--model", str(model_dirs("llama")), "--served-model-name", "x", "--device", "cpu", "--kv-cache-tokens", "2048", "--debug",
               "--log-level", "warning", "--disagg-addr", addr]
     decode = ServeProcess([*common, "--role", "decode"], tmp_path / "decode.log", wait_healthy=False)
     prefill = ServeProcess([*common, "--role", "prefill", "--disagg-rank", "1"], tmp_path / "prefill.log",

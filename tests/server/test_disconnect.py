@@ -27,7 +27,7 @@ async def test_64_streams_half_cut(server, engine):
     before = server.stats()["aborted_requests_total"]
 
     async def one(http: httpx.AsyncClient, k: int):
-        body = {"model": "m", "prompt": prompts[k], "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": "tiny-llama", "prompt": prompts[k], "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         text, n = "", 0
         async with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -52,7 +52,7 @@ async def test_64_streams_half_cut(server, engine):
 
 def test_nonstreaming_disconnect_aborts(server):
     before = server.stats()["aborted_requests_total"]
-    body = {"model": "m", "prompt": "The quick brown", "max_tokens": 110, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny-llama", "prompt": "The quick brown", "max_tokens": 110, "temperature": 0, "ignore_eos": True,
             "n": 64}
     try:
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)  # long enough to be running
@@ -70,7 +70,7 @@ def test_nonstreaming_disconnect_aborts(server):
 def test_shim_stream_break_aborts(engine):
     before = engine.stats().aborted_requests_total
     client = OpenAI(engine=engine)
-    stream = client.completions.create(model="m", prompt="hi", max_tokens=110, stream=True,
+    stream = client.completions.create(model="tiny-llama", prompt="hi", max_tokens=110, stream=True,
                                        extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
         if i == 2:

@@ -18,7 +18,7 @@ CALLS: list[tuple[str, str, int]] = []
 
 @pytest.fixture(scope="module")
 def fuzz_engine(model_dirs):
-    from prefixrt.engine.process import ProcessEngine
+    from prefixrt.engine.process.client import ProcessEngine
 
     eng = ProcessEngine(str(model_dirs("llama")), device="cpu", max_context=40, kv_cache_tokens=4096, debug=True)
     yield eng

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pydantic
 import pytest
 
@@ -47,7 +48,7 @@ class Person(pydantic.BaseModel):
 def test_json_schema(client, stream):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     for seed in range(3):
-        kw = dict(model="m", messages=MSGS, temperature=1.0, seed=seed, response_format=rf)
+        kw = dict(model="tiny-llama", messages=MSGS, temperature=1.0, seed=seed, response_format=rf)
         if stream:
             text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                            if c.choices)
@@ -60,14 +61,14 @@ def test_json_schema(client, stream):
 
 @needs_constrained_decoding()
 def test_json_object(client):
-    out = client.chat.completions.create(model="m", messages=MSGS, temperature=0,
+    out = client.chat.completions.create(model="tiny-llama", messages=MSGS, temperature=0,
                                          response_format={"type": "json_object"})
     assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
 @needs_constrained_decoding()
 def test_parse_pydantic(client):
-    out = client.chat.completions.parse(model="m", messages=MSGS, temperature=0.7, seed=1,
+    out = client.chat.completions.parse(model="tiny-llama", messages=MSGS, temperature=0.7, seed=1,
                                         response_format=Person)
     person = out.choices[0].message.parsed
     assert isinstance(person, Person) and 0 <= person.age <= 150
@@ -76,7 +77,7 @@ def test_parse_pydantic(client):
 @needs_constrained_decoding()
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_tool_call(client, choice):
-    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
+    out = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "add 2 and 3"}],
                                          temperature=0, tools=TOOLS, tool_choice=choice,
                                          parallel_tool_calls=False, extra_body={"tool_prompt": False})
     c = out.choices[0]
@@ -88,7 +89,7 @@ def test_forced_tool_call(client, choice):
     jsonschema.validate(json.loads(call.function.arguments), tool["parameters"])
     assert call.id.startswith("call_") and call.type == "function"
     # Streaming gives the same call, as one tool_calls delta.
-    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "add 2 and 3"}],
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "add 2 and 3"}],
                                                  temperature=0, tools=TOOLS, tool_choice=choice,
                                                  parallel_tool_calls=False, stream=True,
                                                  extra_body={"tool_prompt": False}))
@@ -99,10 +100,10 @@ def test_forced_tool_call(client, choice):
 
 @needs_constrained_decoding()
 def test_regex_and_choices_extra_body(client):
-    out = client.completions.create(model="m", prompt="Phone:", max_tokens=20, temperature=1.0, seed=0,
+    out = client.completions.create(model="tiny-llama", prompt="Phone:", max_tokens=20, temperature=1.0, seed=0,
                                     extra_body={"regex": r"[0-9]{3}-[0-9]{4}"})
     assert len(out.choices[0].text) == 8 and out.choices[0].text[3] == "-"
-    out = client.chat.completions.create(model="m", messages=MSGS, max_tokens=5,
+    out = client.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=5,
                                          extra_body={"choices": ["alpha", "beta"]})
     assert out.choices[0].message.content in ("alpha", "beta")
 
@@ -113,11 +114,11 @@ def test_invalid_schema_is_400(client):
 
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="m", messages=MSGS, max_tokens=5, response_format=rf)
+        client.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=5, response_format=rf)
     assert e.value.param == "json_schema"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="x", max_tokens=5, extra_body={"regex": "(unclosed"})
-    assert client.completions.create(model="m", prompt="x", max_tokens=1).choices
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=5, extra_body={"regex": "(unclosed"})
+    assert client.completions.create(model="tiny-llama", prompt="x", max_tokens=1).choices
 
 
 @needs_constrained_decoding()
@@ -134,3 +135,65 @@ def test_gemma_tool_call_with_tool_prompt(gemma_client):
     plain = gemma_client.chat.completions.create(
         model="gemma-3-270m", messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=1)
     assert out.usage.prompt_tokens > plain.usage.prompt_tokens + 2 * len(TOOLS)
+
+
+@needs_constrained_decoding()
+def test_python_type_names_are_read_as_json_schema_types(client):
+    """Schemas as people write them (SGLang's own server tests send "int", "str", "float", "bool"): served, the
+    names normalised and said in the x-prefixrt-warning header; an unknown name is a 400 naming its node."""
+    schema = {"type": "object", "properties": {"name": {"type": "str", "maxLength": 6},
+                                               "age": {"type": "int", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "bool"}, "w": {"type": ["Float", "null"]}},
+              "required": ["name", "age", "ok", "w"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    raw = client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MSGS, max_tokens=60,
+                                                            temperature=0, response_format=fmt)
+    warning = raw.headers.get("x-prefixrt-warning")
+    assert warning and "'int' at /properties/age/type read as 'integer'" in warning, warning
+    assert "'Float' at /properties/w/type/0 read as 'number'" in warning
+    out = raw.parse().choices[0]
+    if out.finish_reason == "stop":
+        value = json.loads(out.message.content)
+        assert isinstance(value["age"], int) and isinstance(value["ok"], bool) and isinstance(value["name"], str)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "int", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=MSGS, max_tokens=80, temperature=0, tools=[tool], tool_choice="required",
+        extra_body={"tool_prompt": False})
+    assert "tools[0].function.parameters: type 'int' at /properties/n/type" in raw.headers["x-prefixrt-warning"]
+    call = raw.parse().choices[0].message.tool_calls[0]
+    assert isinstance(json.loads(call.function.arguments)["n"], int)
+    plain = client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MSGS, max_tokens=2)
+    assert "x-prefixrt-warning" not in plain.headers
+
+    bad = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "strng"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-llama", messages=MSGS, max_tokens=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "b", "schema": bad}})
+    assert "'strng' at /properties/tags/items/type" in e.value.message and e.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2,
+                                  extra_body={"json_schema": {"type": "integr"}})
+    assert "'integr' at /type" in e.value.message
+
+
+@needs_constrained_decoding()
+def test_cached_tokens_of_repeated_forced_calls(client):
+    """cached_tokens is at most prompt_tokens: a plain repeat reuses prompt_tokens - 1 (the last prompt token is
+    computed); a repeat whose reply begins with forced tokens (a forced tool call's `{"name": "f", ...`) reuses
+    the whole prompt, the forced tokens being computed instead, and counted as completion tokens."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+        "additionalProperties": False}}}
+    kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "Call f, forced and cached."}],
+              max_tokens=80, temperature=0, tools=[tool], tool_choice="required", extra_body={"tool_prompt": False})
+    client.chat.completions.create(**kw)
+    again = client.chat.completions.create(**kw)
+    u = again.usage
+    assert u.prompt_tokens_details.cached_tokens == u.prompt_tokens
+    arguments = again.choices[0].message.tool_calls[0].function.arguments
+    assert u.completion_tokens >= 4 and json.loads(arguments)["n"] in range(10)
+    plain = dict(model="tiny-llama", messages=[{"role": "user", "content": "A plain repeat, cached."}], max_tokens=3)
+    client.chat.completions.create(**plain)
+    u = client.chat.completions.create(**plain).usage
+    assert u.prompt_tokens_details.cached_tokens == u.prompt_tokens - 1

@@ -1,5 +1,5 @@
 """Token-id prompts through `prefixrt serve` (engine in its own process): the ids cross to the engine process
-packed (engine/messages.py pack_token_ids), their range is read off the packed buffer, and the body is decoded by
+packed (engine/process/messages.py pack_token_ids), their range is read off the packed buffer, and the body is decoded by
 server/body.py's loads_json. Every bad prompt is still a 400 with an OpenAI error object naming the prompt, and
 good prompts of every size generate what the in-process engine generates."""
 
@@ -26,7 +26,7 @@ GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
 def test_bad_token_id_prompts_are_400s(server, path, prompt, message):
     body = {"prompt": prompt, "sampling_params": GREEDY} if path == "/generate" else \
-        {"model": "m", "prompt": prompt, "max_tokens": 3}
+        {"model": "tiny-llama", "prompt": prompt, "max_tokens": 3}
     r = httpx.post(server.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]

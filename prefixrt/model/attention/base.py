@@ -54,6 +54,11 @@ class AttentionBackend(ABC):
         its sequence's positions [0, its own position] (causal, windowed if layer.sliding_window).
         k = v = None: the caller already stored them there (fused RoPE + K/V store, see kv_buffers)."""
 
+    @abstractmethod
+    def close(self) -> None:
+        """Drop what the backend keeps between forwards (the last batch's plan, workspaces); the engine frees the
+        pool after it. The backend is unusable afterwards."""
+
     def kv_buffers(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_buffer, v_buffer), each [num_slots, num_kv_heads, head_dim], of this layer in the pool the
         backend reads: for a caller that stores the new K/V itself and then calls forward(q, None, None)."""

@@ -32,6 +32,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.pool = pool
         self._plan: _Plan | None = None
 
+    def close(self) -> None:
+        self._plan = None
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Gather the slot ids of every sequence once per forward (no device sync: host lengths only)."""
         rows = []

@@ -85,6 +85,10 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_prefix_splits = 0
         self._num_suffix_splits = 0
 
+    def close(self) -> None:
+        self._workspaces.clear()
+        self._batch = self.cascade_plan = None
+
     def workspace(self, num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The static split workspace for layers of this shape (allocated on first use; call it before
         CUDA graph capture so capture sees no allocation)."""

@@ -1,0 +1,120 @@
+"""The SGLang paper's LM-program evaluation on prefixrt: every workload of prefixrt/bench/programs under every ablation.
+
+Workloads (preset "gpu", sizes in prefixrt/bench/programs/*.py and docs/benchmarks-programs.md): mmlu, hellaswag,
+react, generative-agents, tree-of-thought, skeleton-of-thought, llm-judge, json, multi-turn-short,
+multi-turn-long, dspy-rag. Ablations (prefixrt/bench/programs/runner.py): full, fcfs, no-hint, no-parallel on one
+engine (radix cache, lpm; fcfs switched on its scheduler), then no-cache (radix_cache=False) and block-cache
+(prefix_cache="block", vLLM-style hash blocks) on an engine each: three engines in all, built one after another.
+Each engine first runs every workload at the "ci" preset (warm-up: kernels, grammars; the first engine's are
+kept as the small-shape hit rates to compare with the CPU test suite's Gemma-3-270M runs).
+
+Prints one table per workload (programs/s, tokens/s, x no-cache, hit rate, ideal hit rate, latency p50/p99) and
+writes programs.json and programs.png (throughput normalised to no cache; hit rate vs ideal) to --out (default
+$OUT when set, else the current folder).
+
+Sized for an H200 with the llama-3-8b shape and dummy weights: the whole run is meant to end within 8 minutes;
+--budget-s (default 400) stops starting new runs past that many seconds, and the skipped runs are listed.
+
+    PYTHONPATH=$PWD python benchmarks/gpu_programs.py                     # on the GPU host
+    PYTHONPATH=$PWD python benchmarks/gpu_programs.py --workloads tree-of-thought,llm-judge --ablations full,no-cache
+    PYTHONPATH=$PWD python benchmarks/gpu_programs.py --smoke /path/to/tiny-hf-folder   # ci shapes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--workloads", default="all", help="comma list of workload names, or all")
+    ap.add_argument("--ablations", default="all", help="comma list of full, no-cache, block-cache, fcfs, no-hint, "
+                                                        "no-parallel, or all")
+    ap.add_argument("--preset", default="gpu", choices=["ci", "gpu"])
+    ap.add_argument("--num-threads", type=int, default=64, help="programs in flight at once")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="start no run past this many seconds")
+    ap.add_argument("--kv-cache-tokens", type=int, default=None)
+    ap.add_argument("--out", default=None, help="folder for programs.json and programs.png (default $OUT or .)")
+    ap.add_argument("--smoke", default=None, metavar="MODEL_DIR",
+                    help="the ci preset on the CPU with a local HF folder (tests this script's logic)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    from prefixrt.bench.programs import WORKLOADS
+    from prefixrt.bench.programs.cli import parse_names, run_matrix
+    from prefixrt.bench.programs.runner import ABLATIONS, format_results
+    from prefixrt.engine.engine import Engine
+
+    workloads = [WORKLOADS[n] for n in parse_names(args.workloads, WORKLOADS, "workload")]
+    order = ["full", "fcfs", "no-hint", "no-parallel", "no-cache", "block-cache"]  # the default engine's group first
+    names = parse_names(args.ablations, ABLATIONS, "ablation")
+    ablations = [ABLATIONS[n] for n in sorted(names, key=order.index)]
+    out = args.out or os.environ.get("OUT") or "."
+    os.makedirs(out, exist_ok=True)
+    if args.smoke:
+        model, preset = args.smoke, "ci"
+        base = dict(device="cpu", dtype="float32", kv_cache_tokens=args.kv_cache_tokens or 16384)
+    else:
+        model, preset = args.model, args.preset
+        base = dict(load_format=args.load_format, kv_cache_tokens=args.kv_cache_tokens)
+    meta = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "host": platform.node(), "model": model,
+            "preset": preset}
+
+    def make_engine(overrides):
+        t = time.perf_counter()
+        eng = Engine(model, progress=False, **base, **overrides)
+        meta.update(device=str(eng.device), dtype=str(eng._built.dtype))
+        log(f"  engine {overrides or 'default'} built in {time.perf_counter() - t:.1f}s")
+        return eng
+
+    skipped: list = []
+    warm: list = []
+    results = run_matrix(make_engine, workloads, ablations, preset, num_threads=args.num_threads,
+                         budget_s=args.budget_s - (time.perf_counter() - t0), log=log, skipped=skipped,
+                         warm_results=warm)
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    for w in workloads:
+        rows = [r for r in results if r.workload == w.name]
+        if rows:
+            log(f"\n## {w.title} ({w.name}): {w.describe(w.sizes_for(preset))}")
+            log(format_results(rows))
+    if warm:
+        log("\n## every workload at the ci preset (warm-up runs of the first engine): hit rates to compare with "
+            "the CPU runs")
+        log(format_results(warm))
+    for w, a, why in skipped:
+        log(f"skipped: {w} / {a}: {why}")
+    path = os.path.join(out, "programs.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": [r.to_dict() for r in results],
+                   "ci_preset": [r.to_dict() for r in warm], "skipped": skipped}, f, indent=1)
+    log(f"wrote {path}")
+    if results:
+        from prefixrt.bench.programs.plot import plot_programs
+
+        png = os.path.join(out, "programs.png")
+        plot_programs(results, png, title=f"LM programs | {model} ({args.load_format if not args.smoke else 'cpu'})"
+                      f" | {meta.get('device', '')} | {meta['date']}")
+        log(f"wrote {png}")
+    log(f"total wall time {time.perf_counter() - t0:.1f}s")
+    return 1 if any(str(why).startswith("failed") for *_, why in skipped) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""Scheduler: decides which requests run in the next forward and how many tokens each feeds.
+
+Each step: every running request feeds its pending tokens (one for decode; a sampled token plus
+grammar-forced tokens after jump-forward; a chunk for a long prefill), then waiting requests are admitted
+in policy order while the prefill token budget, the running-request cap and memory allow. Requests that
+share a not-yet-cached prefix with a request already prefilling it are held back one step so the prefix is
+prefilled once (the leader publishes it to the cache after each chunk).
+Admission knows the budget: a waiting request is admitted only if the pool (free + evictable pages) holds its
+own need (host part to load, uncached prompt, expected decode: admission.DecodeEstimate) on top of what every
+running and prefetching request still needs, so a pool that cannot hold every active session runs fewer at a
+time at full speed instead of admitting, growing and retracting. The first request is always admitted.
+With a host tier, waiting requests next in line get their host-resident prefix loaded into the pool ahead of
+admission (prefetch, overlapped with the running batch); under `wait_complete` a request is admitted once its
+load is done, others going first meanwhile.
+With a host tier, a request that has produced nothing and has waited preempt_after_s for memory preempts running
+requests that have already streamed (retracted to the host, most remaining decode first, each at most
+max_preemptions times): first tokens come soon even when the pool holds a few sessions of many.
+Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
+request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
+running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
+(retract to host), and goes back to waiting with its output so far.
+With overlap scheduling a request's last token may still be on the device (Req.num_unresolved): it counts in
+seq_len and is fed from the device; a request whose unresolved token is its last is not scheduled again.
+The scheduler knows requests and token counts; KVManager knows memory; neither knows tensors' layouts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prefixrt.cache.kv_manager import KVManager
+from prefixrt.engine.loop.admission import DecodeEstimate
+from prefixrt.engine.loop.schedule_policy import order_waiting
+from prefixrt.request import Req, ReqState
+
+# Hold back a waiting request when it shares at least this many uncached tokens with a request that is
+# prefilling them now: cheaper to wait a step than to compute them twice.
+PREFIX_DEDUP_MIN_TOKENS = 32
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    num_tokens: list[int]  # tokens fed per request (all_ids[prefix_len : prefix_len + n])
+    prefix_lens: list[int]  # kv_len of each request before this forward
+    slots: list[list[int]]  # pool slots receiving the new tokens' K/V
+    sample: list[bool]  # True where the forward reaches the end of all_ids, so a token is sampled
+    retracted: list[Req] = field(default_factory=list)
+    finished_early: list[Req] = field(default_factory=list)  # could not get memory even alone: stop them
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "lpm"
+    chunked_prefill_tokens: int = 8192
+    max_running_requests: int = 256
+    aging_s: float = 5.0
+    dedup_shared_prefill: bool = True
+    prefetch: str = "wait_complete"  # config.PREFETCH_POLICIES (host tier only)
+    max_prefetching: int = 8  # waiting requests with a prefetched prefix at once
+    # Host tier only: a request that has produced nothing and has waited this long for memory takes the room of
+    # running requests that have already streamed (they are retracted to the host and resume later). None: off.
+    preempt_after_s: float | None = None
+    max_preemptions: int = 2  # times one request may be preempted so (it is not a victim after that)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, config: SchedulerConfig):
+        self.kv = kv
+        self.config = config
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.retracted_total = 0
+        self.estimate = DecodeEstimate()
+        self.prefetching: list[Req] = []  # waiting requests whose host-tier prefix is loaded (or loading) for them
+        self.preempted_total = 0
+        self._preempt_for: tuple[Req, int] | None = None  # (waiting request, pages it needs): preempt next step
+        self._admit_first: Req | None = None  # the request a preemption made room for
+        self._match_cache: dict[int, tuple[int, object]] = {}
+
+    # ------------------------------------------------------------------ queue operations
+    def add(self, req: Req) -> None:
+        req.state = ReqState.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        """Take req out of the scheduler (finish or abort) and release its memory."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.prefetching:
+            self.prefetching.remove(req)
+        if req.finish_reason in ("stop", "length"):
+            self.estimate.finished(req)
+        self.kv.release(req)
+        self._match_cache.pop(id(req), None)
+        req.state = ReqState.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [], [], [], [])
+        budget = self.config.chunked_prefill_tokens
+        if self._preempt_for is not None:
+            self._preempt(batch)
+
+        # 1. Running requests: plan their tokens, retract until their pages fit.
+        pages_for = self.kv.pages_for
+        while True:
+            plan, left, pages = [], budget, 0
+            for req in self.running:  # (hot: Req.finishes_on_resolve and Req.num_pending, inlined)
+                unresolved = req.num_unresolved
+                if unresolved and len(req.output_ids) + unresolved >= req.params.max_new_tokens:
+                    continue  # its token in flight is its last: another step would be discarded
+                n = len(req.all_ids) + unresolved - req.kv_len
+                if n <= 0:
+                    continue
+                if n > 1:  # a prefill chunk or a jump-forward run: bounded by the token budget
+                    n = min(n, max(left, 1))
+                    left -= n
+                plan.append((req, n))
+                pages += pages_for(req, n)
+            if self.kv.ensure_pages(pages):
+                break
+            if self.prefetching:  # memory held for waiting requests goes before running work
+                self.kv.cancel_prefetch(self.prefetching.pop())
+                continue
+            victim = self._pick_victim()
+            if len(self.running) == 1:
+                # Alone and still out of memory: it can never continue. Stop it (finish_reason "length").
+                self.running.remove(victim)
+                batch.finished_early.append(victim)
+            else:
+                self._retract(victim)
+                batch.retracted.append(victim)
+
+        # Leaders: requests whose prompt K/V is not in the cache yet (still prefilling, or a chunk in flight).
+        # Taken over all running requests, not only those with tokens this step: with overlap, a request whose
+        # last prefill chunk is still on the device has nothing to plan now, yet its prefix is not published.
+        prefilling = [r for r in self.running if r.kv_len < len(r.prompt_ids) or r.chunk_step is not None]
+        for req, n in plan:
+            self._add_to_batch(batch, req, n)
+            if n > 1:
+                budget -= n
+
+        # 2. Admit waiting requests.
+        if self.waiting:
+            self._admit(batch, budget, prefilling)
+            if batch.is_empty and not self.running:
+                self.kv.wait_disk(0.002)
+        return batch
+
+    def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
+        slots = self.kv.extend(req, n)
+        kv_len = req.kv_len
+        batch.reqs.append(req)
+        batch.num_tokens.append(n)
+        batch.prefix_lens.append(kv_len)
+        batch.slots.append(slots)
+        batch.sample.append(kv_len + n == len(req.all_ids) + req.num_unresolved)  # reaches seq_len
+        req.kv_len = kv_len + n
+
+    def _admit(self, batch: ScheduledBatch, budget: int, prefilling: list[Req]) -> None:
+        """Admit waiting requests in policy order while they fit (see the module docstring); with a host tier, start
+        the prefetch of those next in line that cannot or should not run yet."""
+        kv, est = self.kv, self.estimate
+        now = time.monotonic()
+        version = getattr(kv.cache, "version", 0)
+
+        def match(r: Req):
+            hit = self._match_cache.get(id(r))
+            if hit is None or hit[0] != version:
+                hit = (version, kv.match(r))
+                self._match_cache[id(r)] = hit
+            return hit[1]
+
+        order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s)
+        first, self._admit_first = self._admit_first, None
+        if first is not None and first in order:  # running requests were preempted to make room for it
+            order.remove(first)
+            order.insert(0, first)
+        leaders = UncachedPrefixIndex(prefilling)
+        admitted: set[int] = set()
+        # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
+        # prefetching ones will need once admitted.
+        reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
+        prefetch_need = {id(r): kv.pages_to_admit(r, match(r), est.remaining(r)) for r in self.prefetching}
+        reserved += sum(prefetch_need.values())
+        prefetch = kv.tiered is not None and self.config.prefetch != "off"
+        wait_complete = self.config.prefetch == "wait_complete"
+        reserve_pages = len(self.running)  # keep one page per running request for its next decode step
+        for req in order:
+            m = match(req)
+            if not kv.disk_ready(req, m):  # its prefix is being read from the disk tier
+                continue
+            if self.config.dedup_shared_prefill and kv.cache.retains and leaders.shares(req, m.length):
+                continue
+            if req.prefetch is not None and wait_complete and self.running and not kv.prefetch_ready(req):
+                continue  # still loading (its need is in reserved): others go first
+            growth = est.remaining(req)
+            others = reserved - prefetch_need.pop(id(req), 0)
+            need = kv.pages_to_admit(req, m, growth)
+            if self.running and need + others > kv.available_pages:
+                if self._may_preempt_for(req, now):
+                    self._preempt_for = (req, need)
+                break  # the pool cannot hold it beside what is running: it waits, and nothing overtakes it
+            can_run = (len(self.running) < self.config.max_running_requests and kv.table.free_rows > 0
+                       and budget > 0)
+            if not can_run or (prefetch and wait_complete and self.running and m.host_length):
+                # Next in line but not running this step: load its host part meanwhile, and keep its room.
+                if prefetch and m.host_length and len(self.prefetching) < self.config.max_prefetching \
+                        and kv.prefetch(req, m):
+                    self.prefetching.append(req)
+                    version = getattr(kv.cache, "version", 0)
+                    need = kv.pages_to_admit(req, match(req), growth)
+                    prefetch_need[id(req)] = need
+                reserved = others + need
+                continue
+            first_admission = req.num_cached_tokens is None
+            kv.admit(req, m)
+            n = min(req.num_pending, budget)
+            pages = kv.pages_for(req, n)
+            if not kv.ensure_pages(pages + reserve_pages):
+                kv.release(req)
+                if first_admission:  # it did not run: its reused-prompt count is taken when it does
+                    req.num_cached_tokens = None
+                break
+            admitted.add(id(req))
+            self._match_cache.pop(id(req), None)
+            if req in self.prefetching:
+                self.prefetching.remove(req)
+            req.state = ReqState.RUNNING
+            self.running.append(req)
+            self._add_to_batch(batch, req, n)
+            reserved = others + kv.pages_to_finish(req, growth)
+            budget -= n
+            leaders.add(req)
+            version = getattr(kv.cache, "version", 0)
+        if admitted:  # one pass (list.remove per request would compare Reqs field by field)
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
+
+    @staticmethod
+    def _shares_uncached_prefix(req: Req, matched: int, leaders: list[Req]) -> bool:
+        """The reference of UncachedPrefixIndex.shares: does req share the PREFIX_DEDUP_MIN_TOKENS tokens after
+        its cached `matched` with a leader (same salt, both long enough)?"""
+        ids = req.all_ids
+        for leader in leaders:
+            if leader.salt != req.salt:
+                continue
+            other = leader.all_ids
+            n = min(len(ids) - 1, len(other))
+            if n - matched < PREFIX_DEDUP_MIN_TOKENS or ids[matched:matched + PREFIX_DEDUP_MIN_TOKENS] != \
+                    other[matched:matched + PREFIX_DEDUP_MIN_TOKENS]:
+                continue
+            return True
+        return False
+
+    # ------------------------------------------------------------------ preemption for a first token
+    def _preemptible(self, req: Req) -> list[Req]:
+        """Running requests that may make room for waiting req: they have streamed already, were preempted fewer
+        than max_preemptions times, are not of a higher priority; most remaining decode first (they would hold
+        their memory longest), then the latest arrival."""
+        cands = [r for r in self.running if r.output_ids and r.retractions < self.config.max_preemptions
+                 and r.params.priority <= req.params.priority]
+        return sorted(cands, key=lambda r: (-r.remaining_new_tokens, -r.arrival))
+
+    def _may_preempt_for(self, req: Req, now: float) -> bool:
+        after = self.config.preempt_after_s
+        return (after is not None and self.kv.tiered is not None and not req.output_ids
+                and now - req.arrival >= after and bool(self._preemptible(req)))
+
+    def _preempt(self, batch: ScheduledBatch) -> None:
+        """Retract (to the host) running requests until the request recorded by _admit fits, and put it first in
+        this step's admission order. Done before the running requests are planned, so no victim is in the batch."""
+        req, need = self._preempt_for
+        self._preempt_for = None
+        if req not in self.waiting:
+            return
+        kv, est = self.kv, self.estimate
+        reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
+        for victim in self._preemptible(req):
+            if need + reserved <= kv.available_pages:
+                break
+            reserved -= kv.pages_to_finish(victim, est.remaining(victim))
+            self._retract(victim, preempted=True)
+            batch.retracted.append(victim)
+        self._admit_first = req
+
+    # ------------------------------------------------------------------ retraction
+    def _pick_victim(self) -> Req | None:
+        if not self.running:
+            return None
+        # Lowest priority first, then the one that costs least to resume: fewest tokens of its own (its prefix
+        # shared with other running requests stays in the pool), then the most recently arrived.
+        shared = self.kv.cache.shared_on_path
+        return min(self.running, key=lambda r: (r.params.priority, r.kv_len - shared(r.cache_handle), -r.arrival))
+
+    def _retract(self, req: Req, preempted: bool = False) -> None:
+        self._match_cache.pop(id(req), None)  # it runs on: its tokens, and so its match, change
+        self.running.remove(req)
+        self.kv.release(req, to_host=True)
+        req.state = ReqState.WAITING
+        req.retractions += 1
+        self.retracted_total += 1
+        if preempted:
+            self.preempted_total += 1
+        else:
+            self.estimate.retracted()  # out of memory: the estimate was too low
+        self.waiting.insert(0, req)
+
+
+class UncachedPrefixIndex:
+    """The leaders of one admission pass (requests prefilling tokens that are not cached yet), indexed for
+    Scheduler._shares_uncached_prefix's question: per position p asked about, the set of (salt, the
+    PREFIX_DEDUP_MIN_TOKENS tokens at p) of the leaders long enough. One dict lookup per waiting request instead
+    of a slice comparison per leader (64 requests on one shared prefix: 63 followers x up to 63 leaders)."""
+
+    def __init__(self, leaders: list[Req]):
+        self._leaders: list[Req] = list(leaders)
+        self._by_pos: dict[int, set[tuple]] = {}
+
+    def add(self, leader: Req) -> None:
+        self._leaders.append(leader)
+        for pos, windows in self._by_pos.items():
+            self._index(windows, pos, leader)
+
+    def shares(self, req: Req, matched: int) -> bool:
+        ids = req.all_ids
+        if len(ids) - 1 - matched < PREFIX_DEDUP_MIN_TOKENS:
+            return False
+        windows = self._by_pos.get(matched)
+        if windows is None:
+            windows = self._by_pos[matched] = set()
+            for leader in self._leaders:
+                self._index(windows, matched, leader)
+        return (req.salt, tuple(ids[matched:matched + PREFIX_DEDUP_MIN_TOKENS])) in windows
+
+    @staticmethod
+    def _index(windows: set[tuple], pos: int, leader: Req) -> None:
+        other = leader.all_ids
+        if len(other) - pos >= PREFIX_DEDUP_MIN_TOKENS:
+            windows.add((leader.salt, tuple(other[pos:pos + PREFIX_DEDUP_MIN_TOKENS])))

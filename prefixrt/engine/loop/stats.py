@@ -1,0 +1,50 @@
+"""EngineStats of one engine: the loop's counters (EngineCore.stats, kept as it runs) with the gauges and the
+cache tiers' counters read at the time of the snapshot. Called on the loop thread (Engine.stats)."""
+
+from __future__ import annotations
+
+from prefixrt.outputs import EngineStats
+
+
+def snapshot(counters: EngineStats, kv, scheduler, auditor=None) -> EngineStats:
+    """A copy of `counters` (updated in place with the derived and read values) with KV, queue, host and disk
+    tier and cache-audit figures: kv is the KVManager, scheduler the Scheduler, auditor the CacheAuditor or None."""
+    s = counters
+    s.cache_hit_rate = s.cached_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0
+    s.evicted_tokens_total = kv.evicted_tokens_total
+    s.requests_running = len(scheduler.running)
+    s.requests_waiting = len(scheduler.waiting)
+    s.kv_total = kv.total_tokens
+    s.kv_free = kv.free_tokens
+    s.kv_evictable = kv.evictable_tokens
+    s.kv_locked = s.kv_total - s.kv_free - s.kv_evictable
+    tiered = kv.tiered
+    if tiered is not None:
+        s.kv_host_total = tiered.host_alloc.total_tokens
+        s.kv_host_free = tiered.host_alloc.free_tokens
+        s.kv_host_cached = tiered.host_cached_tokens
+        s.host_hit_tokens_total = tiered.host_hit_tokens_total
+        s.host_evicted_tokens_total = tiered.host_evicted_tokens_total
+        s.host_load_failures_total = kv.load_failures_total
+        s.host_prefetch_tokens_total = kv.prefetch_tokens_total
+        s.host_prefetch_hits_total = kv.prefetch_hits_total
+        s.host_prefetch_misses_total = kv.prefetch_misses_total
+        s.retracted_to_host_tokens_total = kv.retracted_to_host_tokens_total
+        t = tiered.transfer.stats()
+        bpt = tiered.host.bytes_per_token
+        s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]
+        s.host_backup_bytes_total, s.host_backup_seconds_total = t["backup"][1] * bpt, t["backup"][2]
+    disk = kv.disk
+    if disk is not None:
+        s.kv_disk_total_bytes, s.kv_disk_used_bytes = disk.max_bytes, disk.used_bytes
+        s.kv_disk_cached_tokens, s.kv_disk_files = disk.cached_tokens, disk.num_files
+        s.disk_hit_tokens_total = disk.hit_tokens_total
+        s.disk_load_bytes_total, s.disk_load_seconds_total = disk.load_bytes_total, disk.load_seconds_total
+        s.disk_write_bytes_total, s.disk_write_seconds_total = disk.write_bytes_total, disk.write_seconds_total
+        s.disk_write_skipped_total, s.disk_evicted_bytes_total = disk.write_skipped_total, disk.evicted_bytes_total
+        s.disk_rejected_files_total = disk.rejected_files_total
+    s.salts = kv.salt_stats()
+    if auditor is not None:
+        s.cache_audits_total = auditor.audits_total
+        s.cache_audit_mismatches_total = auditor.mismatches_total
+    return EngineStats(**s.to_dict())

@@ -1,0 +1,209 @@
+"""The engine process's side of a ProcessEngine: builds the Engine, then serves it over the pipe.
+
+`child_main` is the spawned process's entry point. EngineProcessServer receives messages (engine/process/messages.py)
+on the main thread, compiles constrained requests on compile threads (so a slow grammar never holds up
+other messages), runs blocking calls on worker threads, streams each scheduler step's outputs as one
+Outputs message from the scheduler thread (PipeEnd.deliver, the loop's delivery hook), and sends a Beat every HEARTBEAT_S.
+Requests reach the engine through its public Engine.prepare / Engine.enqueue, with a PipeSink as the sink.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import pickle
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prefixrt.engine.process.messages import (
+    HEARTBEAT_S,
+    Abort,
+    Add,
+    Beat,
+    Bye,
+    Call,
+    EngineInfo,
+    Failed,
+    Outputs,
+    Progress,
+    Ready,
+    Reply,
+    Shutdown,
+    picklable,
+)
+from prefixrt.engine.stream import RequestStream, StepOutput
+
+log = logging.getLogger("prefixrt")
+
+
+@dataclass
+class PipeSink:
+    """A request's output sink in the engine process: its outputs go to the server process."""
+
+    request_id: str
+
+
+def child_main(conn, model: str, engine_kwargs: dict) -> None:
+    # The server process decides when the engine stops: Ctrl-C and a supervisor's SIGTERM reach the whole
+    # process group (systemd signals the whole cgroup), and the server must drain before the engine goes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from prefixrt.engine.engine import Engine
+
+    pipe = PipeEnd(conn)
+    try:
+        engine = Engine(model, progress=lambda text: pipe.send(Progress(text)), _deliver=pipe.deliver, **engine_kwargs)
+    except BaseException as e:
+        pipe.send(Failed(picklable(e)))
+        return
+    EngineProcessServer(engine, pipe).run()
+
+
+class PipeEnd:
+    """The engine process's end of the pipe: every thread sends through it (one lock), and its deliver is the
+    loop's delivery hook (LoopHooks.deliver), given to the Engine when it is built."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.send_lock = threading.Lock()  # the main, scheduler, worker and heartbeat threads all send
+
+    def send(self, msg) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def deliver(self, items: list[tuple[Any, StepOutput]]) -> None:
+        """One message per step for the server's requests; the engine process's own requests (the choices
+        scoring and cache_prefix calls) stay local."""
+        local = [(sink, out) for sink, out in items if not isinstance(sink, PipeSink)]
+        remote = [(sink.request_id, out) for sink, out in items if isinstance(sink, PipeSink)]
+        if local:
+            RequestStream.push_many(local)
+        if remote:
+            try:
+                self.send(Outputs(remote))
+            except OSError:
+                pass  # the server process is gone; the main thread is shutting down
+
+
+class EngineProcessServer:
+    """The engine process's side: receives requests on the main thread, streams outputs from the scheduler
+    thread, runs blocking calls on worker threads."""
+
+    def __init__(self, engine, pipe: PipeEnd):
+        self.engine, self.pipe = engine, pipe
+        self.workers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="prefixrt-engine-call")
+        # Constrained adds compile their grammar here, so a slow compile never holds up other messages.
+        self.compilers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="prefixrt-engine-compile")
+        self.compiling: dict[str, bool] = {}  # request id -> aborted while compiling
+        self.compiling_lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.metrics = _metrics_for(engine)
+        self.calls: dict[str, Callable] = {
+            "stats": engine.stats, "flush_cache": engine.flush_cache, "cache_prefix": engine.cache_prefix,
+            "generate": engine.generate, "check_integrity": engine.check_integrity,
+            "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
+            "score_continuations": engine.score_continuations,
+            "largest_prefixes": engine.largest_prefixes,
+        }
+
+    def send(self, msg) -> None:
+        self.pipe.send(msg)
+
+    def run(self) -> None:
+        eng = self.engine
+        info = EngineInfo(model_name=eng.model_name, model_revision=eng.model_revision, vocab_size=eng.vocab_size,
+                          max_context=eng.max_context, kv_total_tokens=eng.kv_total_tokens,
+                          page_size=eng.page_size, device=str(eng.device), tokenizer=pickle.dumps(eng.tokenizer))
+        try:
+            self.send(Ready(info))
+            threading.Thread(target=self.heartbeat, name="prefixrt-engine-heartbeat", daemon=True).start()
+            while True:
+                msg = self.pipe.conn.recv()
+                if isinstance(msg, Shutdown):
+                    break
+                self.handle(msg)
+        except (EOFError, OSError):
+            pass  # the server process is gone
+        finally:
+            self.stopped.set()
+            eng.shutdown()
+            self.workers.shutdown(wait=False, cancel_futures=True)
+            self.compilers.shutdown(wait=False, cancel_futures=True)
+            try:
+                self.send(Bye())
+            except OSError:
+                pass
+
+    def heartbeat(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_S):
+            try:
+                self.send(Beat())
+            except OSError:
+                return
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, Add):
+            if msg.call_id is None:
+                self.add(msg)
+            else:  # a constraint to compile: off the receiving thread
+                with self.compiling_lock:
+                    self.compiling[msg.request_id] = False
+                self.compilers.submit(self.add, msg)
+        elif isinstance(msg, Abort):
+            with self.compiling_lock:
+                if msg.request_id in self.compiling:
+                    self.compiling[msg.request_id] = True
+                    return
+            self.engine.abort(msg.request_id)
+        elif isinstance(msg, Call):
+            self.workers.submit(self.run_call, msg)
+        else:
+            log.error("engine process: unknown message %r", type(msg).__name__)
+
+    def add(self, msg: Add) -> None:
+        rid, call_id = msg.request_id, msg.call_id
+        try:
+            self.engine.enqueue(self.engine.prepare_packed(msg.packed_prompt_ids, msg.params), PipeSink(rid))
+        except Exception as e:
+            with self.compiling_lock:
+                self.compiling.pop(rid, None)
+            if call_id is not None:
+                self.send(Reply(call_id, False, picklable(e)))
+            else:  # validated in the server already, so this is a bug: end the request with its error
+                self.send(Outputs([(rid, StepOutput(index=i, token_ids=[], text=None, finished=True,
+                                                    finish_reason="abort", error=f"internal error: {e}"))
+                                   for i in range(msg.params.n)]))
+            return
+        with self.compiling_lock:
+            aborted = self.compiling.pop(rid, False)
+        if aborted:
+            self.engine.abort(rid)
+        if call_id is not None:
+            self.send(Reply(call_id, True, None))
+
+    def run_call(self, msg: Call) -> None:
+        try:
+            reply = Reply(msg.call_id, True, self.calls[msg.name](*msg.args))
+        except BaseException as e:
+            reply = Reply(msg.call_id, False, picklable(e))
+        try:
+            self.send(reply)
+        except OSError:
+            pass
+
+    def render_metrics(self) -> bytes:
+        if self.metrics is None:
+            raise RuntimeError("metrics need prometheus-client (pip install 'prefixrt[server]')")
+        return self.metrics.render()
+
+
+def _metrics_for(engine):
+    """The engine's Prometheus metrics, installed at start so the latency histograms see every request."""
+    try:
+        from prefixrt.engine.metrics import Metrics
+    except ImportError:
+        return None
+    return Metrics.for_engine(engine)

@@ -1,0 +1,131 @@
+"""The LM-program workloads (prefixrt/bench/programs): every program runs to completion on Gemma-3-270M at the
+ci preset with a hit rate near the ideal of its own trace; the ablations change speed, never results; the ideal
+hit rate; `prefixrt bench --program` and benchmarks/gpu_programs.py --smoke on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prefixrt.bench.programs import WORKLOADS
+from prefixrt.bench.programs.runner import ABLATIONS, run_workload
+from prefixrt.bench.workloads import ideal_hit_rate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def long_folder(tmp_path_factory):
+    """A tiny llama with a 2048-token context (programs render longer prompts than the shared checkpoints allow),
+    saved with the tiny tokenizer: a model folder the CLI and the benchmark script can load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.checkpoints import tiny_config
+    from tests.helpers.engines import make_tiny_tokenizer
+
+    cfg = tiny_config("llama")
+    cfg.max_position_embeddings = 2048
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("ckpt-llama-2k")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path))
+    make_tiny_tokenizer().save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture
+def make_long_engine(long_folder):
+    """make_long_engine(**engine_kwargs) -> Engine on long_folder (CPU, fp32, debug), clean at teardown."""
+    from prefixrt.engine.engine import Engine
+    from tests.helpers.engines import assert_idle_and_clean
+
+    engines = []
+
+    def make(**kwargs):
+        eng = Engine(str(long_folder), device="cpu", dtype="float32", debug=True, kv_cache_tokens=16384,
+                     progress=False, **kwargs)
+        engines.append(eng)
+        return eng
+
+    yield make
+    try:
+        for eng in engines:
+            assert_idle_and_clean(eng)
+    finally:
+        for eng in engines:
+            eng.shutdown()
+
+
+def test_ideal_hit_rate_reuses_prompts_and_outputs_in_order():
+    a, b = [1, 2, 3, 4], [1, 2, 3, 9]
+    # b reuses a's first 3 tokens; the second turn reuses a's prompt and all but the last output token.
+    assert ideal_hit_rate([(a, [], 3), (b, [], 3)]) == 3 / 8
+    turn2 = a + [5, 6] + [7]
+    assert ideal_hit_rate([(a, [5, 6], 3), (turn2, [], 6)]) == (0 + 5) / 11  # 6 was never computed
+    assert ideal_hit_rate([(a, [], 3), (a, [], 3)]) == 3 / 8  # the last prompt token is always computed
+    assert ideal_hit_rate([(b, [], 3), (a, [], 3)]) == ideal_hit_rate([(a, [], 3), (b, [], 3)])
+
+
+def test_every_program_runs_on_gemma(gemma_engine_session):
+    eng = gemma_engine_session
+    for name, w in WORKLOADS.items():
+        r = run_workload(eng, w, ABLATIONS["full"], w.sizes_for("ci"), num_threads=16)
+        assert r.num_programs == len(r.outputs) == len(r.latency_s) > 0, name
+        assert all(isinstance(o, str) for o in r.outputs), name
+        assert r.prompt_tokens > 0 and (r.output_tokens > 0 or name in ("mmlu", "hellaswag")), name  # select scores
+        assert 0 < r.hit_rate <= r.ideal_hit_rate + 1e-9, (name, r.hit_rate, r.ideal_hit_rate)
+        assert r.hit_rate >= 0.8 * r.ideal_hit_rate, (name, r.hit_rate, r.ideal_hit_rate)
+
+
+@pytest.mark.parametrize("name", ["tree-of-thought", "llm-judge", "mmlu"])
+def test_ablations_change_speed_not_results(name, make_long_engine):
+    w = WORKLOADS[name]
+    sizes = w.sizes_for("ci")
+    eng = make_long_engine()
+    runs = {a: run_workload(eng, w, ABLATIONS[a], sizes) for a in ("full", "fcfs", "no-hint", "no-parallel")
+            if ABLATIONS[a].applies(w)}
+    runs["no-cache"] = run_workload(make_long_engine(radix_cache=False), w, ABLATIONS["no-cache"], sizes)
+    runs["block-cache"] = run_workload(make_long_engine(prefix_cache="block"), w, ABLATIONS["block-cache"], sizes)
+    assert eng.core.scheduler.config.policy == "lpm", "the fcfs run restores the scheduler's policy"
+    full = runs["full"]
+    for a, r in runs.items():
+        assert r.outputs == full.outputs, f"{a} changed a greedy program's output"
+    assert runs["no-cache"].cached_tokens == 0
+    assert full.hit_rate >= 0.8 * full.ideal_hit_rate > 0
+    assert runs["block-cache"].cached_tokens <= full.cached_tokens
+    assert runs["block-cache"].cached_tokens % 16 == 0
+
+
+def test_bench_cli_program(long_folder, tmp_path, capsys):
+    from prefixrt.bench.cli import main
+
+    path = long_folder
+    out = tmp_path / "p.json"
+    rc = main(["--program", "skeleton-of-thought", "--model", str(path), "--device", "cpu", "--ablations",
+               "full,no-cache,no-parallel", "--json", str(out), "--plot", str(tmp_path / "p.png"), "--no-progress"])
+    assert rc == 0
+    res = {r["ablation"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(res) == {"full", "no-cache", "no-parallel"}
+    assert res["no-cache"]["hit_rate"] == 0 and res["full"]["hit_rate"] > 0
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert "x no-cache" in capsys.readouterr().out
+
+
+def test_gpu_programs_smoke(long_folder, tmp_path):
+    path = long_folder
+    cmd = [sys.executable, "benchmarks/gpu_programs.py", "--smoke", str(path), "--workloads",
+           "tree-of-thought,json,dspy-rag", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "programs.json").read_text())
+    got = {(r["workload"], r["ablation"]) for r in data["results"]}
+    assert ("tree-of-thought", "no-parallel") in got and ("dspy-rag", "block-cache") in got
+    assert ("json", "no-parallel") not in got  # no forks: the parallelism ablation does not apply
+    assert len(data["ci_preset"]) == 3 and not data["skipped"]
+    assert "## tree-of-thought" in p.stdout.replace("## tree-of-thought (GSM8K-style)", "## tree-of-thought")
+    assert (tmp_path / "programs.png").stat().st_size > 0
