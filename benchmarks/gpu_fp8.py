@@ -8,15 +8,20 @@
 (4) engines bf16 | FP8 weights | FP8 weights + FP8 K/V: batch-1 decode at 4k context, the RAG workload in-process
     (64 x (3500 shared + 80 unique), 200 out, streamed with text), decode throughput at batch 256, and the KV pool's
     tokens at the same memory fraction.
-Prints a short table last and writes JSON to $OUT/gpu_fp8.json. Sections past a 7-minute budget are skipped (said so
-in the table); the whole run is meant to take under 8 minutes.
+Prints a short table last and writes JSON to benchmarks/results/gpu_fp8-<sections>.json (and $OUT when set).
+Sections that would start past --budget-s are skipped (said so in the table). Section 2 saves its choices to
+benchmarks/results/gpu_fp8_layouts.json; section 4 run later on the same GPU model loads them, so the two can run as
+separate commands:
 
-    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py            # on the GPU host
-    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --smoke    # the same logic on a tiny checkpoint on the CPU
+    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 123                       # kernels, logits, layouts
+    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 4 --configs bf16,fp8+kv   # engines (measured layouts)
+    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 4 --configs fp8
+    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --smoke      # the same logic on a tiny checkpoint on the CPU
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import math
@@ -30,7 +35,9 @@ from benchmarks.common import log, rel_err, script_parser
 
 RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []  # (what, value, note)
-BUDGET_S = 7 * 60
+BUDGET_S = 230  # --budget-s: an 8B engine takes 30-65 s to start, a section cannot be cut short
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+LAYOUTS_FILE = RESULTS_DIR / "gpu_fp8_layouts.json"
 T_START = time.perf_counter()
 MODEL = "llama-3-8b"
 TARGETS = {"b1_tok_s": 400, "rag_out_tok_s": 12000, "b256_speedup": 1.6, "kv_tokens_ratio": 1.9}
@@ -38,7 +45,7 @@ TARGETS = {"b1_tok_s": 400, "rag_out_tok_s": 12000, "b256_speedup": 1.6, "kv_tok
 
 def over_budget(what: str) -> bool:
     if time.perf_counter() - T_START > BUDGET_S:
-        SUMMARY.append((what, "SKIPPED", f"past the {BUDGET_S // 60}-minute budget"))
+        SUMMARY.append((what, "SKIPPED", f"past the {BUDGET_S} s budget"))
         return True
     return False
 
@@ -67,6 +74,7 @@ def kernel_checks(smoke: bool, dev) -> dict:
     import torch
     from prefixrt.kernels import fp8_gemm as G
     from prefixrt.kernels import fp8_reference as R
+    from prefixrt.kernels import fused_reference as fused_ref
     from prefixrt.kernels import reference as ref
     from prefixrt.kernels.cascade_decode import cascade_decode_attention
     from prefixrt.kernels.cascade_plan import plan_cascade
@@ -106,14 +114,16 @@ def kernel_checks(smoke: bool, dev) -> dict:
     out["gemm_rel_err"] = {k: round(v, 5) for k, v in worst.items()}
     out["scaled_mm_supported"] = G.scaled_mm_supported(x.device)
 
-    # An e4m3 pool: 8 kv heads of 128 (Llama-3-8B), scales per kv head.
+    # The attention kernels and the fused RoPE store over a bf16 pool (the paths every engine runs: they must not
+    # regress) and over an e4m3 pool with per-kv-head scales; 8 kv heads of 128 (Llama-3-8B).
     kvh, d, h = (8, 128, 32) if not smoke else (2, 32, 4)
     slots = 40000 if not smoke else 2000
     k_f, v_f = randn(slots, kvh, d, scale=2.0), randn(slots, kvh, d)
     k_scale = k_f.abs().amax(dim=(0, 2)) / 448
     v_scale = v_f.abs().amax(dim=(0, 2)) / 448
-    k8, v8 = R.quantize_kv(k_f, k_scale), R.quantize_kv(v_f, v_scale)
-    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    pools = {"bf16": (k_f.to(torch.bfloat16), v_f.to(torch.bfloat16), {}),
+             "fp8": (R.quantize_kv(k_f, k_scale), R.quantize_kv(v_f, v_scale),
+                     {"k_scale": k_scale, "v_scale": v_scale})}
     perm = (torch.randperm(slots - 1, generator=gen) + 1).to(dev)
     prefix, own, members = (2000, 100, 8) if not smoke else (40, 6, 3)
     ext = (200, 64) if not smoke else (10, 5)  # extend: rows 8 (over the cached prefix) and 9 (from position 0)
@@ -124,42 +134,48 @@ def kernel_checks(smoke: bool, dev) -> dict:
         table[r, prefix:] = perm[prefix + r * own_width : prefix + (r + 1) * own_width].int()
     sm = d**-0.5
     errs = {}
-    # decode: 8 sequences of prefix + own tokens
     b = members
     q = randn(b, h, d).to(torch.bfloat16)
     seq_lens = torch.full((b,), prefix + own, dtype=torch.int32, device=dev)
     row_idx = torch.arange(b, device=dev)
-    o, want = torch.empty_like(q), torch.empty_like(q)
-    decode_attention(q, o, k8, v8, table, row_idx, seq_lens, sm, num_kv_splits=8, **scales)
-    ref.decode_attention(q, want, k8, v8, table, row_idx, seq_lens, sm, **scales)
-    errs["decode"] = rel_err(o, want)
     plan = plan_cascade([(prefix, list(range(b)))], [prefix + own] * b, dev, queries_per_tile=16)
-    o = torch.empty_like(q)
-    cascade_decode_attention(q, o, k8, v8, table, row_idx, seq_lens, sm, plan, num_prefix_splits=4,
-                             num_suffix_splits=2, **scales)
-    errs["cascade"] = rel_err(o, want)
-    # extend: two sequences, one over the cached prefix
     qe = randn(sum(ext), h, d).to(torch.bfloat16)
     i32 = {"dtype": torch.int32, "device": dev}
-    args = (k8, v8, table, torch.tensor([8, 9], device=dev), torch.tensor([prefix, 0], **i32),
-            torch.tensor(list(ext), **i32), torch.tensor([0, ext[0]], **i32), max(ext), sm)
-    o, want = torch.empty_like(qe), torch.empty_like(qe)
-    extend_attention(qe, o, *args, **scales)
-    ref.extend_attention(qe, want, *args, **scales)
-    errs["extend"] = rel_err(o, want)
-    # the fused RoPE store into the e4m3 pool = a bf16 store, quantized
     t = 64 if not smoke else 6
     qkv = randn(t, (h + 2 * kvh) * d, scale=2.0).to(torch.bfloat16)
     ang = torch.arange(t, device=dev)[:, None].float() * torch.rand(d // 2, generator=gen).to(dev)[None, :]
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     loc = perm[-t:]
-    k_pool, v_pool = torch.zeros_like(k8), torch.zeros_like(v8)
-    kb, vb = torch.zeros(slots, kvh, d, dtype=torch.bfloat16, device=dev), torch.zeros(slots, kvh, d,
-                                                                                       dtype=torch.bfloat16, device=dev)
-    qk_norm_rope_store(qkv, cos, sin, loc, k_pool, v_pool, h, kvh, d, **scales)
-    qk_norm_rope_store(qkv, cos, sin, loc, kb, vb, h, kvh, d)
-    out["rope_store_byte_mismatch"] = int((k_pool[loc].view(torch.uint8) != R.quantize_kv(kb[loc], k_scale)
-                                           .view(torch.uint8)).sum())
+    bf16_store = None
+    for kind, (k8, v8, scales) in pools.items():
+        # decode: `members` sequences of prefix + own tokens, plain (split-K) and cascade (shared prefix)
+        o, want = torch.empty_like(q), torch.empty_like(q)
+        decode_attention(q, o, k8, v8, table, row_idx, seq_lens, sm, num_kv_splits=8, **scales)
+        ref.decode_attention(q, want, k8, v8, table, row_idx, seq_lens, sm, **scales)
+        errs[f"decode_{kind}"] = rel_err(o, want)
+        o = torch.empty_like(q)
+        cascade_decode_attention(q, o, k8, v8, table, row_idx, seq_lens, sm, plan, num_prefix_splits=4,
+                                 num_suffix_splits=2, **scales)
+        errs[f"cascade_{kind}"] = rel_err(o, want)
+        # extend: two sequences, one over the cached prefix
+        args = (k8, v8, table, torch.tensor([8, 9], device=dev), torch.tensor([prefix, 0], **i32),
+                torch.tensor(list(ext), **i32), torch.tensor([0, ext[0]], **i32), max(ext), sm)
+        o, want = torch.empty_like(qe), torch.empty_like(qe)
+        extend_attention(qe, o, *args, **scales)
+        ref.extend_attention(qe, want, *args, **scales)
+        errs[f"extend_{kind}"] = rel_err(o, want)
+        # the fused RoPE store against the torch one (bf16: close; e4m3: the bf16 store quantized, byte for byte)
+        k_pool, v_pool = torch.zeros_like(k8), torch.zeros_like(v8)
+        q_out = qk_norm_rope_store(qkv, cos, sin, loc, k_pool, v_pool, h, kvh, d, **scales)
+        if not scales:
+            k_ref, v_ref = torch.zeros_like(k8), torch.zeros_like(v8)
+            q_ref = fused_ref.qk_norm_rope_store(qkv, cos, sin, loc, k_ref, v_ref, h, kvh, d)
+            bf16_store = k_pool[loc]
+            errs["rope_store_bf16"] = max(rel_err(q_out, q_ref), rel_err(bf16_store, k_ref[loc]),
+                                          rel_err(v_pool[loc], v_ref[loc]))
+        else:
+            out["rope_store_byte_mismatch"] = int((k_pool[loc].view(torch.uint8) != R.quantize_kv(
+                bf16_store, k_scale).view(torch.uint8)).sum())
     out["attention_rel_err"] = {k: round(v, 5) for k, v in errs.items()}
     ok = (out["quantize_rows_byte_mismatch"] == 0 and max(worst.values()) < 1e-2 and max(errs.values()) < 2e-2
           and out["rope_store_byte_mismatch"] == 0)
@@ -187,6 +203,8 @@ def measure_layouts(smoke: bool, dev) -> dict:
     out, lines = {}, []
     for name, (n, k) in shapes.items():
         for rows in fp8_linear.MEASURED_ROWS:
+            if over_budget(f"layouts {name} {rows} rows and after"):
+                break
             config, timings = fp8_linear._kernels().choose_config(n, k, rows, dev)
             fp8_linear._CHOICES[(n, k, rows, False, gpu)] = config
             cublas = timings.get(None)
@@ -197,10 +215,34 @@ def measure_layouts(smoke: bool, dev) -> dict:
             lines.append(f"        ({n}, {k}, {rows}): {value},  # {name}: quantize+_scaled_mm "
                          f"{cublas if cublas is None else round(cublas, 2)} us, best layout {best:.2f} us")
     log(f"kernels/fp8_table.py entries for {gpu!r}:\n" + "\n".join(lines))
+    saved = {f"{n},{k},{rows}": None if c is None else list(dataclasses.astuple(c))
+             for (n, k, rows, block, g), c in fp8_linear._CHOICES.items() if g == gpu and not block}
+    RESULTS_DIR.mkdir(exist_ok=True)
+    LAYOUTS_FILE.write_text(json.dumps({"gpu": gpu, "choices": saved}, indent=1))
     out["table_lines"] = lines
     won = sum(v["choice"] != "None" for k, v in out.items() if isinstance(v, dict))
     SUMMARY.append(("FP8 GEMM layouts measured", f"{won} of {len(lines)} Triton", "rest quantize + _scaled_mm"))
     return out
+
+
+def load_layouts(dev) -> None:
+    """Section 2's saved choices (this GPU model's) into the engines' plans (fp8_linear looks there first)."""
+    import torch
+
+    from prefixrt.model import fp8_linear
+
+    gpu = torch.cuda.get_device_name(dev)
+    if not LAYOUTS_FILE.is_file() or json.loads(LAYOUTS_FILE.read_text())["gpu"] != gpu:
+        log("no measured FP8 layouts for this GPU: the FP8 engines run quantize + _scaled_mm at every row count")
+        RESULTS["layouts_loaded"] = 0
+        return
+    choices = json.loads(LAYOUTS_FILE.read_text())["choices"]
+    config_cls = fp8_linear._kernels().Fp8GemmConfig
+    for key, fields in choices.items():
+        n, k, rows = map(int, key.split(","))
+        fp8_linear._CHOICES[(n, k, rows, False, gpu)] = None if fields is None else config_cls(*fields)
+    RESULTS["layouts_loaded"] = len(choices)
+    log(f"loaded {len(choices)} measured FP8 layout choices from {LAYOUTS_FILE}")
 
 
 # ------------------------------------------------------------------------------------------------- (3) logits
@@ -289,6 +331,8 @@ def engine_runs(smoke: bool, model_name: str, label: str, kw: dict) -> dict:
             n += len(ch.token_ids)
         out["b1_tok_s"] = round((n - 1) / (time.perf_counter() - first), 1)
         log(f"[{label}] batch-1 decode at 4k: {out['b1_tok_s']} tok/s")
+        if over_budget(f"[{label}] RAG and b256"):
+            return out
         # RAG in-process, streamed with text: a first run (cold prefix), then the warm one that counts
         rag = W.rag(vocab) if not smoke else W.rag(vocab, requests=4, shared_len=64, unique_len=8, output_len=4)
         prompts = [s[0].new_tokens for s in rag.sessions]
@@ -296,6 +340,8 @@ def engine_runs(smoke: bool, model_name: str, label: str, kw: dict) -> dict:
         stream_text(eng, prompts, rag.sessions[0][0].max_new_tokens, 64)
         out["rag"] = stream_text(eng, prompts, rag.sessions[0][0].max_new_tokens, 64)
         log(f"[{label}] RAG: {out['rag']['out_tok_s']} out tok/s")
+        if over_budget(f"[{label}] b256"):
+            return out
         # decode throughput at batch 256 (1k context): wall time per step, prompts cached first
         eng.flush_cache()
         bs, ctx, steps = (256, 1024, 32) if not smoke else (4, 24, 3)
@@ -314,10 +360,13 @@ def engine_runs(smoke: bool, model_name: str, label: str, kw: dict) -> dict:
 
 
 def main() -> None:
+    global BUDGET_S
     ap = script_parser(__doc__, smoke="the same logic on the CPU: tiny checkpoint and shapes, Triton interpreted")
     ap.add_argument("--only", default="1234", help="sections to run, e.g. 14 (default: all)")
-    ap.add_argument("--configs", default="bf16,fp8,fp8+kv", help="engine configurations of section 4")
+    ap.add_argument("--configs", default="bf16,fp8+kv,fp8", help="engine configurations of section 4, in order")
+    ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section past this many seconds")
     args = ap.parse_args()
+    BUDGET_S = args.budget_s
     smoke = args.smoke
     if smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported
@@ -337,25 +386,28 @@ def main() -> None:
     RESULTS["device"] = torch.cuda.get_device_name(dev) if cuda else "cpu (smoke)"
     if "1" in args.only:
         section("kernels", lambda: kernel_checks(smoke, dev))
+    if "3" in args.only:  # (before the layouts: an acceptance figure; the layouts only help section 4's speed)
+        section("logits", lambda: logits_diff(smoke, dev, model_path))
     if "2" in args.only:
         section("layouts", lambda: measure_layouts(smoke, dev))
-    if "3" in args.only:
-        section("logits", lambda: logits_diff(smoke, dev, model_path))
     if "4" in args.only:
         base_kw = {} if cuda else dict(device="cpu", attention_backend="torch", kv_cache_tokens=3000)
         configs = {"bf16": {}, "fp8": {"quantization": "fp8"},
                    "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
                    "kv": {"kv_cache_dtype": "fp8_e4m3"}}
+        if cuda:
+            load_layouts(dev)
         engines = {}
         for label in args.configs.split(","):
             section(f"engine_{label}", lambda label=label: engine_runs(smoke, model_name, label,
                                                                         {**base_kw, **configs[label]}))
             engines[label] = RESULTS.get(f"engine_{label}", {})
         summarize_engines(engines, cuda)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "gpu_fp8.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+    name = f"gpu_fp8-{args.only}{'-smoke' if smoke else ''}.json"
+    for out_dir in (None if smoke else RESULTS_DIR, os.environ.get("OUT")):  # (a smoke run leaves no results)
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / name).write_text(json.dumps(RESULTS, indent=1, default=str))
     tmp.cleanup()
     log(json.dumps(RESULTS, indent=1, default=str))
     log(f"\nprefixrt FP8, {MODEL if not smoke else 'tiny llama'} dummy on {RESULTS['device']}, "

@@ -120,6 +120,12 @@ class KVPool:
         self.v_all[:, slots] = float("nan")
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as uint8 (the same storage), other tensors as they are: copies by index (index_copy_) are not
+    implemented for float8 types, and a copy between tiers moves the bytes unchanged anyway."""
+    return t.view(torch.uint8) if t.dtype == FP8_KV_DTYPE else t
+
+
 def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[T, KVH, D] -> e4m3 of x / scale (scale [KVH]), saturating; kernels/fp8_reference.quantize_kv is the same."""
     return (x.float() / scale[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)

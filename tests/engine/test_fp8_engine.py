@@ -80,3 +80,25 @@ def test_fp8_command_line_flags():
     kw = engine_kwargs(p.parse_args([]))
     assert kw["quantization"] is None and kw["kv_cache_dtype"] == "auto"
     EngineConfig(**{k: v for k, v in kw.items()})  # the defaults are valid options
+
+
+def test_fp8_host_tier_stores_e4m3_as_is(make_engine):
+    """A small FP8 pool with a host tier: evicted prefixes go to the host as their e4m3 bytes (one byte a value, no
+    conversion) and load back to the same outputs as an engine that keeps everything in its pool and reuses nothing."""
+    from tests.engine.test_engine import _tree_workload
+
+    prompts = _tree_workload(40, seed=3)
+    params = {"max_new_tokens": 8, **GREEDY}
+    ref = make_engine("llama", kv_cache_dtype="fp8_e4m3", radix_cache=False, kv_cache_tokens=8192)
+    want = [c.token_ids for c in ref.generate(prompts, params)]
+    eng = make_engine("llama", kv_cache_dtype="fp8_e4m3", kv_cache_tokens=192, host_kv_cache_tokens=4096,
+                      host_kv_write_policy="write_through", host_kv_write_threshold=1, chunked_prefill_tokens=16)
+    pool, host = eng.core.kv.pool, eng.core.kv.cache.host
+    assert host.dtype == pool.dtype == torch.float8_e4m3fn
+    assert host.bytes_per_token == KVPool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim,
+                                                          torch.float8_e4m3fn)
+    assert [c.token_ids for c in eng.generate(prompts, params)] == want
+    assert [eng.generate(p, params).token_ids for p in prompts[:20]] == want[:20]
+    s = eng.stats()
+    assert s.host_hit_tokens_total > 0 and s.host_load_bytes_total > 0
+    eng.check_integrity()
