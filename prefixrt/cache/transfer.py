@@ -260,8 +260,8 @@ class KVTransfer:
                     byte_view(pool.k_all).index_copy_(1, ids, byte_view(buf[:, :, 0]).transpose(0, 1))
                     byte_view(pool.v_all).index_copy_(1, ids, byte_view(buf[:, :, 1]).transpose(0, 1))
                 else:
-                    buf[:, :, 0].copy_(pool.k_all.index_select(1, ids).transpose(0, 1))
-                    buf[:, :, 1].copy_(pool.v_all.index_select(1, ids).transpose(0, 1))
+                    byte_view(buf[:, :, 0]).copy_(byte_view(pool.k_all).index_select(1, ids).transpose(0, 1))
+                    byte_view(buf[:, :, 1]).copy_(byte_view(pool.v_all).index_select(1, ids).transpose(0, 1))
                     for a, b, off in runs:
                         host.kv[a:b].copy_(buf[off: off + b - a], non_blocking=True)
             for ev in t.events:  # all layers land together (layer i's mark still means layers 0..i are copied)
