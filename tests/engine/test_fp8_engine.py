@@ -52,10 +52,20 @@ def test_fp8_weights_engine_quantizes_decoder_linears(make_engine):
     assert len(eng.generate([1, 5, 6], GREEDY).token_ids) == GREEDY["max_new_tokens"]
 
 
-def test_fp8_pool_holds_twice_the_tokens_of_bf16():
+def test_fp8_pool_holds_twice_the_tokens_of_bf16(monkeypatch):
+    """At the same mem_fraction of a (pretend) 141 GB GPU holding 16 GB of weights, the pool sizing gives an e4m3 pool
+    twice the tokens of a bf16 one (Llama-3-8B's K/V shape; Gemma-3-270M's)."""
+    from prefixrt.model.rank_setup import kv_pool_slots
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (125 * gib, 141 * gib))
+    config = EngineConfig(kv_cache_dtype="fp8_e4m3", page_size=16)
     for layers, heads, dim in ((32, 8, 128), (18, 1, 256)):
-        assert KVPool.bytes_per_token(layers, heads, dim, torch.bfloat16) == \
-            2 * KVPool.bytes_per_token(layers, heads, dim, torch.float8_e4m3fn)
+        bf16 = KVPool.bytes_per_token(layers, heads, dim, torch.bfloat16)
+        fp8 = KVPool.bytes_per_token(layers, heads, dim, torch.float8_e4m3fn)
+        assert bf16 == 2 * fp8
+        slots = {b: kv_pool_slots(config, b, torch.device("cuda")) for b in (bf16, fp8)}
+        assert abs(slots[fp8] / slots[bf16] - 2) < 1e-3
 
 
 def test_fp8_options_are_checked():
