@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, rel_err, script_parser
+from benchmarks.common import log, log_table, rel_err, script_parser
 
 RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []  # (what, value, note)
@@ -412,9 +412,7 @@ def main() -> None:
     log(json.dumps(RESULTS, indent=1, default=str))
     log(f"\nprefixrt FP8, {MODEL if not smoke else 'tiny llama'} dummy on {RESULTS['device']}, "
         f"total {time.perf_counter() - T_START:.0f}s")
-    w = max([len(a) for a, _, _ in SUMMARY] + [1])
-    for a, b, c in SUMMARY:
-        log(f"{a:<{w}}  {b:<34}  {c}")
+    log_table(SUMMARY, 34)
 
 
 def summarize_engines(engines: dict, cuda: bool) -> None:

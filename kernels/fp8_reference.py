@@ -19,12 +19,18 @@ MIN_AMAX = 1e-12  # a row of zeros gets this amax (its scale stays finite, its v
 SCALE_BLOCK = 128  # block-wise weight scales cover SCALE_BLOCK x SCALE_BLOCK tiles of W
 
 
+def _per_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, correctly rounded on every device (the kernels' div_rn): CUDA torch divides by a Python scalar as a
+    multiplication by its rounded reciprocal, which is one ulp off for some values, and so a few quantized bytes."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 quantization of x [M, K] (a float dtype): (x_q [M, K] e4m3, scale [M] float32), x ~= x_q * scale.
     Used for activations (per token) and for weights at load (per output channel). Out-of-range values cannot occur
     (the scale comes from the row's own amax); the clamp only guards the rounding of the largest value."""
     x32 = x.float()
-    scale = x32.abs().amax(dim=-1).clamp_min(MIN_AMAX) / FP8_MAX  # [M]
+    scale = _per_max(x32.abs().amax(dim=-1).clamp_min(MIN_AMAX))  # [M]
     return (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -35,9 +41,8 @@ def quantize_weight(w: torch.Tensor, steps: int = 32, chunk_elements: int = 1 <<
     e4m3 keeps 3 mantissa bits, so a value's rounding error depends on where it falls inside its power-of-two
     interval, and that moves with the scale. Scales amax * c / 448 for c in [1, 2) (c >= 1 keeps the largest value
     representable; c = 2 would repeat c = 1 one interval down) are tried in `steps` steps and each row keeps the one
-    whose dequantized row is closest to W. On SmolLM2-135M and Gemma-3-270M this lowers the perplexity cost of FP8
-    weights from +3.7% / +2.0% (scale = amax / 448) to +1.7% / +1.5% (docs/benchmarks.md, "FP8", which also shows
-    how much these figures move between equally good grids). Rows are processed chunk_elements at a time."""
+    whose dequantized row is closest to W (never worse than amax / 448, c = 1, which is among them; the perplexity
+    cost on the embedded models is in docs/benchmarks.md, "FP8"). Rows are processed chunk_elements at a time."""
     n, k = w.shape
     w_q = torch.empty(n, k, dtype=FP8, device=w.device)
     scale = torch.empty(n, dtype=torch.float32, device=w.device)
@@ -47,7 +52,7 @@ def quantize_weight(w: torch.Tensor, steps: int = 32, chunk_elements: int = 1 <<
         amax = w32.abs().amax(dim=-1).clamp_min(MIN_AMAX)
         best_scale, best_err = None, None
         for i in range(steps):
-            s = amax * (1.0 + i / steps) / FP8_MAX
+            s = _per_max(amax * (1.0 + i / steps))
             err = ((w32 / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s[:, None] - w32).square().sum(-1)
             if best_scale is None:
                 best_scale, best_err = s, err
@@ -67,7 +72,7 @@ def quantize_blocks(w: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Te
     padded = torch.zeros(-(-n // block) * block, -(-k // block) * block, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w32
     tiles = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp_min(MIN_AMAX) / FP8_MAX  # [N / block, K / block]
+    scale = _per_max(tiles.abs().amax(dim=(1, 3)).clamp_min(MIN_AMAX))  # [N / block, K / block]
     return (w32 / expand_block_scales(scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -98,8 +98,15 @@ def fp8_plan_for(weight: torch.Tensor, weight_scale: torch.Tensor, mode: str = "
             measured[rows] = _CHOICES[key]
         else:  # (the table holds per-channel weights' layouts)
             measured[rows] = None if block else _table_choice(n, k, rows, gpu)
+    return expand_plan(measured, MAX_PLAN_ROWS)
+
+
+def expand_plan(measured: dict, max_rows: int) -> dict:
+    """{measured row count (MEASURED_ROWS): config or None} -> {rows 1..max_rows: config}, each row count taking the
+    next measured one up; None (cuBLAS) leaves the row count out. Also builds the bf16 GEMV plans
+    (layers.gemv_plan_for)."""
     plan = {}
-    for rows in range(1, MAX_PLAN_ROWS + 1):
+    for rows in range(1, max_rows + 1):
         config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
         if config is not None:
             plan[rows] = config

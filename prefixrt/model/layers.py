@@ -25,7 +25,7 @@ from torch import nn
 
 from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
 from prefixrt.model.forward_batch import ForwardBatch
-from prefixrt.model.fp8_linear import fp8_linear, fp8_plan_for
+from prefixrt.model.fp8_linear import MEASURED_ROWS, expand_plan, fp8_linear, fp8_plan_for
 
 if TYPE_CHECKING:
     from prefixrt.kernels.fp8_gemm import Fp8GemmConfig
@@ -364,7 +364,6 @@ class GatedMLP(nn.Module):
 # ------------------------------------------------------------------------------------- fused kernels
 
 _GEMV_CHOICES: dict[tuple, tuple] = {}  # (n, k, rows, act, dtype, device name) -> (choice, timings)
-MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; others use the next measured one up
 
 
 def _table_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, gpu: str):
@@ -426,12 +425,7 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None, prefe
         from prefixrt.kernels._common import PDL_MAX_ROWS
 
         measured = gemv_fallback(measured, PDL_MAX_ROWS)
-    plan = {}
-    for rows in range(1, MAX_GEMV_ROWS + 1):
-        config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
-        if config is not None:
-            plan[rows] = config
-    return plan
+    return expand_plan(measured, MAX_GEMV_ROWS)
 
 
 def gemv_fallback(measured: dict[int, GemvConfig | None], max_rows: int = MAX_GEMV_ROWS
