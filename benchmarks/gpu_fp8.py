@@ -403,7 +403,8 @@ def main() -> None:
                                                                         {**base_kw, **configs[label]}))
             engines[label] = RESULTS.get(f"engine_{label}", {})
         summarize_engines(engines, cuda)
-    name = f"gpu_fp8-{args.only}{'-smoke' if smoke else ''}.json"
+    configs = f"-{args.configs.replace(',', '_').replace('+', '')}" if "4" in args.only else ""
+    name = f"gpu_fp8-{args.only}{configs}{'-smoke' if smoke else ''}.json"  # (runs of other configs kept apart)
     for out_dir in (None if smoke else RESULTS_DIR, os.environ.get("OUT")):  # (a smoke run leaves no results)
         if out_dir:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
