@@ -59,6 +59,13 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
+def log_table(rows: list[tuple[str, str, str]], value_width: int) -> None:
+    """The short table a GPU script prints last: (what, value, note) rows in aligned columns."""
+    w = max([len(a) for a, _, _ in rows] + [1])
+    for a, b, c in rows:
+        log(f"{a:<{w}}  {b:<{value_width}}  {c}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -134,7 +134,7 @@ class RagShape:
         _cascade_prefix_kernel[grid](
             self.q[i], self.k[i], self.v[i], self.req_to_token, self.rows, plan.group_prefix_lens,
             plan.group_lead_seq, plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs,
-            mo, ml, qk_scale(self.scale, None), 0.0,
+            mo, ml, ml, ml, qk_scale(self.scale, None), 0.0,  # (KScale, VScale: unread with a bf16 pool)
             self.q[i].stride(0), self.q[i].stride(1), self.k[i].stride(0), self.k[i].stride(1),
             self.v[i].stride(0), self.v[i].stride(1), self.req_to_token.stride(0),
             mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1),
@@ -146,7 +146,7 @@ class RagShape:
         mo, ml = self.mid_o, self.mid_lse
         dec._decode_stage1[(BATCH, NUM_KV_HEADS, ss)](
             self.q[i], self.k[i], self.v[i], self.req_to_token, self.rows, self.seq_lens, plan.suffix_start,
-            mo, ml, qk_scale(self.scale, None), 0.0, 0,
+            mo, ml, ml, ml, qk_scale(self.scale, None), 0.0, 0,  # (KScale, VScale: unread with a bf16 pool)
             self.q[i].stride(0), self.q[i].stride(1), self.k[i].stride(0), self.k[i].stride(1),
             self.v[i].stride(0), self.v[i].stride(1), self.req_to_token.stride(0),
             mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1), sp,

@@ -39,6 +39,40 @@ def check_pool_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Ten
     return num_heads, num_kv_heads, head_dim
 
 
+_INTERPRETING = tl.constexpr(interpreting())  # fixed at import (tests set TRITON_INTERPRET before importing Triton)
+FP8_E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def to_e4m3(x):
+    """float32 x (already divided by its scale) -> e4m3, saturating at +-448, rounding to nearest even. Triton's CPU
+    interpreter (3.9) loses the carry when rounding crosses a power of two (124.1 -> 64), so there the value is
+    first rounded onto the e4m3 grid in float32 (3 mantissa bits; subnormal step 2^-9), making the cast exact."""
+    x = tl.clamp(x, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    if _INTERPRETING:
+        mag = tl.abs(x)
+        exponent = tl.maximum(tl.floor(tl.log2(tl.maximum(mag, 1e-30))), -6.0)
+        step = tl.exp2(exponent - 3.0)
+        magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to an integer, ties to even
+        x = ((x / step + magic) - magic) * step
+    return x.to(tl.float8e4nv)
+
+
+def kv_scale_args(k_buffer: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
+    """The attention kernels' FP8 K/V arguments (KScale, VScale, HAS_KV_SCALE): an e4m3 pool stores K / k_scale and
+    V / v_scale, one float32 scale per kv head ([KVH] each), and needs both; a float pool takes none."""
+    quantized = k_buffer.dtype == torch.float8_e4m3fn
+    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("an e4m3 K/V pool needs k_scale and v_scale ([KVH] float32); a float pool takes neither")
+    if not quantized:
+        return {"KScale": k_buffer, "VScale": k_buffer, "HAS_KV_SCALE": False}
+    kvh = k_buffer.shape[1]
+    for s in (k_scale, v_scale):
+        if s.shape != (kvh,) or s.dtype != torch.float32 or s.device != k_buffer.device:
+            raise ValueError(f"k/v scales must be [{kvh}] float32 on {k_buffer.device}, got {tuple(s.shape)} {s.dtype}")
+    return {"KScale": k_scale, "VScale": v_scale, "HAS_KV_SCALE": True}
+
+
 @triton.jit
 def mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """a @ b with fp32 accumulation."""

@@ -28,6 +28,7 @@ from prefixrt.kernels._common import (
     check_pool_args,
     dot_args,
     interpreting,
+    kv_scale_args,
     mma,
     page_span,
     paged_slots,
@@ -41,19 +42,23 @@ from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_st
 @triton.jit
 def _cascade_prefix_kernel(
     Q, K, V, ReqToToken, ReqPoolIdx, GroupPrefixLens, GroupLeadSeq, GroupSeqIds,
-    TileGroup, TileSeqStart, TileNumSeqs, MidO, MidLse,
+    TileGroup, TileSeqStart, TileNumSeqs, MidO, MidLse, KScale, VScale,
     qk_scale, logit_softcap,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     HEADS_PER_KV: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    PAGE_SPAN: tl.constexpr = 1,
+    PAGE_SPAN: tl.constexpr = 1, HAS_KV_SCALE: tl.constexpr = False,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
+    v_scale = 1.0
+    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
+        qk_scale = qk_scale * tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
 
     num_seqs = tl.load(TileNumSeqs + tile)
     if num_seqs <= 0:  # a padding tile (plans padded to a fixed tile count for CUDA graphs)
@@ -94,7 +99,8 @@ def _cascade_prefix_kernel(
         else:
             slots = tl.load(ReqToToken + lead_row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask,
+                    other=0.0).to(Q.dtype.element_ty)  # e4m3 widens exactly
         # Scores in base 2 (exp2 is one instruction): qk_scale is sm_scale * log2(e), or sm_scale alone with a
         # softcap, which applies to the natural-scale scores first.
         s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [rows, BLOCK_N]
@@ -105,13 +111,16 @@ def _cascade_prefix_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
+                    other=0.0).to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
     lse_ptrs = MidLse + seqs * stride_mlb + heads * stride_mlh + split
     if end > start:
         o_ptrs = MidO + seqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+        if HAS_KV_SCALE:
+            acc = acc * v_scale
         tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & mask_d[None, :])
         tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # natural-log LSE
     else:
@@ -167,6 +176,8 @@ def cascade_decode_attention(
     page_size: int = 1,
     concurrent_stages: bool = True,
     merge_launch: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention for a batch with shared-prefix groups (see plan_cascade); equals decode_attention.
     Workspace: mid_o [>=B, H, >=Sp+Ss, D], mid_lse [>=B, H, >=Sp+Ss] fp32 (allocated when None).
@@ -174,7 +185,8 @@ def cascade_decode_attention(
     prefix ending mid-page included, as long as each row keeps the page layout of paged_slots).
     concurrent_stages: on CUDA, run the prefix stage on a side stream beside the suffix stage (the same
     result; False runs them one after the other). merge_launch: launch_merge's launch parameters
-    (heads_per_program, num_warps) in place of its defaults."""
+    (heads_per_program, num_warps) in place of its defaults. k_scale/v_scale ([KVH] fp32): an e4m3 pool's scales
+    (both stages read it as decode_attention does)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = q.shape[0]
     num_splits = num_prefix_splits + num_suffix_splits
@@ -189,11 +201,11 @@ def cascade_decode_attention(
         side.wait_stream(main)  # the prefix stage reads q, the plan and the pool as the main stream left them
     with torch.cuda.stream(side) if concurrent else contextlib.nullcontext():
         _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
-                       logit_softcap, num_prefix_splits, cfg, page_size)
+                       logit_softcap, num_prefix_splits, cfg, page_size, k_scale, v_scale)
     launch_decode_stage1(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
         None, logit_softcap, num_suffix_splits, kv_start=plan.suffix_start, split_offset=num_prefix_splits,
-        page_size=page_size, config=_suffix_config(head_dim),
+        page_size=page_size, config=_suffix_config(head_dim), k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     if concurrent:
         main.wait_stream(side)  # the merge reads both stages' partials
@@ -202,19 +214,20 @@ def cascade_decode_attention(
 
 
 def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
-                   logit_softcap, num_prefix_splits, cfg, page_size):  # fmt: skip
+                   logit_softcap, num_prefix_splits, cfg, page_size, k_scale=None, v_scale=None):  # fmt: skip
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     heads_per_kv = num_heads // num_kv_heads
+    scales = kv_scale_args(k_buffer, k_scale, v_scale)
     if plan.num_tiles:
         grid = (plan.num_tiles, num_kv_heads * cfg["HEAD_BLOCKS"], num_prefix_splits)
         _cascade_prefix_kernel[grid](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, plan.group_prefix_lens, plan.group_lead_seq,
             plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs, mid_o, mid_lse,
-            qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0,
+            scales.pop("KScale"), scales.pop("VScale"), qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
             v_buffer.stride(1), req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             NUM_SPLITS=num_prefix_splits, HAS_SOFTCAP=logit_softcap is not None,
-            **dot_args(q.dtype), **cfg, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]),
+            **dot_args(q.dtype), **cfg, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **scales,
         )  # fmt: skip

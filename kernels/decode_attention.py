@@ -29,6 +29,7 @@ from prefixrt.kernels._common import (
     check_pool_args,
     dot_args,
     interpreting,
+    kv_scale_args,
     mma,
     page_span,
     paged_slots,
@@ -41,7 +42,7 @@ from prefixrt.kernels._common import (
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, KvStart, MidO, MidLse,
+    Q, K, V, ReqToToken, ReqPoolIdx, SeqLens, KvStart, MidO, MidLse, KScale, VScale,
     qk_scale, logit_softcap, sliding_window,
     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
@@ -49,12 +50,16 @@ def _decode_stage1(
     HEADS_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    PAGE_SPAN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    PAGE_SPAN: tl.constexpr = 1, USE_PDL: tl.constexpr = False, HAS_KV_SCALE: tl.constexpr = False,
 ):  # fmt: skip
     pdl_begin(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    v_scale = 1.0
+    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
+        qk_scale = qk_scale * tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
 
     seq_len = tl.load(SeqLens + b)
     kv_lo = seq_len * 0
@@ -98,7 +103,7 @@ def _decode_stage1(
             K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
-        )  # k: [BLOCK_N, BLOCK_D]
+        ).to(Q.dtype.element_ty)  # k: [BLOCK_N, BLOCK_D] (e4m3 widens exactly)
         # Scores in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a softcap, applied first).
         s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_H, BLOCK_N]
         if HAS_SOFTCAP:
@@ -112,7 +117,7 @@ def _decode_stage1(
             V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
-        )  # v: [BLOCK_N, BLOCK_D]
+        ).to(Q.dtype.element_ty)  # v: [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
         m_i = m_new
 
@@ -120,6 +125,8 @@ def _decode_stage1(
     lse_ptrs = MidLse + b * stride_mlb + heads * stride_mlh + out_split
     if end > start:
         o_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + out_split * stride_mos + offs_d[None, :]
+        if HAS_KV_SCALE:
+            acc = acc * v_scale
         tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
         tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)  # natural-log LSE
     else:
@@ -189,19 +196,22 @@ def _stage1_config(head_dim: int, work_items: int) -> dict:
 def launch_decode_stage1(
     q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
     sliding_window, logit_softcap, num_splits, kv_start=None, split_offset=0, page_size=1, config=None, pdl=False,
+    k_scale=None, v_scale=None,
 ):  # fmt: skip
     """Write partials for splits [split_offset, split_offset + num_splits) of mid_o / mid_lse. page_size > 1:
     the slots are read a page run at a time (see paged_slots for the layout this relies on). config: launch
-    parameters (BLOCK_N, num_warps, num_stages) in place of _stage1_config's."""
+    parameters (BLOCK_N, num_warps, num_stages) in place of _stage1_config's. k_scale/v_scale: an e4m3 pool's
+    per-kv-head scales (kv_scale_args)."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     heads_per_kv = num_heads // num_kv_heads
     batch_size = q.shape[0]
     if batch_size == 0:
         return
     cfg = config or _stage1_config(head_dim, batch_size * num_kv_heads)
+    scales = kv_scale_args(k_buffer, k_scale, v_scale)
     _decode_stage1[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
-        kv_start if kv_start is not None else seq_lens, mid_o, mid_lse,
+        kv_start if kv_start is not None else seq_lens, mid_o, mid_lse, scales.pop("KScale"), scales.pop("VScale"),
         qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
@@ -211,7 +221,7 @@ def launch_decode_stage1(
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None, **dot_args(q.dtype), **cfg,
-        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **(pdl_args(q, batch_size) if pdl else {}),
+        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **(pdl_args(q, batch_size) if pdl else {}), **scales,
     )  # fmt: skip
 
 
@@ -249,16 +259,20 @@ def decode_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     page_size: int = 1,
+    k_scale: torch.Tensor | None = None,  # [KVH] fp32: an e4m3 pool's K scales (K ~= k_buffer * k_scale)
+    v_scale: torch.Tensor | None = None,  # [KVH] fp32
 ) -> None:
     """Attention of each sequence's single new query over its slots [0, seq_len) (windowed if asked).
     mid_o [>=B, H, >=S, D] / mid_lse [>=B, H, >=S] (fp32) are the split workspace; pass preallocated
     ones under CUDA graphs, else they are allocated here. num_kv_splits is static (part of the grid).
-    page_size: the pool's; above 1 the table is read once per page run instead of once per position."""
+    page_size: the pool's; above 1 the table is read once per page run instead of once per position.
+    An e4m3 pool (k_scale, v_scale given) is read as is: the keys and values widen to q's dtype in registers, the
+    K scale multiplies the scores and the V scale the output."""
     batch_size, num_heads, head_dim = q.shape
     if mid_o is None or mid_lse is None:
         mid_o, mid_lse = decode_workspace(batch_size, num_heads, head_dim, num_kv_splits, q.device)
     launch_decode_stage1(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, sm_scale,
-        sliding_window, logit_softcap, num_kv_splits, page_size=page_size, pdl=True,
+        sliding_window, logit_softcap, num_kv_splits, page_size=page_size, pdl=True, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     launch_merge(o, mid_o, mid_lse, num_kv_splits, pdl=True)

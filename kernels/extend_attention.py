@@ -25,6 +25,7 @@ from prefixrt.kernels._common import (
     check_pool_args,
     dot_args,
     interpreting,
+    kv_scale_args,
     mma,
     page_span,
     paged_slots,
@@ -73,7 +74,7 @@ def _extend_kernel(
     CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BlockSeq, BlockMb, HAS_BLOCK_MAP: tl.constexpr,
     MidO, MidLse, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, NUM_SPLITS: tl.constexpr,
-    PAGE_SPAN: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
+    KScale, VScale, HAS_KV_SCALE: tl.constexpr, PAGE_SPAN: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
 ):  # fmt: skip
     # BLOCK_G > 1 packs the query heads of one kv head into the rows: row r is token r // BLOCK_G of the
     # block and head r % BLOCK_G of the group (grid axis 1 then runs over kv heads), so a block of BLOCK_M
@@ -101,6 +102,10 @@ def _extend_kernel(
     else:
         kv_head = h // HEADS_PER_KV
         first_head = h
+    v_scale = 1.0
+    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
+        qk_scale = qk_scale * tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
 
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = mb * TOKENS + offs_r // BLOCK_G  # each row's token, within the sequence's new tokens
@@ -149,8 +154,10 @@ def _extend_kernel(
             slots = paged_slots(ReqToToken + req_row * stride_rt, n0, s_hi, BLOCK_N, PAGE_SPAN)
         else:
             slots = tl.load(ReqToToken + req_row * stride_rt + k_pos).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :], other=0.0)
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=mask_d[None, :],
+                    other=0.0).to(Q.dtype.element_ty)  # e4m3 widens exactly
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :],
+                    other=0.0).to(Q.dtype.element_ty)
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, k, v, q_pos, k_pos, k_pos < pool_hi, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
@@ -164,8 +171,10 @@ def _extend_kernel(
         else:
             slots = tl.load(ReqToToken + req_row * stride_rt + k_pos, mask=key_ok, other=0).to(tl.int64)
         kv_mask = key_ok[:, None] & mask_d[None, :]
-        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask,
+                    other=0.0).to(Q.dtype.element_ty)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
+                    other=0.0).to(Q.dtype.element_ty)
         acc, m_i, l_i = _attend_block(
             q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=True, CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
@@ -192,6 +201,8 @@ def _extend_kernel(
             )  # fmt: skip
 
     # Every valid query sees at least itself (l_i > 0); padded rows may see nothing under a window.
+    if HAS_KV_SCALE:
+        acc = acc * v_scale
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS > 1:  # partial result of this split: normalised output and log-sum-exp (-inf: saw nothing)
         # natural-log LSE for the merge (m_i is in base 2)
@@ -273,6 +284,8 @@ def extend_attention(
     config: dict | None = None,
     page_size: int = 1,
     pack_heads: bool | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
@@ -287,12 +300,17 @@ def extend_attention(
     launch parameters (BLOCK_N, num_warps, num_stages; benchmarks/gpu_kernels.py sweeps them). page_size: the
     pool's; above 1 pool keys are read a page run per table lookup. pack_heads: put the query heads that share
     a kv head into one program's rows (K/V loaded once for the group, short extends fill the tile); None
-    decides by pack_heads_by_default. Only without a block map (whose blocks count tokens of one head)."""
+    decides by pack_heads_by_default. Only without a block map (whose blocks count tokens of one head).
+    k_scale/v_scale ([KVH] fp32): the scales of an e4m3 pool, read as decode_attention reads it."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
         return
+    scales = kv_scale_args(k_buffer, k_scale, v_scale)
     contiguous = k_extend is not None
+    if contiguous and scales["HAS_KV_SCALE"]:
+        raise ValueError("an e4m3 pool is read from the pool only (no k_extend/v_extend): the new tokens' K/V must be "
+                         "the quantized values every later read sees")
     if contiguous and (v_extend is None or k_extend.shape != (q.shape[0], num_kv_heads, head_dim)):
         raise ValueError(f"k_extend/v_extend must both be [T, KVH, D]; got {k_extend.shape}")
     k_ext = k_extend if contiguous else k_buffer
@@ -334,7 +352,7 @@ def extend_attention(
         HAS_BLOCK_MAP=has_map,
         MidO=mid_o, MidLse=mid_lse, stride_mot=mid_o.stride(0), stride_moh=mid_o.stride(1),
         stride_mos=mid_o.stride(2), stride_mlt=mid_lse.stride(0), stride_mlh=mid_lse.stride(1),
-        NUM_SPLITS=num_splits, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), BLOCK_G=block_g,
+        NUM_SPLITS=num_splits, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), BLOCK_G=block_g, **scales,
     )  # fmt: skip
     if num_splits > 1:
         launch_merge(o, mid_o, mid_lse, num_splits)

@@ -44,9 +44,11 @@ def qk_norm_rope_store(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_cache_loc: torch.Tensor,
     k_buffer: torch.Tensor, v_buffer: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
     q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
-    norm_eps: float = 1e-6, gemma_norm: bool = False,
+    norm_eps: float = 1e-6, gemma_norm: bool = False, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """Per-head q/k norm (optional), RoPE, K/V stored into the pool at out_cache_loc; returns q [T, H, D]."""
+    """Per-head q/k norm (optional), RoPE, K/V stored into the pool at out_cache_loc (an e4m3 pool: divided by the
+    kv head's scale, kernels/fp8_reference.quantize_kv); returns q [T, H, D]."""
     num_tokens = qkv.shape[0]
     h, kvh, d = num_heads, num_kv_heads, head_dim
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
@@ -55,6 +57,10 @@ def qk_norm_rope_store(
         q = add_rms_norm(q, q_norm_weight, norm_eps, gemma=gemma_norm)[0]
         k = add_rms_norm(k, k_norm_weight, norm_eps, gemma=gemma_norm)[0]
     q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    if k_scale is not None:
+        from prefixrt.kernels.fp8_reference import quantize_kv
+
+        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
     k_buffer[out_cache_loc] = k.to(k_buffer.dtype)
     v_buffer[out_cache_loc] = v.to(v_buffer.dtype)
     return q

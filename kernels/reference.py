@@ -39,6 +39,12 @@ def _attend(
     return out, lse.transpose(0, 1)
 
 
+def _read(buffer: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Pool rows [N, KVH, D] as float32: an e4m3 pool's values times their kv head's scale ([KVH])."""
+    out = buffer[rows].float()
+    return out if scale is None else out * scale.float()[None, :, None]
+
+
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     visible = k_pos[None, :] <= q_pos[:, None]  # causal
     if sliding_window is not None:
@@ -63,17 +69,19 @@ def extend_attention(
     k_extend: torch.Tensor | None = None,
     v_extend: torch.Tensor | None = None,
     page_size: int = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
-    K/V contiguously; the result is the same either way."""
+    K/V contiguously; the result is the same either way. k_scale/v_scale ([KVH]): an e4m3 pool, dequantized."""
     for i in range(req_pool_indices.shape[0]):
         prefix, ext, start = int(prefix_lens[i]), int(extend_lens[i]), int(extend_start_loc[i])
         if ext == 0:
             continue
         slots = req_to_token[req_pool_indices[i], : prefix + ext].long()
-        k = k_buffer[slots].float()
-        v = v_buffer[slots].float()
+        k = _read(k_buffer, slots, k_scale)
+        v = _read(v_buffer, slots, v_scale)
         if k_extend is not None:
             k[prefix:] = k_extend[start : start + ext].float()
             v[prefix:] = v_extend[start : start + ext].float()
@@ -85,15 +93,16 @@ def extend_attention(
         o[start : start + ext] = out.to(o.dtype)
 
 
-def _decode_one(q, k_buffer, v_buffer, slots, kv_lo, seq_len, sm_scale, sliding_window, logit_softcap):
+def _decode_one(q, k_buffer, v_buffer, slots, kv_lo, seq_len, sm_scale, sliding_window, logit_softcap,
+                k_scale=None, v_scale=None):  # fmt: skip
     """One decode query q: [H, D] at position seq_len-1 over positions [kv_lo, seq_len). -> out, lse"""
     k_pos = torch.arange(kv_lo, seq_len, device=q.device)
     q_pos = torch.tensor([seq_len - 1], device=q.device)
     rows = slots[kv_lo:seq_len].long()
     return _attend(
         q[None].float(),
-        k_buffer[rows].float(),
-        v_buffer[rows].float(),
+        _read(k_buffer, rows, k_scale),
+        _read(v_buffer, rows, v_scale),
         _visible(q_pos, k_pos, sliding_window),
         sm_scale,
         logit_softcap,
@@ -115,6 +124,8 @@ def decode_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     page_size: int = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Attention of each sequence's single new query over its slots [0, seq_len) (windowed if asked)."""
     for i in range(q.shape[0]):
@@ -123,7 +134,8 @@ def decode_attention(
             o[i] = 0
             continue
         out, _ = _decode_one(
-            q[i], k_buffer, v_buffer, req_to_token[req_pool_indices[i]], 0, seq_len, sm_scale, sliding_window, logit_softcap
+            q[i], k_buffer, v_buffer, req_to_token[req_pool_indices[i]], 0, seq_len, sm_scale, sliding_window, logit_softcap,
+            k_scale, v_scale,
         )
         o[i] = out[0].to(o.dtype)
 
@@ -144,6 +156,8 @@ def cascade_decode_attention(
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
     page_size: int = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Decode attention computed the cascade way: every grouped sequence attends to its group's shared
     prefix (read through the group's lead sequence) and to its own suffix, and the two parts are merged by
@@ -161,14 +175,17 @@ def cascade_decode_attention(
             continue
         own_slots = req_to_token[req_pool_indices[i]]
         if i not in group_of:
-            out, _ = _decode_one(q[i], k_buffer, v_buffer, own_slots, 0, seq_len, sm_scale, None, logit_softcap)
+            out, _ = _decode_one(q[i], k_buffer, v_buffer, own_slots, 0, seq_len, sm_scale, None, logit_softcap,
+                                 k_scale, v_scale)
             o[i] = out[0].to(o.dtype)
             continue
         lead = int(plan.group_lead_seq[group_of[i]])
         prefix_slots = req_to_token[req_pool_indices[lead]]
         p = prefix_len_of[i]
-        out_p, lse_p = _decode_one(q[i], k_buffer, v_buffer, prefix_slots, 0, p, sm_scale, None, logit_softcap)
-        out_s, lse_s = _decode_one(q[i], k_buffer, v_buffer, own_slots, p, seq_len, sm_scale, None, logit_softcap)
+        out_p, lse_p = _decode_one(q[i], k_buffer, v_buffer, prefix_slots, 0, p, sm_scale, None, logit_softcap,
+                                   k_scale, v_scale)
+        out_s, lse_s = _decode_one(q[i], k_buffer, v_buffer, own_slots, p, seq_len, sm_scale, None, logit_softcap,
+                                   k_scale, v_scale)
         lse = torch.logaddexp(lse_p, lse_s)  # [1, H]
         out = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
         o[i] = out[0].to(o.dtype)

@@ -8,7 +8,7 @@ One program per token reads the token's row of the fused qkv projection [T, (H +
 cos/sin are the float32 tables [T, D] of RotaryEmbedding (its two halves are equal): every rotary variant
 the models use (default, linear, llama3 scaling) differs only in those tables. The normalised q/k are
 rounded to the model dtype before the rotation, as the torch path does; the rotation is float32, rounded
-once. The torch reference is `kernels/fused_reference.py: qk_norm_rope_store`.
+once (and, into an e4m3 pool, then divided by its kv head's scale and rounded to e4m3). The torch reference is `kernels/fused_reference.py: qk_norm_rope_store`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import pdl_args, pdl_begin
+from prefixrt.kernels._common import kv_scale_args, pdl_args, pdl_begin, to_e4m3
 
 
 @triton.jit
@@ -47,12 +47,12 @@ def _norm_rotate(
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    QKV, Cos, Sin, Loc, QNormW, KNormW, QOut, KBuf, VBuf,
+    QKV, Cos, Sin, Loc, QNormW, KNormW, QOut, KBuf, VBuf, KScale, VScale,
     stride_qkv, stride_cos, stride_sin, stride_qo_t, stride_qo_h, stride_kb_n, stride_kb_h,
     stride_vb_n, stride_vb_h, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, GEMMA: tl.constexpr, USE_PDL: tl.constexpr = False,
+    NORM: tl.constexpr, GEMMA: tl.constexpr, USE_PDL: tl.constexpr = False, HAS_KV_SCALE: tl.constexpr = False,
 ):  # fmt: skip
     pdl_begin(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -82,15 +82,23 @@ def _qk_norm_rope_store_kernel(
     k2 = tl.load(k_ptr + HALF, mask=mask_k, other=0.0)
     r1, r2 = _norm_rotate(k1, k2, cos, sin, KNormW, offs_half, mask_half, eps, HEAD_DIM, HALF, NORM, GEMMA)
     kb_ptr = KBuf + slot * stride_kb_n + offs_kh[:, None] * stride_kb_h + offs_half[None, :]
-    tl.store(kb_ptr, r1.to(KBuf.dtype.element_ty), mask=mask_k)
-    tl.store(kb_ptr + HALF, r2.to(KBuf.dtype.element_ty), mask=mask_k)
-
     v_ptr = k_ptr + NUM_KV_HEADS * HEAD_DIM
     vb_ptr = VBuf + slot * stride_vb_n + offs_kh[:, None] * stride_vb_h + offs_half[None, :]
     v1 = tl.load(v_ptr, mask=mask_k, other=0.0)
     v2 = tl.load(v_ptr + HALF, mask=mask_k, other=0.0)
-    tl.store(vb_ptr, v1.to(VBuf.dtype.element_ty), mask=mask_k)
-    tl.store(vb_ptr + HALF, v2.to(VBuf.dtype.element_ty), mask=mask_k)
+    if HAS_KV_SCALE:  # e4m3 pool: K rounded to the model dtype first (as the torch path stores it), then / scale
+        k_scale = tl.load(KScale + offs_kh, mask=offs_kh < NUM_KV_HEADS, other=1.0)[:, None]
+        v_scale = tl.load(VScale + offs_kh, mask=offs_kh < NUM_KV_HEADS, other=1.0)[:, None]
+        dtype = k1.dtype
+        tl.store(kb_ptr, to_e4m3(tl.math.div_rn(r1.to(dtype).to(tl.float32), k_scale)), mask=mask_k)
+        tl.store(kb_ptr + HALF, to_e4m3(tl.math.div_rn(r2.to(dtype).to(tl.float32), k_scale)), mask=mask_k)
+        tl.store(vb_ptr, to_e4m3(tl.math.div_rn(v1.to(tl.float32), v_scale)), mask=mask_k)
+        tl.store(vb_ptr + HALF, to_e4m3(tl.math.div_rn(v2.to(tl.float32), v_scale)), mask=mask_k)
+    else:
+        tl.store(kb_ptr, r1.to(KBuf.dtype.element_ty), mask=mask_k)
+        tl.store(kb_ptr + HALF, r2.to(KBuf.dtype.element_ty), mask=mask_k)
+        tl.store(vb_ptr, v1.to(VBuf.dtype.element_ty), mask=mask_k)
+        tl.store(vb_ptr + HALF, v2.to(VBuf.dtype.element_ty), mask=mask_k)
 
 
 def qk_norm_rope_store(
@@ -107,9 +115,12 @@ def qk_norm_rope_store(
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     gemma_norm: bool = False,
+    k_scale: torch.Tensor | None = None,  # [KVH] fp32: an e4m3 pool's scales; the stored K is K / k_scale
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns the rotated queries [T, H, D] (qkv's dtype); writes the new K (normed, rotated) and V into
-    the pool at out_cache_loc. qkv is not modified."""
+    the pool at out_cache_loc (quantized to e4m3 with the per-kv-head scales when the pool is e4m3). qkv is not
+    modified."""
     num_tokens = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, (H + 2 KVH) * D] for H={num_heads}, "
@@ -120,6 +131,7 @@ def qk_norm_rope_store(
         raise ValueError("k/v buffers and cos/sin need a contiguous last dim")
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    scales = kv_scale_args(k_buffer, k_scale, v_scale)
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q_out
@@ -127,12 +139,12 @@ def qk_norm_rope_store(
     norm = q_norm_weight is not None
     _qk_norm_rope_store_kernel[(num_tokens,)](
         qkv, cos, sin, out_cache_loc, q_norm_weight if norm else cos, k_norm_weight if norm else cos,
-        q_out, k_buffer, v_buffer,
+        q_out, k_buffer, v_buffer, scales.pop("KScale"), scales.pop("VScale"),
         qkv.stride(0), cos.stride(0), sin.stride(0), q_out.stride(0), q_out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), norm_eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, GEMMA=gemma_norm, num_warps=4,
-        **pdl_args(qkv, num_tokens),
+        **pdl_args(qkv, num_tokens), **scales,
     )  # fmt: skip
     return q_out

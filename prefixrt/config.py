@@ -13,6 +13,8 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # its admission. off: loaded at admission; best_effort: prefetched, admitted whether or not the load is done (its
 # first forward waits for it); wait_complete: prefetched, admitted once the load is done (others run meanwhile).
 PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
+QUANTIZATIONS = (None, "fp8")  # quantization: weights as the checkpoint stores them, or FP8 (e4m3) decoder linears
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kv_cache_dtype: the model's dtype, or e4m3 with per-layer/head scales
 # prefix_cache names: the radix tree (cache/radix.py), or the hash-block table of vLLM-style prefix caching
 # (cache/block.py, full blocks of 16 tokens: the baseline of the table-cache ablation).
 PREFIX_CACHES = ("radix", "block")
@@ -24,6 +26,13 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy"
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    # FP8 weights (model/quantize.py): None loads the checkpoint as it is (a pre-quantized FP8 checkpoint as FP8);
+    # "fp8" quantizes a float checkpoint's decoder linears at load (e4m3, per-output-channel scales, activations
+    # quantized per token at run time).
+    quantization: str | None = None
+    # K/V cache storage (cache/kv_pool.py): "auto" (the model's dtype) or "fp8_e4m3" (half the bytes of bf16 a token;
+    # per-layer, per-kv-head scales from the checkpoint or calibrated at start-up, model/kv_calibration.py).
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"  # "auto" | "triton" | "torch"
     kv_cache_tokens: int | None = None
     mem_fraction: float = 0.85
@@ -90,6 +99,12 @@ class EngineConfig:
             bad(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             bad(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            bad(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.tp_size > 1 and (self.quantization or self.kv_cache_dtype != "auto"):
+            bad("FP8 weights and the FP8 K/V cache are not supported with tp_size > 1")
         if self.attention_backend not in ("auto", "triton", "torch"):
             bad(f"attention_backend must be auto/triton/torch, got {self.attention_backend!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2 * self.page_size:

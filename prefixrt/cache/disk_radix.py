@@ -24,6 +24,7 @@ import time
 import torch
 
 from prefixrt.cache.disk_store import DiskKVStore, Fetch
+from prefixrt.cache.kv_pool import byte_view
 from prefixrt.cache.radix import _common_prefix_len
 from prefixrt.cache.tiered_radix import TieredRadixCache, _TNode
 
@@ -172,7 +173,7 @@ class DiskTieredRadixCache(TieredRadixCache):
                 k, v = self.host.read(node.host_slots)
             else:
                 idx = torch.tensor(node.slots, dtype=torch.int64, device=pool.device)
-                k, v = pool.k_all.index_select(1, idx).cpu(), pool.v_all.index_select(1, idx).cpu()
+                k, v = (byte_view(t).index_select(1, idx).cpu().view(t.dtype) for t in (pool.k_all, pool.v_all))
             if self.disk.write(salt, tokens, len(tokens) - len(node.key), k, v, block=True):
                 written += len(node.key)
         self.disk.flush()

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from prefixrt.cache.allocator import AllocatorSizes, PageAllocator
+from prefixrt.cache.kv_pool import byte_view
 
 GIB = 2**30
 
@@ -111,7 +112,7 @@ class HostKVPool(AllocatorSizes):
     def write(self, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V ([num_layers, len(slots), num_kv_heads, head_dim]) into host slots."""
         block = torch.stack((k, v), dim=2).transpose(0, 1).to(self.dtype)  # [n, layers, 2, kvh, d]
-        self.kv.index_copy_(0, torch.tensor(slots, dtype=torch.int64), block)
+        byte_view(self.kv).index_copy_(0, torch.tensor(slots, dtype=torch.int64), byte_view(block))
 
     def poison(self, slots: list[int]) -> None:
         """Debug aid: NaN into freed host slots, so a load of a stale host copy shows up in the output."""

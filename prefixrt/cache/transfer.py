@@ -29,7 +29,7 @@ import torch
 
 from prefixrt.cache.host_lists import int64_tensor
 from prefixrt.cache.host_pool import HostKVPool
-from prefixrt.cache.kv_pool import KVPool
+from prefixrt.cache.kv_pool import KVPool, byte_view
 
 # Device staging for one chunk of a copy (bytes): host runs land here by DMA, then one scatter per K/V puts them
 # into the layer-first pool (a load; a backup gathers first). Larger chunks amortise the scatter; this bounds the
@@ -257,11 +257,11 @@ class KVTransfer:
                 if t.kind == "load":
                     for a, b, off in runs:
                         buf[off: off + b - a].copy_(host.kv[a:b], non_blocking=True)
-                    pool.k_all.index_copy_(1, ids, buf[:, :, 0].transpose(0, 1))
-                    pool.v_all.index_copy_(1, ids, buf[:, :, 1].transpose(0, 1))
+                    byte_view(pool.k_all).index_copy_(1, ids, byte_view(buf[:, :, 0]).transpose(0, 1))
+                    byte_view(pool.v_all).index_copy_(1, ids, byte_view(buf[:, :, 1]).transpose(0, 1))
                 else:
-                    buf[:, :, 0].copy_(pool.k_all.index_select(1, ids).transpose(0, 1))
-                    buf[:, :, 1].copy_(pool.v_all.index_select(1, ids).transpose(0, 1))
+                    byte_view(buf[:, :, 0]).copy_(byte_view(pool.k_all).index_select(1, ids).transpose(0, 1))
+                    byte_view(buf[:, :, 1]).copy_(byte_view(pool.v_all).index_select(1, ids).transpose(0, 1))
                     for a, b, off in runs:
                         host.kv[a:b].copy_(buf[off: off + b - a], non_blocking=True)
             for ev in t.events:  # all layers land together (layer i's mark still means layers 0..i are copied)
@@ -290,12 +290,12 @@ class KVTransfer:
                     if self.delay_s > 0:
                         time.sleep(self.delay_s)
                     if t.kind == "load":
-                        self.pool.k_buffers[layer].index_copy_(0, g, block[:, layer, 0])
-                        self.pool.v_buffers[layer].index_copy_(0, g, block[:, layer, 1])
+                        byte_view(self.pool.k_buffers[layer]).index_copy_(0, g, byte_view(block[:, layer, 0]))
+                        byte_view(self.pool.v_buffers[layer]).index_copy_(0, g, byte_view(block[:, layer, 1]))
                     else:
                         kv = torch.stack((self.pool.k_buffers[layer].index_select(0, g),
                                           self.pool.v_buffers[layer].index_select(0, g)), dim=1)
-                        self.host.kv[:, layer].index_copy_(0, h, kv)
+                        byte_view(self.host.kv[:, layer]).index_copy_(0, h, byte_view(kv))
                     t.seconds = time.perf_counter() - t0
                     t.events[layer].set()
             except BaseException as e:  # never leave a waiter hanging: mark every layer, with the error

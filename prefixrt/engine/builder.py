@@ -16,7 +16,7 @@ import torch
 from prefixrt.cache.allocator import PageAllocator
 from prefixrt.cache.block import BlockCache
 from prefixrt.cache.kv_manager import KVManager
-from prefixrt.cache.kv_pool import KVPool
+from prefixrt.cache.kv_pool import KV_CACHE_DTYPES, KVPool
 from prefixrt.cache.no_reuse import NoReuseCache
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
@@ -100,12 +100,21 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     say = say or (lambda msg: log.info(msg))
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
+    if config.quantization == "fp8":  # (build's loader already did it; an injected model gets it here)
+        from prefixrt.model.quantize import quantize_fp8_weights
+
+        quantize_fp8_weights(model)
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
-    bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
+    bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
     num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
         f"{' per rank' if ranks.size > 1 else ''})")
-    pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, device)
+    pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
+    if pool.quantized:  # before anything is written: the scales are constants of the pool
+        from prefixrt.model.kv_calibration import set_kv_scales
+
+        set_kv_scales(pool, model, tokenizer, say)
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
         cache = make_tiered_cache(config, pool, allocator, device, say, resolved)
@@ -205,7 +214,8 @@ def _vision_parts(config: EngineConfig, model, resolved):
 def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
     """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
     size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
-    digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape."""
+    digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape; with FP8, the
+    K/V scales and the weights' quantization."""
     import hashlib
 
     h = hashlib.sha256()
@@ -216,8 +226,11 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
                 st = f.stat()
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
+    fp8 = f"|scales:{pool.scales_digest()}" if pool.quantized else ""  # FP8 bytes mean K/V under these scales only
+    if config.quantization:  # FP8 weights compute other K/V
+        fp8 += f"|quantization:{config.quantization}"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
-            f"x{pool.head_dim}")
+            f"x{pool.head_dim}{fp8}")
 
 
 def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say,

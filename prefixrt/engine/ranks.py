@@ -37,7 +37,8 @@ class SingleDevice:
     def load_model(self, path, config: EngineConfig, dtype: torch.dtype):
         from prefixrt.hub.loader import load_model
 
-        return load_model(path, load_format=config.load_format, dtype=dtype, device=self.device)
+        return load_model(path, load_format=config.load_format, dtype=dtype, device=self.device,
+                          quantization=config.quantization)
 
     def agree_num_slots(self, num_slots: int) -> int:
         return num_slots

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from prefixrt.hub import fp8_checkpoint
+from prefixrt.hub.fp8_checkpoint import read_fp8_format
 from prefixrt.model.base import CausalLM
 from prefixrt.model.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from prefixrt.model.gemma3_vlm import Gemma3ForConditionalGeneration, Gemma3VLMConfig
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # a tensor-parallel rank's shard only: parallel/ is imported 
     from prefixrt.parallel.layers import TPGroup
 
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = (None, "fp8")
 DUMMY_STD = 0.02  # small enough that activations stay finite through any depth
 
 
@@ -242,6 +245,17 @@ def _generation_eos_ids(path: Path) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
+def checkpoint_tensor_names(files: list[Path]) -> list[str]:
+    """Our names of the text-model tensors in the given safetensors files (their headers only are read)."""
+    from safetensors import safe_open
+
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.extend(n for n in map(checkpoint_name, f.keys()) if n is not None)
+    return names
+
+
 def load_model(
     path: str | Path,
     *,
@@ -250,27 +264,50 @@ def load_model(
     device: torch.device | str = "cpu",
     tp: TPGroup | None = None,
     spec: ModelSpec | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Load a model from a local transformers folder.
 
     load_format "auto" reads the safetensors weights (single file or sharded); "dummy" needs only
     config.json and fills random weights (see init_dummy_weights). tp: this rank's shard only (each checkpoint
     tensor is sliced as it is read). spec: the folder's ModelSpec when the caller has it (config.json is then not
-    read through transformers). Returns the model in eval mode.
+    read through transformers). quantization: None loads the weights as the checkpoint stores them (a pre-quantized
+    FP8 checkpoint, hub/fp8_checkpoint.py, as FP8); "fp8" gives the decoder linears FP8 weights either way (a float
+    checkpoint, or dummy weights, quantized at load per output channel: model/quantize.py). K/V cache scales an FP8
+    checkpoint carries end up in `model.kv_cache_scales`. Returns the model in eval mode.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
     extra_eos = _generation_eos_ids(path)
+    fp8_format = read_fp8_format(path) if load_format != "dummy" else None
+    if (fp8_format is not None or quantization) and tp is not None and tp.size > 1:
+        raise NotImplementedError("FP8 weights are not supported with tensor parallelism")
     model = _instantiate(spec or read_model_spec(path), dtype=dtype, device=device, extra_eos_ids=extra_eos, tp=tp)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
+        files = checkpoint_files(path)
+        weights = iter_checkpoint(files, getattr(model, "vision", None) is not None)
+        if fp8_format is not None:
+            from prefixrt.model.quantize import merged_module_of, prepare_fp8_linears
+
+            names = fp8_checkpoint.fp8_module_names(checkpoint_tensor_names(files), merged_module_of(model))
+            prepare_fp8_linears(model, names, fp8_format.block_scales)
+            kv_scales = fp8_checkpoint.KVScaleCollector()
+            weights = fp8_checkpoint.translate(weights, kv_scales)
         with torch.no_grad():
-            vision = getattr(model, "vision", None) is not None
-            model.load_weights(iter_checkpoint(checkpoint_files(path), vision))
+            model.load_weights(weights)
+        if fp8_format is not None:
+            model.kv_cache_scales = kv_scales.stacked(model.num_layers, model.num_kv_heads)
+    if quantization == "fp8":
+        from prefixrt.model.quantize import quantize_fp8_weights
+
+        quantize_fp8_weights(model)  # (a pre-quantized checkpoint's linears are left as loaded)
     return model
 
 

@@ -35,6 +35,9 @@ class CausalLM(nn.Module, ABC):
     """
 
     attention_layers: list[AttentionLayer]
+    # (k_scales, v_scales) [num_layers, num_kv_heads] float32 when the checkpoint carries FP8 K/V cache scales (set by
+    # the loader, hub/fp8_checkpoint.py), else None
+    kv_cache_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(
         self, *, vocab_size: int, max_context: int, eos_token_ids: Iterable[int], tie_word_embeddings: bool
@@ -106,20 +109,22 @@ class CausalLM(nn.Module, ABC):
         modules = dict(self.named_modules())
         for name, param in self.named_parameters():
             mod_name = name.rsplit(".", 1)[0] if "." in name else ""
-            targets[name] = (param, 0, param.shape[0], modules[mod_name], None)
+            module = modules[mod_name]
+            rows = module.out_features if name.endswith(".weight_scale") else param.shape[0]  # (block scales: rows)
+            targets[name] = (param, 0, rows, module, None)
         for mod_name, module in modules.items():
             if not isinstance(module, MergedLinear):
                 continue
             parent = mod_name.rsplit(".", 1)[0] if "." in mod_name else ""
             for shard in module.shard_names:
                 offset, size = module.shard_slice(shard)
-                for kind in ("weight", "bias"):
+                for kind in ("weight", "bias", "weight_scale"):
                     param = getattr(module, kind)
                     if param is not None:
                         shard_name = f"{parent}.{shard}.{kind}" if parent else f"{shard}.{kind}"
                         targets[shard_name] = (param, offset, size, module, shard)
-                targets.pop(f"{mod_name}.weight", None)
-                targets.pop(f"{mod_name}.bias", None)
+                for kind in ("weight", "bias", "weight_scale"):
+                    targets.pop(f"{mod_name}.{kind}", None)
 
         filled: dict[str, int] = {}  # checkpoint name -> times filled
         unexpected: list[str] = []
@@ -129,10 +134,15 @@ class CausalLM(nn.Module, ABC):
                     unexpected.append(name)
                 continue
             param, offset, size, module, shard = targets[name]
+            kind = name.rsplit(".", 1)[1]
             load_part = getattr(module, "load_part", None)
             if load_part is not None:
-                tensor = load_part(name.rsplit(".", 1)[1], tensor, shard)
-            dest = param.data.narrow(0, offset, size)
+                tensor = load_part(kind, tensor, shard)
+            checkpoint_slice = getattr(module, "checkpoint_slice", None)  # (layers.Linear: FP8 scale layouts)
+            if checkpoint_slice is not None:
+                dest, tensor = checkpoint_slice(kind, param, offset, size, tensor)
+            else:
+                dest = param.data.narrow(0, offset, size)
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}")

@@ -25,8 +25,10 @@ from torch import nn
 
 from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
 from prefixrt.model.forward_batch import ForwardBatch
+from prefixrt.model.fp8_linear import MEASURED_ROWS, expand_plan, fp8_linear, fp8_plan_for
 
 if TYPE_CHECKING:
+    from prefixrt.kernels.fp8_gemm import Fp8GemmConfig
     from prefixrt.kernels.gemv import GemvConfig
 
 MAX_GEMV_ROWS = 64  # = prefixrt.kernels.gemv.MAX_M
@@ -217,10 +219,12 @@ def rope_and_attend(
     h, kvh, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
     if fused:
         k_buffer, v_buffer = attn.kv_buffers(layer)
+        k_scale, v_scale = attn.kv_scales(layer)
         norm = {} if q_norm is None else dict(
             q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps, gemma_norm=q_norm.gemma
         )
-        q = _kernels().qk_norm_rope_store(qkv, cos, sin, batch.out_cache_loc, k_buffer, v_buffer, h, kvh, d, **norm)
+        q = _kernels().qk_norm_rope_store(qkv, cos, sin, batch.out_cache_loc, k_buffer, v_buffer, h, kvh, d, **norm,
+                                          k_scale=k_scale, v_scale=v_scale)
         return attn.forward(q.view(num_tokens, h * d), None, None, layer, batch)
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
     q = q.view(num_tokens, h, d)  # [T, h, d]
@@ -246,17 +250,44 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class Linear(nn.Linear):
     """nn.Linear that runs small batches (at most MAX_GEMV_ROWS rows) on the Triton GEMV when use_fused_kernels
-    planned a configuration for that row count (`gemv_plan[rows]`); cuBLAS otherwise."""
+    planned a configuration for that row count (`gemv_plan[rows]`); cuBLAS otherwise.
+
+    With FP8 weights (model/quantize.py sets them): `weight` is e4m3 and `weight_scale` holds its scales (per output
+    channel [N], or [ceil(N / 128), ceil(K / 128)] blocks); model/fp8_linear.py computes, `fp8_plan` choosing the
+    kernel per row count."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv_plan: dict[int, GemvConfig] = {}  # rows -> config; a missing row count runs cuBLAS
+        self.register_parameter("weight_scale", None)  # set with FP8 weights
+        self.fp8_plan: dict[int, Fp8GemmConfig] = {}  # rows -> Triton FP8 layout (fp8_linear.fp8_plan_for)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_plan)
         config = self.gemv_plan.get(x.shape[0]) if x.dim() == 2 else None
         if config is not None:
             return _kernels().gemv(x, self.weight, self.bias, config)
         return F.linear(x, self.weight, self.bias)
+
+    def checkpoint_slice(self, kind: str, param: torch.Tensor, offset: int, size: int, tensor: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(destination view of `param`, checkpoint tensor shaped to fit it) for rows [offset, offset + size) of this
+        linear's output (a MergedLinear shard, or the whole). FP8 weight scales arrive per channel ([size] or [size,
+        1]), per tensor (one value, spread over the rows) or per 128 x 128 block (rows of blocks)."""
+        if kind != "weight_scale":
+            return param.data.narrow(0, offset, size), tensor
+        tensor = tensor.float()
+        if param.dim() == 2:  # block-wise: [N / 128, K / 128]
+            from prefixrt.kernels.fp8_reference import SCALE_BLOCK
+
+            if offset % SCALE_BLOCK or (size % SCALE_BLOCK and offset + size != self.out_features):
+                raise ValueError(f"block-wise FP8 scales need shards of whole {SCALE_BLOCK}-row blocks; a shard "
+                                 f"covers rows [{offset}, {offset + size})")
+            return param.data.narrow(0, offset // SCALE_BLOCK, -(-size // SCALE_BLOCK)), tensor
+        if tensor.numel() == 1:
+            tensor = tensor.reshape(1).expand(size)
+        return param.data.narrow(0, offset, size), tensor.reshape(-1)
 
     def forward_gated(self, gate_up: torch.Tensor, config: GemvConfig, act: str) -> torch.Tensor:
         """self(act(gate) * up) on the GEMV with the gated activation fused in (GatedMLP's small batches).
@@ -321,7 +352,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.fused and self.fused_act is not None:
+        if self.fused and self.fused_act is not None:  # (down_act_plan is empty with FP8 weights)
             config = self.down_act_plan.get(gate_up.shape[0])
             if config is not None:
                 return self.down_proj.forward_gated(gate_up, config, self.fused_act)
@@ -333,7 +364,6 @@ class GatedMLP(nn.Module):
 # ------------------------------------------------------------------------------------- fused kernels
 
 _GEMV_CHOICES: dict[tuple, tuple] = {}  # (n, k, rows, act, dtype, device name) -> (choice, timings)
-MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; others use the next measured one up
 
 
 def _table_choice(n: int, k: int, rows: int, act: str | None, dtype: torch.dtype, gpu: str):
@@ -395,12 +425,7 @@ def gemv_plan_for(weight: torch.Tensor, gemv: str, act: str | None = None, prefe
         from prefixrt.kernels._common import PDL_MAX_ROWS
 
         measured = gemv_fallback(measured, PDL_MAX_ROWS)
-    plan = {}
-    for rows in range(1, MAX_GEMV_ROWS + 1):
-        config = measured[next(m for m in MEASURED_ROWS if m >= rows)]
-        if config is not None:
-            plan[rows] = config
-    return plan
+    return expand_plan(measured, MAX_GEMV_ROWS)
 
 
 def gemv_fallback(measured: dict[int, GemvConfig | None], max_rows: int = MAX_GEMV_ROWS
@@ -424,7 +449,8 @@ def gemv_fallback(measured: dict[int, GemvConfig | None], max_rows: int = MAX_GE
 
 def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table", pdl: bool = False) -> None:
     """Switch every norm, MLP, attention block and linear of `model` to the Triton kernels (enabled) or
-    back to the torch reference path. gemv: see gemv_plan_for. pdl: launch the kernels with programmatic
+    back to the torch reference path. gemv: see gemv_plan_for (FP8 linears: fp8_linear.fp8_plan_for, "table",
+    "measure", "always" or "never" alike). pdl: launch the kernels with programmatic
     dependent launch (kernels/_common.py; process-wide) and run the GEMV for every row count of a shape the
     table knows (a cuBLAS launch would end each overlap). Mutates the modules' `fused` flags and GEMV plans
     only; weights are untouched. Call before capturing CUDA graphs: the plans are part of them."""
@@ -435,6 +461,11 @@ def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table
             module.fused = enabled
         if isinstance(module, GatedMLP):
             act = module.fused_act
-            module.down_act_plan = gemv_plan_for(module.down_proj.weight, gemv, act) if enabled and act else {}
-        if isinstance(module, Linear):
+            bf16_down = module.down_proj.weight_scale is None
+            module.down_act_plan = (gemv_plan_for(module.down_proj.weight, gemv, act)
+                                    if enabled and act and bf16_down else {})
+        if isinstance(module, Linear) and module.weight_scale is not None:
+            module.gemv_plan = {}
+            module.fp8_plan = fp8_plan_for(module.weight, module.weight_scale, gemv) if enabled else {}
+        elif isinstance(module, Linear):
             module.gemv_plan = gemv_plan_for(module.weight, gemv, prefer_gemv=pdl) if enabled else {}

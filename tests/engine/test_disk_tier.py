@@ -59,18 +59,21 @@ def _disk(tmp_path, **kw):
             "chunked_prefill_tokens": 32, **kw}
 
 
-def _reference(engines, prompts):
-    ref = engines(radix_cache=False, kv_cache_tokens=1024)
+def _reference(engines, prompts, **kw):
+    ref = engines(radix_cache=False, kv_cache_tokens=1024, **kw)
     return [c.token_ids for c in ref.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("policy, page_size", [("write_through", 1), ("write_back", 1), ("write_back", 16)])
-def test_restart_comes_up_warm_and_equals_no_disk_run(policy, page_size, engines, tmp_path):
+@pytest.mark.parametrize("policy, page_size, kv_dtype", [("write_through", 1, "auto"), ("write_back", 1, "auto"),
+                                                         ("write_back", 16, "auto"), ("write_back", 1, "fp8_e4m3")])
+def test_restart_comes_up_warm_and_equals_no_disk_run(policy, page_size, kv_dtype, engines, tmp_path):
+    """(fp8_e4m3: the e4m3 bytes go to disk and come back as they are, under the same calibrated scales.)"""
     prefixes = _prompts(1)
     suffix = [7, 8, 9]
-    want = _reference(engines, [p + suffix for p in prefixes] + prefixes + [p + [10, 11] for p in prefixes])
+    want = _reference(engines, [p + suffix for p in prefixes] + prefixes + [p + [10, 11] for p in prefixes],
+                      kv_cache_dtype=kv_dtype)
     # Race mode: every copy delayed, freed slots poisoned (debug), so a lifetime mistake changes the output.
-    race = {"host_kv_debug_delay_s": 0.0005, "page_size": page_size}
+    race = {"host_kv_debug_delay_s": 0.0005, "page_size": page_size, "kv_cache_dtype": kv_dtype}
     hit = 41 // page_size * page_size
     eng = engines(host_kv_write_policy=policy, **race, **_disk(tmp_path))
     # One by one: each 41-token prompt pushes the earlier ones out of the 96-token pool and the 64-token host

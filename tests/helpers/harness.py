@@ -29,11 +29,17 @@ class PagedHarness:
         max_context: int = 128,
         seed: int = 0,
         device: torch.device | str = "cpu",
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
-        dtype = next(model.parameters()).dtype
+        """kv_dtype: the pool's storage dtype (default: the model's); an FP8 pool takes kv_scales ([layers, kv
+        heads] each)."""
+        dtype = kv_dtype or next(p.dtype for p in model.parameters() if p.dtype.itemsize > 1)
         self.device = torch.device(device)
         self.model = model
         self.pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, self.device)
+        if kv_scales is not None:
+            self.pool.set_scales(*kv_scales, source="given")
         self.runner = ModelRunner(model, self.pool, TorchAttentionBackend(self.pool))
         self.req_to_token = torch.zeros(max_rows, max_context, dtype=torch.int32, device=self.device)
         self.free_slots = list(range(1, num_slots))  # slot 0 is the padding slot
@@ -95,10 +101,11 @@ class PagedHarness:
         return best_row, best_len
 
     def generate_greedy(
-        self, prompts: list[list[int]], max_new_tokens: int, prefill_batch: int = 3
+        self, prompts: list[list[int]], max_new_tokens: int, prefill_batch: int = 3, stop_at_eos: bool = True
     ) -> list[list[int]]:
         """Greedy decoding: prompts prefilled prefill_batch at a time (reusing prefixes cached by earlier
-        forwards), then all sequences decoded together. Stops a sequence at an eos token."""
+        forwards), then all sequences decoded together. Stops a sequence at an eos token (unless not
+        stop_at_eos)."""
         rows, pending = [], []  # pending: first generated token of each row
         for start in range(0, len(prompts), prefill_batch):
             work = []
@@ -110,7 +117,7 @@ class PagedHarness:
             for logits in self.forward(work, all_logits=False):
                 pending.append(int(logits[-1].argmax()))
         outputs: list[list[int]] = [[t] for t in pending]
-        eos = set(self.model.eos_token_ids)
+        eos = set(self.model.eos_token_ids) if stop_at_eos else set()
         for _ in range(max_new_tokens - 1):
             live = [i for i, out in enumerate(outputs) if out[-1] not in eos]
             if not live:

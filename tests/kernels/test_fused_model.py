@@ -29,10 +29,11 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run_steps(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def run_steps(model, **kv) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prefill A, then B reusing A's first 4 tokens plus a fresh C (one ragged extend of 10 tokens: every
-    linear sees <= 16 rows, so the GEMV runs), then one decode step of all three. -> (logits, K pool)."""
-    harness = PagedHarness(model, num_slots=128, max_rows=4, max_context=32, device=DEVICE)
+    linear sees <= 16 rows, so the GEMV runs), then one decode step of all three. -> (logits, K pool).
+    kv: PagedHarness's kv_dtype / kv_scales (an FP8 pool)."""
+    harness = PagedHarness(model, num_slots=128, max_rows=4, max_context=32, device=DEVICE, **kv)
     harness.runner.attn_backend = TritonAttentionBackend(harness.pool, max_batch_size=4, num_sms=8)
     out = []
     row_a = harness.new_row()
@@ -96,3 +97,29 @@ def test_fused_path_without_gemv_keeps_cublas_linears(tmp_path):
         got, _ = run_steps(model)
     for g, e in zip(got, expected):
         assert rel_err(g, e) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_fused_path_fp8_weights_and_kv_matches_reference(arch, tmp_path):
+    """FP8 weights (Triton FP8 GEMM for every row count, input quantized inside it) and an FP8 K/V pool (the fused
+    RoPE store quantizing into it) against the reference path (dequantize-then-fp32 linears, the pool's torch
+    quantization): the same computation, so logits agree closely; a K/V value may round one e4m3 step the other way
+    where the two paths' float rounding differs, rarely."""
+    from prefixrt.model.kv_calibration import calibrate_kv_scales
+
+    save_tiny_checkpoint(arch, tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device=DEVICE, quantization="fp8")
+    kv = {"kv_dtype": torch.float8_e4m3fn, "kv_scales": calibrate_kv_scales(model, tokens(40, 9), DEVICE)}
+    with torch.inference_mode():
+        expected, expected_k = run_steps(model, **kv)
+        use_fused_kernels(model, gemv="always")
+        fp8 = [m for m in model.modules() if isinstance(m, Linear) and m.weight_scale is not None]
+        assert len(fp8) == 4 * model.num_layers and all(m.fp8_plan and not m.gemv_plan for m in fp8)
+        assert not any(m.down_act_plan for m in model.modules() if isinstance(m, GatedMLP))
+        got, got_k = run_steps(model, **kv)
+    for g, e in zip(got, expected):
+        assert rel_err(g, e) < 1e-3
+    for g, e in zip(got_k, expected_k):
+        assert g.dtype == torch.float8_e4m3fn
+        assert (g.view(torch.uint8) != e.view(torch.uint8)).float().mean() < 0.01
+        assert rel_err(g.float(), e.float()) < 1e-2

@@ -38,7 +38,10 @@ log = logging.getLogger("prefixrt")
 # Relative tolerance per pool dtype. fp32: the same tokens recomputed with other chunking differ by ~1e-6
 # relative; half types round every K/V to 8 (bf16) or 11 (fp16) bits. A corrupted slot (stale, NaN, another
 # token's K/V) differs by O(1).
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 6e-2, torch.float16: 1e-2,
+             # e4m3 codes: a recomputation rounding the other way moves a value by one e4m3 step, at most 32/448 of
+             # the largest magnitude (a step in the top binade)
+             torch.float8_e4m3fn: 0.08}
 
 
 @dataclass

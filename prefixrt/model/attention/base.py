@@ -64,3 +64,8 @@ class AttentionBackend(ABC):
         backend reads: for a caller that stores the new K/V itself and then calls forward(q, None, None)."""
         pool = self.pool  # every backend holds its pool as self.pool
         return pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+
+    def kv_scales(self, layer: AttentionLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(k_scale, v_scale) [num_kv_heads] float32 of this layer when the pool stores e4m3 K/V (a caller storing
+        K/V itself quantizes with them), else (None, None)."""
+        return self.pool.kv_scales(layer.layer_id)

@@ -1,7 +1,8 @@
 """TorchAttentionBackend: the reference attention over the paged KV pool, in plain torch (CPU and CUDA).
 
 Slow by design (a Python loop over sequences, dense scores per sequence) and simple enough to trust:
-faster backends are tested against it. Scores, softmax and the weighted sum run in float32.
+faster backends are tested against it. Scores, softmax and the weighted sum run in float32, over the K/V as the
+pool returns them (an FP8 pool's dequantized: the CPU reference of the FP8 KV cache).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class TorchAttentionBackend(AttentionBackend):
         if k is not None:  # None: already stored by the caller (fused RoPE + K/V store)
             self.pool.write(layer.layer_id, batch.out_cache_loc, k.view(num_tokens, kvh, d), v.view(num_tokens, kvh, d))
 
-        k_all = self.pool.k_buffers[layer.layer_id][plan.kv_slots]  # [sum(S), kvh, d], includes the new tokens
-        v_all = self.pool.v_buffers[layer.layer_id][plan.kv_slots]
+        # [sum(S), kvh, d] float32 (dequantized in an FP8 pool), includes the new tokens as the pool stores them
+        k_all, v_all = self.pool.read(layer.layer_id, plan.kv_slots)
         q = q.view(num_tokens, kvh, group, d)  # query head j*group+g uses kv head j (transformers' repeat_kv)
         out = torch.empty(num_tokens, h * d, dtype=q.dtype, device=q.device)
         for i, (extend_len, seq_len) in enumerate(zip(batch.extend_lens_cpu, batch.seq_lens_cpu)):
@@ -91,8 +92,8 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             qs, ks = plan.q_starts[i], plan.kv_starts[i]
             qi = q[qs : qs + extend_len].float().permute(1, 2, 0, 3)  # [kvh, group, E, d]
-            ki = k_all[ks : ks + seq_len].float().permute(1, 0, 2)[:, None]  # [kvh, 1, S, d]
-            vi = v_all[ks : ks + seq_len].float().permute(1, 0, 2)[:, None]  # [kvh, 1, S, d]
+            ki = k_all[ks : ks + seq_len].permute(1, 0, 2)[:, None]  # [kvh, 1, S, d]
+            vi = v_all[ks : ks + seq_len].permute(1, 0, 2)[:, None]  # [kvh, 1, S, d]
             scores = (qi @ ki.transpose(-1, -2)) * layer.scaling  # [kvh, group, E, S]
             if layer.logit_softcap is not None:
                 scores = torch.tanh(scores / layer.logit_softcap) * layer.logit_softcap

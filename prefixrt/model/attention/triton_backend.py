@@ -168,31 +168,35 @@ class TritonAttentionBackend(AttentionBackend):
             self.pool.write(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer = self.pool.k_buffers[layer.layer_id]  # [num_slots, KVH, D]
         v_buffer = self.pool.v_buffers[layer.layer_id]
-        if q.dtype != k_buffer.dtype:
+        if q.dtype != k_buffer.dtype and not self.pool.quantized:
             raise ValueError(f"query dtype {q.dtype} differs from the KV pool's {k_buffer.dtype}")
+        k_scale, v_scale = self.pool.kv_scales(layer.layer_id)  # [KVH] each for an FP8 pool, else None
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         o = torch.empty_like(q)  # o: [T, H, D]
         common = (k_buffer, v_buffer, batch.req_to_token, batch.req_pool_indices)
         if batch.mode is ForwardMode.EXTEND:
             plan = batch.extend_plan
-            contiguous = self.contiguous_extend_kv and k is not None and (plan is None or plan.num_splits == 1)
+            # (an FP8 pool is read from the pool only: the new tokens must be seen as quantized, as later reads see them)
+            contiguous = (self.contiguous_extend_kv and k is not None and (plan is None or plan.num_splits == 1)
+                          and not self.pool.quantized)
             extend_attention(
                 q, o, *common, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
                 self._max_extend_len, layer.scaling, layer.sliding_window, layer.logit_softcap,
                 k_extend=k.to(k_buffer.dtype) if contiguous else None,
                 v_extend=v.to(v_buffer.dtype) if contiguous else None,
-                **self._extend_map_args(batch), page_size=self.page_size,
+                **self._extend_map_args(batch), page_size=self.page_size, **scales,
             )  # fmt: skip
         elif self.cascade_plan is not None and layer.sliding_window is None:
             mid_o, mid_lse = self.workspace(num_heads, head_dim)
             cascade_decode_attention(
                 q, o, *common, batch.seq_lens, layer.scaling, self.cascade_plan, layer.logit_softcap,
                 num_prefix_splits=self._num_prefix_splits, num_suffix_splits=self._num_suffix_splits,
-                mid_o=mid_o, mid_lse=mid_lse, page_size=self.page_size,
+                mid_o=mid_o, mid_lse=mid_lse, page_size=self.page_size, **scales,
             )  # fmt: skip
         else:
             mid_o, mid_lse = self.workspace(num_heads, head_dim)
             decode_attention(
                 q, o, *common, batch.seq_lens, layer.scaling, layer.sliding_window, layer.logit_softcap,
-                num_kv_splits=self._num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, page_size=self.page_size,
+                num_kv_splits=self._num_kv_splits, mid_o=mid_o, mid_lse=mid_lse, page_size=self.page_size, **scales,
             )  # fmt: skip
         return o.view(num_tokens, num_heads * head_dim)

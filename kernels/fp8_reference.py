@@ -1,0 +1,113 @@
+"""Plain torch references of the FP8 (e4m3) linear kernels (kernels/fp8_gemm.py): quantize, dequantize, multiply
+in float32. They are the oracle of the kernel tests and the path a model with FP8 weights runs on the CPU.
+
+The scheme (the one every FP8 path here computes):
+- weights: e4m3 with one float32 scale per output channel (row of W, `w_scale` [N]; quantize_weight picks it) or
+  per 128 x 128 block
+  (`w_scale` [ceil(N / 128), ceil(K / 128)], DeepSeek-style checkpoints); W ~= W_q * scale;
+- activations: quantized per token (row of x) at run time, scale = amax(|row|) / 448;
+- y = (x_q * x_scale) @ (W_q * w_scale)^T + bias, accumulated in float32, rounded once to x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_AMAX = 1e-12  # a row of zeros gets this amax (its scale stays finite, its values 0)
+SCALE_BLOCK = 128  # block-wise weight scales cover SCALE_BLOCK x SCALE_BLOCK tiles of W
+
+
+def _per_max(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, correctly rounded on every device (the kernels' div_rn): CUDA torch divides by a Python scalar as a
+    multiplication by its rounded reciprocal, which is one ulp off for some values, and so a few quantized bytes."""
+    return amax / torch.full_like(amax, FP8_MAX)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization of x [M, K] (a float dtype): (x_q [M, K] e4m3, scale [M] float32), x ~= x_q * scale.
+    Used for activations (per token) and for weights at load (per output channel). Out-of-range values cannot occur
+    (the scale comes from the row's own amax); the clamp only guards the rounding of the largest value."""
+    x32 = x.float()
+    scale = _per_max(x32.abs().amax(dim=-1).clamp_min(MIN_AMAX))  # [M]
+    return (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_weight(w: torch.Tensor, steps: int = 32, chunk_elements: int = 1 << 24
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-output-channel e4m3 quantization of a weight W [N, K] with the scale of least squared error: (W_q, scale [N]).
+
+    e4m3 keeps 3 mantissa bits, so a value's rounding error depends on where it falls inside its power-of-two
+    interval, and that moves with the scale. Scales amax * c / 448 for c in [1, 2) (c >= 1 keeps the largest value
+    representable; c = 2 would repeat c = 1 one interval down) are tried in `steps` steps and each row keeps the one
+    whose dequantized row is closest to W (never worse than amax / 448, c = 1, which is among them; the perplexity
+    cost on the embedded models is in docs/benchmarks.md, "FP8"). Rows are processed chunk_elements at a time."""
+    n, k = w.shape
+    w_q = torch.empty(n, k, dtype=FP8, device=w.device)
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    rows = max(1, chunk_elements // max(k, 1))
+    for r0 in range(0, n, rows):
+        w32 = w[r0 : r0 + rows].float()
+        amax = w32.abs().amax(dim=-1).clamp_min(MIN_AMAX)
+        best_scale, best_err = None, None
+        for i in range(steps):
+            s = _per_max(amax * (1.0 + i / steps))
+            err = ((w32 / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s[:, None] - w32).square().sum(-1)
+            if best_scale is None:
+                best_scale, best_err = s, err
+            else:
+                better = err < best_err
+                best_scale = torch.where(better, s, best_scale)
+                best_err = torch.where(better, err, best_err)
+        scale[r0 : r0 + rows] = best_scale
+        w_q[r0 : r0 + rows] = (w32 / best_scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return w_q, scale
+
+
+def quantize_blocks(w: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-wise e4m3 quantization of W [N, K]: (W_q, scale [ceil(N / block), ceil(K / block)] float32)."""
+    n, k = w.shape
+    w32 = w.float()
+    padded = torch.zeros(-(-n // block) * block, -(-k // block) * block, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w32
+    tiles = padded.view(padded.shape[0] // block, block, padded.shape[1] // block, block)
+    scale = _per_max(tiles.abs().amax(dim=(1, 3)).clamp_min(MIN_AMAX))  # [N / block, K / block]
+    return (w32 / expand_block_scales(scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def expand_block_scales(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Block scales [ceil(N / b), ceil(K / b)] -> one scale per element [N, K] (b = SCALE_BLOCK)."""
+    return scale.repeat_interleave(SCALE_BLOCK, 0)[:n].repeat_interleave(SCALE_BLOCK, 1)[:, :k]
+
+
+def dequantize_weight(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """W_q [N, K] e4m3 and its scales (per channel [N], or block-wise 2-d) -> W [N, K] float32."""
+    if w_scale.dim() == 2:
+        return w_q.float() * expand_block_scales(w_scale.float(), *w_q.shape)
+    return w_q.float() * w_scale.float()[:, None]
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> [M, N] in x's dtype: x quantized per token, then dequantize-and-multiply in float32."""
+    x_q, x_scale = quantize_rows(x)
+    y = (x_q.float() * x_scale[:, None]) @ dequantize_weight(w_q, w_scale).T  # [M, N] float32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_matmul_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """The product of an already quantized x_q [M, K] (scales [M]) with W_q: what fp8_gemm computes for fp8 x."""
+    y = (x_q.float() * x_scale.float()[:, None]) @ dequantize_weight(w_q, w_scale).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """K or V [T, KVH, D] (any float dtype) -> e4m3 with one scale per kv head ([KVH]): round(x / scale), saturating.
+    What an e4m3 KV pool stores (cache/kv_pool.py computes the same)."""
+    return (x.float() / scale.float()[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)

@@ -1,0 +1,79 @@
+"""FP8 weights as a transform of a built model (the model classes know nothing about quantization).
+
+- `quantize_fp8_weights(model)`: a loaded float model -> e4m3 weights with one scale per output channel, in place
+  (`quantization="fp8"` on a bf16/fp32 checkpoint, or dummy weights).
+- `prepare_fp8_linears(model, names, block_scales)`: before loading a pre-quantized checkpoint, give the linears the
+  checkpoint holds in FP8 their e4m3 weight and scale parameters, so `load_weights` fills them directly
+  (hub/fp8_checkpoint.py reads the checkpoint formats).
+
+Which linears: those of the decoder layers (q/k/v, o, gate/up, down). The LM head stays in the model dtype (it is
+tied to the embedding in many models, and checkpoints keep it unquantized). Embeddings and norms are untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from prefixrt.model.fp8_linear import FP8_WEIGHT_DTYPE
+from prefixrt.model.layers import Linear, MergedLinear
+
+
+def fp8_linears(model: nn.Module) -> dict[str, Linear]:
+    """name -> the linears FP8 applies to: every Linear inside `model.model.layers` (not the LM head)."""
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, Linear) and ".layers." in f".{name}"}
+
+
+@torch.no_grad()
+def quantize_fp8_weights(model: nn.Module) -> int:
+    """Quantize every linear of fp8_linears to e4m3 with per-output-channel scales (weight_scale [N] float32, the scale
+    of least squared error per channel: kernels/fp8_reference.quantize_weight), on the weights' device, one layer at a
+    time. Returns the number of linears quantized; already quantized ones are left
+    as they are. Mutates the modules' parameters (the float weights are released)."""
+    from prefixrt.kernels.fp8_reference import quantize_weight
+
+    count = 0
+    for module in fp8_linears(model).values():
+        if module.weight_scale is not None:
+            continue
+        w_q, scale = quantize_weight(module.weight.data)
+        module.weight = nn.Parameter(w_q, requires_grad=False)
+        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+        count += 1
+    if count and torch.cuda.is_initialized():
+        # hand the float weights' memory back to the device: the KV pool is sized from the free memory, which
+        # memory held by the caching allocator does not count (an 8B model: ~7.5 GB more for K/V)
+        torch.cuda.empty_cache()
+    return count
+
+
+def prepare_fp8_linears(model: nn.Module, names: set[str], block_scales: bool) -> None:
+    """Give the linears named (our module names, e.g. 'model.layers.0.self_attn.qkv_proj') empty e4m3 weights and
+    float32 scales ([N], or [ceil(N / 128), ceil(K / 128)] with block_scales) on their weights' device, for a
+    pre-quantized checkpoint to be loaded into. Raises ValueError for a name that is not an FP8-capable linear."""
+    from prefixrt.kernels.fp8_reference import SCALE_BLOCK
+
+    linears = fp8_linears(model)
+    unknown = sorted(names - set(linears))
+    if unknown:
+        raise ValueError(f"the checkpoint holds FP8 weights for modules that cannot take them here: {unknown[:5]}")
+    for name in sorted(names):
+        module = linears[name]
+        n, k = module.out_features, module.in_features
+        device = module.weight.device
+        module.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_WEIGHT_DTYPE, device=device), requires_grad=False)
+        shape = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK)) if block_scales else (n,)
+        module.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
+
+
+def merged_module_of(model: nn.Module) -> dict[str, str]:
+    """Checkpoint module name (e.g. 'model.layers.0.self_attn.q_proj') -> our module name ('...self_attn.qkv_proj')
+    for the shards of every MergedLinear; other linears keep their names."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            for shard in module.shard_names:
+                out[f"{parent}.{shard}" if parent else shard] = name
+    return out

