@@ -22,6 +22,7 @@ from prefixrt.engine.process.messages import (
     HEARTBEAT_S,
     Abort,
     Add,
+    Batch,
     Beat,
     Bye,
     Call,
@@ -125,6 +126,8 @@ class EngineProcessServer:
                 if isinstance(msg, Shutdown):
                     break
                 self.handle(msg)
+        except _ShutdownRequested:
+            pass
         except (EOFError, OSError):
             pass  # the server process is gone
         finally:
@@ -145,7 +148,17 @@ class EngineProcessServer:
                 return
 
     def handle(self, msg) -> None:
-        if isinstance(msg, Add):
+        if isinstance(msg, Batch):
+            for part in msg.parts:
+                try:
+                    inner = pickle.loads(part)
+                except Exception:
+                    log.exception("engine process: a message of a batch cannot be unpickled")
+                    continue
+                if isinstance(inner, Shutdown):
+                    raise _ShutdownRequested()
+                self.handle(inner)
+        elif isinstance(msg, Add):
             if msg.call_id is None:
                 self.add(msg)
             else:  # a constraint to compile: off the receiving thread
@@ -198,6 +211,10 @@ class EngineProcessServer:
         if self.metrics is None:
             raise RuntimeError("metrics need prometheus-client (pip install 'prefixrt[server]')")
         return self.metrics.render()
+
+
+class _ShutdownRequested(Exception):
+    """A Shutdown inside a Batch: ends the receiving loop as a Shutdown on its own does."""
 
 
 def _metrics_for(engine):
