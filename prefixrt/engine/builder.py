@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -98,6 +99,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     say = say or (lambda msg: log.info(msg))
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
+    compile_dir = start_compile_log(config, model, device, dtype, say)
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
     num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
@@ -158,6 +160,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         startup["capture_s"] = time.perf_counter() - t
         for line in startup["graphs"]:
             say(line)
+    if device.type == "cuda":
+        startup["compile"] = compile_report(compile_dir, say)
     eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
                  | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
@@ -182,6 +186,32 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
     )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks)
+
+
+def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path | None:
+    """CUDA: point Triton's disk cache at config.compile_cache_dir (engine/compile_cache.py) and start counting
+    kernel builds. Returns the cache folder (None: off, or not CUDA)."""
+    if device.type != "cuda":
+        return None
+    from prefixrt.engine.compile_cache import COMPILES, model_shape, use_compile_cache
+
+    COMPILES.install()
+    if config.compile_cache_dir == "off":
+        return None
+    folder = use_compile_cache(config.compile_cache_dir, device, model_shape(model, dtype))
+    say(f"compile cache: {folder}")
+    return folder
+
+
+def compile_report(folder: Path | None, say) -> dict:
+    """What start-up built (Triton kernels: how many, how long, how many new in the disk cache), said and returned
+    for the start-up report."""
+    from prefixrt.engine.compile_cache import COMPILES, count_cached_kernels
+
+    report = {"builds": COMPILES.counts["startup"], "seconds": COMPILES.seconds["startup"],
+              "cache_dir": str(folder) if folder else None, "cached_kernels": count_cached_kernels(folder)}
+    say(f"compiled: {COMPILES.summary('startup')}; {report['cached_kernels']} kernels in the disk cache")
+    return report
 
 
 def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
