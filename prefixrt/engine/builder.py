@@ -6,6 +6,7 @@ Kept apart from the Engine (engine.py) so that the Engine is only about threads 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -197,6 +198,9 @@ def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path |
 
     COMPILES.install()
     if config.compile_cache_dir == "off":
+        return None
+    if config.compile_cache_dir is None and os.environ.get("TRITON_CACHE_DIR"):
+        say(f"compile cache: {os.environ['TRITON_CACHE_DIR']} (TRITON_CACHE_DIR)")  # the user's own wins
         return None
     folder = use_compile_cache(config.compile_cache_dir, device, model_shape(model, dtype))
     say(f"compile cache: {folder}")
