@@ -564,6 +564,12 @@ class KVManager:
             finally:
                 self._reclaiming = False
 
+    def held_releases(self) -> list:
+        """Released requests whose K/V waits for a fence before it is published to the cache (see release). Their
+        prefixes are in neither the cache nor the running set yet: the scheduler treats them as prefill leaders,
+        so a request that shares one waits a step for the cache instead of computing the prefix again."""
+        return [what for _, what in self._deferred if isinstance(what, _HeldKV)]
+
     @property
     def has_deferred(self) -> bool:
         return bool(self._deferred or self._copy_held)

@@ -279,3 +279,19 @@ def test_abort_during_chunked_prefill_leaves_cache_exact(make_engine, overlap):
     got = eng.generate(prompt, {"max_new_tokens": 6, **GREEDY})
     assert got.token_ids == want
     assert got.cached_tokens > 0
+
+
+def test_a_prefix_released_under_a_forward_in_flight_still_leads(make_engine):
+    """With overlap, a request that finishes on the step that computed its prompt (a prefill-only prefix hint)
+    publishes its K/V only after the next forward, already launched, is done. Requests sharing that prefix that
+    are scheduled meanwhile must wait for it (it still leads the shared prefill), not compute it again."""
+    eng = make_engine(overlap_schedule=True)
+    background = eng.stream([3, 4, 5, 6], {"max_new_tokens": 30, **GREEDY})  # keeps a forward in flight each step
+    next(background)
+    shared = [7 + (i * 13) % 90 for i in range(80)]
+    hint = eng.stream(shared, {"max_new_tokens": 0})
+    followers = [eng.stream(shared + [100 + i, 101, 102], {"max_new_tokens": 2, **GREEDY}) for i in range(3)]
+    finals = [list(f)[-1] for f in followers]
+    assert list(hint)[-1].cached_tokens == 0
+    list(background)
+    assert all(f.cached_tokens >= 64 for f in finals), [f.cached_tokens for f in finals]  # all but a page

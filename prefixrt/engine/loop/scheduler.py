@@ -146,7 +146,12 @@ class Scheduler:
         # Leaders: requests whose prompt K/V is not in the cache yet (still prefilling, or a chunk in flight).
         # Taken over all running requests, not only those with tokens this step: with overlap, a request whose
         # last prefill chunk is still on the device has nothing to plan now, yet its prefix is not published.
+        # A request released while a forward was in flight publishes its K/V only once that forward is done
+        # (KVManager.release): until then it leads too (a prefill-only request, e.g. a fork's prefix hint, finishes
+        # on the step that computed it, and its followers arrive meanwhile).
         prefilling = [r for r in self.running if r.kv_len < len(r.prompt_ids) or r.chunk_step is not None]
+        if self.waiting and self.kv.cache.retains:
+            prefilling += self.kv.held_releases()
         for req, n in plan:
             self._add_to_batch(batch, req, n)
             if n > 1:
