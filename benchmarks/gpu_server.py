@@ -49,7 +49,7 @@ def shape(smoke: bool) -> dict:
         return dict(requests=4, shared=64, unique=8, output=6, hot_shared=64, hot_new=8, hot_n=5, vocab=300,
                     long_prompt=100, mixed_lens=[3, 10, 40])
     return dict(requests=64, shared=3500, unique=80, output=200, hot_shared=3500, hot_new=80, hot_n=20,
-                vocab=32000, long_prompt=9000, mixed_lens=[5, 17, 100, 700, 2000])
+                vocab=32000, long_prompt=8100, mixed_lens=[5, 17, 100, 700, 2000])
 
 
 def rag_prompts(s: dict, seed: int = 0) -> list[list[int]]:
@@ -199,7 +199,7 @@ def flush(url: str) -> None:
 
 def mixed_workload(url: str, s: dict) -> None:
     """Shapes a served mix reaches beyond the RAG batch: single requests, odd batch sizes (1..63) with prompts
-    of many lengths, and one prompt longer than a prefill chunk."""
+    of many lengths, and one prompt near the context (8192 on the 8B shape)."""
     rng = random.Random(11)
     for n in (1, 3, 7, 13, 31, 63):
         prompts = [[rng.randrange(16, s["vocab"]) for _ in range(rng.choice(s["mixed_lens"]))] for _ in range(n)]
