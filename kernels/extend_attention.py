@@ -222,8 +222,10 @@ def _extend_kernel(
     )
 
 
-def _config(head_dim: int, max_extend_len: int, block_m: int | None = None) -> dict:
-    if interpreting():
+def _config(head_dim: int, max_extend_len: int, block_m: int | None = None, interpret: bool | None = None) -> dict:
+    """Launch parameters for rows = max_extend_len query rows a program column (x the packed heads).
+    interpret: None = as this process runs (TRITON_INTERPRET); False gives the GPU's choice anywhere."""
+    if interpreting() if interpret is None else interpret:
         return {"BLOCK_M": block_m or 16, "BLOCK_N": 16, "num_warps": 1}
     if block_m is None:
         block_m = 128 if max_extend_len > 64 else 64
@@ -233,6 +235,15 @@ def _config(head_dim: int, max_extend_len: int, block_m: int | None = None) -> d
     if block_m == 128:  # measured on an H200 (benchmarks/gpu_kernels.py sweep): 4 warps, 3 stages
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def eager_variant(head_dim: int, heads_per_kv: int, max_extend_len: int, interpret: bool | None = None) -> tuple:
+    """What extend_attention compiles for a batch without a block map whose longest extend is max_extend_len
+    (the head layout fixed): the per-batch constexprs and launch parameters, as a hashable key. Two batches
+    with the same key run the same compiled kernel."""
+    block_g = triton.next_power_of_2(heads_per_kv) if pack_heads_by_default(heads_per_kv, False) else 1
+    cfg = _config(head_dim, max_extend_len * block_g, None, interpret)
+    return (("BLOCK_G", block_g), *sorted(cfg.items()))
 
 
 def pack_heads_by_default(heads_per_kv: int, has_map: bool) -> bool:

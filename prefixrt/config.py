@@ -48,6 +48,10 @@ class EngineConfig:
     grammar_backend: str = "llguidance"  # "llguidance" | "xgrammar"
     grammar_timeout_s: float = 10.0  # a constraint that takes longer to compile is refused (InvalidRequest)
     cuda_graph: bool = True  # capture decode batches (CUDA only)
+    # Persistent Triton/Inductor compile cache (CUDA; engine/compile_cache.py): None = under ~/.cache/prefixrt/compile
+    # (or TRITON_CACHE_DIR when set), a folder = there (a deployment can ship it), "off" = Triton's own default.
+    # Keyed by GPU, driver, versions and model shape inside the folder.
+    compile_cache_dir: str | None = None
     # Shared-prefix (cascade) decode inside the decode graphs (CUDA, Triton backend): running requests that
     # share a cached prefix read its K/V once per tile. None: the engine's default (builder.CASCADE_DECODE).
     cascade_decode: bool | None = None

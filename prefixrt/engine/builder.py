@@ -6,6 +6,7 @@ Kept apart from the Engine (engine.py) so that the Engine is only about threads 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -104,6 +105,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         from prefixrt.model.quantize import quantize_fp8_weights
 
         quantize_fp8_weights(model)
+    compile_dir = start_compile_log(config, model, device, dtype, say)
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
@@ -147,7 +149,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     if triton_on_gpu:
         t = time.perf_counter()
         startup["warm_up_s"] = runner.warm_up(warm_up_batches(table.table, pad_row, max_context, max_running,
-                                                              config.chunked_prefill_tokens, device))
+                                                              config.chunked_prefill_tokens, device,
+                                                              head_layouts(model)))
         say(f"kernels warmed up for long-prefix EXTEND shapes in {time.perf_counter() - t:.1f}s")
     if config.cuda_graph and triton_on_gpu:
         say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
@@ -168,6 +171,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         startup["capture_s"] = time.perf_counter() - t
         for line in startup["graphs"]:
             say(line)
+    if device.type == "cuda":
+        startup["compile"] = compile_report(compile_dir, say)
     eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
                  | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
@@ -209,6 +214,35 @@ def _vision_parts(config: EngineConfig, model, resolved):
     folder = Path(str(getattr(resolved, "path", "") or ""))
     processor = ImageProcessor.from_folder(folder) if (folder / "preprocessor_config.json").is_file() else None
     return encoder, processor
+
+
+def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path | None:
+    """CUDA: point Triton's disk cache at config.compile_cache_dir (engine/compile_cache.py) and start counting
+    kernel builds. Returns the cache folder (None: off, or not CUDA)."""
+    if device.type != "cuda":
+        return None
+    from prefixrt.engine.compile_cache import COMPILES, model_shape, use_compile_cache
+
+    COMPILES.install()
+    if config.compile_cache_dir == "off":
+        return None
+    if config.compile_cache_dir is None and os.environ.get("TRITON_CACHE_DIR"):
+        say(f"compile cache: {os.environ['TRITON_CACHE_DIR']} (TRITON_CACHE_DIR)")  # the user's own wins
+        return None
+    folder = use_compile_cache(config.compile_cache_dir, device, model_shape(model, dtype))
+    say(f"compile cache: {folder}")
+    return folder
+
+
+def compile_report(folder: Path | None, say) -> dict:
+    """What start-up built (Triton kernels: how many, how long, how many new in the disk cache), said and returned
+    for the start-up report."""
+    from prefixrt.engine.compile_cache import COMPILES, count_cached_kernels
+
+    report = {"builds": COMPILES.counts["startup"], "seconds": COMPILES.seconds["startup"],
+              "cache_dir": str(folder) if folder else None, "cached_kernels": count_cached_kernels(folder)}
+    say(f"compiled: {COMPILES.summary('startup')}; {report['cached_kernels']} kernels in the disk cache")
+    return report
 
 
 def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
@@ -272,13 +306,35 @@ def cascade_spec(attention, config: EngineConfig) -> CascadeSpec | None:
                        min_group_size=attention.cascade_min_group_size)
 
 
+def head_layouts(model) -> list[tuple[int, int]]:
+    """(query heads per kv head, head dim) of the model's attention layers, each once: what fixes the attention
+    kernels' shape constexprs."""
+    return sorted({(layer.num_heads // layer.num_kv_heads, layer.head_dim) for layer in model.attention_layers})
+
+
+def eager_extend_variants(layouts: list[tuple[int, int]], max_extend_len: int, interpret: bool | None = None
+                          ) -> dict[tuple, int]:
+    """Every extend-attention variant an eager EXTEND batch can compile (kernels/extend_attention.eager_variant)
+    for extends of 1..max_extend_len tokens (a chunked prefill never extends a request by more), each with the
+    longest extend that picks it. Keys are (heads per kv, head dim, variant)."""
+    from prefixrt.kernels.extend_attention import eager_variant
+
+    out: dict[tuple, int] = {}
+    for g, d in layouts:
+        for n in range(1, max_extend_len + 1):
+            out[(g, d, eager_variant(d, g, n, interpret))] = n
+    return out
+
+
 def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, max_running: int,
-                    chunk_tokens: int, device: torch.device) -> list:
+                    chunk_tokens: int, device: torch.device, layouts: list[tuple[int, int]] = (),
+                    interpret: bool | None = None) -> list:
     """Eager EXTEND batches with the shapes a served workload hits outside the graphs (a long prefill
     chunk; many sequences with short extends over long cached prefixes), so their kernel variants compile
-    and their activation memory is reserved at start-up, not inside a user's request. They write only the
-    padding slot 0 and read only the reserved page 0 (slot 0; slots 0..page_size-1 when paged) through the
-    all-zero pad_row."""
+    and their activation memory is reserved at start-up, not inside a user's request; then one more for each
+    extend-attention variant (eager_extend_variants over the model's head layouts) those shapes leave out.
+    They write only the padding slot 0 and read only the reserved page 0 (slot 0; slots 0..page_size-1 when
+    paged) through the all-zero pad_row."""
     from prefixrt.model.forward_batch import ForwardBatch
 
     out = []
@@ -287,11 +343,18 @@ def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, 
     n_seqs = min(max_running, max(1, (EXTEND_GRAPH_TOKENS + 64) // 60))
     prefix = min(3500, max_context - 61)
     if prefix > 0:
-        shapes.append((1, prefix, min(100, max_context - prefix - 1)))  # hot prefix, tall query blocks
-        shapes.append((n_seqs, prefix, min(60, max_context - prefix - 1)))  # many short extends
+        shapes.append((1, prefix, min(100, chunk, max_context - prefix - 1)))  # hot prefix, tall query blocks
+        shapes.append((n_seqs, prefix, min(60, chunk, max_context - prefix - 1)))  # many short extends
+    shapes = [s for s in shapes if s[2] >= 1]
+    if layouts:
+        from prefixrt.kernels.extend_attention import eager_variant
+
+        covered = {(g, d, eager_variant(d, g, e, interpret)) for g, d in layouts for _, _, e in shapes}
+        for key, e in sorted(eager_extend_variants(layouts, chunk, interpret).items(), key=lambda kv: kv[1]):
+            if key not in covered:
+                shapes.append((1, 0, e))
+                covered |= {(g, d, eager_variant(d, g, e, interpret)) for g, d in layouts}
     for n, p, e in shapes:
-        if e < 1:
-            continue
         tokens = [[0] * e for _ in range(n)]
         ends = [(i + 1) * e - 1 for i in range(n)]
         out.append(ForwardBatch.build(

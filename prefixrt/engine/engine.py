@@ -97,6 +97,10 @@ class Engine(EngineAPI):
             # cyclic collector, whose full passes over it would otherwise stall the loop thread at random steps.
             gc.collect()
             gc.freeze()
+        if self.device.type == "cuda":
+            from prefixrt.engine.compile_cache import COMPILES
+
+            COMPILES.mark_serving()  # kernel builds from here on are counted as serving's (should be none)
         self._thread = threading.Thread(target=self._loop, name="prefixrt-scheduler", daemon=True)
         self._thread.start()
 

@@ -127,6 +127,18 @@ class _StatsCollector:
         for label, c in sorted(s.salts.items()):
             fam.add_metric([label], c["kv_cached_tokens"])
         yield fam
+        from prefixrt.engine.compile_cache import COMPILES
+
+        if COMPILES.installed:  # CUDA engines: Triton kernel builds at start-up and while serving (should be 0)
+            fam = CounterMetricFamily("prefixrt_triton_kernel_builds", "Triton kernels built (compiled or loaded "
+                                      "from the disk cache), by phase.", labels=["phase"])
+            secs = CounterMetricFamily("prefixrt_triton_kernel_build_seconds", "Time spent building Triton "
+                                       "kernels, by phase.", labels=["phase"])
+            for phase in ("startup", "serving"):
+                fam.add_metric([phase], COMPILES.counts[phase])
+                secs.add_metric([phase], COMPILES.seconds[phase])
+            yield fam
+            yield secs
 
 
 class Metrics:

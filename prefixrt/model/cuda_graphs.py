@@ -69,6 +69,23 @@ def extend_buckets(max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
     return out
 
 
+def decode_buckets(max_batch_size: int) -> list[int]:
+    """The batch sizes DecodeGraphs captures: DEFAULT_BUCKETS up to max_batch_size, and max_batch_size."""
+    out = [b for b in DEFAULT_BUCKETS if b <= max_batch_size]
+    if not out or out[-1] < max_batch_size:
+        out.append(max_batch_size)
+    return out
+
+
+def extend_key_for(keys: list[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+    """The (token bucket, sequence bucket) of keys that runs an EXTEND batch of this size, or None (eager)."""
+    t = pick(sorted({tt for tt, _ in keys}), num_tokens)
+    if t is None:
+        return None
+    b = pick(sorted(s for tt, s in keys if tt == t), num_seqs)
+    return None if b is None else (t, b)
+
+
 def extend_block_m(num_tokens: int, num_seqs: int, head_dim: int) -> int:
     """Query-block height of a bucket: short per-sequence extends (jump-forward, decode + forced tokens)
     take small blocks so little of each block is padding; longer ones taller blocks."""
@@ -191,9 +208,7 @@ class DecodeGraphs(_Bank):
         """forward_eager(batch) -> logits runs prepare + model forward (what gets captured)."""
         super().__init__(forward_eager, attn_backend, req_to_token, pad_row, device, logits_out, emulate)
         self.max_context = max_context
-        self.buckets = [b for b in DEFAULT_BUCKETS if b <= max_batch_size]
-        if not self.buckets or self.buckets[-1] < max_batch_size:
-            self.buckets.append(max_batch_size)
+        self.buckets = decode_buckets(max_batch_size)
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -385,14 +400,10 @@ class ExtendGraphs(_Bank):
         if batch.mode is not ForwardMode.EXTEND or batch.prefix_groups is not None:
             return None
         n_tok, n_seq, n_logits = batch.num_tokens, batch.batch_size, int(batch.logits_indices.shape[0])
-        t = pick(self.token_buckets, n_tok)
-        if t is None or n_logits > n_seq:
+        key = extend_key_for(self.keys, n_tok, n_seq)
+        if key is None or n_logits > n_seq or key not in self.graphs:
             return None
-        seqs = sorted(s for tt, s in self.keys if tt == t)
-        b = pick(seqs, n_seq)
-        if b is None or (t, b) not in self.graphs:
-            return None
-        return t, b
+        return key
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.bucket_for(batch) is not None

@@ -123,6 +123,15 @@ def _make_server(config, lifecycle):
     return server
 
 
+def fast_io() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP parser: uvloop and httptools where installed (they come with
+    uvicorn[standard]; optional), else asyncio and h11."""
+    import importlib.util
+
+    loop_impl = "uvloop" if sys.platform != "win32" and importlib.util.find_spec("uvloop") else "asyncio"
+    return loop_impl, "httptools" if importlib.util.find_spec("httptools") else "h11"
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -166,12 +175,14 @@ def serve(args: argparse.Namespace) -> int:
                          lifecycle=lifecycle, reasoning_parser=args.reasoning_parser,
                          otlp_traces_endpoint=args.otlp_traces_endpoint)
         app.state.body_parser = BodyParser(OFFLOAD_BYTES)  # large JSON bodies decoded in a parser process
+        loop_impl, http_impl = fast_io()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=UVICORN_GRACE_S)
+                                timeout_graceful_shutdown=UVICORN_GRACE_S, loop=loop_impl, http=http_impl)
         server = _make_server(config, lifecycle)
         print(f"[prefixrt] serving {app.state.model_name} on http://{args.host}:{args.port} "
               f"(OpenAI base_url http://{args.host}:{args.port}/v1)"
-              f"{'; API key required' if args.api_key else ''}", file=sys.stderr, flush=True)
+              f"{'; API key required' if args.api_key else ''}; event loop {loop_impl}, HTTP parser {http_impl}",
+              file=sys.stderr, flush=True)
         server.run()
     finally:
         print("[prefixrt] shutting down the engine", file=sys.stderr, flush=True)

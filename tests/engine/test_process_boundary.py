@@ -50,6 +50,7 @@ MESSAGES = [
     M.Abort("req-1"),
     M.Call(7, "stats", ()),
     M.Shutdown(),
+    M.Batch([pickle.dumps(M.Abort("req-1")), pickle.dumps(M.Add.of(None, "req-3", [5, 6], SamplingParams()))]),
     M.Progress("loading"),
     M.Ready(M.EngineInfo("m", "rev", 320, 128, 4096, 1, "cpu", b"tok")),
     M.Outputs([("req-1", StepOutput(index=0, token_ids=[5], text="a", finished=False))]),

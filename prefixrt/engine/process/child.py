@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import pickle
 import signal
 import threading
 from collections.abc import Callable
@@ -107,6 +108,8 @@ class EngineProcessServer:
                 if isinstance(msg, wire.Shutdown):
                     break
                 self.handle(msg)
+        except _ShutdownRequested:
+            pass
         except (EOFError, OSError):
             pass  # the server process is gone
         finally:
@@ -128,7 +131,17 @@ class EngineProcessServer:
                 return
 
     def handle(self, msg) -> None:
-        if isinstance(msg, wire.Add):
+        if isinstance(msg, wire.Batch):
+            for part in msg.parts:
+                try:
+                    inner = pickle.loads(part)
+                except Exception:
+                    log.exception("engine process: a message of a batch cannot be unpickled")
+                    continue
+                if isinstance(inner, wire.Shutdown):
+                    raise _ShutdownRequested()
+                self.handle(inner)
+        elif isinstance(msg, wire.Add):
             if msg.call_id is None:
                 self.add(msg)
             else:  # a constraint to compile: off the receiving thread
@@ -183,6 +196,10 @@ class EngineProcessServer:
         if self.metrics is None:
             raise RuntimeError("metrics need prometheus-client (pip install 'prefixrt[server]')")
         return self.metrics.render()
+
+
+class _ShutdownRequested(Exception):
+    """A Shutdown inside a Batch: ends the receiving loop as a Shutdown on its own does."""
 
 
 def _metrics_for(engine):

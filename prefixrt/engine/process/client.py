@@ -53,6 +53,7 @@ from prefixrt.engine.process.child import child_main
 from prefixrt.engine.process.messages import (
     Abort,
     Add,
+    Batch,
     Beat,
     Bye,
     Call,
@@ -116,7 +117,10 @@ class ProcessEngine(EngineAPI):
         self._encode_lock = threading.Lock()
         for name, value in info.api_attributes().items():  # model_name, vocab_size, max_context, ...
             setattr(self, name, value)
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # guards the outbox, _writing and _closed
+        self._outbox: list[bytes] = []  # pickled messages waiting for the writer (_post)
+        self._writing = False  # a caller is writing the outbox to the pipe
+        self.pipe_writes = self.batched_messages = 0  # writes to the pipe; messages that went in a Batch
         self._streams: dict[str, _InFlight] = {}  # written by callers, finished by the reader thread
         self._replies: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
@@ -154,13 +158,38 @@ class ProcessEngine(EngineAPI):
         except (pickle.PicklingError, RecursionError, TypeError, AttributeError) as e:
             raise InvalidRequest(f"the request cannot be passed to the engine process: {type(e).__name__}: {e}"
                                  ) from None
+        self._post(data)
+
+    def _post(self, data: bytes, closing: bool = False) -> None:
+        """Queue a pickled message and write the queue to the pipe (group commit). The first caller to find the
+        pipe free writes; callers arriving while it writes only queue, and it writes what they queued as one
+        Batch next, so requests arriving together cross the boundary in a few writes. Order is kept: every
+        message goes through the one queue, and one writer at a time takes it. closing: the Shutdown, which
+        may follow a close."""
         with self._send_lock:
-            if self._closed is not None:
+            if self._closed is not None and not closing:
                 raise EngineDeadError(self._closed)
+            self._outbox.append(data)
+            if closing:  # nothing may follow the Shutdown
+                self._closed = self._closed or "engine is shut down"
+            if self._writing:
+                return
+            self._writing = True
+        while True:
+            with self._send_lock:
+                parts, self._outbox = self._outbox, []
+                if not parts:
+                    self._writing = False
+                    return
             try:
-                self._conn.send_bytes(data)
+                self._conn.send_bytes(parts[0] if len(parts) == 1 else _pickle(Batch(parts)))
             except OSError as e:
+                with self._send_lock:
+                    self._writing = False
+                    self._outbox.clear()  # their senders' streams and calls fail through the reader (_fail_all)
                 raise EngineDeadError(f"the engine process is gone: {e}") from e
+            self.pipe_writes += 1
+            self.batched_messages += len(parts) if len(parts) > 1 else 0
 
     def _ask(self, make_msg: Callable[[int], Any], timeout: float | None = None):
         """Send make_msg(call_id) and wait for the engine's Reply: its result, or its exception."""
@@ -370,11 +399,10 @@ class ProcessEngine(EngineAPI):
                 self._proc.join(timeout=1)
                 return
             self._stopping = True
-            try:
-                self._conn.send(Shutdown())
-            except OSError:
-                pass
-            self._closed = self._closed or "engine is shut down"
+        try:
+            self._post(_pickle(Shutdown()), closing=True)
+        except EngineDeadError:
+            pass
         self._reader.join(timeout=timeout)
         self._stop_child(timeout)
         self._conn.close()

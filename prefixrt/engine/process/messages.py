@@ -8,6 +8,8 @@ engine/process/child.py the engine end). Nothing else crosses the pipe.
                        Abort         a request id
                        Call          a blocking Engine method by name (stats, cache_prefix, generate, ...)
                        Shutdown
+                       Batch         several of the above, each pickled on its own, sent as one message:
+                                     what callers sent while the pipe was busy (group commit, client.py)
     engine -> server   Progress*, then Ready(EngineInfo) or Failed          start-up
                        Outputs       all outputs of one scheduler step, [(request id, StepOutput), ...]
                        Reply         the answer to an Add with a call_id, or to a Call
@@ -83,6 +85,14 @@ class Call:
 @dataclass(frozen=True, slots=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Messages in the order they were sent, each pickled apart (one caller's message that cannot be
+    unpickled fails alone): 64 requests arriving together cross the pipe as a few writes, not 64."""
+
+    parts: list[bytes]
 
 
 # ---------------------------------------------------------------------------------------------- engine -> server

@@ -1,0 +1,346 @@
+"""`prefixrt serve` against the in-process engine, and a cold start against a warm one (Llama-3-8B shape, dummy bf16).
+
+Two phases, each one command (run `cold` first, on a freshly started machine, so its first start is really cold):
+
+    PYTHONPATH=$PWD python benchmarks/gpu_server.py --phase cold      # ~2.5 min on an H200
+    PYTHONPATH=$PWD python benchmarks/gpu_server.py --phase compare   # ~3 min on an H200
+    PYTHONPATH=$PWD python benchmarks/gpu_server.py --phase cold --smoke   # tiny shapes on the CPU (tests the script)
+
+cold: `prefixrt serve` started as users start it (a subprocess; the engine in its own process) with an empty
+--compile-cache-dir (COMPILE_CACHE, default /tmp/prefixrt-gpu-server-cache, emptied first): start-up time (spawn
+to /health answering) and its Triton kernel builds (count, seconds: the start-up log's "compiled:" line); the
+first RAG batch (64 x (3500 shared + 80 unique), 200 out, 64 concurrent streaming clients on /v1/completions,
+the cache flushed before) against a warm one; a mixed workload after it (hot-prefix requests, odd batch sizes and
+lengths, a prompt longer than one prefill chunk) and the Triton builds counted while serving (the
+prefixrt_triton_kernel_builds metric, phase="serving": should be 0); then the server stopped and started again
+on the filled cache: start-up time and builds.
+compare: in the same run, the RAG case in-process (Engine.astream with text, as benchmarks/gpu_engine.py) and
+through `prefixrt serve` with 64 streaming clients (httpx), a warm-up batch each then the measured one: out tok/s
+and TTFT p50 both, the ratio; hot-prefix TTFT (3500 cached + 80 new, one request at a time, 20 requests) p50 /
+p99 in-process and through HTTP. The server starts on the cache `cold` filled.
+
+Prints a table last and writes benchmarks/results/gpu_server_<phase>.json (or $OUT/gpu_server_<phase>.json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import free_port, log, script_parser
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS: dict = {}
+
+
+def shape(smoke: bool) -> dict:
+    if smoke:
+        return dict(requests=4, shared=64, unique=8, output=6, hot_shared=64, hot_new=8, hot_n=5, vocab=300,
+                    long_prompt=100, mixed_lens=[3, 10, 40])
+    return dict(requests=64, shared=3500, unique=80, output=200, hot_shared=3500, hot_new=80, hot_n=20,
+                vocab=32000, long_prompt=8100, mixed_lens=[5, 17, 100, 700, 2000])
+
+
+def rag_prompts(s: dict, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(16, s["vocab"]) for _ in range(s["shared"])]
+    return [shared + [rng.randrange(16, s["vocab"]) for _ in range(s["unique"])] for _ in range(s["requests"])]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+# ------------------------------------------------------------------------------------------------ the server
+class Server:
+    """`python -m prefixrt.cli serve ...` in a subprocess; start-up timed from spawn to /health answering."""
+
+    def __init__(self, model: str, engine_args: list[str], log_path: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixrt.cli", "serve", "--model", model, "--port", str(self.port),
+             "--log-level", "warning", "--any-model-name", *engine_args],
+            env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 240) -> float:
+        import httpx
+
+        while time.perf_counter() - self.t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the server did not answer in {timeout}s:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def compiled(self) -> dict:
+        """The start-up log's 'compiled: N Triton kernel builds in Xs' line."""
+        m = re.search(r"compiled: (\d+) Triton kernel builds in ([\d.]+)s", self.log())
+        return {"builds": int(m.group(1)), "seconds": float(m.group(2))} if m else {}
+
+    def serving_builds(self) -> float | None:
+        import httpx
+
+        try:
+            text = httpx.get(self.url + "/metrics", timeout=30).text
+        except httpx.HTTPError:
+            return None
+        m = re.search(r'prefixrt_triton_kernel_builds_total\{phase="serving"\} ([0-9.e+]+)', text)
+        return float(m.group(1)) if m else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def http_stream_batch(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Every prompt at once, one streaming OpenAI-style client each on /v1/completions: wall time, out tok/s,
+    TTFT p50 (to the first streamed event)."""
+    import httpx
+
+    ttfts, toks, chars = [], [0], [0]
+
+    async def one(http, p):
+        body = {"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        first = None
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("choices"):
+                    if first is None:
+                        first = time.perf_counter()
+                    chars[0] += len(ev["choices"][0].get("text") or "")
+                if ev.get("usage"):
+                    toks[0] += ev["usage"]["completion_tokens"]
+        ttfts.append((first or time.perf_counter()) - t0)
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(http, p) for p in prompts))
+        dt = time.perf_counter() - t0
+    return {"seconds": round(dt, 3), "out_tok_s": round(toks[0] / dt, 1),
+            "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1), "output_tokens": toks[0],
+            "text_chars": chars[0]}
+
+
+def http_batch(url, prompts, max_tokens) -> dict:
+    return asyncio.run(http_stream_batch(url, prompts, max_tokens))
+
+
+def http_hot_ttft(url: str, s: dict, seed: int = 5) -> dict:
+    """The hot-prefix case through HTTP: the prefix cached (/cache_prefix, then 3 warm requests), then hot_n
+    requests of prefix + hot_new fresh tokens one at a time, TTFT to the first streamed event."""
+    import httpx
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(16, s["vocab"]) for _ in range(s["hot_shared"])]
+    with httpx.Client(base_url=url, timeout=120) as http:
+        http.post("/flush_cache").raise_for_status()
+        http.post("/cache_prefix", json={"prompt": shared}).raise_for_status()
+
+        def once() -> float:
+            body = {"model": "m", "prompt": shared + [rng.randrange(16, s["vocab"]) for _ in range(s["hot_new"])],
+                    "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True}
+            t0 = time.perf_counter()
+            dt = None
+            with http.stream("POST", "/v1/completions", json=body) as resp:
+                for line in resp.iter_lines():  # read to the end: the next request finds the engine idle
+                    if dt is None and line.startswith("data: {"):
+                        dt = time.perf_counter() - t0
+            if dt is None:
+                raise RuntimeError("no event")
+            return dt
+
+        for _ in range(3):
+            once()
+        xs = [once() for _ in range(s["hot_n"])]
+    return {"p50_ms": round(pct(xs, 0.5) * 1000, 2), "p99_ms": round(pct(xs, 0.99) * 1000, 2), "n": len(xs)}
+
+
+def flush(url: str) -> None:
+    import httpx
+
+    httpx.post(url + "/flush_cache", timeout=120).raise_for_status()
+
+
+def mixed_workload(url: str, s: dict) -> None:
+    """Shapes a served mix reaches beyond the RAG batch: single requests, odd batch sizes (1..63) with prompts
+    of many lengths, and one prompt near the context (8192 on the 8B shape)."""
+    rng = random.Random(11)
+    for n in (1, 3, 7, 13, 31, 63):
+        prompts = [[rng.randrange(16, s["vocab"]) for _ in range(rng.choice(s["mixed_lens"]))] for _ in range(n)]
+        http_batch(url, prompts, rng.choice([1, 5, 33]))
+    http_batch(url, [[rng.randrange(16, s["vocab"]) for _ in range(s["long_prompt"])]], 4)
+
+
+# --------------------------------------------------------------------------------------------------- phases
+def engine_setup(args) -> tuple[str, list[str], dict]:
+    s = shape(args.smoke)
+    if args.smoke:
+        from benchmarks.common import tiny_model_dir
+
+        model = str(args.model or tiny_model_dir(Path(tempfile.mkdtemp(prefix="gpu-server-smoke-"))))
+        return model, ["--device", "cpu", "--kv-cache-tokens", "20000"], s
+    return args.model or "llama-3-8b", ["--load-format", "dummy", "--kv-cache-tokens", "330000"], s
+
+
+def phase_cold(args, out: Path) -> list[tuple]:
+    model, eng_args, s = engine_setup(args)
+    cache = Path(args.compile_cache)
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    rows = []
+    srv = Server(model, [*eng_args, "--compile-cache-dir", str(cache)], out / "gpu_server_cold_serve1.log")
+    try:
+        start1 = srv.wait_ready()
+        comp1 = srv.compiled()
+        log(f"start-up, empty compile cache: {start1:.1f}s; {comp1}")
+        prompts = rag_prompts(s)
+        first = http_batch(srv.url, prompts, s["output"])
+        log(f"first RAG batch: {first}")
+        flush(srv.url)
+        warm = http_batch(srv.url, prompts, s["output"])
+        log(f"warm RAG batch: {warm}")
+        hot = http_hot_ttft(srv.url, s)
+        mixed_workload(srv.url, s)
+        serving = srv.serving_builds()
+        log(f"Triton builds while serving (RAG, hot prefix, mixed): {serving}")
+    finally:
+        srv.stop()
+    srv2 = Server(model, [*eng_args, "--compile-cache-dir", str(cache)], out / "gpu_server_cold_serve2.log")
+    try:
+        start2 = srv2.wait_ready()
+        comp2 = srv2.compiled()
+        log(f"start-up, filled compile cache: {start2:.1f}s; {comp2}")
+    finally:
+        srv2.stop()
+    ratio = first["out_tok_s"] / warm["out_tok_s"] if warm["out_tok_s"] else 0.0
+    RESULTS.update(startup_empty_cache_s=round(start1, 1), startup_empty_cache_compile=comp1,
+                   first_batch=first, warm_batch=warm, first_over_warm=round(ratio, 3), http_hot_ttft=hot,
+                   serving_triton_builds=serving, startup_filled_cache_s=round(start2, 1),
+                   startup_filled_cache_compile=comp2, compile_cache=str(cache))
+    rows += [("start-up, empty compile cache (s)", f"{start1:.1f}", "<= 30"),
+             ("  of which Triton builds (s, count)", f"{comp1.get('seconds', '?')}, {comp1.get('builds', '?')}", ""),
+             ("start-up, filled cache (s)", f"{start2:.1f}", "<= 15"),
+             ("  of which Triton builds (s, count)", f"{comp2.get('seconds', '?')}, {comp2.get('builds', '?')}", ""),
+             ("first RAG batch out tok/s / TTFT p50 ms", f"{first['out_tok_s']} / {first['ttft_p50_ms']}", ""),
+             ("warm RAG batch out tok/s / TTFT p50 ms", f"{warm['out_tok_s']} / {warm['ttft_p50_ms']}", ""),
+             ("first / warm", f"{ratio:.2f}", ">= 0.9"),
+             ("Triton builds while serving", f"{serving}", "0"),
+             ("hot-prefix TTFT via HTTP p50 / p99 ms", f"{hot['p50_ms']} / {hot['p99_ms']}", "p50 <= 12")]
+    return rows
+
+
+def phase_compare(args, out: Path) -> list[tuple]:
+    import prefixrt
+    from benchmarks.common import HotPrefix, stream_text
+
+    model, eng_args, s = engine_setup(args)
+    prompts = rag_prompts(s)
+    kw = dict(device="cpu", kv_cache_tokens=20000) if args.smoke else dict(load_format="dummy",
+                                                                           kv_cache_tokens=330_000)
+    if args.compile_cache and Path(args.compile_cache).is_dir():
+        kw["compile_cache_dir"] = args.compile_cache
+    eng = prefixrt.Engine(model, **kw)
+    try:
+        stream_text(eng, prompts, s["output"], len(prompts))  # warm-up batch
+        eng.flush_cache()
+        inproc = stream_text(eng, prompts, s["output"], len(prompts))
+        log(f"in-process RAG: {inproc}")
+        hp = HotPrefix(eng, s["vocab"], s["hot_shared"], s["hot_new"])
+        xs = hp.hot(s["hot_n"])
+        hot_in = {"p50_ms": round(pct(xs, 0.5) * 1000, 2), "p99_ms": round(pct(xs, 0.99) * 1000, 2), "n": len(xs)}
+        log(f"in-process hot-prefix TTFT: {hot_in}")
+    finally:
+        eng.shutdown()
+        del eng
+        import gc
+
+        gc.collect()
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+    extra = ["--compile-cache-dir", args.compile_cache] if Path(args.compile_cache).is_dir() else []
+    srv = Server(model, [*eng_args, *extra], out / "gpu_server_compare_serve.log")
+    try:
+        start = srv.wait_ready()
+        http_batch(srv.url, prompts, s["output"])  # warm-up batch
+        flush(srv.url)
+        http = http_batch(srv.url, prompts, s["output"])
+        log(f"HTTP RAG: {http}")
+        hot_http = http_hot_ttft(srv.url, s)
+        log(f"HTTP hot-prefix TTFT: {hot_http}")
+    finally:
+        srv.stop()
+    ratio = http["out_tok_s"] / inproc["out_tok_s"] if inproc["out_tok_s"] else 0.0
+    RESULTS.update(inprocess=inproc, http=http, http_over_inprocess=round(ratio, 3),
+                   ttft_p50_gap_ms=round(http["ttft_p50_ms"] - inproc["ttft_p50_ms"], 1), hot_inprocess=hot_in,
+                   hot_http=hot_http, server_startup_s=round(start, 1))
+    return [("RAG in-process out tok/s / TTFT p50 ms", f"{inproc['out_tok_s']} / {inproc['ttft_p50_ms']}", ""),
+            ("RAG via serve out tok/s / TTFT p50 ms", f"{http['out_tok_s']} / {http['ttft_p50_ms']}", ""),
+            ("serve / in-process", f"{ratio:.3f}", ">= 0.95"),
+            ("TTFT p50 gap ms", f"{http['ttft_p50_ms'] - inproc['ttft_p50_ms']:.1f}", "<= 40"),
+            ("hot-prefix TTFT in-process p50 / p99 ms", f"{hot_in['p50_ms']} / {hot_in['p99_ms']}", "p50 <= 6"),
+            ("hot-prefix TTFT via serve p50 / p99 ms", f"{hot_http['p50_ms']} / {hot_http['p99_ms']}", "p50 <= 12")]
+
+
+def main() -> None:
+    ap = script_parser(__doc__, smoke="tiny shapes on the CPU, to test the script")
+    ap.add_argument("--phase", choices=["cold", "compare"], required=True)
+    ap.add_argument("--model", default=None, help="default: llama-3-8b (dummy weights); --smoke: a tiny Llama")
+    ap.add_argument("--compile-cache", default=os.environ.get("COMPILE_CACHE", "/tmp/prefixrt-gpu-server-cache"),
+                    help="the --compile-cache-dir `cold` empties and fills, and `compare` starts on")
+    args = ap.parse_args()
+    out = Path(os.environ.get("OUT") or REPO / "benchmarks" / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = phase_cold(args, out) if args.phase == "cold" else phase_compare(args, out)
+    RESULTS["phase"], RESULTS["smoke"], RESULTS["wall_s"] = args.phase, args.smoke, round(time.perf_counter() - t0, 1)
+    path = out / f"gpu_server_{args.phase}{'_smoke' if args.smoke else ''}.json"
+    path.write_text(json.dumps(RESULTS, indent=1))
+    log(f"\ngpu_server.py --phase {args.phase}{' (smoke, CPU)' if args.smoke else ''}: {RESULTS['wall_s']}s; {path}")
+    w = max(len(r[0]) for r in rows)
+    log(f"{'measure':<{w}}  {'value':>24}  target")
+    for name, value, target in rows:
+        log(f"{name:<{w}}  {value:>24}  {target}")
+
+
+if __name__ == "__main__":
+    main()
