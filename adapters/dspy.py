@@ -191,7 +191,7 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
             # JSONAdapter sends json_object for signatures with an open mapping field; its prompt names the
             # reply's fields, so the reply is held to them (any JSON object lets a small model write keys of its
             # own, and the reply does not parse).
-            schema = json_adapter_schema(messages)
+            schema = json_adapter_schema(messages, params.get("max_new_tokens"))
             if schema is not None:
                 lowered.constraint = {"json_schema": schema}
         lowered.apply(params)

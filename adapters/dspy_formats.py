@@ -267,9 +267,12 @@ def _note_schema(note: str) -> dict:
     return {"type": "string"} if note == "" else {}
 
 
-def json_adapter_schema(messages: list[dict]) -> dict | None:
+def json_adapter_schema(messages: list[dict], max_tokens: int | None = None) -> dict | None:
     """The JSON schema of the reply JSONAdapter asked for in `messages` (its output fields, in order, typed from
-    their notes, all required, no others), or None when the messages are not JSONAdapter's."""
+    their notes, all required, no others), or None when the messages are not JSONAdapter's. max_tokens: the
+    reply's budget; each plain string (a text field, a ReAct tool's string argument) then has a maxLength of
+    `text_cap` characters (a character takes at most one token), so the object closes within the budget (a small
+    model otherwise writes its first text field until max_tokens, and the reply does not parse)."""
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         return None
@@ -281,14 +284,24 @@ def json_adapter_schema(messages: list[dict]) -> dict | None:
         return None
     system = "\n".join(msg.get("content") or "" for msg in messages if msg.get("role") == "system")
     notes = _json_notes(system)
-    properties = {f: _note_schema(notes.get(f, "")) for f in fields}
-    branches = _react_branches(fields, properties, _react_tools(system))
+    cap = text_cap(fields, max_tokens)
+    properties = {f: _capped(_note_schema(notes.get(f, "")), cap) for f in fields}
+    branches = _react_branches(fields, properties, _react_tools(system), cap)
     if branches:
         return {"anyOf": branches}
     return {"type": "object", "properties": properties, "required": fields, "additionalProperties": False}
 
 
-def _react_branches(fields: list[str], properties: dict, tools: dict[str, dict]) -> list[dict] | None:
+def _capped(schema: dict, cap: int | None) -> dict:
+    """schema with maxLength `cap` when it is a plain string (no length, enum, const, pattern or format of its own)."""
+    if cap is None or schema.get("type") != "string" or schema.keys() & {"maxLength", "enum", "const", "pattern",
+                                                                          "format"}:
+        return schema
+    return {**schema, "maxLength": cap}
+
+
+def _react_branches(fields: list[str], properties: dict, tools: dict[str, dict],
+                    cap: int | None = None) -> list[dict] | None:
     """dspy.ReAct's step under JSONAdapter: one object schema per tool it lists, `next_tool_name` that tool and
     `next_tool_args` its arguments (closed, every argument written; `finish` takes `{}`), so a step's call
     always validates. None unless the fields hold that pair and every tool choice is a known tool."""
@@ -297,6 +310,11 @@ def _react_branches(fields: list[str], properties: dict, tools: dict[str, dict])
     names = properties["next_tool_name"].get("enum")
     if not names or not all(n in tools for n in names):
         return None
+    def args(name: str) -> dict:
+        schema = strict_schema(tools[name])
+        props = {k: _capped(v, cap) for k, v in (schema.get("properties") or {}).items()}
+        return {**schema, "properties": props} if props else schema
+
     return [{"type": "object", "properties": {**properties, "next_tool_name": {"const": name},
-                                              "next_tool_args": strict_schema(tools[name])},
+                                              "next_tool_args": args(name)},
              "required": fields, "additionalProperties": False} for name in names]

@@ -159,6 +159,30 @@ def test_json_adapter_react_step_has_one_branch_per_tool(backend):
     assert parsed["next_tool_args"] == {"a": 2, "b": 3}
 
 
+def test_json_adapter_strings_fit_the_budget():
+    """With max_tokens, every plain string of a JSONAdapter reply (text fields, a ReAct tool's string arguments) has
+    a maxLength of text_cap characters, so the object closes within the budget; without it, none."""
+    import jsonschema
+    from prefixrt.adapters.dspy_formats import text_cap
+
+    def weather(city: str, celsius: bool) -> str:
+        """The weather in a city."""
+        return city
+
+    sig = dspy.ReAct("question -> answer", tools=[weather], max_iters=2).react.signature
+    messages = dspy.JSONAdapter().format(sig, demos=[], inputs={"question": "weather?", "trajectory": ""})
+    assert "maxLength" not in json.dumps(json_adapter_schema(messages))
+    schema = json_adapter_schema(messages, max_tokens=160)
+    cap = text_cap(["next_thought", "next_tool_name", "next_tool_args"], 160)
+    branch = next(b for b in schema["anyOf"] if b["properties"]["next_tool_name"] == {"const": "weather"})
+    assert branch["properties"]["next_thought"]["maxLength"] == cap
+    assert branch["properties"]["next_tool_args"]["properties"]["city"]["maxLength"] == cap
+    ok = {"next_thought": "t" * cap, "next_tool_name": "weather", "next_tool_args": {"city": "Rome", "celsius": True}}
+    jsonschema.validate(ok, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**ok, "next_thought": "t" * (cap + 1)}, schema)
+
+
 def test_json_adapter_json_object_becomes_the_fields_schema():
     """JSONAdapter sends `json_object` (any object) when an output field is an open mapping; the fields its
     prompt names become the reply's schema: those keys, typed from their notes, all required, no others."""
