@@ -26,7 +26,7 @@ from benchmarks.common import rel_err, replay_ms, script_parser
 
 RESULTS: dict = {}
 T0 = time.perf_counter()
-BUDGET_S = 200.0  # sections starting later than this are skipped (the lead asked for at most 4 minutes)
+BUDGET_S = 200.0  # sections starting later than this are skipped (one run stays under 4 minutes)
 HBM_FLOOR_GBPS = 4300.0
 
 
