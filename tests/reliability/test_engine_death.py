@@ -38,7 +38,7 @@ def _state(pid: int) -> str | None:
     """The process state letter (Z for a zombie), or None once it is reaped."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped between open and read
         return None
 
 
