@@ -43,8 +43,8 @@ def image_source(part: dict):
 
 def has_images(messages) -> bool:
     """Whether chat messages hold any image part."""
-    if not isinstance(messages, (list, tuple)):
-        return False
+    if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
+        return False  # a prompt of token ids (often thousands long) is not scanned
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, (list, tuple)):
