@@ -11,7 +11,7 @@ from prefixrt.errors import InvalidRequest
 from prefixrt.model.vision import SequenceImages, multimodal_batch
 from tests.helpers.checkpoints import VLM_IMAGE_TOKEN
 from tests.helpers.harness import PagedHarness
-from tests.helpers.images import random_image
+from tests.helpers.images import data_url, random_image
 
 NAME = "llava_next_video"
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0}
@@ -63,6 +63,11 @@ def test_video_generate_matches_transformers(vlm_checkpoints, make_vlm):
         out = hf.generate(input_ids=torch.tensor([ids]), pixel_values_videos=pixels[None], max_new_tokens=6,
                           do_sample=False, pad_token_id=0)
     assert got.token_ids == out[0, len(ids):].tolist()
+    # OpenAI clients (no video part in the API): the frames as consecutive image_url parts are the same prompt
+    as_images = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(f)}} for f in frames]
+                  + [{"type": "text", "text": "What happens in the video?"}]}]
+    assert eng.image_prompt_ids(as_images) == ids
+    assert eng.generate(as_images, GREEDY).token_ids == got.token_ids
 
 
 def test_frames_shared_by_two_videos_are_cached(make_vlm):
