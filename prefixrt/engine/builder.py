@@ -192,13 +192,31 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
                                chunk_tokens=config.chunked_prefill_tokens)
     encoder, processor = _vision_parts(config, model, resolved)
+    overlap = config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda"
+    speculator = None
+    if config.speculative is not None:
+        speculator = _speculator(config, kv, model.vocab_size, max_context, max_running)
+        if overlap:
+            say("speculative decoding runs the synchronous loop: the overlap scheduler is off")
+            overlap = False
     core = EngineCore(
         runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size, max_context, device, hooks,
-        debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder,
-        overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
+        debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder, overlap=overlap,
+        speculator=speculator,
     )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks,
                  image_processor=processor)
+
+
+def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int):
+    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py)."""
+    from prefixrt.engine.loop.speculate import Speculator
+    from prefixrt.speculative.draft_length import AdaptiveDraftLength
+    from prefixrt.speculative.spec import make_drafter
+
+    lengths = AdaptiveDraftLength(config.speculative_num_tokens, max_batch=config.speculative_max_batch,
+                                  adaptive=config.speculative_adaptive)
+    return Speculator(make_drafter(config.speculative, vocab_size), kv, lengths, max_context)
 
 
 def _vision_parts(config: EngineConfig, model, resolved):
