@@ -15,10 +15,11 @@ from prefixrt.speculative.rejection import verify_draft, verify_draft_reference
 TRIALS = 3000
 
 
-def chi_square_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson's goodness-of-fit p-value (the chi-square survival function, as the regularized upper gamma)."""
+def chi_square_pvalue(observed: torch.Tensor, expected: torch.Tensor, df: int | None = None) -> float:
+    """Pearson's chi-square p-value (its survival function, as the regularized upper gamma); df default: a
+    goodness of fit's len - 1."""
     stat = float(((observed - expected) ** 2 / expected).sum())
-    df = len(observed) - 1
+    df = len(observed) - 1 if df is None else df
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2,
                                                                                                  dtype=torch.float64)))
 
