@@ -51,7 +51,6 @@ def _sync():
 
 def verify_costs(eng, batches, ks, ctx: int, iters: int) -> dict:
     """Runner forwards timed alone (on the loop thread, engine idle, cache flushed): decode vs verify."""
-    import torch
 
     from prefixrt.model.forward_batch import ForwardBatch
 
