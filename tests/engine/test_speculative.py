@@ -90,9 +90,15 @@ def test_greedy_outputs_identical_to_no_speculation(spec, make_engine, underesti
             assert not chunks or chunks[-1].finish_reason in (None, "abort", ref_out.finish_reason)
 
 
-def test_max_tokens_and_stop_token_inside_accepted_drafts(make_engine):
+@pytest.mark.parametrize("fast", [True, False])
+def test_max_tokens_and_stop_token_inside_accepted_drafts(fast, make_engine, monkeypatch):
     """Drafts that would run past max_tokens are never drafted; a stop token accepted mid-chain ends the request
-    there, the tokens after it are not emitted."""
+    there, the tokens after it are not emitted. Both with plain greedy rows on the fast path (argmaxes of the
+    step at once) and on the reference (position by position through the sampler)."""
+    if not fast:
+        from prefixrt.engine.loop.speculate import Speculator
+
+        monkeypatch.setattr(Speculator, "plain_greedy", staticmethod(lambda r: False))
     prompt = [1] + list(range(40, 60)) * 3
     ref = make_engine("llama")
     eng = make_engine("llama", speculative="ngram")
@@ -189,8 +195,8 @@ def test_rejected_slots_freed_at_once(page_size, make_engine):
     spec = eng.core.spec
     orig, checked = spec.verify, []
 
-    def verify(core, r, raw, drafts, epoch, now):
-        orig(core, r, raw, drafts, epoch, now)
+    def verify(core, r, raw, drafts, epoch, now, argmax=None):
+        orig(core, r, raw, drafts, epoch, now, argmax)
         if r.finish_reason is None:
             assert len(r.pages) == -(-r.kv_len // page_size) and r.kv_len == len(r.all_ids) - 1
             checked.append(len(drafts))

@@ -458,13 +458,9 @@ class EngineCore:
                     on_rows(j + 1)
         elif on_rows is not None:
             on_rows(len(step.sampled))
-        for r, drafts, off, epoch in step.spec:
-            try:
-                self.spec.verify(self, r, step.spec_logits[off: off + len(drafts) + 1], drafts, epoch, now)
-            except Exception as e:
-                log.error("verifying drafts failed: %s", traceback.format_exc())
-                self._finish(r, "abort", error=f"internal error in speculative verification: {e}")
-        step.spec_logits = None
+        if step.spec:
+            self.spec.verify_step(self, step.spec, step.spec_logits, now)
+            step.spec_logits = None
         b = step.batch
         for r, row, p, n, s in zip(b.reqs, step.rows, b.prefix_lens, b.num_tokens, b.sample):
             if r.chunk_step is step:
@@ -497,6 +493,11 @@ class EngineCore:
         self._outbox.append((r.detok, r.sink, postprocess.step_output(r, adv, logprobs)))
         if adv.finish_reason is not None:
             self._release(r)
+
+    def fail_request(self, r: Req, what: str, e: Exception) -> None:
+        """A per-request failure in `what`: logged, and r alone is aborted with the error."""
+        log.error("%s failed for %s: %s", what, r.rid, traceback.format_exc())
+        self._finish(r, "abort", error=f"internal error in {what}: {e}")
 
     # ------------------------------------------------------------------ finishing
     def _finish(self, r: Req, reason: str, error: str | None = None) -> None:

@@ -82,9 +82,32 @@ class Speculator:
         return drafts[:n]
 
     # ------------------------------------------------------------------ after the forward
-    def verify(self, core, r: Req, raw: torch.Tensor, drafts: list[int], epoch: int, now: float) -> None:
+    @staticmethod
+    def plain_greedy(r: Req) -> bool:
+        """A greedy row whose adjusted logits are its raw logits at every position it may verify (no penalties,
+        bias, grammar, min_new_tokens hold or logprobs): its tokens are the raw argmaxes, taken for all such rows
+        of a step in one device op (the fast path; _token is the reference)."""
+        p = r.params
+        return (p.greedy and r.matcher is None and not p.has_penalties and not p.logit_bias
+                and p.logprobs is None and len(r.output_ids) >= p.min_new_tokens)
+
+    def verify_step(self, core, spec: list, logits: torch.Tensor, now: float) -> None:
+        """Every speculating row of a step (Step.spec), in order; logits: their rows (Step.spec_logits)."""
+        fast = None
+        if any(self.plain_greedy(r) for r, *_ in spec):
+            fast = logits.argmax(dim=-1).tolist()  # one host copy for the step
+        for r, drafts, off, epoch in spec:
+            argmax = fast[off: off + len(drafts) + 1] if fast is not None and self.plain_greedy(r) else None
+            try:
+                self.verify(core, r, logits[off: off + len(drafts) + 1], drafts, epoch, now, argmax)
+            except Exception as e:
+                core.fail_request(r, "speculative verification", e)
+
+    def verify(self, core, r: Req, raw: torch.Tensor, drafts: list[int], epoch: int, now: float,
+               argmax: list[int] | None = None) -> None:
         """r's logits raw [k+1, V] at its last token and its k drafts: emit the verified tokens (see the module
-        docstring). core: the EngineCore (its sampler, masks and post-processing)."""
+        docstring). core: the EngineCore (its sampler, masks and post-processing); argmax: raw's argmaxes when r
+        is plain_greedy (the fast path), else None."""
         k = len(drafts)
         base = r.kv_len - k  # K/V valid before the drafts: the tokens up to and including the last one
         stats = core.stats
@@ -96,7 +119,10 @@ class Speculator:
         for i in range(k + 1):
             r.kv_len = base + i  # positions [0, base + i) hold the accepted tokens' K/V
             draft = drafts[i] if i < k else None
-            tok, lp = self._token(core, r, raw[i: i + 1], draft)
+            if argmax is not None:
+                tok, lp = argmax[i], None
+            else:
+                tok, lp = self._token(core, r, raw[i: i + 1], draft)
             length = len(r.all_ids)
             core._post_process(r, tok, lp, now)
             stats.spec_emitted_tokens_total += 1
