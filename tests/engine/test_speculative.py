@@ -165,6 +165,27 @@ def test_multi_turn_cache_hit_rate_kept(make_engine):
     assert abs(rates["ngram"] - rates[None]) <= 0.01 and rates[None] > 0.5
 
 
+def test_metrics_agree_with_stats(make_engine):
+    """/metrics shows the speculation counters and rates, each equal to what stats() says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from prefixrt.engine.metrics import Metrics
+
+    eng = make_engine("llama", speculative="ngram")
+    eng.generate([1] + list(range(40, 60)) * 3, {"max_new_tokens": 24, **GREEDY})
+    s = eng.stats()
+    samples = {x.name: x.value for fam in text_string_to_metric_families(Metrics.for_engine(eng).render().decode())
+               for x in fam.samples}
+    assert samples["prefixrt_spec_draft_tokens_total"] == s.spec_draft_tokens_total > 0
+    assert samples["prefixrt_spec_accepted_tokens_total"] == s.spec_accepted_tokens_total > 0
+    assert samples["prefixrt_spec_emitted_tokens_total"] == s.spec_emitted_tokens_total
+    assert samples["prefixrt_spec_acceptance_rate"] == pytest.approx(
+        s.spec_accepted_tokens_total / s.spec_draft_tokens_total)
+    assert samples["prefixrt_spec_tokens_per_forward"] == pytest.approx(
+        s.spec_emitted_tokens_total / s.spec_verify_rows_total) and s.spec_tokens_per_forward > 1
+    assert samples["prefixrt_spec_drafter_seconds_total"] > 0
+
+
 def test_opt_out_and_off_by_default(make_engine):
     prompt = [1] + list(range(40, 60)) * 3
     p = {"max_new_tokens": 12, **GREEDY}
@@ -204,3 +225,20 @@ def test_rejected_slots_freed_at_once(page_size, make_engine):
     spec.verify = verify
     eng.generate(prompt, p)
     assert len(checked) > 5 and eng.stats().spec_accepted_tokens_total < eng.stats().spec_draft_tokens_total
+
+
+def test_speculative_flags_reach_the_engine_config():
+    import argparse
+
+    from prefixrt.config import EngineConfig
+    from prefixrt.engine_flags import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    fields = EngineConfig.__dataclass_fields__
+    for argv, want in (([], (None, 4)), (["--speculative", "ngram", "--speculative-num-tokens", "6"], ("ngram", 6))):
+        kw = engine_kwargs(p.parse_args(argv))
+        cfg = EngineConfig(**{k: v for k, v in kw.items() if k in fields})
+        assert (cfg.speculative, cfg.speculative_num_tokens) == want
+    with pytest.raises(ValueError):
+        EngineConfig(speculative="eagle")
