@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, log_table, script_parser
+from benchmarks.common import log, log_table, run_section, script_parser, write_results
 
 RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []
@@ -30,16 +30,7 @@ T_START = time.perf_counter()
 
 
 def section(name: str, fn) -> None:
-    t = time.perf_counter()
-    try:
-        RESULTS[name] = fn()
-    except Exception:  # report and go on: one failing section must not lose the others' figures
-        import traceback
-
-        traceback.print_exc()
-        RESULTS[name] = {"error": traceback.format_exc().splitlines()[-1]}
-        SUMMARY.append((name, "FAILED", RESULTS[name]["error"][:120]))
-    log(f"section {name}: {time.perf_counter() - t:.0f}s")
+    run_section(RESULTS, SUMMARY, name, fn)
 
 
 def _sync():
@@ -232,12 +223,8 @@ def main() -> None:
     finally:
         eng.shutdown()
     name = f"gpu_speculative-{args.only}{'-smoke' if smoke else ''}.json"
-    for out_dir in (None if smoke else RESULTS_DIR, os.environ.get("OUT")):
-        if out_dir:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            (Path(out_dir) / name).write_text(json.dumps(RESULTS, indent=1, default=str))
     tmp.cleanup()
-    log(json.dumps(RESULTS, indent=1, default=str))
+    write_results(RESULTS, name, None if smoke else RESULTS_DIR)
     log(f"\nprefixrt speculative decoding, {MODEL if not smoke else 'tiny llama'} dummy on {RESULTS['device']}, "
         f"total {time.perf_counter() - T_START:.0f}s")
     log_table(SUMMARY, 10)

@@ -5,13 +5,11 @@ multi-turn workload keeps its cache hit rate, requests may opt out, and off by d
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from tests.engine.test_engine import _tree_workload
-from tests.engine.test_overlap import SCHEMA, _logprobs, _summary
+from tests.engine.test_overlap import SCHEMA, _logprobs, _run_mixed, _summary
 from tests.speculative.test_rejection import chi_square_pvalue
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -34,19 +32,7 @@ def _params(i: int) -> dict:
 
 
 def _run(eng, prompts, aborts=()):
-    async def go():
-        async def aborted(i):
-            chunks = []
-            async for ch in eng.astream(prompts[i], {**_params(i), "request_id": f"abort-{i}"}):
-                chunks.append(ch)
-                if len(chunks) == 2:
-                    eng.abort(f"abort-{i}")
-            return chunks
-
-        return await asyncio.gather(*(aborted(i) if i in aborts else eng.agenerate(prompts[i], _params(i))
-                                      for i in range(len(prompts))))
-
-    return asyncio.run(go())
+    return _run_mixed(eng, prompts, set(aborts), _params)
 
 
 def _repetitive(prompts):
