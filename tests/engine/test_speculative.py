@@ -228,3 +228,17 @@ def test_speculative_flags_reach_the_engine_config():
         assert (cfg.speculative, cfg.speculative_num_tokens) == want
     with pytest.raises(ValueError):
         EngineConfig(speculative="eagle")
+
+
+@pytest.mark.parametrize("cache", [dict(radix_cache=False), dict(prefix_cache="block"),
+                                   dict(host_kv_cache_tokens=2048, kv_cache_tokens=300), dict(page_size=16)])
+def test_other_caches(cache, make_engine):
+    """No prefix cache, the block table cache, the host tier, whole pages: greedy outputs still equal plain
+    decoding (the drafts then come from the request's own context where the cache has no continuation)."""
+    prompts = _repetitive([p[:30] for p in _tree_workload(8, seed=9)])
+    params = {"max_new_tokens": 16, **GREEDY}
+    want = [c.token_ids for c in make_engine("llama").generate(prompts, params)]
+    eng = make_engine("llama", speculative="ngram", **cache)
+    assert [c.token_ids for c in eng.generate(prompts, params)] == want
+    assert [c.token_ids for c in eng.generate(prompts, params)] == want  # again, the answers cached
+    assert eng.stats().spec_accepted_tokens_total > 0
