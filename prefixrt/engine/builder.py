@@ -157,10 +157,12 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
         # On failure: plain decode graphs alone, then eager.
+        verify = verify_graph_tokens(config, max_running)
         for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
-                                                          max_extend_tokens=extend_tokens, cascade=cascade)
+                                                          max_extend_tokens=extend_tokens, cascade=cascade,
+                                                          max_verify_tokens=verify if extend_tokens else 0)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
                 ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
@@ -206,6 +208,16 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks,
                  image_processor=processor)
+
+
+def verify_graph_tokens(config: EngineConfig, max_running: int) -> int:
+    """Tokens up to which speculative decoding's verify forwards replay CUDA graphs (model/cuda_graphs.py
+    VerifyGraphs): the largest speculating batch times its last token + drafts, at most EXTEND_GRAPH_TOKENS;
+    0 without speculation."""
+    if config.speculative is None:
+        return 0
+    rows = min(max_running, config.speculative_max_batch)
+    return min(EXTEND_GRAPH_TOKENS, rows * (config.speculative_num_tokens + 1))
 
 
 def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int):
