@@ -109,3 +109,23 @@ def test_parse_spec():
         with pytest.raises(ValueError):
             parse_spec(bad)
     assert isinstance(make_drafter("ngram", 10), NgramDrafter)
+
+
+def test_adaptive_draft_length():
+    from prefixrt.speculative.draft_length import AdaptiveDraftLength
+
+    lengths = AdaptiveDraftLength(8, max_batch=4, min_acceptance=0.2, probe_every=4)
+    r = _req([1, 2, 3])
+    assert lengths.length(r, 1) == 8  # optimistic start
+    assert lengths.length(r, 5) == 0  # the batch is too large
+    for _ in range(5):
+        lengths.update(r, 8, 3)  # acceptance falls below 1/2: half the length
+    assert 0.2 <= r.spec.acceptance < 0.5 and lengths.length(r, 1) == 4
+    for _ in range(10):
+        lengths.update(r, 8, 0)
+    got = [lengths.length(r, 1) for _ in range(8)]
+    assert got.count(0) == 6 and got.count(1) == 2  # off, but a one-token probe every 4 steps
+    for _ in range(10):
+        lengths.update(r, 1, 1)
+    assert lengths.length(r, 1) == 8  # back on once the probes are accepted
+    assert AdaptiveDraftLength(3, adaptive=False).length(r, 1000) == 3
