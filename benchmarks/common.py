@@ -59,6 +59,31 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
+def run_section(results: dict, summary: list, name: str, fn) -> None:
+    """results[name] = fn(); a failure is printed and recorded (results and a FAILED summary row) instead of raised,
+    so one failing section never loses the others' figures. Says how long it took."""
+    t = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        results[name] = {"error": traceback.format_exc().splitlines()[-1]}
+        summary.append((name, "FAILED", results[name]["error"][:120]))
+    log(f"section {name}: {time.perf_counter() - t:.0f}s")
+
+
+def write_results(results: dict, name: str, results_dir: Path | None) -> None:
+    """The JSON of a GPU script's results, as `name` under results_dir (None: not kept, e.g. a smoke run) and under
+    $OUT when set; then printed."""
+    for out_dir in (results_dir, os.environ.get("OUT")):
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / name).write_text(json.dumps(results, indent=1, default=str))
+    log(json.dumps(results, indent=1, default=str))
+
+
 def log_table(rows: list[tuple[str, str, str]], value_width: int) -> None:
     """The short table a GPU script prints last: (what, value, note) rows in aligned columns."""
     w = max([len(a) for a, _, _ in rows] + [1])

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, log_table, rel_err, script_parser
+from benchmarks.common import log, log_table, rel_err, run_section, script_parser, write_results
 
 RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []  # (what, value, note)
@@ -51,18 +51,8 @@ def over_budget(what: str) -> bool:
 
 
 def section(name: str, fn) -> None:
-    if over_budget(name):
-        return
-    t = time.perf_counter()
-    try:
-        RESULTS[name] = fn()
-    except Exception:  # report and go on: one failing section must not lose the others' figures
-        import traceback
-
-        traceback.print_exc()
-        RESULTS[name] = {"error": traceback.format_exc().splitlines()[-1]}
-        SUMMARY.append((name, "FAILED", RESULTS[name]["error"][:120]))
-    log(f"section {name}: {time.perf_counter() - t:.0f}s")
+    if not over_budget(name):
+        run_section(RESULTS, SUMMARY, name, fn)
 
 
 # ------------------------------------------------------------------------------------------------ (1) kernels
@@ -405,12 +395,8 @@ def main() -> None:
         summarize_engines(engines, cuda)
     configs = f"-{args.configs.replace(',', '_').replace('+', '')}" if "4" in args.only else ""
     name = f"gpu_fp8-{args.only}{configs}{'-smoke' if smoke else ''}.json"  # (runs of other configs kept apart)
-    for out_dir in (None if smoke else RESULTS_DIR, os.environ.get("OUT")):  # (a smoke run leaves no results)
-        if out_dir:
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            (Path(out_dir) / name).write_text(json.dumps(RESULTS, indent=1, default=str))
     tmp.cleanup()
-    log(json.dumps(RESULTS, indent=1, default=str))
+    write_results(RESULTS, name, None if smoke else RESULTS_DIR)  # (a smoke run leaves no results)
     log(f"\nprefixrt FP8, {MODEL if not smoke else 'tiny llama'} dummy on {RESULTS['device']}, "
         f"total {time.perf_counter() - T_START:.0f}s")
     log_table(SUMMARY, 34)

@@ -69,6 +69,12 @@ class EngineConfig:
     # Build the grammar backend (vocabulary tables) at start-up rather than on the first constrained request.
     # None: on for CUDA engines, off on the CPU.
     grammar_warm_up: bool | None = None
+    # Speculative decoding (speculative/, engine/loop/speculate.py): None (off), "ngram" (radix lookahead and the
+    # request's own n-grams) or "fixed:P[:SEED]" (a test drafter accepted at rate P). Runs the synchronous loop.
+    speculative: str | None = None
+    speculative_num_tokens: int = 4  # drafted tokens per step at most
+    speculative_max_batch: int = 32  # no drafts when more decode rows than this are in a step
+    speculative_adaptive: bool = True  # draft length by acceptance (speculative/draft_length.py); False: always the max
     cache_audit_rate: float = 0.0  # fraction of cache hits whose K/V is recomputed and checked (cache_audit.py)
     debug: bool = False  # check KV accounting every idle step; poison freed slots with NaN
     # Host tier of the KV cache (cache/tiered_radix.py): tokens of K/V kept in (pinned) host memory under the
@@ -131,6 +137,11 @@ class EngineConfig:
             bad("chunked_prefill_tokens must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             bad("max_running_requests must be >= 1")
+        if self.speculative is not None and not (
+                self.speculative == "ngram" or str(self.speculative).startswith("fixed:")):
+            bad(f"speculative must be None, 'ngram' or 'fixed:P[:SEED]', got {self.speculative!r}")
+        if self.speculative_num_tokens < 1 or self.speculative_max_batch < 1:
+            bad("speculative_num_tokens and speculative_max_batch must be >= 1")
         if not (isinstance(self.cache_audit_rate, (int, float)) and 0 <= self.cache_audit_rate <= 1):
             bad(f"cache_audit_rate must be in [0, 1], got {self.cache_audit_rate!r}")
         if self.host_kv_cache_tokens is not None and self.host_kv_cache_tokens < 0:

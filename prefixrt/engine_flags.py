@@ -24,7 +24,8 @@ ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "kv_cache_dtyp
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
                 "host_kv_prefetch", "host_kv_preempt_after_s",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
-                "dist_init_addr", "cascade_decode", "compile_cache_dir", "compile_workers")
+                "dist_init_addr", "cascade_decode", "compile_cache_dir", "compile_workers", "speculative",
+                "speculative_num_tokens")
 
 
 def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT_MODEL) -> None:
@@ -98,6 +99,12 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--dist-init-addr", default=None,
                    help="host:port of node 0 for the torch.distributed rendezvous (needed with --nnodes > 1; "
                         "default: a free port on 127.0.0.1)")
+    p.add_argument("--speculative", default=None, metavar="ngram|fixed:P",
+                   help="speculative decoding: ngram drafts what the radix cache and the request's own context hold "
+                        "after its last tokens; fixed:P is a test drafter accepted at rate P (docs/serving.md); "
+                        "runs the synchronous loop; default off")
+    p.add_argument("--speculative-num-tokens", type=int, default=4,
+                   help="tokens drafted per step at most (adaptive below it)")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")

@@ -116,6 +116,15 @@ class EngineStats:
     retracted_requests_total: int = 0
     preempted_requests_total: int = 0  # of the retracted: preempted for a waiting request's first token (host tier)
     aborted_requests_total: int = 0
+    # Speculative decoding (EngineConfig.speculative; all 0 when off): per speculating row of a forward, drafted
+    # and accepted tokens, tokens emitted (accepted + the bonus or corrected one), and the drafters' host time.
+    spec_verify_rows_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_emitted_tokens_total: int = 0
+    spec_drafter_seconds_total: float = 0.0
+    spec_acceptance_rate: float = 0.0  # accepted / drafted
+    spec_tokens_per_forward: float = 0.0  # emitted / verify rows: tokens a speculating row gains per forward
     cache_audits_total: int = 0  # cache hits whose K/V was recomputed and compared (cache_audit_rate)
     cache_audit_mismatches_total: int = 0  # audits that found cached K/V differing from the recomputation
     # Host tier of the KV cache (host_kv_cache_tokens; all 0 when off). cached_tokens_total counts both tiers.

@@ -49,6 +49,7 @@ class SamplingParams:
     cache_salt: str | None = None
     priority: int = 0
     request_id: str | None = None
+    speculative: bool = True  # False: this request never speculates (an engine with speculative decoding on)
     # Internal knobs (not in the public contract, but harmless to set):
     jump_forward: bool = True  # emit grammar-forced tokens in one forward
     # choices scoring: "token_length_normalized" (mean logprob, default) | "sum" | "unconditional_normalized"
@@ -144,6 +145,7 @@ class SamplingParams:
         need(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}", "logprobs")
         need(is_int(self.priority), "priority must be an integer", "priority")
+        need(isinstance(self.speculative, bool), "speculative must be a boolean", "speculative")
         need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt must be a string", "cache_salt")
         need(self.request_id is None or isinstance(self.request_id, str), "request_id must be a string", "request_id")
         need(isinstance(self.json_object, bool), "json_object must be a boolean", "json_object")

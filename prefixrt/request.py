@@ -95,6 +95,7 @@ class Req:
     future: Any = None  # (step, row): where the last unresolved token lives on the device
     chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache
     epoch: int = 0  # bumped when the host rewrites what follows (jump-forward): samples in flight go stale
+    spec: Any = None  # speculative decoding's per-request state (speculative/drafter.py SpecState)
 
     def __post_init__(self):
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

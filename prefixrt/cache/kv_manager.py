@@ -467,6 +467,18 @@ class KVManager(AllocatorSizes):
         self.table.write(req.row, start, slots)
         return slots
 
+    def truncate(self, req: Req) -> None:
+        """Free req's private pages past its kv_len (speculative decoding: the slots of rejected drafts, whose
+        K/V was written by a forward that has completed or whose fence the free waits for). kv_len must be at
+        least cached_len (the tree's part is never touched)."""
+        ps = self.page_size
+        keep = -(-req.kv_len // ps)
+        assert req.kv_len >= req.cached_len, "truncating into the cached prefix"
+        if len(req.pages) > keep:
+            extra = req.pages[keep:]
+            del req.pages[keep:]
+            self._free_pages_after_fence(extra)
+
     def slots_of(self, req: Req, start: int, end: int) -> list[int]:
         ps = self.page_size
         pages = req.pages

@@ -162,6 +162,39 @@ class RadixCache(PrefixCache):
                 return
             node = child
 
+    def continuation(self, tokens: list[int], salt: Any, max_new: int, handle: _Node | None = None,
+                     start: int = 0) -> list[int]:
+        """Up to max_new tokens the tree holds right after the whole of `tokens` (following the most recently used
+        branch), or [] when the tree does not hold `tokens` itself. Read only (touches nothing: a lookahead is not
+        a use). handle/start: a locked node whose path is tokens[:start] (a running request's cache_handle and
+        cached_len), where the walk begins, so its cost is len(tokens) - start + max_new."""
+        node = handle if handle is not None else self._roots.get(salt)
+        pos = start if handle is not None else 0
+        if node is None or max_new <= 0:
+            return []
+        n, ps = len(tokens), self.page_size
+        out: list[int] = []
+        while pos < n:
+            rest = tokens[pos:]
+            if len(rest) >= ps:
+                child = node.children.get(self._page_key(tokens, pos))
+            else:  # less than a page left: any child whose key starts with it
+                fits = [c for c in node.children.values() if c.key[: len(rest)] == rest]
+                child = max(fits, key=lambda c: c.last_access) if fits else None
+            if child is None:
+                return []
+            m = _common_prefix_len(child.key, rest)
+            if m < len(child.key) and m < len(rest):
+                return []  # diverges inside the node
+            pos += m
+            node = child
+            if pos == n:
+                out = child.key[m: m + max_new]
+        while len(out) < max_new and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out.extend(node.key[: max_new - len(out)])
+        return out
+
     @staticmethod
     def _on_pool(node: _Node) -> bool:
         """Whether node's K/V is in the device pool: always here (a tiered cache also has host-only nodes)."""

@@ -155,7 +155,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         if build_pool is not None:  # an empty compile cache: what follows loads every kernel from disk instead
             capture = (dict(req_to_token=table.table, pad_row=pad_row, max_batch_size=max_running,
                             max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
-                            cascade=cascade_spec(attention, config)) if config.cuda_graph else None)
+                            cascade=cascade_spec(attention, config),
+                            max_verify_tokens=verify_graph_tokens(config, max_running)) if config.cuda_graph else None)
             report = prebuild(build_pool, runner, batches, capture)
             startup["parallel_builds"] = dataclasses.asdict(report)
             say(report.line())
@@ -167,10 +168,12 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
         # On failure: plain decode graphs alone, then eager.
+        verify = verify_graph_tokens(config, max_running)
         for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
-                                                          max_extend_tokens=extend_tokens, cascade=cascade)
+                                                          max_extend_tokens=extend_tokens, cascade=cascade,
+                                                          max_verify_tokens=verify if extend_tokens else 0)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
                 ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
@@ -202,13 +205,41 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
                                chunk_tokens=config.chunked_prefill_tokens)
     encoder, processor = _vision_parts(config, model, resolved)
+    overlap = config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda"
+    speculator = None
+    if config.speculative is not None:
+        speculator = _speculator(config, kv, model.vocab_size, max_context, max_running)
+        if overlap:
+            say("speculative decoding runs the synchronous loop: the overlap scheduler is off")
+            overlap = False
     core = EngineCore(
         runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size, max_context, device, hooks,
-        debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder,
-        overlap=config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda",
+        debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder, overlap=overlap,
+        speculator=speculator,
     )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks,
                  image_processor=processor)
+
+
+def verify_graph_tokens(config: EngineConfig, max_running: int) -> int:
+    """Tokens up to which speculative decoding's verify forwards replay CUDA graphs (model/cuda_graphs.py
+    VerifyGraphs): the largest speculating batch times its last token + drafts, at most EXTEND_GRAPH_TOKENS;
+    0 without speculation."""
+    if config.speculative is None:
+        return 0
+    rows = min(max_running, config.speculative_max_batch)
+    return min(EXTEND_GRAPH_TOKENS, rows * (config.speculative_num_tokens + 1))
+
+
+def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int):
+    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py)."""
+    from prefixrt.engine.loop.speculate import Speculator
+    from prefixrt.speculative.draft_length import AdaptiveDraftLength
+    from prefixrt.speculative.spec import make_drafter
+
+    lengths = AdaptiveDraftLength(config.speculative_num_tokens, max_batch=config.speculative_max_batch,
+                                  adaptive=config.speculative_adaptive)
+    return Speculator(make_drafter(config.speculative, vocab_size), kv, lengths, max_context)
 
 
 def _vision_parts(config: EngineConfig, model, resolved):

@@ -358,9 +358,14 @@ class ExtendGraphs(_Bank):
         self.prefix_lens = torch.zeros(b, **i32)
         self.extend_lens = torch.zeros(b, **i32)
         self.extend_start_loc = torch.zeros(b, **i32)
-        self.logits_indices = torch.zeros(b, **i64)
+        self.logits_indices = torch.zeros(max(self.logit_rows(key) for key in self.keys), **i64)
         self.block_seq = torch.full((self.max_blocks,), -1, **i32)
         self.block_mb = torch.zeros(self.max_blocks, **i32)
+
+    @staticmethod
+    def logit_rows(key: tuple[int, int]) -> int:
+        """Logits rows a key's graph computes: one per sequence (a prefill chunk's last token)."""
+        return key[1]
 
     def block_m(self, key: tuple[int, int]) -> int:
         return extend_block_m(key[0], key[1], self.head_dim)
@@ -382,7 +387,7 @@ class ExtendGraphs(_Bank):
             out_cache_loc=self.out_cache_loc[:t], req_pool_indices=self.req_pool_indices[:b],
             seq_lens=self.seq_lens[:b], prefix_lens=self.prefix_lens[:b], extend_lens=self.extend_lens[:b],
             extend_start_loc=self.extend_start_loc[:b], req_to_token=self.req_to_token,
-            logits_indices=self.logits_indices[:b], seq_lens_cpu=[t] * b, prefix_lens_cpu=[0] * b,
+            logits_indices=self.logits_indices[: self.logit_rows(key)], seq_lens_cpu=[t] * b, prefix_lens_cpu=[0] * b,
             extend_lens_cpu=[t] + [0] * (b - 1),
             extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key), self.num_splits(key)),
         )
@@ -407,7 +412,7 @@ class ExtendGraphs(_Bank):
             return None
         n_tok, n_seq, n_logits = batch.num_tokens, batch.batch_size, int(batch.logits_indices.shape[0])
         key = extend_key_for(self.keys, n_tok, n_seq)
-        if key is None or n_logits > n_seq or key not in self.graphs:
+        if key is None or n_logits > self.logit_rows(key) or key not in self.graphs:
             return None
         return key
 
@@ -438,6 +443,18 @@ class ExtendGraphs(_Bank):
         self.extend_lens[:n_seq].copy_(batch.extend_lens)
         self.extend_start_loc[:n_seq].copy_(batch.extend_start_loc)
         self.logits_indices[:n_logits].copy_(batch.logits_indices)
-        if b > n_logits:  # rows past the wanted logits read token 0 (in range for every bucket)
-            self.logits_indices[n_logits:b].zero_()
+        rows = self.logit_rows(key)
+        if rows > n_logits:  # rows past the wanted logits read token 0 (in range for every bucket)
+            self.logits_indices[n_logits:rows].zero_()
         return self._replay(key, n_logits)
+
+
+class VerifyGraphs(ExtendGraphs):
+    """EXTEND graphs whose logits cover every token row: speculative decoding's verify forwards (a row's last
+    token and its drafts, logits at each; engine/loop/speculate.py), which ExtendGraphs does not take (one logits
+    row per sequence). Same buckets up to max_tokens; a batch runs here when it has more logits rows than
+    sequences."""
+
+    @staticmethod
+    def logit_rows(key: tuple[int, int]) -> int:
+        return key[0]

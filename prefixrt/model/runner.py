@@ -29,7 +29,8 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.graphs = None  # DecodeGraphs once capture_graphs() ran
         self.extend_graphs = None  # ExtendGraphs once capture_graphs(max_extend_tokens > 0) ran
-        self.replays = {"decode": 0, "cascade": 0, "extend": 0, "eager": 0}  # forwards by how they ran
+        self.verify_graphs = None  # VerifyGraphs once capture_graphs(max_verify_tokens > 0) ran
+        self.replays = {"decode": 0, "cascade": 0, "extend": 0, "verify": 0, "eager": 0}  # forwards by how they ran
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step: writes the new tokens' K/V into the pool, returns float32 logits
@@ -49,6 +50,11 @@ class ModelRunner:
                     batch.kv_ready.wait_all()
                 self.replays["extend"] += 1
                 return self.extend_graphs.replay(batch)
+            if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+                if batch.kv_ready is not None:
+                    batch.kv_ready.wait_all()
+                self.replays["verify"] += 1
+                return self.verify_graphs.replay(batch)
             self.replays["eager"] += 1
             return self._forward_eager(batch)
 
@@ -58,14 +64,16 @@ class ModelRunner:
 
     def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
                        max_extend_tokens: int = 0, emulate: bool = False,
-                       cascade: CascadeSpec | None = None, warm_only: bool = False) -> list[str]:
+                       cascade: CascadeSpec | None = None, max_verify_tokens: int = 0,
+                       warm_only: bool = False) -> list[str]:
         """Capture one CUDA graph per decode batch-size bucket and, with max_extend_tokens > 0, per EXTEND
         (token, sequence) bucket up to that many tokens. pad_row: a request-table row that stays all zeros,
         read by padded decode rows. emulate: no CUDA graphs, the static batches run eagerly (CPU tests).
         cascade: a CascadeSpec (decode graphs for batches with prefix_groups, from a padded plan), or None.
-        warm_only: run only the eager forwards that precede capture, keep no graph (the dry pass of
-        engine/parallel_builds.py). Returns one line per bank: graphs, seconds, memory."""
-        from prefixrt.model.cuda_graphs import DecodeGraphs, ExtendGraphs
+        max_verify_tokens > 0: also EXTEND graphs with logits at every token up to that many tokens (speculative
+        decoding's verify forwards). warm_only: run only the eager forwards that precede capture, keep no graph
+        (the dry pass of engine/parallel_builds.py). Returns one line per bank: graphs, seconds, memory."""
+        from prefixrt.model.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
         self.release_graphs()
         device = self.pool.device
@@ -80,16 +88,18 @@ class ModelRunner:
             self.graphs = graphs
             if not warm_only:
                 lines.append(_describe("decode", graphs.report))
-            if max_extend_tokens > 0:
-                ext = ExtendGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
-                                   self.model.head_dim, device, max_tokens=max_extend_tokens,
-                                   logits_out=graphs.logits_out, emulate=emulate,
-                                   num_heads=self.model.attention_layers[0].num_heads,
-                                   num_sms=getattr(self.attn_backend, "num_sms", 0))
+            for name, cls, tokens in (("extend", ExtendGraphs, max_extend_tokens),
+                                      ("verify", VerifyGraphs, max_verify_tokens)):
+                if tokens <= 0:
+                    continue
+                ext = cls(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
+                          self.model.head_dim, device, max_tokens=tokens, logits_out=graphs.logits_out,
+                          emulate=emulate, num_heads=self.model.attention_layers[0].num_heads,
+                          num_sms=getattr(self.attn_backend, "num_sms", 0))
                 ext.capture(pool, warm_only)
-                self.extend_graphs = ext
+                setattr(self, f"{name}_graphs", ext)
                 if not warm_only:
-                    lines.append(_describe("extend", ext.report))
+                    lines.append(_describe(name, ext.report))
         if warm_only:
             self.release_graphs()
         return lines
@@ -100,10 +110,10 @@ class ModelRunner:
         self.capture_graphs(req_to_token, pad_row, max_batch_size, max_context)
 
     def release_graphs(self) -> None:
-        for bank in (self.graphs, self.extend_graphs):
+        for bank in (self.graphs, self.extend_graphs, self.verify_graphs):
             if bank is not None:
                 bank.close()
-        self.graphs = self.extend_graphs = None
+        self.graphs = self.extend_graphs = self.verify_graphs = None
 
     def close(self) -> None:
         """Free the runner's device memory: its CUDA graphs and the attention backend's workspaces (the pool

@@ -143,7 +143,8 @@ class TPDriverRunner(ModelRunner):
 
     def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
                        max_extend_tokens: int = 0, emulate: bool = False,
-                       cascade: CascadeSpec | None = None) -> list[str]:
+                       cascade: CascadeSpec | None = None, max_verify_tokens: int = 0) -> list[str]:
+        # max_verify_tokens is not sent to the ranks: speculative verify forwards run eagerly under TP
         if self.broken is not None:
             raise RuntimeError(f"tensor-parallel ranks are out of step ({self.broken})")
         self.release_graphs()  # announced now (ModelRunner.capture_graphs releases too, silently: none are left)

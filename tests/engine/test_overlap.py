@@ -54,17 +54,18 @@ def _logprobs(c):
     return [lp["logprob"] for o in c.outputs for lp in (o.logprobs or [])]
 
 
-def _run_mixed(eng, prompts, aborts: set[int]):
+def _run_mixed(eng, prompts, aborts: set[int], params=_mixed_params):
+    """Request i with params(i), all at once; those in aborts streamed and aborted after their second chunk."""
     async def go():
         async def aborted(i):
             chunks = []
-            async for ch in eng.astream(prompts[i], {**_mixed_params(i), "request_id": f"abort-{i}"}):
+            async for ch in eng.astream(prompts[i], {**params(i), "request_id": f"abort-{i}"}):
                 chunks.append(ch)
                 if len(chunks) == 2:
                     eng.abort(f"abort-{i}")
             return chunks
 
-        tasks = [aborted(i) if i in aborts else eng.agenerate(prompts[i], _mixed_params(i))
+        tasks = [aborted(i) if i in aborts else eng.agenerate(prompts[i], params(i))
                  for i in range(len(prompts))]
         return await asyncio.gather(*tasks)
 

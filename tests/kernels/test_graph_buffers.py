@@ -75,7 +75,8 @@ def setup(tmp_path_factory):
     backend = TritonAttentionBackend(pool, max_batch_size=8)
     graph_runner = ModelRunner(model, pool, backend)
     graph_runner.capture_graphs(table, pad_row, 8, ctx, max_extend_tokens=96, emulate=DEVICE == "cpu",
-                                cascade=CascadeSpec(queries_per_tile=2, min_prefix_len=8, min_group_size=2))
+                                cascade=CascadeSpec(queries_per_tile=2, min_prefix_len=8, min_group_size=2),
+                                max_verify_tokens=48)
     ref_runner = ModelRunner(model, pool, TorchAttentionBackend(pool))
     return model, pool, table, graph_runner, ref_runner
 
@@ -208,3 +209,36 @@ def test_cascade_decode_graphs_match_eager_reference(setup):
         assert ((got - want).norm() / want.norm()).item() < 1e-4
         for r in rows:
             lens[r] += 1
+
+
+def test_verify_graphs_match_eager_reference(setup):
+    """Speculative verify forwards (a row's last token + its drafts, logits at every position, beside a decode row
+    with one logits row) replay the VerifyGraphs bank; logits equal the torch reference. ExtendGraphs refuses them
+    (more logits rows than sequences)."""
+    import random
+
+    model, pool, table, graph_runner, ref_runner = setup
+    rng = random.Random(7)
+    vocab = model.vocab_size
+    rows, base = [7, 8, 9], 1500  # rows and slots no other test of the module uses
+    for i, row in enumerate(rows):  # a cached prefix of 20 tokens each, written by the reference
+        slots = list(range(base + 40 * i, base + 40 * i + 20))
+        table[row, :20] = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+        ref_runner.forward(_batch(table, [row], [0], [[rng.randrange(vocab) for _ in range(20)]], slots))
+    for ks in ([4, 0, 2], [8, 8, 8], [1, 3, 0]):
+        tokens = [[rng.randrange(vocab) for _ in range(k + 1)] for k in ks]
+        slots, logits_rows, acc = [], [], 0
+        for i, (row, t) in enumerate(zip(rows, tokens)):
+            slots += list(range(base + 40 * i + 20, base + 40 * i + 20 + len(t)))
+            table[row, 20:20 + len(t)] = torch.tensor(slots[-len(t):], dtype=torch.int32, device=DEVICE)
+            logits_rows += list(range(acc, acc + len(t))) if len(t) > 1 else [acc]
+            acc += len(t)
+        fb = _batch(table, rows, [20] * 3, tokens, slots, logits_rows)
+        assert not graph_runner.extend_graphs.can_run(fb) and graph_runner.verify_graphs.can_run(fb)
+        before = graph_runner.replays["verify"]
+        got = graph_runner.forward(fb).clone()
+        assert graph_runner.replays["verify"] == before + 1
+        want = ref_runner.forward(_batch(table, rows, [20] * 3, tokens, slots, logits_rows))
+        assert got.shape == want.shape == (len(logits_rows), vocab)
+        assert ((got - want).norm() / want.norm()).item() < 1e-4
+

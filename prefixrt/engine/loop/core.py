@@ -58,6 +58,7 @@ from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
 if TYPE_CHECKING:
     from prefixrt.engine.loop.cache_audit import CacheAuditor
     from prefixrt.engine.loop.prefix_groups import PrefixGrouper
+    from prefixrt.engine.loop.speculate import Speculator
     from prefixrt.multimodal.inputs import EncoderCache
 
 log = logging.getLogger("prefixrt")
@@ -80,12 +81,14 @@ class EngineCore:
         prefix_grouper: PrefixGrouper | None = None,
         auditor: CacheAuditor | None = None,
         encoder: EncoderCache | None = None,
+        speculator: Speculator | None = None,
     ):
         """Everything the loop uses comes in here; nothing is attached later. hooks: LoopHooks (delivery,
         detokenizer, grammar, events; default: deliver to RequestStreams, ids only, no grammar). prefix_grouper:
         shared-prefix groups of decode batches for cascade decode, or None; auditor: the CacheAuditor when
         cache_audit_rate > 0, else None; encoder: the EncoderCache of a vision-language model (its images' encoder
-        outputs), else None."""
+        outputs), else None; speculator: the Speculator of speculative decoding (speculate.py; synchronous loop
+        only), else None."""
         self.runner = runner
         self.scheduler = scheduler
         self.kv = scheduler.kv
@@ -100,6 +103,7 @@ class EngineCore:
         self.prefix_grouper = prefix_grouper
         self.auditor = auditor
         self.encoder = encoder
+        self.spec = speculator
         self.detokenizer = hooks.detokenizer  # gets [(DetokState | None, sink, StepOutput)] per step
         self.events = hooks.events
         self.masks = GrammarMasks(hooks.grammar)  # grammar masks for the sample unit (filled on their own worker)
@@ -180,6 +184,8 @@ class EngineCore:
         batch = self.schedule()
         if batch is None:
             return False
+        if self.spec is not None:
+            self.spec.plan(batch, self.stats)
         step = self.forward(batch, None)
         if step is not None:
             self.sample(step)
@@ -247,7 +253,10 @@ class EngineCore:
         extend_tokens: list[list[int]] = []
         holes: list[int] = []  # flat positions whose token is still on the device
         hole_rows: list[int] = []  # ... at these rows of prev's sampled tokens
-        for r, p, n, s in zip(batch.reqs, batch.prefix_lens, batch.num_tokens, batch.sample):
+        spec: list = []  # speculating rows (speculate.py): logits at their last token and every draft
+        spec_ends: list[int] = []
+        for i, (r, p, n, s) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.num_tokens, batch.sample)):
+            drafts = batch.drafts.get(i) if batch.drafts else None
             known = len(r.all_ids)
             toks = r.all_ids[p: min(p + n, known)]
             if p + n > known:
@@ -258,12 +267,19 @@ class EngineCore:
                 toks = toks + [0]
             if r.images is not None:
                 toks = model_ids(toks, r.images.image_token_id)
+            if drafts:
+                toks = toks + drafts
             extend_tokens.append(toks)
             if r.input_logprobs_from is not None:
                 pos = [j for j in range(p, p + n) if r.input_logprobs_from - 1 <= j <= r.seq_len - 2]
                 if pos:
                     scored.append((r, pos))
                     extra.extend(acc + j - p for j in pos)
+            if drafts:
+                spec.append((r, drafts, len(spec_ends), r.epoch))
+                spec_ends.extend(range(acc + n - 1, acc + n + len(drafts)))
+                acc += n + len(drafts)
+                continue
             acc += n
             if s and r.params.max_new_tokens > 0:
                 ends.append(acc - 1)
@@ -281,7 +297,8 @@ class EngineCore:
             if n > 1:
                 r.chunk_step = step
         self.kv.write_fence = step.fence
-        step.holes, step.scored, step.num_ends = holes, scored, len(ends)
+        step.holes, step.scored, step.num_ends = holes, scored, len(ends) + len(spec_ends)
+        step.spec = spec
         try:
             self.kv.table.flush()
             fb = ForwardBatch.build(
@@ -290,10 +307,11 @@ class EngineCore:
                 extend_tokens=extend_tokens,
                 out_cache_loc=[s for slots in batch.slots for s in slots],
                 req_to_token=self.kv.table.table,
-                logits_indices=(ends + extra) or [acc - 1],
+                logits_indices=(ends + spec_ends + extra) or [acc - 1],
                 device=self.device,
                 prefix_groups=(self.prefix_grouper.groups(batch.reqs)
-                               if self.prefix_grouper is not None and all(n == 1 for n in batch.num_tokens) else None),
+                               if self.prefix_grouper is not None and not spec
+                               and all(n == 1 for n in batch.num_tokens) else None),
             )
             fb.kv_ready = self.kv.load_waiter(batch.reqs)  # host-tier loads into their paths (None: nothing)
             if any(r.images is not None for r in batch.reqs):
@@ -351,6 +369,8 @@ class EngineCore:
             return None
         self.stats.forward_passes_total += 1
         step.logits = logits[: len(step.sampled)]
+        if step.spec:
+            step.spec_logits = logits[len(step.sampled): step.num_ends]
         return step
 
     def _fail_step(self, step: Step, e: Exception) -> None:
@@ -441,6 +461,9 @@ class EngineCore:
                     on_rows(j + 1)
         elif on_rows is not None:
             on_rows(len(step.sampled))
+        if step.spec:
+            self.spec.verify_step(self, step.spec, step.spec_logits, now)
+            step.spec_logits = None
         b = step.batch
         for r, row, p, n, s in zip(b.reqs, step.rows, b.prefix_lens, b.num_tokens, b.sample):
             if r.chunk_step is step:
@@ -474,6 +497,11 @@ class EngineCore:
         if adv.finish_reason is not None:
             self._release(r)
 
+    def fail_request(self, r: Req, what: str, e: Exception) -> None:
+        """A per-request failure in `what`: logged, and r alone is aborted with the error."""
+        log.error("%s failed for %s: %s", what, r.rid, traceback.format_exc())
+        self._finish(r, "abort", error=f"internal error in {what}: {e}")
+
     # ------------------------------------------------------------------ finishing
     def _finish(self, r: Req, reason: str, error: str | None = None) -> None:
         """Finish r without a new token (abort, length-out-of-memory, prefill-only, stop string)."""
@@ -493,6 +521,8 @@ class EngineCore:
         # Req <-> DetokState cycle, so a finished request is freed by reference counting, not by a GC pause.
         r.detok = None
         self.scheduler.remove(r)
+        if self.spec is not None:
+            self.spec.drafter.on_finished(r)
         samples = self.requests.get(r.rid)
         if samples is not None and all(s.state.value == "finished" for s in samples):
             del self.requests[r.rid]

@@ -48,6 +48,9 @@ class ScheduledBatch:
     sample: list[bool]  # True where the forward reaches the end of all_ids, so a token is sampled
     retracted: list[Req] = field(default_factory=list)
     finished_early: list[Req] = field(default_factory=list)  # could not get memory even alone: stop them
+    # speculative decoding (engine/loop/speculate.py): batch index -> tokens drafted after that row's last token
+    # (their slots follow the row's in `slots`; num_tokens does not count them)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -12,6 +12,10 @@ def snapshot(counters: EngineStats, kv, scheduler, auditor=None) -> EngineStats:
     s = counters
     s.cache_hit_rate = s.cached_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0
     s.evicted_tokens_total = kv.evicted_tokens_total
+    s.spec_acceptance_rate = s.spec_accepted_tokens_total / s.spec_draft_tokens_total if s.spec_draft_tokens_total \
+        else 0.0
+    s.spec_tokens_per_forward = s.spec_emitted_tokens_total / s.spec_verify_rows_total if s.spec_verify_rows_total \
+        else 0.0
     s.requests_running = len(scheduler.running)
     s.requests_waiting = len(scheduler.waiting)
     s.kv_total = kv.total_tokens

@@ -73,5 +73,7 @@ class Step:
     hole_idx: torch.Tensor | None = None  # [2, len(holes)]: those positions, and the rows of prev's tokens
     scored: list = field(default_factory=list)  # (request, positions) wanting prompt logprobs
     num_ends: int = 0  # logits rows of sampled requests (the scored rows follow)
+    spec: list = field(default_factory=list)  # speculating rows: (request, drafts, first row of spec_logits, epoch)
+    spec_logits: torch.Tensor | None = None  # [sum(len(drafts) + 1), V]: their logits at every fed position
     masks: Any = None  # the step's MaskFill (grammar_masks.py; prepare_sample, rows may start during the previous process)
 

@@ -1,0 +1,234 @@
+"""Speculative decoding on one H200, Llama-3-8B shape with dummy weights, one engine (speculative on, CUDA graphs):
+(1) verify: one forward of the last token + k drafts (k = 4, 8), logits at every position, at batch 1, 8, 64 and
+    1k context, against a plain decode step (one token a row) of the same batch, timed alone on the runner;
+(2) fixed: batch-1 decode tok/s (1k-token prompt, 256 new tokens, greedy) with the test drafter accepted at 70%
+    (fixed:0.7, taught by the plain run) against plain decoding (overlap scheduler on, no speculation);
+(3) ngram: radix lookahead on a workload whose answers repeat cached text (8 prompts answered once, then asked
+    again: the tree holds each answer), batch 1, against the same repeat run plain.
+Prints a short table last and writes JSON to benchmarks/results/gpu_speculative.json (and $OUT when set).
+
+    PYTHONPATH=$PWD python benchmarks/gpu_speculative.py           # all sections, ~2-3 min on one H200
+    PYTHONPATH=$PWD python benchmarks/gpu_speculative.py --smoke   # the same logic on a tiny checkpoint on the CPU
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import log, log_table, run_section, script_parser, write_results
+
+RESULTS: dict = {}
+SUMMARY: list[tuple[str, str, str]] = []
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MODEL = "llama-3-8b"
+T_START = time.perf_counter()
+
+
+def section(name: str, fn) -> None:
+    run_section(RESULTS, SUMMARY, name, fn)
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def verify_costs(eng, batches, ks, ctx: int, iters: int) -> dict:
+    """Runner forwards timed alone (on the loop thread, engine idle, cache flushed): decode vs verify."""
+
+    from prefixrt.model.forward_batch import ForwardBatch
+
+    core = eng.core
+    kv, runner = core.kv, core.runner
+    eng.flush_cache()
+
+    def timed(fb) -> float:
+        for _ in range(3):
+            runner.forward(fb)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            runner.forward(fb)
+        _sync()
+        return (time.perf_counter() - t0) / iters * 1000
+
+    def run() -> dict:
+        out = {}
+        kmax = max(ks)
+        span = ctx + kmax + 1
+        assert max(batches) * span < kv.total_tokens, "the pool is too small for the largest batch"
+        rows = [kv.table.alloc_row() for _ in range(max(batches))]
+        try:
+            for i, row in enumerate(rows):  # each row: its own slots (garbage K/V: only time is measured)
+                kv.table.write(row, 0, list(range(1 + i * span, 1 + (i + 1) * span)))
+            kv.table.flush()
+            for b in batches:
+                rs = rows[:b]
+                slots = [1 + i * span + ctx for i in range(b)]
+                dec = ForwardBatch.build(req_pool_indices=rs, prefix_lens=[ctx] * b, extend_tokens=[[7]] * b,
+                                         out_cache_loc=slots, req_to_token=kv.table.table,
+                                         logits_indices=list(range(b)), device=core.device)
+                base = timed(dec)
+                out[f"b{b}_decode_ms"] = round(base, 3)
+                for k in ks:
+                    n = k + 1
+                    fb = ForwardBatch.build(
+                        req_pool_indices=rs, prefix_lens=[ctx] * b, extend_tokens=[[7] * n] * b,
+                        out_cache_loc=[s + j for s in slots for j in range(n)], req_to_token=kv.table.table,
+                        logits_indices=list(range(b * n)), device=core.device)
+                    ms = timed(fb)
+                    out[f"b{b}_k{k}_verify_ms"] = round(ms, 3)
+                    out[f"b{b}_k{k}_ratio"] = round(ms / base, 3)
+                    SUMMARY.append((f"verify k={k} b={b} / decode", f"{ms / base:.2f}x",
+                                    f"{ms:.2f} vs {base:.2f} ms (target <= 1.15x)"))
+            out["replays"] = dict(runner.replays)
+        finally:
+            for row in rows:
+                kv.table.free_row(row)
+        return out
+
+    res = eng._run_on_loop(run, timeout=600)
+    eng.flush_cache()
+    log(json.dumps(res, indent=1))
+    return res
+
+
+def _decode_tok_s(eng, prompt, max_new: int, spec: bool) -> float:
+    """Decode tok/s of one greedy request from its first token on."""
+    first, n = None, 0
+    for ch in eng.stream(prompt, {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True,
+                                  "detokenize": False, "speculative": spec}):
+        if first is None:
+            first = time.perf_counter()
+            n = len(ch.token_ids)
+            continue
+        n += len(ch.token_ids)
+    return (n - 1) / (time.perf_counter() - first)
+
+
+def _set(eng, overlap: bool, drafter=None, k: int | None = None) -> None:
+    core = eng.core
+
+    def apply():
+        core.set_overlap(overlap)
+        if drafter is not None:
+            core.spec.drafter = drafter
+        if k is not None:
+            core.spec.lengths.max_tokens = k
+
+    eng._run_on_loop(apply)
+
+
+def _spec_counters(eng) -> dict:
+    s = eng.stats()
+    return {"draft": s.spec_draft_tokens_total, "accepted": s.spec_accepted_tokens_total,
+            "emitted": s.spec_emitted_tokens_total, "rows": s.spec_verify_rows_total}
+
+
+def _delta(a: dict, b: dict) -> dict:
+    d = {k: b[k] - a[k] for k in a}
+    d["acceptance"] = round(d["accepted"] / d["draft"], 3) if d["draft"] else 0.0
+    d["tokens_per_forward"] = round(d["emitted"] / d["rows"], 3) if d["rows"] else 0.0
+    return d
+
+
+def fixed_rate(eng, ctx: int, max_new: int, ks: list[int]) -> dict:
+    rng = random.Random(11)
+    prompt = [rng.randrange(16, eng.vocab_size) for _ in range(ctx)]
+    _set(eng, overlap=eng.core.device.type == "cuda")
+    plain = max(_decode_tok_s(eng, prompt, max_new, spec=False) for _ in range(2))  # also teaches the drafter
+    out = {"plain_tok_s": round(plain, 1)}
+    for k in ks:
+        _set(eng, overlap=False, k=k)
+        before = _spec_counters(eng)
+        spec = max(_decode_tok_s(eng, prompt, max_new, spec=True) for _ in range(2))
+        d = _delta(before, _spec_counters(eng))
+        out[f"k{k}"] = {"spec_tok_s": round(spec, 1), "speedup": round(spec / plain, 3), **d}
+        SUMMARY.append((f"b1 fixed:0.7 k={k} / plain", f"{spec / plain:.2f}x",
+                        f"{spec:.0f} vs {plain:.0f} tok/s, acceptance {d['acceptance']:.2f}, "
+                        f"{d['tokens_per_forward']:.2f} tok/forward (target >= 2x)"))
+    log(json.dumps(out, indent=1))
+    return out
+
+
+def ngram_repeat(eng, ctx: int, max_new: int, k: int, prompts_n: int) -> dict:
+    from prefixrt.speculative.ngram import NgramDrafter
+
+    rng = random.Random(13)
+    prompts = [[rng.randrange(16, eng.vocab_size) for _ in range(ctx)] for _ in range(prompts_n)]
+    _set(eng, overlap=eng.core.device.type == "cuda", drafter=NgramDrafter(), k=k)
+    for p in prompts:  # the answers enter the tree
+        _decode_tok_s(eng, p, max_new, spec=False)
+    plain = [_decode_tok_s(eng, p, max_new, spec=False) for p in prompts]
+    _set(eng, overlap=False)
+    before = _spec_counters(eng)
+    spec = [_decode_tok_s(eng, p, max_new, spec=True) for p in prompts]
+    d = _delta(before, _spec_counters(eng))
+    mp, ms = sum(plain) / len(plain), sum(spec) / len(spec)
+    out = {"plain_tok_s": round(mp, 1), "spec_tok_s": round(ms, 1), "speedup": round(ms / mp, 3), "k": k, **d}
+    SUMMARY.append(("b1 ngram repeat / plain", f"{ms / mp:.2f}x",
+                    f"{ms:.0f} vs {mp:.0f} tok/s, k={k}, acceptance {d['acceptance']:.2f}, "
+                    f"{d['tokens_per_forward']:.2f} tok/forward (target >= 1.8x)"))
+    log(json.dumps(out, indent=1))
+    return out
+
+
+def main() -> None:
+    ap = script_parser(__doc__, smoke="the same logic on the CPU: tiny checkpoint and shapes")
+    ap.add_argument("--only", default="123", help="sections to run, e.g. 13 (default: all)")
+    ap.add_argument("--ctx", type=int, default=1024, help="context of every section's requests")
+    ap.add_argument("--max-new", type=int, default=256, help="tokens generated per request (sections 2, 3)")
+    ap.add_argument("--k-fixed", default="4,8", help="drafted tokens per step with the fixed-rate drafter (each)")
+    ap.add_argument("--k-ngram", type=int, default=8, help="drafted tokens per step with the n-gram drafter")
+    args = ap.parse_args()
+    smoke = args.smoke
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    import prefixrt
+
+    cuda = torch.cuda.is_available() and not smoke
+    tmp = tempfile.TemporaryDirectory()
+    if smoke:
+        from benchmarks.common import tiny_model_dir
+
+        model_name = str(tiny_model_dir(Path(tmp.name)))
+        kw = dict(device="cpu", attention_backend="torch", kv_cache_tokens=4000)
+        ctx, max_new, batches, iters, n_prompts = 24, 12, (1, 2, 4), 3, 2
+    else:
+        model_name, kw = MODEL, {"load_format": "dummy"}
+        ctx, max_new, batches, iters, n_prompts = args.ctx, args.max_new, (1, 8, 64), 20, 8
+    RESULTS["device"] = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
+    ks_fixed = [int(k) for k in args.k_fixed.split(",")]
+    t = time.perf_counter()
+    eng = prefixrt.Engine(model_name, speculative="fixed:0.7", speculative_num_tokens=max(ks_fixed + [args.k_ngram]),
+                          speculative_adaptive=False, speculative_max_batch=64, **kw)
+    RESULTS["startup_s"] = round(time.perf_counter() - t, 1)
+    log(f"engine up in {RESULTS['startup_s']}s, KV pool {eng.kv_total_tokens} tokens")
+    try:
+        if "1" in args.only:
+            section("verify", lambda: verify_costs(eng, batches, (4, 8), ctx, iters))
+        if "2" in args.only:
+            section("fixed", lambda: fixed_rate(eng, ctx, max_new, ks_fixed))
+        if "3" in args.only:
+            section("ngram", lambda: ngram_repeat(eng, ctx, max_new, args.k_ngram, n_prompts))
+    finally:
+        eng.shutdown()
+    name = f"gpu_speculative-{args.only}{'-smoke' if smoke else ''}.json"
+    tmp.cleanup()
+    write_results(RESULTS, name, None if smoke else RESULTS_DIR)
+    log(f"\nprefixrt speculative decoding, {MODEL if not smoke else 'tiny llama'} dummy on {RESULTS['device']}, "
+        f"total {time.perf_counter() - T_START:.0f}s")
+    log_table(SUMMARY, 10)
+
+
+if __name__ == "__main__":
+    main()

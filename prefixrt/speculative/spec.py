@@ -1,0 +1,33 @@
+"""EngineConfig.speculative specs: parse one, and build its drafter."""
+
+from __future__ import annotations
+
+from prefixrt.speculative.drafter import Drafter
+from prefixrt.speculative.fixed_rate import FixedRateDrafter
+from prefixrt.speculative.ngram import NgramDrafter
+
+SPEC_FORMS = ("ngram", "fixed:P[:SEED]")
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """Validate an EngineConfig.speculative spec: "ngram", or "fixed:P" / "fixed:P:SEED" (the test drafter, P in
+    [0, 1]). Returns (kind, options); raises ValueError."""
+    parts = spec.split(":")
+    if parts == ["ngram"]:
+        return "ngram", {}
+    if parts[0] == "fixed" and len(parts) in (2, 3):
+        try:
+            p = float(parts[1])
+            seed = int(parts[2]) if len(parts) == 3 else 0
+        except ValueError:
+            p, seed = -1.0, 0
+        if 0.0 <= p <= 1.0:
+            return "fixed", {"p": p, "seed": seed}
+    raise ValueError(f"speculative must be one of {SPEC_FORMS}, got {spec!r}")
+
+
+def make_drafter(spec: str, vocab_size: int) -> Drafter:
+    kind, opts = parse_spec(spec)
+    if kind == "ngram":
+        return NgramDrafter()
+    return FixedRateDrafter(opts["p"], vocab_size, seed=opts["seed"])
