@@ -15,8 +15,18 @@ $OUT when set, else the current folder).
 Sized for an H200 with the llama-3-8b shape and dummy weights: the whole run is meant to end within 8 minutes;
 --budget-s (default 400) stops starting new runs past that many seconds, and the skipped runs are listed.
 
+Memory pressure (--pool-fraction-of-working-set F): the default pool holds every workload's whole working set, so
+nothing is evicted and the order of admission (lpm or fcfs) cannot change what is reused. With F, a first engine
+at the default pool runs each workload under "full" and measures its working set (the tokens an exact
+never-evicting cache holds after the trace, bench/workloads.trace_working_set); then each workload runs its
+ablations on engines whose pool is F x that many tokens (at least --min-pool-tokens), three engines a workload
+(lpm/fcfs, block cache, no cache). The table ends with the component ordering of each workload (no cache <
+block cache < fcfs < full, by programs/s and by hit rate). --kv-cache-tokens N instead sets one pool for all.
+
     PYTHONPATH=$PWD python benchmarks/gpu_programs.py                     # on the GPU host
     PYTHONPATH=$PWD python benchmarks/gpu_programs.py --workloads tree-of-thought,llm-judge --ablations full,no-cache
+    PYTHONPATH=$PWD python benchmarks/gpu_programs.py --workloads llm-judge,mmlu \
+        --ablations full,fcfs,block-cache,no-cache --pool-fraction-of-working-set 0.5   # under eviction
     PYTHONPATH=$PWD python benchmarks/gpu_programs.py --smoke /path/to/tiny-hf-folder   # ci shapes on the CPU
 """
 
@@ -35,6 +45,21 @@ def log(*a):
     print(*a, flush=True)
 
 
+ORDERING = ("no-cache", "block-cache", "fcfs", "full")  # the paper's component ordering, worst first
+
+
+def component_ordering(rows, pool: dict) -> str:
+    """One line: programs/s and hit rate of no-cache, block-cache, fcfs and full, and whether each is strictly
+    above the one before it (the paper's ordering under memory pressure)."""
+    by = {r.ablation: r for r in rows}
+    got = [a for a in ORDERING if a in by]
+    parts = [f"{a} {by[a].programs_per_s:.2f}/s hit {by[a].hit_rate:.1%}" for a in got]
+    speed = all(by[a].programs_per_s < by[b].programs_per_s for a, b in zip(got, got[1:]))
+    hits = all(by[a].hit_rate < by[b].hit_rate for a, b in zip(got, got[1:]))
+    return (f"ordering at pool {pool['kv_cache_tokens']} (working set {pool['working_set_tokens']}): "
+            + " < ".join(parts) + f" | by speed: {'holds' if speed else 'no'}, by hit rate: {'holds' if hits else 'no'}")
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
@@ -43,10 +68,13 @@ def parse_args(argv=None):
     ap.add_argument("--workloads", default="all", help="comma list of workload names, or all")
     ap.add_argument("--ablations", default="all", help="comma list of full, no-cache, block-cache, fcfs, no-hint, "
                                                         "no-parallel, or all")
-    ap.add_argument("--preset", default="gpu", choices=["ci", "gpu"])
+    ap.add_argument("--preset", default=None, choices=["ci", "gpu"], help="default gpu (ci with --smoke)")
     ap.add_argument("--num-threads", type=int, default=64, help="programs in flight at once")
     ap.add_argument("--budget-s", type=float, default=400.0, help="start no run past this many seconds")
-    ap.add_argument("--kv-cache-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-tokens", type=int, default=None, help="one KV pool size for every engine")
+    ap.add_argument("--pool-fraction-of-working-set", type=float, default=None, metavar="F",
+                    help="size each workload's pool to F x its measured working set (e.g. 0.5): runs under eviction")
+    ap.add_argument("--min-pool-tokens", type=int, default=4096, help="floor of a pool sized by the fraction")
     ap.add_argument("--out", default=None, help="folder for programs.json and programs.png (default $OUT or .)")
     ap.add_argument("--smoke", default=None, metavar="MODEL_DIR",
                     help="the ci preset on the CPU with a local HF folder (tests this script's logic)")
@@ -68,32 +96,50 @@ def main(argv=None) -> int:
     out = args.out or os.environ.get("OUT") or "."
     os.makedirs(out, exist_ok=True)
     if args.smoke:
-        model, preset = args.smoke, "ci"
+        model, preset = args.smoke, args.preset or "ci"
         base = dict(device="cpu", dtype="float32", kv_cache_tokens=args.kv_cache_tokens or 16384)
     else:
-        model, preset = args.model, args.preset
+        model, preset = args.model, args.preset or "gpu"
         base = dict(load_format=args.load_format, kv_cache_tokens=args.kv_cache_tokens)
     meta = {"date": datetime.date.today().isoformat(), "argv": sys.argv, "host": platform.node(), "model": model,
             "preset": preset}
 
     def make_engine(overrides):
         t = time.perf_counter()
-        eng = Engine(model, progress=False, **base, **overrides)
+        eng = Engine(model, progress=False, **{**base, **overrides})
         meta.update(device=str(eng.device), dtype=str(eng._built.dtype))
         log(f"  engine {overrides or 'default'} built in {time.perf_counter() - t:.1f}s")
         return eng
 
     skipped: list = []
     warm: list = []
-    results = run_matrix(make_engine, workloads, ablations, preset, num_threads=args.num_threads,
-                         budget_s=args.budget_s - (time.perf_counter() - t0), log=log, skipped=skipped,
-                         warm_results=warm)
+    matrix = dict(num_threads=args.num_threads, log=log, skipped=skipped)
+    if args.pool_fraction_of_working_set:
+        reference = run_matrix(make_engine, workloads, [ABLATIONS["full"]], preset, budget_s=args.budget_s,
+                               warm_results=warm, **matrix)
+        meta["default_pool"] = [r.to_dict() for r in reference]
+        results, meta["pools"] = [], {}
+        for r in reference:
+            pool = max(args.min_pool_tokens, int(args.pool_fraction_of_working_set * r.working_set_tokens))
+            meta["pools"][r.workload] = {"working_set_tokens": r.working_set_tokens, "kv_cache_tokens": pool}
+            log(f"# {r.workload}: working set {r.working_set_tokens} tokens, pool {pool}")
+            results += run_matrix(lambda o, pool=pool: make_engine({**o, "kv_cache_tokens": pool}),
+                                  [WORKLOADS[r.workload]], ablations, preset,
+                                  budget_s=args.budget_s - (time.perf_counter() - t0), **matrix)
+    else:
+        results = run_matrix(make_engine, workloads, ablations, preset,
+                             budget_s=args.budget_s - (time.perf_counter() - t0), warm_results=warm, **matrix)
     meta["wall_s"] = round(time.perf_counter() - t0, 1)
     for w in workloads:
         rows = [r for r in results if r.workload == w.name]
         if rows:
             log(f"\n## {w.title} ({w.name}): {w.describe(w.sizes_for(preset))}")
             log(format_results(rows))
+            if "pools" in meta:
+                log(component_ordering(rows, meta["pools"][w.name]))
+    if "default_pool" in meta:
+        log("\n## full at the default pool (the runs that measured each working set)")
+        log(format_results(reference))
     if warm:
         log("\n## every workload at the ci preset (warm-up runs of the first engine): hit rates to compare with "
             "the CPU runs")

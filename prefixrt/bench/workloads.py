@@ -152,8 +152,20 @@ def ideal_hit_rate(requests: list[tuple[list[int], list[int], int]]) -> float:
     prompt plus all but the last of its output tokens, whose K/V an engine computes while decoding), at most
     `reuse cap` tokens (an engine recomputes at least the last prompt token). A cache that never evicts and
     matches token by token reaches it; the offline optimum of the paper's hit-rate comparison."""
+    hits, total, _ = _ideal_cache(requests)
+    return hits / total if total else 0.0
+
+
+def trace_working_set(requests: list[tuple[list[int], list[int], int]]) -> int:
+    """Tokens the ideal cache of ideal_hit_rate holds at the end of the trace: the distinct prefixes (a token
+    each) that its requests computed. A KV pool of fewer tokens must evict before the trace ends."""
+    return _ideal_cache(requests)[2]
+
+
+def _ideal_cache(requests) -> tuple[int, int, int]:
+    """(prompt tokens reused, prompt tokens, tokens held) of the never-evicting token trie over the trace."""
     trie: dict = {}
-    hits = total = 0
+    hits = total = held = 0
     for prompt, output, cap in requests:
         total += len(prompt)
         node, depth = trie, 0
@@ -164,5 +176,9 @@ def ideal_hit_rate(requests: list[tuple[list[int], list[int], int]]) -> float:
             node, depth = nxt, depth + 1
         hits += max(0, min(depth, cap))
         for t in (prompt + output[:-1])[depth:]:
-            node = node.setdefault(t, {})
-    return hits / total if total else 0.0
+            nxt = node.get(t)
+            if nxt is None:
+                nxt = node[t] = {}
+                held += 1
+            node = nxt
+    return hits, total, held

@@ -13,7 +13,7 @@ import pytest
 
 from prefixrt.bench.programs import WORKLOADS
 from prefixrt.bench.programs.runner import ABLATIONS, run_workload
-from prefixrt.bench.workloads import ideal_hit_rate
+from prefixrt.bench.workloads import ideal_hit_rate, trace_working_set
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,8 +46,8 @@ def make_long_engine(long_folder):
     engines = []
 
     def make(**kwargs):
-        eng = Engine(str(long_folder), device="cpu", dtype="float32", debug=True, kv_cache_tokens=16384,
-                     progress=False, **kwargs)
+        eng = Engine(str(long_folder), device="cpu", dtype="float32", debug=True, progress=False,
+                     **{"kv_cache_tokens": 16384, **kwargs})
         engines.append(eng)
         return eng
 
@@ -68,6 +68,32 @@ def test_ideal_hit_rate_reuses_prompts_and_outputs_in_order():
     assert ideal_hit_rate([(a, [5, 6], 3), (turn2, [], 6)]) == (0 + 5) / 11  # 6 was never computed
     assert ideal_hit_rate([(a, [], 3), (a, [], 3)]) == 3 / 8  # the last prompt token is always computed
     assert ideal_hit_rate([(b, [], 3), (a, [], 3)]) == ideal_hit_rate([(a, [], 3), (b, [], 3)])
+
+
+def test_trace_working_set_counts_each_computed_prefix_once():
+    a, b = [1, 2, 3, 4], [1, 2, 3, 9]
+    assert trace_working_set([(a, [], 3), (b, [], 3)]) == 5  # 1 2 3 shared, then 4 and 9
+    assert trace_working_set([(a, [5, 6], 3), (a + [5, 6, 7], [], 6)]) == 7  # a, then 5; 6 and 7 from turn 2
+    assert trace_working_set([(a, [], 3), (a, [], 3)]) == 4
+
+
+# mmlu with 4 subjects interleaved: under a pool of 30% of the working set only a subject or two of few-shot
+# prefixes stay cached, and lpm admits the questions whose subject is cached first.
+SMALL_MMLU = dict(subjects=4, questions_per_subject=8, shots=2, question_words=10, option_words=3)
+
+
+def test_lpm_reuses_more_than_fcfs_under_a_pool_below_the_working_set(make_long_engine):
+    w = WORKLOADS["mmlu"]
+    sizes = w.sizes_for("ci", **SMALL_MMLU)
+    unbounded = run_workload(make_long_engine(), w, ABLATIONS["full"], sizes, num_threads=16)
+    assert unbounded.hit_rate == pytest.approx(unbounded.ideal_hit_rate, abs=1e-3)
+    eng = make_long_engine(kv_cache_tokens=int(0.3 * unbounded.working_set_tokens))
+    full = [run_workload(eng, w, ABLATIONS["full"], sizes, num_threads=16) for _ in range(2)]
+    fcfs = [run_workload(eng, w, ABLATIONS["fcfs"], sizes, num_threads=16) for _ in range(2)]
+    assert all(r.outputs == unbounded.outputs for r in full + fcfs)
+    assert max(r.hit_rate for r in full) < unbounded.hit_rate  # the small pool evicts
+    assert min(r.hit_rate for r in full) > max(r.hit_rate for r in fcfs) + 0.01, (
+        [r.hit_rate for r in full], [r.hit_rate for r in fcfs])
 
 
 def test_every_program_runs_on_gemma(gemma_engine_session):
@@ -129,3 +155,18 @@ def test_gpu_programs_smoke(long_folder, tmp_path):
     assert len(data["ci_preset"]) == 3 and not data["skipped"]
     assert "## tree-of-thought" in p.stdout.replace("## tree-of-thought (GSM8K-style)", "## tree-of-thought")
     assert (tmp_path / "programs.png").stat().st_size > 0
+
+
+def test_gpu_programs_pool_below_the_working_set(long_folder, tmp_path):
+    cmd = [sys.executable, "benchmarks/gpu_programs.py", "--smoke", str(long_folder), "--workloads", "mmlu",
+           "--ablations", "full,fcfs,no-cache", "--pool-fraction-of-working-set", "0.5", "--min-pool-tokens", "256",
+           "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "programs.json").read_text())
+    pool = data["meta"]["pools"]["mmlu"]
+    assert pool["kv_cache_tokens"] == max(256, pool["working_set_tokens"] // 2) > 0
+    assert [r["ablation"] for r in data["meta"]["default_pool"]] == ["full"]
+    assert {r["ablation"] for r in data["results"]} == {"full", "fcfs", "no-cache"}
+    assert f"ordering at pool {pool['kv_cache_tokens']}" in p.stdout

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixrt.bench.programs.base import ProgramWorkload
-from prefixrt.bench.workloads import ideal_hit_rate
+from prefixrt.bench.workloads import ideal_hit_rate, trace_working_set
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ class ProgramResult:
     sizes: dict = field(default_factory=dict)
     trace: str = "engine"  # "engine" (in-process) or "client" (over HTTP)
     outputs: list = field(default_factory=list, repr=False)  # each program's final text (dspy: its answer)
+    working_set_tokens: int = 0  # tokens an exact never-evicting cache holds after the trace (its footprint)
 
     @property
     def programs_per_s(self) -> float:
@@ -97,7 +98,8 @@ class ProgramResult:
                 "tokens_per_s": round(self.tokens_per_s, 1), "num_requests": self.num_requests,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "output_tokens": self.output_tokens, "hit_rate": round(self.hit_rate, 4),
-                "ideal_hit_rate": round(self.ideal_hit_rate, 4), "latency_ms": self.latency_ms(),
+                "ideal_hit_rate": round(self.ideal_hit_rate, 4),
+                "working_set_tokens": self.working_set_tokens, "latency_ms": self.latency_ms(),
                 "sizes": self.sizes, "trace": self.trace}
 
 
@@ -238,7 +240,8 @@ def run_workload(provider, w: ProgramWorkload, ablation: Ablation, sizes: dict, 
     prompt, cached, output = trace.totals()
     reqs = trace.requests()
     return ProgramResult(w.name, ablation.name, len(args), duration, len(reqs), prompt, cached, output,
-                         ideal_hit_rate(reqs), latencies, dict(sizes), "engine" if in_process else "client", outputs)
+                         ideal_hit_rate(reqs), latencies, dict(sizes), "engine" if in_process else "client", outputs,
+                         trace_working_set(reqs))
 
 
 @contextlib.contextmanager
