@@ -28,6 +28,12 @@ block cache < fcfs < full, by programs/s and by hit rate). --kv-cache-tokens N i
     PYTHONPATH=$PWD python benchmarks/gpu_programs.py --workloads llm-judge,mmlu \
         --ablations full,fcfs,block-cache,no-cache --pool-fraction-of-working-set 0.5   # under eviction
     PYTHONPATH=$PWD python benchmarks/gpu_programs.py --smoke /path/to/tiny-hf-folder   # ci shapes on the CPU
+    PYTHONPATH=$PWD python benchmarks/gpu_programs.py --cpu-twin   # ci shapes on the CPU, hit rates as on the H200
+
+--cpu-twin: the ci preset on the CPU with a 2-layer llama of random weights that uses --model's tokenizer, built in
+a temporary folder, its weights drawn as --load-format dummy draws them. The H200 run's dummy weights write random tokens, which the frontend decodes to text and encodes
+again in the next call's prompt; how much of an answer survives that depends on the tokenizer and on the answer
+being random, so this twin, not Gemma-3-270M, is the CPU run whose hit rates compare with the H200's ci_preset rows.
 """
 
 from __future__ import annotations
@@ -60,6 +66,26 @@ def component_ordering(rows, pool: dict) -> str:
             + " < ".join(parts) + f" | by speed: {'holds' if speed else 'no'}, by hit rate: {'holds' if hits else 'no'}")
 
 
+def cpu_twin(model: str) -> str:
+    """A temporary folder holding a 2-layer llama with random weights and `model`'s tokenizer (its vocabulary)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from prefixrt.hub.registry import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(model))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tempfile.mkdtemp(prefix="prefixrt-cpu-twin-")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
@@ -78,6 +104,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help="folder for programs.json and programs.png (default $OUT or .)")
     ap.add_argument("--smoke", default=None, metavar="MODEL_DIR",
                     help="the ci preset on the CPU with a local HF folder (tests this script's logic)")
+    ap.add_argument("--cpu-twin", action="store_true",
+                    help="--smoke with a tiny random-weight llama that uses --model's tokenizer (see below)")
     return ap.parse_args(argv)
 
 
@@ -95,9 +123,13 @@ def main(argv=None) -> int:
     ablations = [ABLATIONS[n] for n in sorted(names, key=order.index)]
     out = args.out or os.environ.get("OUT") or "."
     os.makedirs(out, exist_ok=True)
+    if args.cpu_twin:
+        args.smoke = cpu_twin(args.model)
     if args.smoke:
         model, preset = args.smoke, args.preset or "ci"
         base = dict(device="cpu", dtype="float32", kv_cache_tokens=args.kv_cache_tokens or 16384)
+        if args.cpu_twin:
+            base["load_format"] = "dummy"  # the H200 run's random weights (hub/loader.init_dummy_weights)
     else:
         model, preset = args.model, args.preset or "gpu"
         base = dict(load_format=args.load_format, kv_cache_tokens=args.kv_cache_tokens)

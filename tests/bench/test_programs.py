@@ -170,3 +170,18 @@ def test_gpu_programs_pool_below_the_working_set(long_folder, tmp_path):
     assert [r["ablation"] for r in data["meta"]["default_pool"]] == ["full"]
     assert {r["ablation"] for r in data["results"]} == {"full", "fcfs", "no-cache"}
     assert f"ordering at pool {pool['kv_cache_tokens']}" in p.stdout
+
+
+def test_gpu_programs_cpu_twin_matches_the_h200_ci_rows(tmp_path):
+    """The CPU twin (random dummy weights, the llama-3 tokenizer) reuses what the H200's dummy run reused: its
+    answers re-encode as random tokens do (multi-turn-long was 13.8 points apart with Gemma's real answers)."""
+    cmd = [sys.executable, "benchmarks/gpu_programs.py", "--cpu-twin", "--workloads", "mmlu,multi-turn-long",
+           "--ablations", "full", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    got = {r["workload"]: r["hit_rate"] for r in json.loads((tmp_path / "programs.json").read_text())["results"]}
+    h200 = json.loads((REPO / "benchmarks/results/programs-h200-a.json").read_text())["ci_preset"]
+    want = {r["workload"]: r["hit_rate"] for r in h200}
+    for name in ("mmlu", "multi-turn-long"):
+        assert abs(got[name] - want[name]) <= 0.02, (name, got[name], want[name])
