@@ -84,13 +84,41 @@ def test_fp8_gemm_matches_reference(m, block_scales, quantize_input):
     assert rel_err(expected, x.float() @ w.T + bias.float()) < 0.08
 
 
-def test_fp8_gemm_fp32_output_is_tight():
-    """With an fp32 input and output the kernel equals the reference to float rounding (no bf16 output rounding)."""
+@pytest.mark.parametrize("split_k", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 16, 33])
+@pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
+def test_fp8_gemm_split_k_matches_reference(split_k, m, block_scales):
+    """Split-K: K = 300 in 64-wide tiles over 2-8 slices (with 8, five slices of 64 and three empty ones), the
+    partials summed by the second launch with the bias; input quantized in the GEMM (m = 1, 33) or before (m = 16)."""
+    gen = torch.Generator().manual_seed(10 * m + split_k)
+    n, k = (200, 300) if block_scales else (48, 300)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    w_q, w_scale = (fp8_ref.quantize_blocks if block_scales else fp8_ref.quantize_rows)(w)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    args = [t.to(DEVICE) for t in (w_q, w_scale, bias)]
+    quantize_input = m != 16
+    config = Fp8GemmConfig(block_n=32, block_k=64, quantize_input=quantize_input, split_k=split_k)
+    if quantize_input:
+        y = fp8_gemm(x.to(DEVICE), *args, config=config)
+    else:
+        x_q, x_scale = quantize_rows(x.to(DEVICE))
+        y = fp8_gemm(x_q, *args, config=config, x_scale=x_scale)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias)) < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_fp8_gemm_fp32_output_is_tight(split_k):
+    """With an fp32 input and output the kernel equals the reference to float rounding (no bf16 output rounding),
+    with and without split-K."""
     gen = torch.Generator().manual_seed(3)
-    w_q, w_scale = fp8_ref.quantize_rows(torch.randn(64, 128, generator=gen))
-    x = torch.randn(5, 128, generator=gen)
-    y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), config=Fp8GemmConfig(32, 64))
-    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale)) < 1e-6
+    w_q, w_scale = fp8_ref.quantize_rows(torch.randn(64, 256, generator=gen))
+    x = torch.randn(5, 256, generator=gen)
+    bias = torch.randn(64, generator=gen)
+    config = Fp8GemmConfig(32, 64, split_k=split_k)
+    y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE), config=config)
+    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias)) < 1e-6
 
 
 def test_fp8_gemm_rejects_bad_arguments():
@@ -103,6 +131,8 @@ def test_fp8_gemm_rejects_bad_arguments():
     bq, bs = fp8_ref.quantize_blocks(torch.randn(32, 256))
     with pytest.raises(ValueError, match="block_k"):
         fp8_gemm(torch.randn(2, 256), bq, bs, config=Fp8GemmConfig(block_k=256))
+    with pytest.raises(ValueError, match="split_k"):
+        fp8_gemm(x, w_q, w_scale, config=Fp8GemmConfig(split_k=3))
 
 
 def test_block_quantization_round_trip():
