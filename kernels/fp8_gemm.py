@@ -12,7 +12,8 @@ states the scheme and is the oracle).
   Split-K (`split_k` > 1, for the few rows of decode): a program then owns BLOCK_N columns of one of split_k
   slices of K, so the grid has split_k times more programs (N / BLOCK_N alone is about one wave on an H200, each
   program streaming all of K: far below HBM bandwidth); each writes its scaled fp32 partial sums and a second
-  launch adds the split_k partials in a fixed order (deterministic), adds the bias and rounds once.
+  launch (gemv.py's split-K sum) adds the split_k partials in a fixed order (deterministic), adds the bias and
+  rounds once.
 - `scaled_mm`: cuBLAS's FP8 GEMM through `torch._scaled_mm` with row-wise scales (CUDA, Hopper and Ada), for
   larger M; None where this torch or GPU cannot run it.
 
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 from prefixrt.kernels._common import interpreting, pdl_args, pdl_trigger, pdl_wait, to_e4m3
 from prefixrt.kernels.fp8_reference import FP8, FP8_MAX, MIN_AMAX, SCALE_BLOCK
+from prefixrt.kernels.gemv import _sum_splits_kernel  # the split-K sum: fp32 partials [S, M, N] -> y
 
 # The scheme's constants as the kernels see them (a Triton kernel reads only constexpr globals).
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -154,24 +156,6 @@ def _fp8_gemm_kernel(
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _split_k_sum_kernel(Partial, Bias, Y, M, N, stride_ym, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr = False):  # fmt: skip
-    """Y[m, n] = sum over s of Partial[s, m, n] (+ bias), in order of s; Partial is [SPLIT_K, M, N] fp32, contiguous."""
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    pdl_wait(USE_PDL)
-    pdl_trigger(USE_PDL)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(Partial + (s * M + row) * N + offs_n, mask=mask_n, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_ym + offs_n, acc.to(Y.dtype.element_ty), mask=mask_n)
-
-
 def _check_weight(w_q: torch.Tensor, w_scale: torch.Tensor) -> bool:
     """-> whether the scales are block-wise; raises on shapes that do not fit W_q [N, K]."""
     n, k = w_q.shape
@@ -229,9 +213,11 @@ def fp8_gemm(
     )  # fmt: skip
     if split:
         block = min(1024, triton.next_power_of_2(n))
-        _split_k_sum_kernel[(triton.cdiv(n, block), num_rows)](
-            out, bias if bias is not None else out, y, num_rows, n, y.stride(0), HAS_BIAS=bias is not None,
-            SPLIT_K=c.split_k, BLOCK_N=block, num_warps=1 if interpreting() else 4, **pdl_args(x, num_rows))
+        _sum_splits_kernel[(num_rows, triton.cdiv(n, block))](
+            out, bias if bias is not None else out, y, num_rows, n, out.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK=block, num_warps=1 if interpreting() else 4,
+            **pdl_args(x, num_rows),
+        )  # fmt: skip
     return y
 
 
