@@ -42,6 +42,28 @@ from benchmarks.common import free_port, log, script_parser
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS: dict = {}
+# sitecustomize for --profile-server: yappi (CPU clock, every thread) between SIGUSR1 and SIGUSR2, saved as
+# <dir>/<pid>.pstat plus per-thread CPU totals in <dir>/<pid>.txt.
+PROFILE_BOOT = """
+import os, signal, sys
+_dir = os.environ.get("GPU_SERVER_PROFILE_DIR")
+if _dir:
+    def _start(*_):
+        import yappi
+        yappi.set_clock_type("cpu")
+        yappi.start(profile_threads=True)
+    def _save(*_):
+        import yappi
+        yappi.stop()
+        base = os.path.join(_dir, str(os.getpid()))
+        yappi.get_func_stats().save(base + ".pstat", "pstat")
+        with open(base + ".txt", "w") as f:
+            f.write(" ".join(sys.argv) + "\\n")
+            yappi.get_thread_stats().print_all(out=f)
+        yappi.clear_stats()
+    signal.signal(signal.SIGUSR1, _start)
+    signal.signal(signal.SIGUSR2, _save)
+"""
 
 
 def shape(smoke: bool) -> dict:
@@ -67,11 +89,16 @@ def pct(xs: list[float], q: float) -> float:
 class Server:
     """`python -m prefixrt.cli serve ...` in a subprocess; start-up timed from spawn to /health answering."""
 
-    def __init__(self, model: str, engine_args: list[str], log_path: Path):
+    def __init__(self, model: str, engine_args: list[str], log_path: Path, profile_dir: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        if profile_dir is not None:  # SIGUSR1 starts yappi in the server and engine processes, SIGUSR2 saves
+            boot = Path(tempfile.mkdtemp(prefix="gpu-server-profile-"))
+            (boot / "sitecustomize.py").write_text(PROFILE_BOOT)
+            env["PYTHONPATH"] = f"{boot}{os.pathsep}{env['PYTHONPATH']}"
+            env["GPU_SERVER_PROFILE_DIR"] = str(profile_dir)
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefixrt.cli", "serve", "--model", model, "--port", str(self.port),
@@ -100,6 +127,19 @@ class Server:
         m = re.search(r"compiled: (\d+) Triton kernel builds in ([\d.]+)s", self.log())
         return {"builds": int(m.group(1)), "seconds": float(m.group(2))} if m else {}
 
+    def startup_lines(self) -> dict:
+        """The engine's own start-up figure and the parallel builds' line, from the start-up log."""
+        text, out = self.log(), {}
+        m = re.search(r"start-up: ([\d.]+)s \(weights ([\d.]+)s\)", text)
+        if m:
+            out.update(engine_startup_s=float(m.group(1)), weights_s=float(m.group(2)))
+        m = re.search(r"parallel Triton builds: (\d+) of (\d+) kernel variants built by (\d+) worker processes in "
+                      r"([\d.]+)s", text)
+        if m:
+            out.update(parallel_built=int(m.group(1)), parallel_variants=int(m.group(2)),
+                       parallel_workers=int(m.group(3)), parallel_s=float(m.group(4)))
+        return out
+
     def serving_builds(self) -> float | None:
         import httpx
 
@@ -109,6 +149,17 @@ class Server:
             return None
         m = re.search(r'prefixrt_triton_kernel_builds_total\{phase="serving"\} ([0-9.e+]+)', text)
         return float(m.group(1)) if m else None
+
+    def pids(self) -> dict[str, int]:
+        """The server process and its engine process."""
+        from benchmarks.common import child_pids
+
+        engines = [c for c in child_pids(self.proc.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        return {"server": self.proc.pid, **({"engine": engines[0]} if engines else {})}
+
+    def signal_all(self, sig: int) -> None:
+        for pid in self.pids().values():
+            os.kill(pid, sig)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -120,18 +171,20 @@ class Server:
                 self.proc.wait()
 
 
-async def http_stream_batch(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Every prompt at once, one streaming OpenAI-style client each on /v1/completions: wall time, out tok/s,
-    TTFT p50 (to the first streamed event)."""
+async def _stream_requests(url: str, prompts: list[list[int]], max_tokens: int, start_at: float | None = None
+                           ) -> dict:
+    """One client process's share: a streaming OpenAI-style client per prompt on /v1/completions (httpx, as the
+    openai SDK uses), all at once. With start_at (a time.time()), the connections are opened first and the
+    requests go at that moment, so that several processes start together. Per request: send, first streamed event
+    and end as time.time(); the process's CPU seconds while streaming."""
     import httpx
 
-    ttfts, toks, chars = [], [0], [0]
+    reqs: list[dict] = []
 
     async def one(http, p):
         body = {"model": "m", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
-        t0 = time.perf_counter()
-        first = None
+        r = {"send": time.time(), "first": None, "tokens": 0, "chars": 0}
         async with http.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:500]!r}")
@@ -140,25 +193,89 @@ async def http_stream_batch(url: str, prompts: list[list[int]], max_tokens: int)
                     continue
                 ev = json.loads(line[6:])
                 if ev.get("choices"):
-                    if first is None:
-                        first = time.perf_counter()
-                    chars[0] += len(ev["choices"][0].get("text") or "")
+                    if r["first"] is None:
+                        r["first"] = time.time()
+                    r["chars"] += len(ev["choices"][0].get("text") or "")
                 if ev.get("usage"):
-                    toks[0] += ev["usage"]["completion_tokens"]
-        ttfts.append((first or time.perf_counter()) - t0)
+                    r["tokens"] += ev["usage"]["completion_tokens"]
+        r["end"] = time.time()
+        r["first"] = r["first"] or r["end"]
+        reqs.append(r)
 
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
-        t0 = time.perf_counter()
+        if start_at is not None:  # one open connection per request, as a long-lived client has
+            await asyncio.gather(*(http.get("/health") for _ in prompts))
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        cpu0 = time.process_time()
         await asyncio.gather(*(one(http, p) for p in prompts))
-        dt = time.perf_counter() - t0
-    return {"seconds": round(dt, 3), "out_tok_s": round(toks[0] / dt, 1),
-            "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1), "output_tokens": toks[0],
-            "text_chars": chars[0]}
+        cpu = time.process_time() - cpu0
+    return {"requests": reqs, "cpu_s": cpu}
 
 
-def http_batch(url, prompts, max_tokens) -> dict:
-    return asyncio.run(http_stream_batch(url, prompts, max_tokens))
+def _client_process(url: str, prompts: list[list[int]], max_tokens: int, start_at: float) -> dict:
+    return asyncio.run(_stream_requests(url, prompts, max_tokens, start_at))
+
+
+class Clients:
+    """`procs` client processes (spawned once, reused), each streaming its share of a batch: 64 users are not one
+    Python process, and one httpx process cannot parse 8,000 SSE events a second (it was the bottleneck)."""
+
+    def __init__(self, procs: int):
+        import concurrent.futures
+        import multiprocessing
+
+        self.procs = procs
+        self.pool = concurrent.futures.ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+        list(self.pool.map(_ping, range(procs)))  # started and importing before the first batch
+
+    def batch(self, url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+        shares = [prompts[i::self.procs] for i in range(self.procs)]
+        start_at = time.time() + 0.5
+        parts = list(self.pool.map(_client_process, [url] * len(shares), shares, [max_tokens] * len(shares),
+                                   [start_at] * len(shares)))
+        return batch_summary(parts)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _ping(_: int) -> int:
+    import httpx  # noqa: F401  (imported before the first batch)
+
+    return os.getpid()
+
+
+def batch_summary(parts: list[dict]) -> dict:
+    """Out tok/s over the batch (first send to last end), TTFT p50 (send to first streamed event), and the
+    busiest client process's CPU use (a value near 1.0 means the clients, not the server, set the pace)."""
+    reqs = [r for part in parts for r in part["requests"]]
+    t0, t1 = min(r["send"] for r in reqs), max(r["end"] for r in reqs)
+    toks = sum(r["tokens"] for r in reqs)
+    ttfts = [r["first"] - r["send"] for r in reqs]
+    return {"seconds": round(t1 - t0, 3), "out_tok_s": round(toks / (t1 - t0), 1),
+            "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1), "output_tokens": toks,
+            "text_chars": sum(r["chars"] for r in reqs), "client_procs": len(parts),
+            "busiest_client_cpu": round(max(part["cpu_s"] for part in parts) / (t1 - t0), 2)}
+
+
+def measured_batch(srv: Server, prompts, max_tokens, clients: Clients | None = None) -> dict:
+    """http_batch with the CPU use (CPU seconds / batch seconds) of the server and engine processes."""
+    from benchmarks.common import cpu_seconds
+
+    pids = srv.pids()
+    cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+    out = http_batch(srv.url, prompts, max_tokens, clients)
+    for k, p in pids.items():
+        out[f"{k}_cpu"] = round((cpu_seconds(p) - cpu0[k]) / out["seconds"], 2)
+    return out
+
+
+def http_batch(url, prompts, max_tokens, clients: Clients | None = None) -> dict:
+    """A batch from `clients` (several processes), or from this process alone."""
+    if clients is not None:
+        return clients.batch(url, prompts, max_tokens)
+    return batch_summary([asyncio.run(_stream_requests(url, prompts, max_tokens))])
 
 
 def http_hot_ttft(url: str, s: dict, seed: int = 5) -> dict:
@@ -224,16 +341,22 @@ def phase_cold(args, out: Path) -> list[tuple]:
     shutil.rmtree(cache, ignore_errors=True)
     cache.mkdir(parents=True)
     rows = []
+    t = time.perf_counter()
+    from prefixrt.hub.registry import resolve_model
+
+    resolve_model(model)  # a built-in shape's folder (config, tokenizer) is written once: a deployment has its own
+    log(f"model folder ready in {time.perf_counter() - t:.1f}s (not part of the start-up below)")
+    clients = Clients(args.client_procs)
     srv = Server(model, [*eng_args, "--compile-cache-dir", str(cache)], out / "gpu_server_cold_serve1.log")
     try:
         start1 = srv.wait_ready()
-        comp1 = srv.compiled()
+        comp1 = {**srv.compiled(), **srv.startup_lines()}
         log(f"start-up, empty compile cache: {start1:.1f}s; {comp1}")
         prompts = rag_prompts(s)
-        first = http_batch(srv.url, prompts, s["output"])
+        first = measured_batch(srv, prompts, s["output"], clients)
         log(f"first RAG batch: {first}")
         flush(srv.url)
-        warm = http_batch(srv.url, prompts, s["output"])
+        warm = measured_batch(srv, prompts, s["output"], clients)
         log(f"warm RAG batch: {warm}")
         hot = http_hot_ttft(srv.url, s)
         mixed_workload(srv.url, s)
@@ -244,22 +367,30 @@ def phase_cold(args, out: Path) -> list[tuple]:
     srv2 = Server(model, [*eng_args, "--compile-cache-dir", str(cache)], out / "gpu_server_cold_serve2.log")
     try:
         start2 = srv2.wait_ready()
-        comp2 = srv2.compiled()
+        comp2 = {**srv2.compiled(), **srv2.startup_lines()}
         log(f"start-up, filled compile cache: {start2:.1f}s; {comp2}")
     finally:
         srv2.stop()
+        clients.close()
     ratio = first["out_tok_s"] / warm["out_tok_s"] if warm["out_tok_s"] else 0.0
     RESULTS.update(startup_empty_cache_s=round(start1, 1), startup_empty_cache_compile=comp1,
                    first_batch=first, warm_batch=warm, first_over_warm=round(ratio, 3), http_hot_ttft=hot,
                    serving_triton_builds=serving, startup_filled_cache_s=round(start2, 1),
                    startup_filled_cache_compile=comp2, compile_cache=str(cache))
-    rows += [("start-up, empty compile cache (s)", f"{start1:.1f}", "<= 30"),
+    rows += [("start-up, empty compile cache (s)", f"{start1:.1f}", "<= 30 (spawn to /health)"),
+             ("  engine start-up (s)", f"{comp1.get('engine_startup_s', '?')}", ""),
+             ("  parallel builds (variants, s, workers)",
+              f"{comp1.get('parallel_variants', '-')}, {comp1.get('parallel_s', '-')}, {comp1.get('parallel_workers', '-')}",
+              ""),
              ("  of which Triton builds (s, count)", f"{comp1.get('seconds', '?')}, {comp1.get('builds', '?')}", ""),
              ("start-up, filled cache (s)", f"{start2:.1f}", "<= 15"),
+             ("  engine start-up (s)", f"{comp2.get('engine_startup_s', '?')}", ""),
              ("  of which Triton builds (s, count)", f"{comp2.get('seconds', '?')}, {comp2.get('builds', '?')}", ""),
              ("first RAG batch out tok/s / TTFT p50 ms", f"{first['out_tok_s']} / {first['ttft_p50_ms']}", ""),
              ("warm RAG batch out tok/s / TTFT p50 ms", f"{warm['out_tok_s']} / {warm['ttft_p50_ms']}", ""),
              ("first / warm", f"{ratio:.2f}", ">= 0.9"),
+             ("  busiest client process CPU (first, warm)",
+              f"{first['busiest_client_cpu']}, {warm['busiest_client_cpu']}", ""),
              ("Triton builds while serving", f"{serving}", "0"),
              ("hot-prefix TTFT via HTTP p50 / p99 ms", f"{hot['p50_ms']} / {hot['p99_ms']}", "p50 <= 12")]
     return rows
@@ -298,23 +429,42 @@ def phase_compare(args, out: Path) -> list[tuple]:
         except Exception:
             pass
     extra = ["--compile-cache-dir", args.compile_cache] if Path(args.compile_cache).is_dir() else []
-    srv = Server(model, [*eng_args, *extra], out / "gpu_server_compare_serve.log")
+    profile = out / "gpu_server_profile" if args.profile_server else None
+    if profile is not None:
+        profile.mkdir(exist_ok=True)
+    srv = Server(model, [*eng_args, *extra], out / "gpu_server_compare_serve.log", profile_dir=profile)
+    clients = Clients(args.client_procs)
     try:
         start = srv.wait_ready()
-        http_batch(srv.url, prompts, s["output"])  # warm-up batch
+        measured_batch(srv, prompts, s["output"], clients)  # warm-up batch
         flush(srv.url)
-        http = http_batch(srv.url, prompts, s["output"])
-        log(f"HTTP RAG: {http}")
+        http = measured_batch(srv, prompts, s["output"], clients)
+        log(f"HTTP RAG, {args.client_procs} client processes: {http}")
+        flush(srv.url)
+        http_one = measured_batch(srv, prompts, s["output"])
+        log(f"HTTP RAG, one client process: {http_one}")
         hot_http = http_hot_ttft(srv.url, s)
         log(f"HTTP hot-prefix TTFT: {hot_http}")
+        if profile is not None:  # one more batch under yappi (slower: for where the time goes, not for speed)
+            flush(srv.url)
+            srv.signal_all(signal.SIGUSR1)
+            time.sleep(0.5)
+            log(f"HTTP RAG under the profiler: {measured_batch(srv, prompts, s['output'], clients)}")
+            srv.signal_all(signal.SIGUSR2)
+            time.sleep(3)
     finally:
         srv.stop()
+        clients.close()
     ratio = http["out_tok_s"] / inproc["out_tok_s"] if inproc["out_tok_s"] else 0.0
-    RESULTS.update(inprocess=inproc, http=http, http_over_inprocess=round(ratio, 3),
+    RESULTS.update(inprocess=inproc, http=http, http_one_client_process=http_one, http_over_inprocess=round(ratio, 3),
                    ttft_p50_gap_ms=round(http["ttft_p50_ms"] - inproc["ttft_p50_ms"], 1), hot_inprocess=hot_in,
                    hot_http=hot_http, server_startup_s=round(start, 1))
     return [("RAG in-process out tok/s / TTFT p50 ms", f"{inproc['out_tok_s']} / {inproc['ttft_p50_ms']}", ""),
-            ("RAG via serve out tok/s / TTFT p50 ms", f"{http['out_tok_s']} / {http['ttft_p50_ms']}", ""),
+            ("RAG via serve out tok/s / TTFT p50 ms", f"{http['out_tok_s']} / {http['ttft_p50_ms']}",
+             f"{args.client_procs} client procs, busiest at {http['busiest_client_cpu']} CPU"),
+            ("  CPU use: server / engine process", f"{http.get('server_cpu')} / {http.get('engine_cpu')}", ""),
+            ("  one client process: out tok/s / TTFT p50 ms", f"{http_one['out_tok_s']} / {http_one['ttft_p50_ms']}",
+             f"client at {http_one['busiest_client_cpu']} CPU"),
             ("serve / in-process", f"{ratio:.3f}", ">= 0.95"),
             ("TTFT p50 gap ms", f"{http['ttft_p50_ms'] - inproc['ttft_p50_ms']:.1f}", "<= 40"),
             ("hot-prefix TTFT in-process p50 / p99 ms", f"{hot_in['p50_ms']} / {hot_in['p99_ms']}", "p50 <= 6"),
@@ -324,6 +474,9 @@ def phase_compare(args, out: Path) -> list[tuple]:
 def main() -> None:
     ap = script_parser(__doc__, smoke="tiny shapes on the CPU, to test the script")
     ap.add_argument("--phase", choices=["cold", "compare"], required=True)
+    ap.add_argument("--client-procs", type=int, default=8, help="client processes the 64 streams are spread over")
+    ap.add_argument("--profile-server", action="store_true",
+                    help="compare: one more batch with yappi in the server and engine processes (needs yappi)")
     ap.add_argument("--model", default=None, help="default: llama-3-8b (dummy weights); --smoke: a tiny Llama")
     ap.add_argument("--compile-cache", default=os.environ.get("COMPILE_CACHE", "/tmp/prefixrt-gpu-server-cache"),
                     help="the --compile-cache-dir `cold` empties and fills, and `compare` starts on")

@@ -9,6 +9,7 @@ is timed too. Cases: the RAG case streamed with text, decode at batch 256 (1024 
 4k context; each against the captured graph replayed alone right after. `nvidia-smi dmon` runs beside it.
 
     PYTHONPATH=$PWD python benchmarks/gpu_timeline.py [--only rag,b256,b1] [--cascade 0|1]
+    PYTHONPATH=$PWD python benchmarks/gpu_timeline.py --only hot   # one request over a cached prefix: its timeline
     PYTHONPATH=$PWD python benchmarks/gpu_timeline.py --smoke      # tiny shapes on the CPU, to test the script
 """
 
@@ -230,9 +231,97 @@ def case_decode(eng, bs: int, ctx: int, steps: int, smoke: bool) -> dict:
     return res
 
 
+class FirstToken:
+    """Where one request's time to first token goes: host timestamps (perf_counter) of the loop units, of the
+    step's outputs leaving the loop (flush) and of the detokenizer worker's delivery to the stream (deliver, when
+    the engine has one), installed on the loop thread, and the forward's device time (CUDA events)."""
+
+    UNITS = ("schedule", "build", "launch", "draw", "process")
+
+    def __init__(self, eng):
+        self.eng = eng
+        self.cuda = eng.core.device.type == "cuda"
+        self.calls: list = []  # (unit, start, end, device ms or None)
+        self.saved: list = []  # (object, attribute, original)
+
+    def install(self):
+        core, tl = self.eng.core, self
+
+        def wrap(obj, name, unit):
+            f = getattr(obj, name)
+            tl.saved.append((obj, name, obj.__dict__.get(name)))
+
+            def timed(*a, **k):
+                t = time.perf_counter()
+                ev = None
+                if unit == "launch" and tl.cuda:
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    ev[0].record()
+                try:
+                    return f(*a, **k)
+                finally:
+                    if ev is not None:
+                        ev[1].record()
+                    tl.calls.append((unit, t, time.perf_counter(), ev))
+            setattr(obj, name, timed)
+
+        def go():
+            for n in self.UNITS:
+                wrap(core, n, n)
+            wrap(core, "flush_outputs", "flush")  # the step's outputs leave the loop (to the stream or detokenizer)
+            if core.detokenizer is not None:
+                wrap(core.detokenizer, "deliver", "deliver")
+        self.eng._run_on_loop(go)
+        return self
+
+    def uninstall(self) -> None:
+        def go():
+            for obj, name, original in reversed(self.saved):
+                if original is None:
+                    obj.__dict__.pop(name, None)
+                else:
+                    setattr(obj, name, original)
+        self.eng._run_on_loop(go)
+
+    def request(self, prompt) -> dict:
+        """Stream prompt for one token; the time from submission to each unit's first start after it (ms)."""
+        self.calls.clear()
+        t0 = time.perf_counter()
+        for _ in self.eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
+            break
+        t1 = time.perf_counter()
+        time.sleep(0.01)  # the loop's units of this step have returned
+        out = {"ttft_ms": (t1 - t0) * 1000}
+        for unit, a, b, ev in self.calls:
+            if a < t0 or f"{unit}_start_ms" in out:
+                continue
+            out[f"{unit}_start_ms"], out[f"{unit}_ms"] = (a - t0) * 1000, (b - a) * 1000
+            if ev is not None:
+                torch.cuda.synchronize()
+                out["forward_device_ms"] = ev[0].elapsed_time(ev[1])
+        return out
+
+
+def case_hot(eng, smoke: bool) -> dict:
+    """The hot-prefix TTFT case (3500 cached + 80 new tokens, one request at a time): TTFT and its timeline."""
+    from benchmarks.common import HotPrefix
+
+    shared, new, n = (64, 8, 5) if smoke else (3500, 80, 20)
+    hp = HotPrefix(eng, 300 if smoke else 32000, shared, new)
+    ft = FirstToken(eng).install()
+    try:
+        rows = [ft.request(hp.shared + hp._tokens(new)) for _ in range(n)]
+    finally:
+        ft.uninstall()
+    keys = sorted({k for r in rows for k in r}, key=lambda k: statistics.median(r.get(k, 0) for r in rows))
+    return {"n": n, "median_ms": {k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in keys},
+            "ttft_p99_ms": round(sorted(r["ttft_ms"] for r in rows)[-1], 3)}
+
+
 def main():
     ap = script_parser(__doc__, smoke="tiny shapes on the CPU, to test the script")
-    ap.add_argument("--only", default="rag,b256,b64,b8,b1", help="cases, comma-separated")
+    ap.add_argument("--only", default="rag,b256,b64,b8,b1", help="cases, comma-separated (also: hot, the hot-prefix "
+                    "TTFT timeline)")
     ap.add_argument("--cascade", default=None, help="1/0: EngineConfig.cascade_decode (default: the engine's)")
     ap.add_argument("--pdl", default=None, help="1/0: EngineConfig.pdl (programmatic dependent launch)")
     ap.add_argument("--pack", default=None, help="1/0: extend attention packs a kv head's query heads (default: "
@@ -264,6 +353,9 @@ def main():
     log(f"engine up in {RESULTS['startup_s']}s, pdl {RESULTS['pdl']}")
     only = args.only.split(",")
     try:
+        if "hot" in only:  # first: its units are timed by wrappers the other cases do not expect
+            RESULTS["hot"] = case_hot(eng, smoke)
+            log("hot", json.dumps(RESULTS["hot"]))
         if "rag" in only:
             RESULTS["rag"] = case_rag(eng, smoke)
             log("rag", json.dumps(RESULTS["rag"]))
@@ -281,6 +373,11 @@ def main():
     if out:
         with open(os.path.join(out, f"gpu_timeline{tag}.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
+    if "hot" in RESULTS:
+        log("\nhot-prefix first token, median ms from submission (unit start / its own duration):")
+        med = RESULTS["hot"]["median_ms"]
+        for k, v in med.items():
+            log(f"  {k:<22} {v}")
     log("\ncase | out tok/s or step ms | fwd p50 | gap->draw p50 | draw p50 | gap->next p50 | period p50 | replay alone")
     for name, r in RESULTS.items():
         if not isinstance(r, dict) or "timeline" not in r and "timed" not in r:

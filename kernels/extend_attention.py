@@ -9,6 +9,9 @@ k_extend/v_extend the new tokens are read from those contiguous tensors instead 
 block on the diagonal part).
 
 Visibility: a query at position p sees keys k with k <= p, and p - window < k when sliding_window is set.
+With span_end (bidirectional blocks, Gemma-3's image tokens): a query sees keys k < span_end[query] instead,
+span_end being p + 1 outside a block and the block's end inside one, so a block's tokens see each other both
+ways and nothing past the block; the window still applies.
 
 Paged pools (page_size > 1): key blocks start at BLOCK_N multiples of the position (kv_lo is one), so the
 pool keys are read a page run at a time (kernels/_common.paged_slots, the layout it relies on is stated in
@@ -37,19 +40,20 @@ from prefixrt.kernels.decode_attention import decode_workspace, launch_merge
 
 @triton.jit
 def _attend_block(
-    q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
+    q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
     MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q.
     Scores, m_i and the exponentials are in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a
-    softcap, which applies to the natural-scale scores first)."""
+    softcap, which applies to the natural-scale scores first). CAUSAL: a query sees keys below its q_hi
+    (its position + 1, or its bidirectional block's end)."""
     s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_M, BLOCK_N]
     if HAS_SOFTCAP:
         s = softcap_scores(s, logit_softcap) * 1.4426950408889634
     if MASK_KEYS:  # block may hold keys past the range end or after some queries
         visible = key_ok[None, :]
         if CAUSAL:
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            visible = visible & (k_pos[None, :] < q_hi[:, None])
         s = tl.where(visible, s, float("-inf"))
     if HAS_WINDOW:
         s = tl.where(k_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
@@ -74,7 +78,8 @@ def _extend_kernel(
     CONTIGUOUS_NEW_KV: tl.constexpr, POOL_NEEDS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BlockSeq, BlockMb, HAS_BLOCK_MAP: tl.constexpr,
     MidO, MidLse, stride_mot, stride_moh, stride_mos, stride_mlt, stride_mlh, NUM_SPLITS: tl.constexpr,
-    KScale, VScale, HAS_KV_SCALE: tl.constexpr, PAGE_SPAN: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
+    KScale, VScale, HAS_KV_SCALE: tl.constexpr, SpanEnd, HAS_SPANS: tl.constexpr,
+    PAGE_SPAN: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1,
 ):  # fmt: skip
     # BLOCK_G > 1 packs the query heads of one kv head into the rows: row r is token r // BLOCK_G of the
     # block and head r % BLOCK_G of the group (grid axis 1 then runs over kv heads), so a block of BLOCK_M
@@ -121,9 +126,13 @@ def _extend_kernel(
         other=0.0,
     )  # q: [BLOCK_M, BLOCK_D]
     q_pos = prefix_len + offs_m
+    q_hi = q_pos + 1  # each row sees keys below q_hi (and above q_pos - window)
 
     # Visible keys of this query block: [kv_lo, kv_hi).
     kv_hi = prefix_len + tl.minimum((mb + 1) * TOKENS, extend_len)
+    if HAS_SPANS:  # a bidirectional block's rows see up to its end (never past the sequence's new tokens)
+        q_hi = tl.minimum(tl.maximum(q_hi, tl.load(SpanEnd + rows, mask=mask_m, other=0)), prefix_len + extend_len)
+        kv_hi = tl.maximum(kv_hi, tl.max(tl.where(mask_m, q_hi, 0), 0))
     kv_lo = kv_hi * 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(prefix_len + mb * TOKENS - sliding_window + 1, 0)
@@ -159,7 +168,7 @@ def _extend_kernel(
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :],
                     other=0.0).to(Q.dtype.element_ty)
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, k, v, q_pos, k_pos, k_pos < pool_hi, qk_scale, logit_softcap, sliding_window,
+            q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, k_pos < pool_hi, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
@@ -176,7 +185,7 @@ def _extend_kernel(
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)
         acc, m_i, l_i = _attend_block(
-            q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
+            q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=True, CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
         )  # fmt: skip
@@ -196,7 +205,7 @@ def _extend_kernel(
                 VExt + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :], mask=kv_mask, other=0.0
             )
             acc, m_i, l_i = _attend_block(
-                q, acc, m_i, l_i, k, v, q_pos, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
+                q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
                 MASK_KEYS=True, CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
             )  # fmt: skip
 
@@ -220,6 +229,22 @@ def _extend_kernel(
         out.to(Out.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
+
+
+def span_ends(prefix_lens: list[int], extend_lens: list[int], spans: list[list[tuple[int, int]]]) -> list[int]:
+    """Host-side span_end for extend_attention: per new token (sequences concatenated), its position + 1, or the
+    end of the bidirectional block [start, end) (positions in its sequence) holding it. Raises ValueError for a
+    block that ends past its sequence's new tokens (a prefill chunk never splits one)."""
+    out: list[int] = []
+    for i, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens)):
+        ends = list(range(prefix + 1, prefix + ext + 1))
+        for start, end in spans[i] if i < len(spans) else ():
+            if end > prefix + ext:
+                raise ValueError(f"bidirectional block [{start}, {end}) ends past the sequence's {prefix + ext} tokens")
+            for p in range(max(start, prefix), end):
+                ends[p - prefix] = end
+        out.extend(ends)
+    return out
 
 
 def _config(head_dim: int, max_extend_len: int, block_m: int | None = None, interpret: bool | None = None) -> dict:
@@ -297,6 +322,7 @@ def extend_attention(
     pack_heads: bool | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    span_end: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
@@ -312,11 +338,15 @@ def extend_attention(
     pool's; above 1 pool keys are read a page run per table lookup. pack_heads: put the query heads that share
     a kv head into one program's rows (K/V loaded once for the group, short extends fill the tile); None
     decides by pack_heads_by_default. Only without a block map (whose blocks count tokens of one head).
-    k_scale/v_scale ([KVH] fp32): the scales of an e4m3 pool, read as decode_attention reads it."""
+    k_scale/v_scale ([KVH] fp32): the scales of an e4m3 pool, read as decode_attention reads it.
+    span_end ([T] int32, optional): per new token, the end (exclusive) of the keys it sees: its position + 1,
+    or, inside a bidirectional block (an image of Gemma-3), the block's end; see span_ends."""
     num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
         return
+    if span_end is not None and span_end.shape != (q.shape[0],):
+        raise ValueError(f"span_end must be [T] = [{q.shape[0]}]; got {tuple(span_end.shape)}")
     scales = kv_scale_args(k_buffer, k_scale, v_scale)
     contiguous = k_extend is not None
     if contiguous and scales["HAS_KV_SCALE"]:
@@ -364,6 +394,7 @@ def extend_attention(
         MidO=mid_o, MidLse=mid_lse, stride_mot=mid_o.stride(0), stride_moh=mid_o.stride(1),
         stride_mos=mid_o.stride(2), stride_mlt=mid_lse.stride(0), stride_mlh=mid_lse.stride(1),
         NUM_SPLITS=num_splits, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), BLOCK_G=block_g, **scales,
+        SpanEnd=span_end if span_end is not None else extend_lens, HAS_SPANS=span_end is not None,
     )  # fmt: skip
     if num_splits > 1:
         launch_merge(o, mid_o, mid_lse, num_splits)

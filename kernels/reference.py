@@ -45,8 +45,11 @@ def _read(buffer: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None) 
     return out if scale is None else out * scale.float()[None, :, None]
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None,
+             q_hi: torch.Tensor | None = None) -> torch.Tensor:
     visible = k_pos[None, :] <= q_pos[:, None]  # causal
+    if q_hi is not None:  # bidirectional blocks: a query also sees the later keys of its block
+        visible |= k_pos[None, :] < q_hi[:, None]
     if sliding_window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
     return visible
@@ -71,10 +74,12 @@ def extend_attention(
     page_size: int = 1,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    span_end: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
-    K/V contiguously; the result is the same either way. k_scale/v_scale ([KVH]): an e4m3 pool, dequantized."""
+    K/V contiguously; the result is the same either way. k_scale/v_scale ([KVH]): an e4m3 pool, dequantized.
+    span_end ([T]): a new token also sees the keys below span_end[t] (its bidirectional block's end)."""
     for i in range(req_pool_indices.shape[0]):
         prefix, ext, start = int(prefix_lens[i]), int(extend_lens[i]), int(extend_start_loc[i])
         if ext == 0:
@@ -87,8 +92,10 @@ def extend_attention(
             v[prefix:] = v_extend[start : start + ext].float()
         q_pos = torch.arange(prefix, prefix + ext, device=q.device)
         k_pos = torch.arange(prefix + ext, device=q.device)
+        q_hi = None if span_end is None else span_end[start : start + ext].to(q.device)
         out, _ = _attend(
-            q[start : start + ext].float(), k, v, _visible(q_pos, k_pos, sliding_window), sm_scale, logit_softcap
+            q[start : start + ext].float(), k, v, _visible(q_pos, k_pos, sliding_window, q_hi), sm_scale,
+            logit_softcap,
         )
         o[start : start + ext] = out.to(o.dtype)
 

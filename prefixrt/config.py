@@ -52,6 +52,9 @@ class EngineConfig:
     # (or TRITON_CACHE_DIR when set), a folder = there (a deployment can ship it), "off" = Triton's own default.
     # Keyed by GPU, driver, versions and model shape inside the folder.
     compile_cache_dir: str | None = None
+    # With an empty compile cache, the Triton kernels start-up needs are built in this many worker processes side
+    # by side (engine/parallel_builds.py). None: the host's cores less two, at most 16; 0: one by one, in the engine.
+    compile_workers: int | None = None
     # Shared-prefix (cascade) decode inside the decode graphs (CUDA, Triton backend): running requests that
     # share a cached prefix read its K/V once per tile. None: the engine's default (builder.CASCADE_DECODE).
     cascade_decode: bool | None = None

@@ -24,7 +24,7 @@ ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "kv_cache_dtyp
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
                 "host_kv_prefetch", "host_kv_preempt_after_s",
                 "max_cached_fraction_per_salt", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
-                "dist_init_addr", "cascade_decode", "compile_cache_dir")
+                "dist_init_addr", "cascade_decode", "compile_cache_dir", "compile_workers")
 
 
 def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT_MODEL) -> None:
@@ -74,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    help="persistent Triton kernel cache (CUDA): a later start, or a replica shipped with the folder, "
                         "loads its kernels instead of compiling them; one subfolder per GPU, driver, torch/Triton "
                         "version and model shape (default ~/.cache/prefixrt/compile; off: Triton's own)")
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                   help="with an empty compile cache, build the Triton kernels start-up needs in N worker processes "
+                        "side by side (default: the host's cores less two, at most 16; 0: one by one in the engine)")
     p.add_argument("--kv-disk-dir", default=None,
                    help="disk tier of the KV cache below the host tier (needs --host-kv-cache-tokens): prefixes "
                         "evicted from host memory are written there and read back on a hit; they outlive the "

@@ -2,7 +2,8 @@
 
 A shared record on the bottom floor (beside params.py and outputs.py): the engine creates and advances it,
 cache/kv_manager.py owns its KV fields, sampling/sampler.py reads its params and sampling state. It imports
-nothing but SamplingParams, so all of them depend downward on it.
+nothing but SamplingParams, so all of them depend downward on it. ImageKey, the token of an image position in a
+keyed prompt, lives here for the same reason: multimodal/ makes it, cache/ stores it.
 
 Token layout: all_ids = prompt_ids + output_ids, every token the host knows. With overlap scheduling the
 sequence may be one token longer than that: a token sampled on the device whose value the host has not read
@@ -20,6 +21,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.params import SamplingParams
+
+
+@dataclass(frozen=True, eq=False)
+class ImageKey:
+    """The content key of one processed image (multimodal/processor.py makes them): equal only when the full
+    sha256 digests are equal. An image token in a radix key is (ImageKey, offset), so an image token never
+    equals a text token (an int) nor the token of a different image, in any tier of the cache (the disk tier
+    stores the digests with the K/V: cache/disk_format.py)."""
+
+    digest: bytes  # sha256, 32 bytes
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ImageKey) and self.digest == other.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return f"ImageKey({self.digest.hex()[:12]}...)"
 
 
 class ReqState(enum.Enum):

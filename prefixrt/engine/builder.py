@@ -5,6 +5,7 @@ Kept apart from the Engine (engine.py) so that the Engine is only about threads 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from prefixrt.engine.grammar import EngineGrammar
 from prefixrt.engine.loop.core import EngineCore
 from prefixrt.engine.loop.hooks import LoopHooks
 from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
+from prefixrt.engine.parallel_builds import BuildPool, default_workers, prebuild
 from prefixrt.engine.ranks import SingleDevice, start_ranks
 from prefixrt.engine.stream import RequestStream
 from prefixrt.model.cuda_graphs import CascadeSpec
@@ -106,6 +108,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
 
         quantize_fp8_weights(model)
     compile_dir = start_compile_log(config, model, device, dtype, say)
+    build_pool = start_build_pool(config, compile_dir, ranks)
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
@@ -147,10 +150,17 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
     pad_row = table.alloc_row() if triton_on_gpu else None  # never freed: stays all zeros (padding reads it)
     if triton_on_gpu:
+        batches = warm_up_batches(table.table, pad_row, max_context, max_running, config.chunked_prefill_tokens,
+                                  device, head_layouts(model))
+        if build_pool is not None:  # an empty compile cache: what follows loads every kernel from disk instead
+            capture = (dict(req_to_token=table.table, pad_row=pad_row, max_batch_size=max_running,
+                            max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
+                            cascade=cascade_spec(attention, config)) if config.cuda_graph else None)
+            report = prebuild(build_pool, runner, batches, capture)
+            startup["parallel_builds"] = dataclasses.asdict(report)
+            say(report.line())
         t = time.perf_counter()
-        startup["warm_up_s"] = runner.warm_up(warm_up_batches(table.table, pad_row, max_context, max_running,
-                                                              config.chunked_prefill_tokens, device,
-                                                              head_layouts(model)))
+        startup["warm_up_s"] = runner.warm_up(batches)
         say(f"kernels warmed up for long-prefix EXTEND shapes in {time.perf_counter() - t:.1f}s")
     if config.cuda_graph and triton_on_gpu:
         say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
@@ -232,6 +242,19 @@ def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path |
     folder = use_compile_cache(config.compile_cache_dir, device, model_shape(model, dtype))
     say(f"compile cache: {folder}")
     return folder
+
+
+def start_build_pool(config: EngineConfig, folder: Path | None, ranks):
+    """Worker processes for start-up's Triton builds (engine/parallel_builds.py) when they pay: CUDA, the Triton
+    backend, one rank, and an empty compile cache (a filled one loads every kernel in a fraction of a second).
+    None otherwise."""
+    from prefixrt.engine.compile_cache import count_cached_kernels
+
+    workers = default_workers() if config.compile_workers is None else config.compile_workers
+    if (folder is None or workers <= 0 or ranks.size != 1 or config.attention_backend == "torch"
+            or count_cached_kernels(folder) > 0):
+        return None
+    return BuildPool(workers)
 
 
 def compile_report(folder: Path | None, say) -> dict:

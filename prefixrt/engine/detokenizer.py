@@ -118,14 +118,19 @@ class DetokState:
 class DetokenizerWorker:
     """The thread that turns the loop's token outputs into text outputs and delivers them.
 
-    submit(items) takes one step's [(DetokState | None, sink, StepOutput)] from the loop (never blocks it);
-    deliver(pairs) receives [(sink, StepOutput)] on the worker thread; take_stopped() returns (to the loop) the
+    submit(items) takes one step's [(DetokState | None, sink, StepOutput)] from the loop (never waits on the worker);
+    deliver(pairs) receives [(sink, StepOutput)] on the worker thread, or on the loop thread for a step of at most
+    INLINE_MAX outputs while the worker has nothing queued; take_stopped() returns (to the loop) the
     requests a stop string finished since its last call. process(items) is the synchronous unit, also used by
     tests."""
 
     # submit() waits while more than this many steps are queued: streams lag the loop by a bounded number of
     # steps even when the loop thread holds the GIL most of the time.
     MAX_LAG_STEPS = 2
+    # A step of at most this many outputs, submitted while the worker has nothing queued, is processed and delivered
+    # on the submitting (loop) thread: handing it over costs more (the worker's wake-up, a GIL switch: ms on a busy
+    # host) than detokenizing a few tokens, and it is what a lone request's first token waits for.
+    INLINE_MAX = 4
 
     def __init__(self, tokenizer, lock: threading.Lock | None, deliver: Callable):
         self.tokenizer = tokenizer
@@ -143,6 +148,12 @@ class DetokenizerWorker:
         return self
 
     def submit(self, items: list[tuple[DetokState | None, Any, StepOutput]]) -> None:
+        if self._thread is not None and len(items) <= self.INLINE_MAX:
+            with self._cv:
+                idle = self._queued == 0  # everything submitted before is delivered: order holds
+            if idle:  # (only the loop thread submits, so nothing is queued meanwhile)
+                self.deliver(self.process(items))
+                return
         with self._cv:
             if self._thread is not None:
                 self._cv.wait_for(lambda: self._queued <= self.MAX_LAG_STEPS, timeout=1.0)

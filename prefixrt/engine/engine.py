@@ -254,10 +254,9 @@ class Engine(EngineAPI):
             raise InvalidRequest("images need a single-device engine", param="messages")
         backend = getattr(self.core.runner, "attn_backend", None)
         if spec.bidirectional and not getattr(backend, "bidirectional_spans", False):
-            raise InvalidRequest(f"model {self.model_name!r} attends both ways within an image, which needs "
-                                 "attention_backend='torch'", param="messages")
-        if self.config.host_kv_cache_tokens or self.config.kv_disk_dir:
-            raise InvalidRequest("images with a host or disk KV tier are not supported", param="messages")
+            raise InvalidRequest(f"model {self.model_name!r} attends both ways within an image, which needs an "
+                                 "attention backend with bidirectional image blocks (torch or triton)",
+                                 param="messages")
         plain, sources = split_images(list(messages))
         images = processor.process(sources, param="messages")  # decodes, checks limits, hashes
         text: list[str] = []

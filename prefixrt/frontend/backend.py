@@ -363,6 +363,10 @@ class ProviderBackend(ProgramBackend):
     def check_media(self, kind: str) -> None:
         if kind == "image" and getattr(self.provider, "takes_images", False):
             return
+        if kind == "video" and getattr(self.provider, "takes_images", False):
+            raise InvalidRequest("video(path) needs a video decoder and none is installed: sample the frames and "
+                                 "send them as images, or to the engine as a {'type': 'video', 'video': [frames]} "
+                                 "part", param=kind)
         raise InvalidRequest(f"model {self.model_name!r} is a text-only model: {kind}() inputs need a multimodal "
                              f"model (one with an image processor)", param=kind)
 

@@ -3,7 +3,8 @@
 Nothing is downloaded: configs are read with local_files_only. Checkpoint names are transformers'
 (`model.layers.N...`); multimodal Gemma-3 checkpoints (`model.language_model.` / `language_model.model.`, with
 `vision_tower.` and `multi_modal_projector.`) load with their vision tower (Gemma3ForConditionalGeneration,
-LlavaForConditionalGeneration).
+LlavaForConditionalGeneration, LlavaNextVideoForConditionalGeneration: its any-resolution `image_newline` is
+not loaded).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from prefixrt.model.gemma3_vlm import Gemma3ForConditionalGeneration, Gemma3VLMC
 from prefixrt.model.layers import GemmaRMSNorm, RMSNorm
 from prefixrt.model.llama import LLAMA_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
 from prefixrt.model.llava import LlavaConfig, LlavaForConditionalGeneration
+from prefixrt.model.llava_next_video import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
 
 if TYPE_CHECKING:  # a tensor-parallel rank's shard only: parallel/ is imported when one is loaded
     from prefixrt.parallel.layers import TPGroup
@@ -62,6 +64,8 @@ def _build_llava(hf_config, architecture: str) -> ModelSpec:
     if text_arch not in LLAMA_ARCHITECTURES:
         raise ValueError(f"LLaVA over a {text_type!r} text model is not supported; supported: "
                          f"{', '.join(LLAMA_ARCHITECTURES)}")
+    if architecture == "LlavaNextVideoForConditionalGeneration":
+        return ModelSpec(LlavaNextVideoForConditionalGeneration, LlavaNextVideoConfig.from_hf(hf_config, text_arch))
     return ModelSpec(LlavaForConditionalGeneration, LlavaConfig.from_hf(hf_config, text_arch))
 
 
@@ -83,6 +87,7 @@ _BUILDERS: dict[str, Callable[[object, str], ModelSpec]] = {
     "Gemma3ForCausalLM": _build_gemma3,
     "Gemma3ForConditionalGeneration": _build_gemma3,
     "LlavaForConditionalGeneration": _build_llava,
+    "LlavaNextVideoForConditionalGeneration": _build_llava,
 }
 _ARCH_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -92,6 +97,7 @@ _ARCH_OF_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "llava_next_video": "LlavaNextVideoForConditionalGeneration",
 }
 
 
@@ -209,9 +215,14 @@ _VISION_PREFIXES = (  # multimodal checkpoints -> our vision-model names (longes
 )
 
 
+_UNUSED = ("model.image_newline", "image_newline")  # LLaVA-NeXT's any-resolution image separator
+
+
 def checkpoint_name(name: str, vision: bool = False) -> str | None:
     """Our parameter name for a checkpoint tensor name; None for tensors outside the model (the vision tower
-    and projector of a multimodal checkpoint unless `vision`)."""
+    and projector of a multimodal checkpoint unless `vision`, and LLaVA-NeXT's image_newline)."""
+    if name in _UNUSED:
+        return None
     for old, new in _VISION_PREFIXES:
         if name.startswith(old):
             return new + name[len(old) :] if vision else None

@@ -145,9 +145,15 @@ class _Bank:
             self.logits_out = torch.empty(rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
         self.logits_out[:rows].copy_(logits)
 
-    def capture(self, keys, pool=None) -> None:
-        """Capture one graph per key, largest first (later ones reuse its pool memory)."""
+    def capture(self, keys, pool=None, warm_only: bool = False) -> None:
+        """Capture one graph per key, largest first (later ones reuse its pool memory). warm_only: run the eager
+        warm phase alone (engine/parallel_builds.py's dry pass) and capture nothing."""
         keys = list(keys)
+        if warm_only:
+            with torch.inference_mode():
+                for key in self._warm_keys(keys):
+                    self._run_into_out(self._static_batch(key))
+            return
         t0 = time.perf_counter()
         on_cuda = self.device.type == "cuda" and not self.emulate
         if on_cuda:
@@ -264,10 +270,10 @@ class DecodeGraphs(_Bank):
             prefix_lens_cpu=[self.max_context - 1] * bs, extend_lens_cpu=[1] * bs,
         )
 
-    def capture(self, pool=None) -> None:  # noqa: D102
+    def capture(self, pool=None, warm_only: bool = False) -> None:  # noqa: D102
         keys = list(reversed(self.buckets))
         keys += [("cascade", bs) for bs in reversed(self.buckets) if bs in getattr(self, "cascade", {})]
-        super().capture(keys, pool)
+        super().capture(keys, pool, warm_only)
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The plain bucket of this decode batch (prefix_groups or not), or None (eager)."""
@@ -381,8 +387,8 @@ class ExtendGraphs(_Bank):
             extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key), self.num_splits(key)),
         )
 
-    def capture(self, pool=None) -> None:  # noqa: D102
-        super().capture(sorted(self.keys, reverse=True), pool)
+    def capture(self, pool=None, warm_only: bool = False) -> None:  # noqa: D102
+        super().capture(sorted(self.keys, reverse=True), pool, warm_only)
 
     def _warm_keys(self, keys: list) -> list:
         # The extend kernel compiles once per (block height, splits); the largest key sizes the buffers.

@@ -58,11 +58,13 @@ class ModelRunner:
 
     def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
                        max_extend_tokens: int = 0, emulate: bool = False,
-                       cascade: CascadeSpec | None = None) -> list[str]:
+                       cascade: CascadeSpec | None = None, warm_only: bool = False) -> list[str]:
         """Capture one CUDA graph per decode batch-size bucket and, with max_extend_tokens > 0, per EXTEND
         (token, sequence) bucket up to that many tokens. pad_row: a request-table row that stays all zeros,
         read by padded decode rows. emulate: no CUDA graphs, the static batches run eagerly (CPU tests).
-        cascade: a CascadeSpec (decode graphs for batches with prefix_groups, from a padded plan), or None. Returns one line per bank: graphs, seconds, memory."""
+        cascade: a CascadeSpec (decode graphs for batches with prefix_groups, from a padded plan), or None.
+        warm_only: run only the eager forwards that precede capture, keep no graph (the dry pass of
+        engine/parallel_builds.py). Returns one line per bank: graphs, seconds, memory."""
         from prefixrt.model.cuda_graphs import DecodeGraphs, ExtendGraphs
 
         self.release_graphs()
@@ -74,18 +76,22 @@ class ModelRunner:
                                   max_context, device, emulate=emulate)
             if cascade is not None:
                 graphs.enable_cascade(cascade)
-            graphs.capture(pool)
+            graphs.capture(pool, warm_only)
             self.graphs = graphs
-            lines.append(_describe("decode", graphs.report))
+            if not warm_only:
+                lines.append(_describe("decode", graphs.report))
             if max_extend_tokens > 0:
                 ext = ExtendGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
                                    self.model.head_dim, device, max_tokens=max_extend_tokens,
                                    logits_out=graphs.logits_out, emulate=emulate,
                                    num_heads=self.model.attention_layers[0].num_heads,
                                    num_sms=getattr(self.attn_backend, "num_sms", 0))
-                ext.capture(pool)
+                ext.capture(pool, warm_only)
                 self.extend_graphs = ext
-                lines.append(_describe("extend", ext.report))
+                if not warm_only:
+                    lines.append(_describe("extend", ext.report))
+        if warm_only:
+            self.release_graphs()
         return lines
 
     def capture_decode_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int,

@@ -7,9 +7,12 @@ Accepted parts (in a message's `content` list):
   {"type": "image", "source_type": "base64", "data": B64, "mime_type": "image/png"}   (LangChain)
   {"type": "image", "source_type": "url", "url": URL}
   {"type": "image", "base64": B64, "mime_type": "image/png"}   (LangChain v1 blocks)
-URL: a data: URL, a file:// URL or a local path (images.load_image refuses remote ones). Text parts are
-{"type": "text", "text": ...}. A message with image parts becomes a plain string message: its text parts in
-order, with IMAGE_MARKER where each image was.
+  {"type": "video", "video": [frame, ...]} / {"type": "video", "frames": [...]}   (a video as its frames)
+URL: a data: URL, a file:// URL or a local path (images.load_image refuses remote ones). A frame is anything an
+image part holds; a video file is refused (no video decoder is installed): sample its frames and send them.
+Text parts are {"type": "text", "text": ...}. A message with image or video parts becomes a plain string
+message: its text parts in order, with IMAGE_MARKER where each image was and one IMAGE_MARKER per frame, in
+order and adjacent, where each video was (a video model keys and caches every frame as an image of its own).
 """
 
 from __future__ import annotations
@@ -41,15 +44,29 @@ def image_source(part: dict):
     return None
 
 
+def video_frames(part: dict) -> list | None:
+    """The frames of a video part (a list of image sources), or None for a part of another type."""
+    if part.get("type") not in ("video", "input_video"):
+        return None
+    frames = part.get("video", part.get("frames"))
+    if isinstance(frames, (list, tuple)) and frames:
+        return list(frames)
+    if isinstance(frames, (str, bytes)) or hasattr(frames, "__fspath__"):
+        raise InvalidRequest("video files are not decoded (no video decoder is installed): send the video as a "
+                             "list of frames, {\"type\": \"video\", \"video\": [frame, ...]}", param="messages")
+    raise InvalidRequest("a video part needs a non-empty list of frames in 'video'", param="messages")
+
+
 def has_images(messages) -> bool:
     """Whether chat messages hold any image part."""
-    if not isinstance(messages, (list, tuple)):
-        return False
+    if not isinstance(messages, (list, tuple)) or not messages or not isinstance(messages[0], dict):
+        return False  # a prompt of token ids (often thousands long) is not scanned
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, (list, tuple)):
             for part in content:
-                if isinstance(part, dict) and image_source(part) is not None:
+                if isinstance(part, dict) and (part.get("type") in ("video", "input_video")
+                                               or image_source(part) is not None):
                     return True
     return False
 
@@ -72,8 +89,12 @@ def split_images(messages: list[dict]) -> tuple[list[dict], list]:
         for part in content:
             if not isinstance(part, dict):
                 raise InvalidRequest("a content part must be an object", param="messages")
-            source = image_source(part)
-            if source is not None:
+            frames = video_frames(part)
+            source = image_source(part) if frames is None else None
+            if frames is not None:
+                sources.extend(frames)
+                pieces.append(IMAGE_MARKER * len(frames))
+            elif source is not None:
                 sources.append(source)
                 pieces.append(IMAGE_MARKER)
             elif part.get("type") == "text":

@@ -1,5 +1,6 @@
 """The model's transformers image processor (read from its folder's preprocessor_config.json, offline), and
-the image records a request carries: pixel values with their content key."""
+the image records a request carries: pixel values with their content key (ImageKey, a record of request.py:
+the cache's tiers store it with the K/V)."""
 
 from __future__ import annotations
 
@@ -10,24 +11,7 @@ from pathlib import Path
 import torch
 
 from prefixrt.multimodal.images import ImageLimits, image_hash, load_images
-
-
-@dataclass(frozen=True, eq=False)
-class ImageKey:
-    """The content key of one processed image: equal only when the full sha256 digests are equal. An image
-    token in a radix key is an ImageKey, so an image token never equals a text token (an int) nor the token
-    of a different image."""
-
-    digest: bytes  # sha256, 32 bytes
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, ImageKey) and self.digest == other.digest
-
-    def __hash__(self) -> int:
-        return hash(self.digest)
-
-    def __repr__(self) -> str:
-        return f"ImageKey({self.digest.hex()[:12]}...)"
+from prefixrt.request import ImageKey
 
 
 @dataclass(frozen=True)

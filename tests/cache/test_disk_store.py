@@ -1,13 +1,15 @@
 """DiskKVStore on hand-built K/V: a written segment reads back exactly after a restart (the index rebuilt from
-the files), a chain of segments extends a match, only the part whose tokens equal the request's is used, and the
-size cap deletes least recently used files first. Bounded per-salt labels (SaltCounters)."""
+the files), a chain of segments extends a match, only the part whose tokens equal the request's is used (image
+tokens by their full digest), and the size cap deletes least recently used files first. Bounded per-salt labels (SaltCounters)."""
 
 from __future__ import annotations
 
 import torch
 
+from prefixrt.cache.disk_format import token_bytes
 from prefixrt.cache.disk_store import DiskKVStore
 from prefixrt.cache.salt_stats import OTHER, SaltCounters
+from prefixrt.request import ImageKey
 
 LAYERS, HEADS, DIM = 2, 1, 4
 
@@ -67,6 +69,25 @@ def test_pages_align_the_part_used(tmp_path):
     s.flush()
     f = read(s, a[:10] + [1, 2, 3, 4, 5, 6])  # 10 tokens match: 2 whole pages
     assert [(g.start, g.end) for g in f.segments] == [(0, 8)]
+    s.close()
+
+
+def test_image_tokens_are_stored_and_compared_in_full(tmp_path):
+    """A prefix with image tokens ((ImageKey, offset), as a keyed prompt holds them) reads back after a restart
+    with its keys; a request whose image differs (same offsets, another digest) uses only the text before it."""
+    img, other = ImageKey(bytes(range(32))), ImageKey(bytes(range(1, 33)))
+    a = [10, 11] + [(img, j) for j in range(4)] + [12, 13, (img, 0), (img, 1)]
+    assert token_bytes(a) == token_bytes(a[:5]) + token_bytes(a[5:])  # a hash extends segment by segment
+    assert token_bytes(a) != token_bytes([(other, t[1]) if isinstance(t, tuple) else t for t in a])
+    s = store(tmp_path)
+    s.write(None, a[:6], 0, *kv_of([0] * 6, 0))
+    s.write(None, a, 6, *kv_of([0] * 10, 6))
+    s.close()
+    s = store(tmp_path)
+    f = read(s, a + [5])
+    assert [(g.start, g.end) for g in f.segments] == [(0, 6), (6, 10)]
+    b = [10, 11] + [(other, j) for j in range(4)] + a[6:]
+    assert [(g.start, g.end) for g in read(s, b).segments] == [(0, 2)]
     s.close()
 
 

@@ -119,3 +119,23 @@ def test_worker_thread_delivers_in_order(tiny_tokenizer):
     while not outs or not outs[-1].finished:
         outs.append(stream.get(timeout=10))
     assert "".join(o.text for o in outs) == TEXT
+
+
+def test_a_small_step_on_an_idle_worker_is_delivered_on_the_loop_thread(tiny_tokenizer):
+    """No hand-off for a lone request's token (the worker's wake-up is what its first token would wait for); a
+    larger step still goes to the worker thread; order holds either way."""
+    ids = tiny_tokenizer.encode(TEXT, add_special_tokens=False)
+    where, got = [], []
+
+    def deliver(pairs):
+        where.append(threading.current_thread() is threading.main_thread())
+        got.extend(out for _, out in pairs)
+
+    w = DetokenizerWorker(tiny_tokenizer, threading.Lock(), deliver).start()
+    st = DetokState(_Req(), None, True, True)
+    w.submit([(st, "s", _out(ids[:1]))])
+    assert where == [True] and got[0].text  # delivered before submit returned, on this thread
+    big = [(DetokState(_Req(), None, True, True), "s", _out([t])) for t in ids[1:1 + w.INLINE_MAX + 1]]
+    w.submit(big)
+    w.close()
+    assert where == [True, False] and len(got) == 1 + len(big)

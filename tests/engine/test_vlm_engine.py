@@ -42,10 +42,10 @@ def block_bounds(eng, messages) -> tuple[int, int]:
     return start, start + len(eng._built.model.vision.image_block())
 
 
-@pytest.mark.parametrize("name", VLM_NAMES)
-def test_generate_matches_transformers(make_vlm, vlm_checkpoints, name):
+@pytest.mark.parametrize("name,backend", [(n, "torch") for n in VLM_NAMES] + [(n, "triton") for n in VLM_NAMES])
+def test_generate_matches_transformers(make_vlm, vlm_checkpoints, name, backend):
     _, hf = vlm_checkpoints(name)
-    eng = make_vlm(name)
+    eng = make_vlm(name, attention_backend=backend)
     images = [random_image(11), random_image(12, size=(20, 50))]
     messages = ask("Question: what is the capital?", *images)
     got = eng.generate(messages, GREEDY)
@@ -101,11 +101,14 @@ def test_second_question_reuses_the_image(make_vlm, name):
     assert first.cached_tokens == 0
 
 
-@pytest.mark.parametrize("name,chunk", [("gemma3_vlm", 8192), ("gemma3_vlm", 3), ("llava", 8192), ("llava", 5)])
-def test_cache_on_and_off_identical(make_vlm, name, chunk):
+@pytest.mark.parametrize("name,chunk,backend", [("gemma3_vlm", 8192, "torch"), ("gemma3_vlm", 3, "torch"),
+                                                ("llava", 8192, "torch"), ("llava", 5, "torch"),
+                                                ("gemma3_vlm", 3, "triton")])
+def test_cache_on_and_off_identical(make_vlm, name, chunk, backend):
     """Small chunks: prefill chunks shorter than an image block (Gemma-3: 6 tokens, never split; LLaVA: causal,
-    split anywhere)."""
-    on, off = make_vlm(name, chunked_prefill_tokens=chunk), make_vlm(name, radix_cache=False)
+    split anywhere). Triton: the cached engine on the Triton kernels, the reference on the torch backend."""
+    on = make_vlm(name, chunked_prefill_tokens=chunk, attention_backend=backend)
+    off = make_vlm(name, radix_cache=False)
     a, b = random_image(41), random_image(42)
     prompts = [ask("What is the capital?", a), ask("Where is the fox?", a), ask("What is the capital?", b),
                ask("Where is the fox?", a, b), ask("Where is the fox?", b, a), ask("What is it?", b)]
@@ -115,6 +118,22 @@ def test_cache_on_and_off_identical(make_vlm, name, chunk):
         assert got.token_ids == off.generate(p, GREEDY).token_ids
     assert off.core.encoder.hits == 0 and len(off.core.encoder) == 0
     assert on.core.encoder.hits > 0
+
+
+def test_triton_backend_equals_torch_backend(make_vlm):
+    """Gemma-3 images on the Triton kernels (the extend kernel's bidirectional blocks): per-token logprobs of
+    the cached, chunked Triton engine within 1e-4 of the torch backend with no reuse, for every prompt."""
+    params = {**GREEDY, "logprobs": 3}
+    tri = make_vlm(chunked_prefill_tokens=4, attention_backend="triton")
+    ref = make_vlm(radix_cache=False, attention_backend="torch")
+    a, b = random_image(81), random_image(82, size=(30, 30))
+    for p in [ask("What is the capital?", a), ask("Where is the fox?", a, b), ask("What is it?", b, a)]:
+        got, want = tri.generate(p, params), ref.generate(p, params)
+        assert got.token_ids == want.token_ids
+        for g, w in zip(got.logprobs, want.logprobs):
+            assert [t["token_id"] for t in g["top_logprobs"]] == [t["token_id"] for t in w["top_logprobs"]]
+            assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(g["top_logprobs"], w["top_logprobs"])) < 1e-4
+    assert tri.stats().cached_tokens_total > 0
 
 
 def _shared_after(eng, first, second):
@@ -186,13 +205,12 @@ def test_text_model_refuses_images(make_engine):
 
 
 def test_bidirectional_images_need_a_backend_that_honours_them(make_vlm, monkeypatch):
-    """Gemma-3's image blocks attend both ways: a backend without that (Triton's causal kernels) is refused up
-    front, not mid-forward."""
+    """Gemma-3's image blocks attend both ways: a backend without that is refused up front, not mid-forward."""
     from prefixrt.model.attention.torch_backend import TorchAttentionBackend
 
     eng = make_vlm()
     monkeypatch.setattr(TorchAttentionBackend, "bidirectional_spans", False)
-    with pytest.raises(InvalidRequest, match="attention_backend='torch'"):
+    with pytest.raises(InvalidRequest, match="bidirectional image blocks"):
         eng.generate(ask("What?", random_image(1)), GREEDY)
     llava = make_vlm("llava")  # causal image tokens: any backend
     assert llava.generate(ask("What?", random_image(1)), GREEDY).token_ids

@@ -461,3 +461,15 @@ def test_image_qa_on_a_vision_language_model(make_vlm, tmp_path):
     P.describe_image.run(path=str(path), question="Where is it?", backend=be, max_new_tokens=4, temperature=0)
     assert eng._built.model.vision_runs == 1
     assert eng.stats().cached_tokens_total > 0
+    # video(path) needs a decoder: refused when the program is built, with what to send instead
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"\0" * 16)
+
+    @pr.function
+    def describe_video(s, path):
+        s += pr.user(pr.video(path, 4) + "What happens?")
+        s += pr.assistant(pr.gen("answer"))
+
+    with pytest.raises(InvalidRequest, match="video decoder") as ei:
+        describe_video.run(path=str(clip), backend=be)
+    assert ei.value.param == "video"

@@ -91,6 +91,14 @@ def tiny_vlm_config(name: str = "gemma3_vlm"):
     32x32 image, class token dropped) from the second-to-last of 3 CLIP layers, over the tiny llama."""
     import transformers as tf
 
+    if name == "llava_next_video":  # frames of 4x4 patches average-pooled to 2x2: 4 video tokens per frame
+        llava = tiny_vlm_config("llava")
+        return tf.LlavaNextVideoConfig(
+            text_config=llava.text_config, vision_config=llava.vision_config, image_token_index=VLM_BOI,
+            video_token_index=VLM_IMAGE_TOKEN, spatial_pool_mode="average", spatial_pool_stride=2,
+            vision_feature_layer=-2, vision_feature_select_strategy="default", eos_token_id=2, pad_token_id=0,
+            image_grid_pinpoints=[[VLM_IMAGE_SIZE, VLM_IMAGE_SIZE]],
+        )
     if name == "llava":
         vision = tf.CLIPVisionConfig(
             hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=3,
@@ -120,7 +128,8 @@ def save_tiny_vlm_checkpoint(path: Path, name: str = "gemma3_vlm", seed: int = 0
     import transformers as tf
 
     torch.manual_seed(seed)
-    cls = tf.LlavaForConditionalGeneration if name == "llava" else tf.Gemma3ForConditionalGeneration
+    cls = {"llava": tf.LlavaForConditionalGeneration, "llava_next_video": tf.LlavaNextVideoForConditionalGeneration
+           }.get(name, tf.Gemma3ForConditionalGeneration)
     model = cls._from_config(tiny_vlm_config(name), attn_implementation="eager")
     with torch.no_grad():
         for pname, param in model.named_parameters():
@@ -129,7 +138,7 @@ def save_tiny_vlm_checkpoint(path: Path, name: str = "gemma3_vlm", seed: int = 0
             elif "mm_input_projection" in pname:
                 param.normal_(0.0, 0.2)  # transformers initialises it to zeros: images would not matter
     model.eval().save_pretrained(str(path))
-    if name == "llava":
+    if name in ("llava", "llava_next_video"):  # (LLaVA-NeXT-Video: the frames' processor)
         processor = tf.CLIPImageProcessorPil(size={"shortest_edge": VLM_IMAGE_SIZE},
                                              crop_size={"height": VLM_IMAGE_SIZE, "width": VLM_IMAGE_SIZE})
     else:

@@ -31,16 +31,23 @@ class PagedHarness:
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype | None = None,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        backend: str = "torch",
     ):
         """kv_dtype: the pool's storage dtype (default: the model's); an FP8 pool takes kv_scales ([layers, kv
-        heads] each)."""
+        heads] each). backend: the attention backend, "torch" or "triton"."""
         dtype = kv_dtype or next(p.dtype for p in model.parameters() if p.dtype.itemsize > 1)
         self.device = torch.device(device)
         self.model = model
         self.pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, dtype, self.device)
         if kv_scales is not None:
             self.pool.set_scales(*kv_scales, source="given")
-        self.runner = ModelRunner(model, self.pool, TorchAttentionBackend(self.pool))
+        if backend == "triton":
+            from prefixrt.model.attention.triton_backend import TritonAttentionBackend
+
+            attn = TritonAttentionBackend(self.pool)
+        else:
+            attn = TorchAttentionBackend(self.pool)
+        self.runner = ModelRunner(model, self.pool, attn)
         self.req_to_token = torch.zeros(max_rows, max_context, dtype=torch.int32, device=self.device)
         self.free_slots = list(range(1, num_slots))  # slot 0 is the padding slot
         random.Random(seed).shuffle(self.free_slots)

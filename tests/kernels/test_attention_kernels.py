@@ -146,6 +146,90 @@ def test_extend_reference_matches_dense_sdpa():
         assert rel_err(expected, dense.transpose(0, 1)) < 1e-5
 
 
+def random_spans(rng, prefix_lens, extend_lens):
+    """Bidirectional blocks per sequence (absolute positions), each ending within the sequence's new tokens;
+    some start in the cached prefix (a partly cached image), some are one token long."""
+    spans = []
+    for prefix, ext in zip(prefix_lens, extend_lens):
+        mine, pos = [], max(prefix - rng.randint(0, 3), 0)
+        while pos < prefix + ext:
+            start = pos + rng.randint(0, 4)
+            end = min(start + rng.randint(1, 9), prefix + ext)
+            if end > max(start, prefix):
+                mine.append((start, end))
+            pos = end + 1
+        spans.append(mine)
+    return spans
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["per-head", "packed-heads"])
+@pytest.mark.parametrize("heads_per_kv,head_dim,window,softcap,contiguous,dtype,page_size", [
+    (2, 64, None, None, False, torch.float32, 1), (2, 64, 8, None, True, torch.float32, 1),
+    (1, 128, 5, 30.0, False, torch.float32, 4), (4, 64, None, None, True, torch.bfloat16, 1),
+    (3, 64, 8, None, False, torch.float32, 16)])
+def test_extend_attention_bidirectional_spans(heads_per_kv, head_dim, window, softcap, contiguous, dtype, page_size,
+                                              pack):
+    """span_end (Gemma-3's image blocks): the kernel equals the reference, whose mask is causal OR
+    same-block, then the window; without span_end the result differs (the blocks matter)."""
+    from prefixrt.kernels.extend_attention import span_ends
+
+    rng = random.Random(f"spans-{heads_per_kv}-{head_dim}-{window}-{page_size}")
+    q, args, k_new, v_new = make_extend_case(rng, heads_per_kv, head_dim, dtype, num_seqs=4, page_size=page_size)
+    prefix_lens, extend_lens = args[4].tolist(), args[5].tolist()
+    spans = random_spans(rng, prefix_lens, extend_lens)
+    span_end = torch.tensor(span_ends(prefix_lens, extend_lens, spans), dtype=torch.int32, device=DEVICE)
+    extra = {"k_extend": k_new, "v_extend": v_new} if contiguous else {}
+    kw = {"sliding_window": window, "logit_softcap": softcap}
+    out, expected, causal = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    extend_attention(q, out, *args, **kw, pack_heads=pack, page_size=page_size, span_end=span_end, **extra)
+    ref.extend_attention(q, expected, *args, **kw, span_end=span_end)
+    ref.extend_attention(q, causal, *args, **kw)
+    assert rel_err(out, expected) < TOL[dtype]
+    assert rel_err(causal, expected) > 3 * TOL[dtype]
+
+
+@pytest.mark.parametrize("block_m,splits", [(16, 1), (16, 3)])
+def test_extend_attention_spans_with_block_map(block_m, splits):
+    from prefixrt.kernels.extend_attention import block_map, span_ends
+
+    rng = random.Random(f"spans-map-{block_m}-{splits}")
+    q, args, _, _ = make_extend_case(rng, 2, 64, torch.float32, num_seqs=4)
+    prefix_lens, extend_lens = args[4].tolist(), args[5].tolist()
+    span_end = torch.tensor(span_ends(prefix_lens, extend_lens, random_spans(rng, prefix_lens, extend_lens)),
+                            dtype=torch.int32, device=DEVICE)
+    seqs, mbs = block_map(extend_lens, block_m, len(extend_lens) + -(-sum(extend_lens) // block_m) + 2)
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    out, expected = torch.empty_like(q), torch.empty_like(q)
+    extend_attention(q, out, *args, block_seq=torch.tensor(seqs, **i32), block_mb=torch.tensor(mbs, **i32),
+                     block_m=block_m, num_splits=splits, span_end=span_end)
+    ref.extend_attention(q, expected, *args, span_end=span_end)
+    assert rel_err(out, expected) < 1e-4
+
+
+def test_span_reference_matches_dense_sdpa():
+    """The oracle with blocks, against SDPA with the mask spelled out as the torch backend builds it."""
+    from prefixrt.kernels.extend_attention import span_ends
+
+    rng = random.Random(3)
+    q, args, k_new, v_new = make_extend_case(rng, 2, 64, torch.float32, num_seqs=1)
+    n = q.shape[0]
+    spans = [[(0, 3), (5, min(9, n))]]
+    span_end = torch.tensor(span_ends([0], [n], spans), dtype=torch.int32, device=DEVICE)
+    expected = torch.empty_like(q)
+    ref.extend_attention(q, expected, *args, span_end=span_end)
+    pos = torch.arange(n, device=DEVICE)
+    mask = pos[None, :] <= pos[:, None]
+    for a, b in spans[0]:
+        inside = (pos >= a) & (pos < b)
+        mask |= inside[:, None] & inside[None, :]
+    k = k_new.repeat_interleave(2, dim=1).transpose(0, 1)
+    v = v_new.repeat_interleave(2, dim=1).transpose(0, 1)
+    dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask)
+    assert rel_err(expected, dense.transpose(0, 1)) < 1e-5
+    with pytest.raises(ValueError, match="ends past"):
+        span_ends([0], [n], [[(n - 2, n + 1)]])
+
+
 def make_decode_case(rng, heads_per_kv, head_dim, dtype, num_seqs=4, num_kv_heads=2, seed=0, page_size=1):
     kv = PagedKV(num_kv_heads, head_dim, dtype, seed=seed, page_size=page_size)
     seq_lens = [rng.randint(1, 60) for _ in range(num_seqs)]

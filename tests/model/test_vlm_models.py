@@ -72,15 +72,19 @@ def test_processor_matches_transformers(vlm):
     assert torch.equal(ours, ref.float())
 
 
+BACKENDS = ["torch", "triton"]  # triton: the extend kernel's span_end for Gemma-3's bidirectional image blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", range(len(PROMPTS)))
-def test_prefill_logits_match_transformers(vlm, case):
+def test_prefill_logits_match_transformers(vlm, case, backend):
     hf, _, ours, processor = vlm
     pieces, image_seeds = PROMPTS[case]
     images = processor.process([random_image(s) for s in image_seeds])
     pixels = torch.stack([p.pixels for p in images])
     tokens = build_prompt(ours, pieces)
     embeds = list(ours.encode_images(pixels))
-    harness = PagedHarness(ours)
+    harness = PagedHarness(ours, backend=backend)
     mm = mm_of(ours, tokens, 0, len(tokens), embeds)
     got = harness.forward([(harness.new_row(), tokens)], mm=mm)[0]
     ref = hf_forward(hf, tokens, pixels)
@@ -88,7 +92,8 @@ def test_prefill_logits_match_transformers(vlm, case):
     assert rel_err(got, ref) < RTOL
 
 
-def test_images_change_the_logits(vlm):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_images_change_the_logits(vlm, backend):
     """Guards the test above: other pixels, or causal image tokens, give other logits."""
     hf, _, ours, processor = vlm
     tokens = build_prompt(ours, PROMPTS[1][0])
@@ -101,12 +106,13 @@ def test_images_change_the_logits(vlm):
     if ours.vision.bidirectional:
         mm = mm_of(ours, tokens, 0, len(tokens), embeds)
         mm.spans = [[]]  # causal image tokens
-        harness = PagedHarness(ours)
+        harness = PagedHarness(ours, backend=backend)
         got = harness.forward([(harness.new_row(), tokens)], mm=mm)[0]
         assert rel_err(got, ref) > 1e-3
 
 
-def test_cached_prefix_then_extend_and_decode(vlm):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_prefix_then_extend_and_decode(vlm, backend):
     """A prompt's image prefix computed by one row and reused by another (the KV a radix hit shares), the rest
     extended with a second image, then greedy decode: equal to transformers generate."""
     hf, _, ours, processor = vlm
@@ -115,7 +121,7 @@ def test_cached_prefix_then_extend_and_decode(vlm):
     embeds = list(ours.encode_images(pixels))
     tokens = build_prompt(ours, [text(2, 10), "IMG", text(3, 11), "IMG", text(2, 12)])
     first_len = 2 + len(ours.vision.image_block()) + 3  # text, first image block, text
-    harness = PagedHarness(ours)
+    harness = PagedHarness(ours, backend=backend)
     row_a = harness.new_row()
     mm = mm_of(ours, tokens[:first_len], 0, first_len, embeds[:1])
     harness.forward([(row_a, tokens[:first_len])], mm=mm)

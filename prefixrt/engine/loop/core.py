@@ -150,7 +150,10 @@ class EngineCore:
             self._take_stop_hits()
             ran = self._step_overlapped() if self.overlap else self._step_sync()
             if not self.has_work:
-                self.kv.reclaim(wait=True)  # idle: every fence has passed, nothing stays held
+                # Idle. The outputs go first: publishing the finished requests' K/V below can take a while, and
+                # a request sent after an output still waits for it (the next step starts after it).
+                self.flush_outputs()
+                self.kv.reclaim(wait=True)  # every fence has passed, nothing stays held
                 if self.debug:
                     self.kv.check_integrity()
             return ran

@@ -22,7 +22,7 @@ from prefixrt.cache.kv_pool import KVPool
 from prefixrt.kernels.cascade_decode import cascade_decode_attention
 from prefixrt.kernels.cascade_plan import CascadePlan, plan_cascade
 from prefixrt.kernels.decode_attention import decode_attention, decode_workspace
-from prefixrt.kernels.extend_attention import extend_attention
+from prefixrt.kernels.extend_attention import extend_attention, span_ends
 from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
 from prefixrt.model.forward_batch import ForwardBatch, ForwardMode
 
@@ -40,6 +40,8 @@ def plan_decode_splits(num_work_items: int, max_keys: int, num_sms: int, max_spl
 
 
 class TritonAttentionBackend(AttentionBackend):
+    bidirectional_spans = True  # honours ForwardBatch.mm.spans in EXTEND (the extend kernel's span_end)
+
     def __init__(
         self,
         pool: KVPool,
@@ -80,6 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
         # Per-forward plan, set by prepare().
         self._batch: ForwardBatch | None = None
         self._max_extend_len = 0
+        self._span_end: torch.Tensor | None = None  # [T] int32: EXTEND with bidirectional image blocks
         self._num_kv_splits = 1
         self.cascade_plan: CascadePlan | None = None
         self._num_prefix_splits = 0
@@ -102,13 +105,18 @@ class TritonAttentionBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         """Plan this forward from the batch's host lengths; mutates only the backend's per-forward plan.
         Raises ValueError for a decode batch above max_batch_size or inconsistent prefix_groups."""
-        if batch.mm is not None and batch.mm.has_spans:
-            raise NotImplementedError("bidirectional image blocks (Gemma-3 images) need attention_backend='torch'")
+        spans = batch.mm is not None and batch.mm.has_spans
+        if spans and batch.mode is not ForwardMode.EXTEND:
+            raise ValueError("bidirectional image blocks in a decode batch")
         self._batch = batch
         self.cascade_plan = None
+        self._span_end = None
         num_kv_heads = self.pool.num_kv_heads
         if batch.mode is ForwardMode.EXTEND:
             self._max_extend_len = max(batch.extend_lens_cpu, default=0)
+            if spans:
+                ends = span_ends(batch.prefix_lens_cpu, batch.extend_lens_cpu, batch.mm.spans)
+                self._span_end = torch.tensor(ends, dtype=torch.int32).to(self.pool.device)
             return
         if batch.batch_size > self.max_batch_size:
             raise ValueError(f"decode batch of {batch.batch_size} exceeds max_batch_size {self.max_batch_size}")
@@ -184,7 +192,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._max_extend_len, layer.scaling, layer.sliding_window, layer.logit_softcap,
                 k_extend=k.to(k_buffer.dtype) if contiguous else None,
                 v_extend=v.to(v_buffer.dtype) if contiguous else None,
-                **self._extend_map_args(batch), page_size=self.page_size, **scales,
+                **self._extend_map_args(batch), page_size=self.page_size, **scales, span_end=self._span_end,
             )  # fmt: skip
         elif self.cascade_plan is not None and layer.sliding_window is None:
             mid_o, mid_lse = self.workspace(num_heads, head_dim)
