@@ -4,6 +4,8 @@
     RoPE store over an e4m3 K/V pool);
 (2) layouts: the FP8 GEMM's Triton layouts against quantize + _scaled_mm for the 8B linears at 1-64 rows (the engines
     below use these choices; the lines to paste into kernels/fp8_table.py are printed);
+(5) GEMMs: per 8B linear and the LM head at 1, 8, 64, 256 rows, bf16 cuBLAS against the FP8 GEMM as the table ran
+    it, its best split-K layout, other Triton layouts (256 rows) and quantize + _scaled_mm (us, weight TB/s);
 (3) logits: FP8 weights, FP8 K/V and both against bf16 on the same dummy weights (relative error, top-1 agreement);
 (4) engines bf16 | FP8 weights | FP8 weights + FP8 K/V: batch-1 decode at 4k context, the RAG workload in-process
     (64 x (3500 shared + 80 unique), 200 out, streamed with text), decode throughput at batch 256, and the KV pool's
@@ -14,6 +16,8 @@ benchmarks/results/gpu_fp8_layouts.json; section 4 run later on the same GPU mod
 separate commands:
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 123                       # kernels, logits, layouts
+    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 2 --layout-rows 1,8       # layouts of some row counts
+    PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 5                         # GEMM timings
     PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 4 --configs bf16,fp8+kv   # engines (measured layouts)
     PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 4 --configs fp8
     PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --smoke      # the same logic on a tiny checkpoint on the CPU
@@ -94,11 +98,14 @@ def kernel_checks(smoke: bool, dev) -> dict:
             for m in ((1, 16, 64, 300) if not smoke else (1, 20)):
                 xm = randn(m, k).to(torch.bfloat16)
                 want = R.fp8_linear(xm, w_q, w_s).float()
-                configs = [G.Fp8GemmConfig(quantize_input=True), G.Fp8GemmConfig(quantize_input=False)]
+                configs = [G.Fp8GemmConfig(quantize_input=True), G.Fp8GemmConfig(quantize_input=False),
+                           G.Fp8GemmConfig(quantize_input=True, split_k=4),
+                           G.Fp8GemmConfig(32, 128, quantize_input=False, split_k=8 if not smoke else 2)]
                 if not block and G.scaled_mm_supported(xm.device):
                     configs.append(None)
                 for cfg in configs:
-                    label = "scaled_mm" if cfg is None else f"triton_{'block' if block else 'channel'}"
+                    label = "scaled_mm" if cfg is None else (f"triton_{'block' if block else 'channel'}"
+                                                             f"{'_split_k' if cfg.split_k > 1 else ''}")
                     err = rel_err(G.run_config(xm, w_q, w_s, None, cfg), want)
                     worst[label] = max(worst.get(label, 0.0), err)
     out["gemm_rel_err"] = {k: round(v, 5) for k, v in worst.items()}
@@ -180,19 +187,25 @@ def kernel_checks(smoke: bool, dev) -> dict:
 # ------------------------------------------------------------------------------------------------ (2) layouts
 
 
-def measure_layouts(smoke: bool, dev) -> dict:
-    """choose_config per 8B linear shape and row count; the choices go where the engines' plans look first."""
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LM_HEAD = (128256, 4096)
+
+
+def measure_layouts(smoke: bool, dev, rows_measured: tuple[int, ...]) -> dict:
+    """choose_config per 8B linear shape and row count (rows_measured, of fp8_linear.MEASURED_ROWS); the choices go
+    where the engines' plans look first, merged into the saved file (so the row counts can be measured by separate
+    runs on one machine)."""
     import torch
 
     from prefixrt.model import fp8_linear
 
     if dev.type != "cuda":
         return {"skipped": "no CUDA: the table is measured on the GPU only"}
-    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    shapes = SHAPES
     gpu = torch.cuda.get_device_name(dev)
     out, lines = {}, []
     for name, (n, k) in shapes.items():
-        for rows in fp8_linear.MEASURED_ROWS:
+        for rows in rows_measured:
             if over_budget(f"layouts {name} {rows} rows and after"):
                 break
             config, timings = fp8_linear._kernels().choose_config(n, k, rows, dev)
@@ -200,13 +213,15 @@ def measure_layouts(smoke: bool, dev) -> dict:
             cublas = timings.get(None)
             best = min((t for c, t in timings.items() if c is not None), default=float("nan"))
             out[f"{name}_{rows}"] = {"choice": str(config), "scaled_mm_us": cublas, "best_triton_us": best}
-            value = "None" if config is None else (f"Fp8GemmConfig({config.block_n}, {config.block_k}, "
-                                                   f"{config.num_warps}, {config.num_stages}, {config.quantize_input})")
+            value = "None" if config is None else f"Fp8GemmConfig{dataclasses.astuple(config)}"
             lines.append(f"        ({n}, {k}, {rows}): {value},  # {name}: quantize+_scaled_mm "
                          f"{cublas if cublas is None else round(cublas, 2)} us, best layout {best:.2f} us")
     log(f"kernels/fp8_table.py entries for {gpu!r}:\n" + "\n".join(lines))
-    saved = {f"{n},{k},{rows}": None if c is None else list(dataclasses.astuple(c))
-             for (n, k, rows, block, g), c in fp8_linear._CHOICES.items() if g == gpu and not block}
+    saved = {}
+    if LAYOUTS_FILE.is_file() and json.loads(LAYOUTS_FILE.read_text())["gpu"] == gpu:
+        saved = json.loads(LAYOUTS_FILE.read_text())["choices"]
+    saved.update({f"{n},{k},{rows}": None if c is None else list(dataclasses.astuple(c))
+                  for (n, k, rows, block, g), c in fp8_linear._CHOICES.items() if g == gpu and not block})
     RESULTS_DIR.mkdir(exist_ok=True)
     LAYOUTS_FILE.write_text(json.dumps({"gpu": gpu, "choices": saved}, indent=1))
     out["table_lines"] = lines
@@ -233,6 +248,59 @@ def load_layouts(dev) -> None:
         fp8_linear._CHOICES[(n, k, rows, False, gpu)] = None if fields is None else config_cls(*fields)
     RESULTS["layouts_loaded"] = len(choices)
     log(f"loaded {len(choices)} measured FP8 layout choices from {LAYOUTS_FILE}")
+
+
+# ------------------------------------------------------------------------------------------------ (5) GEMMs
+
+
+def gemm_timings(smoke: bool, dev, rows_list: tuple[int, ...]) -> dict:
+    """Per 8B linear (and the LM head) and row count: bf16 cuBLAS (F.linear), the FP8 GEMM as the engines ran it
+    before split-K (the checked-in table's layout, else the default one), the best split-K layout, the best other
+    Triton layout (256 rows), and quantize + _scaled_mm; microseconds (CUDA graph, weights read from HBM) and the
+    weight bytes streamed per second. Also checks each split-K layout against the reference (measure() drops a
+    layout off by more than 1e-2)."""
+    import torch
+    from prefixrt.kernels import fp8_gemm as G
+    from prefixrt.kernels import gemv
+    from prefixrt.kernels.fp8_table import MEASURED
+
+    if dev.type != "cuda":
+        return {"skipped": "no CUDA: timings are measured on the GPU only"}
+    gpu = torch.cuda.get_device_name(dev)
+    out, rows_out = {}, []
+    for name, (n, k) in {**SHAPES, "lm_head": LM_HEAD}.items():
+        for m in rows_list:
+            if over_budget(f"GEMM timings {name} {m} rows and after"):
+                return out
+            old = MEASURED.get(gpu, {}).get((n, k, m), G.Fp8GemmConfig(quantize_input=False))
+            cands = G.candidate_configs(n, k, m)
+            split = [c for c in cands if c.split_k > 1]
+            other = [c for c in cands if c.split_k == 1 and c != old] if m > 64 else []
+            t8 = G.measure(n, k, m, dev, [None, old, *split, *other])
+            t16 = gemv.measure(n, k, m, torch.bfloat16, dev, [None]).get(None)
+            best_split = min(split, key=lambda c: t8.get(c, math.inf), default=None)
+            best_other = min(other, key=lambda c: t8.get(c, math.inf), default=None)
+            row = {"bf16_cublas_us": t16, "fp8_before_us": t8.get(old), "fp8_before": str(old),
+                   "split_k_us": t8.get(best_split) if best_split else None, "split_k": str(best_split),
+                   "triton_other_us": t8.get(best_other) if best_other else None, "triton_other": str(best_other),
+                   "scaled_mm_us": t8.get(None), "split_k_dropped": [str(c) for c in split if c not in t8]}
+            best = min((v for key, v in row.items() if key.endswith("_us") and key != "bf16_cublas_us" and v),
+                       default=math.nan)
+            row["fp8_best_tb_s"] = round(n * k / best / 1e6, 2) if best == best else None
+            out[f"{name}_{m}"] = row
+            fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+            rows_out.append(f"{name:8s} M={m:<4d} bf16 {fmt(t16):>7s}  fp8 before {fmt(row['fp8_before_us']):>7s}  "
+                            f"split-K {fmt(row['split_k_us']):>7s} ({row['split_k']})  other "
+                            f"{fmt(row['triton_other_us']):>7s}  scaled_mm {fmt(row['scaled_mm_us']):>7s}  "
+                            f"best {row['fp8_best_tb_s']} TB/s")
+    log("GEMM timings (us):\n" + "\n".join(rows_out))
+    for m in rows_list:
+        layers = [out.get(f"{name}_{m}", {}) for name in SHAPES]
+        total = lambda key, layers=layers: sum(r.get(key) or math.nan for r in layers) * 32  # noqa: E731
+        SUMMARY.append((f"GEMM us/step 32 layers M={m}", f"bf16 {total('bf16_cublas_us'):.0f} | fp8 before "
+                        f"{total('fp8_before_us'):.0f} | split-K {total('split_k_us'):.0f}",
+                        f"scaled_mm {total('scaled_mm_us'):.0f}"))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- (3) logits
@@ -355,6 +423,8 @@ def main() -> None:
     ap.add_argument("--only", default="1234", help="sections to run, e.g. 14 (default: all)")
     ap.add_argument("--configs", default="bf16,fp8+kv,fp8", help="engine configurations of section 4, in order")
     ap.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no section past this many seconds")
+    ap.add_argument("--layout-rows", default="1,2,4,8,16,32,64", help="row counts section 2 measures")
+    ap.add_argument("--gemm-rows", default="1,8,64,256", help="row counts section 5 times")
     args = ap.parse_args()
     BUDGET_S = args.budget_s
     smoke = args.smoke
@@ -379,7 +449,9 @@ def main() -> None:
     if "3" in args.only:  # (before the layouts: an acceptance figure; the layouts only help section 4's speed)
         section("logits", lambda: logits_diff(smoke, dev, model_path))
     if "2" in args.only:
-        section("layouts", lambda: measure_layouts(smoke, dev))
+        section("layouts", lambda: measure_layouts(smoke, dev, tuple(map(int, args.layout_rows.split(",")))))
+    if "5" in args.only:
+        section("gemms", lambda: gemm_timings(smoke, dev, tuple(map(int, args.gemm_rows.split(",")))))
     if "4" in args.only:
         base_kw = {} if cuda else dict(device="cpu", attention_backend="torch", kv_cache_tokens=3000)
         configs = {"bf16": {}, "fp8": {"quantization": "fp8"},

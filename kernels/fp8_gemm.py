@@ -9,6 +9,11 @@ states the scheme and is the oracle).
   divides 128, so a tile never straddles two blocks). With `quantize_input` x comes in its float dtype and each
   program computes its rows' scales itself (a first pass over x, which is small and stays in L2) and quantizes
   each tile as it loads it: no separate quantization launch, which is what a batch-1 decode step wants.
+  Split-K (`split_k` > 1, for the few rows of decode): a program then owns BLOCK_N columns of one of split_k
+  slices of K, so the grid has split_k times more programs (N / BLOCK_N alone is about one wave on an H200, each
+  program streaming all of K: far below HBM bandwidth); each writes its scaled fp32 partial sums and a second
+  launch (gemv.py's split-K sum) adds the split_k partials in a fixed order (deterministic), adds the bias and
+  rounds once.
 - `scaled_mm`: cuBLAS's FP8 GEMM through `torch._scaled_mm` with row-wise scales (CUDA, Hopper and Ada), for
   larger M; None where this torch or GPU cannot run it.
 
@@ -26,6 +31,7 @@ import triton
 import triton.language as tl
 from prefixrt.kernels._common import interpreting, pdl_args, pdl_trigger, pdl_wait, to_e4m3
 from prefixrt.kernels.fp8_reference import FP8, FP8_MAX, MIN_AMAX, SCALE_BLOCK
+from prefixrt.kernels.gemv import _sum_splits_kernel  # the split-K sum: fp32 partials [S, M, N] -> y
 
 # The scheme's constants as the kernels see them (a Triton kernel reads only constexpr globals).
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -42,10 +48,11 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     quantize_input: bool = True  # x comes in its float dtype and is quantized inside the GEMM
+    split_k: int = 1  # slices of K run by separate programs (a power of two; 1: no split, one launch)
 
     def __str__(self) -> str:
         return (f"n{self.block_n}k{self.block_k}w{self.num_warps}p{self.num_stages}"
-                f"{'q' if self.quantize_input else ''}")
+                f"{'q' if self.quantize_input else ''}{f's{self.split_k}' if self.split_k > 1 else ''}")
 
 
 @triton.jit
@@ -96,12 +103,17 @@ def quantize_rows(x: torch.Tensor, block_k: int = 1024) -> tuple[torch.Tensor, t
 
 @triton.jit
 def _fp8_gemm_kernel(
-    X, XScale, W, WScale, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_wsn,
+    X, XScale, W, WScale, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_wsn, k_per_split,
     HAS_BIAS: tl.constexpr, QUANTIZE_INPUT: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    # SPLIT_K > 1: Y is the fp32 partial buffer [SPLIT_K, M, N] (row stride stride_ym), this program's slice of K is
+    # [pid_k * k_per_split, (pid_k + 1) * k_per_split) (k_per_split a multiple of BLOCK_K), and the bias is left to
+    # the reduction
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kb = tl.arange(0, BLOCK_K)
@@ -118,7 +130,9 @@ def _fp8_gemm_kernel(
     else:
         x_scale = tl.load(XScale + offs_m, mask=mask_m, other=1.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + offs_kb
         mask_k = offs_k < K
         w = tl.load(w_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BK, BN] e4m3
@@ -134,9 +148,11 @@ def _fp8_gemm_kernel(
     if not BLOCK_SCALES:
         acc = acc * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[None, :]
     acc = acc * x_scale[:, None]
-    if HAS_BIAS:
+    if SPLIT_K > 1:
+        Y += pid_k.to(tl.int64) * M * stride_ym
+    elif HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -174,20 +190,34 @@ def fp8_gemm(
     c = config
     if block_scales and SCALE_BLOCK % c.block_k:
         raise ValueError(f"block-wise scales need block_k dividing {SCALE_BLOCK}, got {c.block_k}")
+    if c.split_k < 1 or c.split_k & (c.split_k - 1):
+        raise ValueError(f"split_k must be a power of two, got {c.split_k}")
     out_dtype = out_dtype or (torch.bfloat16 if quantized_in else x.dtype)
     y = torch.empty((num_rows, n), dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return y
     bm = max(16, min(MAX_M, triton.next_power_of_2(num_rows)))
-    grid = (triton.cdiv(n, c.block_n), triton.cdiv(num_rows, bm))
+    # each slice of K a whole number of BLOCK_K tiles (the last slice may be shorter, or empty: its partial is 0)
+    k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
+    split = c.split_k > 1
+    out = torch.empty((c.split_k, num_rows, n), dtype=torch.float32, device=x.device) if split else y
+    grid = (triton.cdiv(n, c.block_n), triton.cdiv(num_rows, bm), c.split_k)
     _fp8_gemm_kernel[grid](
-        x, x_scale if quantized_in else w_scale, w_q, w_scale, bias if bias is not None else w_scale, y,
-        num_rows, n, k, x.stride(0), w_q.stride(0), y.stride(0), w_scale.stride(0) if block_scales else 0,
+        x, x_scale if quantized_in else w_scale, w_q, w_scale, bias if bias is not None else w_scale, out,
+        num_rows, n, k, x.stride(0), w_q.stride(0), n if split else y.stride(0),
+        w_scale.stride(0) if block_scales else 0, k_per_split,
         HAS_BIAS=bias is not None, QUANTIZE_INPUT=not quantized_in, BLOCK_SCALES=block_scales,
-        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k,
         num_warps=1 if interpreting() else c.num_warps, num_stages=1 if interpreting() else c.num_stages,
         **pdl_args(x, num_rows),
     )  # fmt: skip
+    if split:
+        block = min(1024, triton.next_power_of_2(n))
+        _sum_splits_kernel[(num_rows, triton.cdiv(n, block))](
+            out, bias if bias is not None else out, y, num_rows, n, out.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK=block, num_warps=1 if interpreting() else 4,
+            **pdl_args(x, num_rows),
+        )  # fmt: skip
     return y
 
 
@@ -234,15 +264,25 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sca
 # ------------------------------------------------------------------------------------------- choosing a layout
 
 
+SPLIT_K_MAX_ROWS = 64  # split-K layouts are candidates up to this many rows
+
+
 def candidate_configs(n: int, k: int, num_rows: int, block_scales: bool = False) -> list[Fp8GemmConfig]:
-    """A handful of layouts: narrow and wide column blocks, input quantized inside the GEMM or before it."""
+    """A handful of layouts: narrow and wide column blocks, input quantized inside the GEMM or before it; for a few
+    rows also split-K layouts (2-8 slices of K) whose grids fill the GPU several times over."""
     out = []
+    stages = 3 if num_rows > 16 else 4
     for block_n, block_k in ((32, 256), (64, 128), (128, 128), (128, 64)):
         if block_scales and SCALE_BLOCK % block_k:
             continue
         for quantize_input in (True, False):
-            stages = 3 if num_rows > 16 else 4
             out.append(Fp8GemmConfig(block_n, block_k, 4 if block_n <= 64 else 8, stages, quantize_input))
+    if num_rows <= SPLIT_K_MAX_ROWS:
+        for block_n, block_k, split_k in ((32, 256, 2), (32, 256, 4), (64, 128, 4), (32, 128, 8), (64, 256, 8)):
+            if block_scales and SCALE_BLOCK % block_k or k < 2 * split_k * block_k:
+                continue
+            for quantize_input in (False, True) if split_k == 4 else (False,):
+                out.append(Fp8GemmConfig(block_n, block_k, 4, stages, quantize_input, split_k))
     return out
 
 

@@ -60,17 +60,16 @@ def test_quantize_rows_matches_reference_bytes():
     assert torch.all(x_q[3].float() == 0)
 
 
-@pytest.mark.parametrize("m", [1, 7, 16, 33, 70])
-@pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
-@pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])
-def test_fp8_gemm_matches_reference(m, block_scales, quantize_input):
-    gen = torch.Generator().manual_seed(m)
-    n, k = (200, 300) if block_scales else (48, 96)
+def gemm_case(m: int, k: int, block_scales: bool, quantize_input: bool, split_k: int, seed: int):
+    """(y from fp8_gemm, the reference's product, the float product) for random x [m, k] bf16, W [n, k] (n 200
+    with 128 x 128 block scales, else 48), a bias, 32 x 64 tiles."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 200 if block_scales else 48
     w = torch.randn(n, k, generator=gen) / k**0.5
     w_q, w_scale = (fp8_ref.quantize_blocks if block_scales else fp8_ref.quantize_rows)(w)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    config = Fp8GemmConfig(block_n=32, block_k=64, quantize_input=quantize_input)
+    config = Fp8GemmConfig(block_n=32, block_k=64, quantize_input=quantize_input, split_k=split_k)
     args = [t.to(DEVICE) for t in (w_q, w_scale, bias)]
     if quantize_input:
         y = fp8_gemm(x.to(DEVICE), *args, config=config)
@@ -78,19 +77,40 @@ def test_fp8_gemm_matches_reference(m, block_scales, quantize_input):
         x_q, x_scale = quantize_rows(x.to(DEVICE))
         y = fp8_gemm(x_q, *args, config=config, x_scale=x_scale)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    expected = fp8_ref.fp8_linear(x, w_q, w_scale, bias)
-    assert rel_err(y.cpu(), expected) < 1e-2
+    return y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias), x.float() @ w.T + bias.float()
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 33, 70])
+@pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
+@pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])
+def test_fp8_gemm_matches_reference(m, block_scales, quantize_input):
+    y, expected, unquantized = gemm_case(m, 300 if block_scales else 96, block_scales, quantize_input, 1, seed=m)
+    assert rel_err(y, expected) < 1e-2
     # and the quantized product is close to the unquantized one (the reference is not trivially wrong)
-    assert rel_err(expected, x.float() @ w.T + bias.float()) < 0.08
+    assert rel_err(expected, unquantized) < 0.08
 
 
-def test_fp8_gemm_fp32_output_is_tight():
-    """With an fp32 input and output the kernel equals the reference to float rounding (no bf16 output rounding)."""
+@pytest.mark.parametrize("split_k", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 16, 33])
+@pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
+def test_fp8_gemm_split_k_matches_reference(split_k, m, block_scales):
+    """Split-K: K = 300 in 64-wide tiles over 2-8 slices (with 8, five slices of 64 and three empty ones), the
+    partials summed by the second launch with the bias; input quantized in the GEMM (m = 1, 33) or before (m = 16)."""
+    y, expected, _ = gemm_case(m, 300, block_scales, m != 16, split_k, seed=10 * m + split_k)
+    assert rel_err(y, expected) < 1e-2
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_fp8_gemm_fp32_output_is_tight(split_k):
+    """With an fp32 input and output the kernel equals the reference to float rounding (no bf16 output rounding),
+    with and without split-K."""
     gen = torch.Generator().manual_seed(3)
-    w_q, w_scale = fp8_ref.quantize_rows(torch.randn(64, 128, generator=gen))
-    x = torch.randn(5, 128, generator=gen)
-    y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), config=Fp8GemmConfig(32, 64))
-    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale)) < 1e-6
+    w_q, w_scale = fp8_ref.quantize_rows(torch.randn(64, 256, generator=gen))
+    x = torch.randn(5, 256, generator=gen)
+    bias = torch.randn(64, generator=gen)
+    config = Fp8GemmConfig(32, 64, split_k=split_k)
+    y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE), config=config)
+    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias)) < 1e-6
 
 
 def test_fp8_gemm_rejects_bad_arguments():
@@ -103,6 +123,8 @@ def test_fp8_gemm_rejects_bad_arguments():
     bq, bs = fp8_ref.quantize_blocks(torch.randn(32, 256))
     with pytest.raises(ValueError, match="block_k"):
         fp8_gemm(torch.randn(2, 256), bq, bs, config=Fp8GemmConfig(block_k=256))
+    with pytest.raises(ValueError, match="split_k"):
+        fp8_gemm(x, w_q, w_scale, config=Fp8GemmConfig(split_k=3))
 
 
 def test_block_quantization_round_trip():
