@@ -122,7 +122,9 @@ def test_ablations_change_speed_not_results(name, make_long_engine):
         assert r.outputs == full.outputs, f"{a} changed a greedy program's output"
     assert runs["no-cache"].cached_tokens == 0
     assert full.hit_rate >= 0.8 * full.ideal_hit_rate > 0
-    assert runs["block-cache"].cached_tokens <= full.cached_tokens
+    # Whole pages only: never more than the exact optimum. (Not compared with the radix run's own count, which
+    # depends on when forked branches arrive: on a loaded machine the block run was once luckier.)
+    assert runs["block-cache"].hit_rate <= full.ideal_hit_rate + 1e-9
     assert runs["block-cache"].cached_tokens % 16 == 0
 
 
