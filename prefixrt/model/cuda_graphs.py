@@ -145,14 +145,18 @@ class _Bank:
             self.logits_out = torch.empty(rows, logits.shape[1], dtype=logits.dtype, device=logits.device)
         self.logits_out[:rows].copy_(logits)
 
+    def _warm(self, keys: list) -> None:
+        """The eager forwards before capture: compile the Triton variants, size workspaces and logits_out."""
+        for key in self._warm_keys(keys):
+            self._run_into_out(self._static_batch(key))
+
     def capture(self, keys, pool=None, warm_only: bool = False) -> None:
         """Capture one graph per key, largest first (later ones reuse its pool memory). warm_only: run the eager
         warm phase alone (engine/parallel_builds.py's dry pass) and capture nothing."""
         keys = list(keys)
         if warm_only:
             with torch.inference_mode():
-                for key in self._warm_keys(keys):
-                    self._run_into_out(self._static_batch(key))
+                self._warm(keys)
             return
         t0 = time.perf_counter()
         on_cuda = self.device.type == "cuda" and not self.emulate
@@ -164,9 +168,8 @@ class _Bank:
                 pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up: compiles Triton variants, sizes workspaces and logits_out
-                for key in self._warm_keys(keys):
-                    self._run_into_out(self._static_batch(key))
+            with torch.cuda.stream(side):
+                self._warm(keys)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             for key in keys:
