@@ -5,6 +5,7 @@ Kept apart from the Engine (engine.py) so that the Engine is only about threads 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -65,7 +66,7 @@ class Built:
 
 
 def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
-    from prefixrt.hub.registry import load_tokenizer, resolve_model
+    from prefixrt.hub.registry import resolve_model
 
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
@@ -76,7 +77,7 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
     resolved = resolve_model(config.model)
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = tokenizer_while_the_device_starts(resolved, resolve_device(config.device), say)
     ranks = start_ranks(config, resolved.path, say)
     try:
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
@@ -107,6 +108,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         from prefixrt.model.quantize import quantize_fp8_weights
 
         quantize_fp8_weights(model)
+    grammar = engine_grammar(config, model, tokenizer, resolved)
+    if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
+        grammar.start_warm()
     compile_dir = start_compile_log(config, model, device, dtype, say)
     build_pool = start_build_pool(config, compile_dir, ranks)
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
@@ -186,13 +190,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             say(line)
     if device.type == "cuda":
         startup["compile"] = compile_report(compile_dir, say)
-    eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
-                 | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
     hooks = LoopHooks(
         deliver=deliver,
         detokenizer=DetokenizerWorker(tokenizer, lock, deliver),  # started by the Engine
-        grammar=EngineGrammar(config.grammar_backend, tokenizer, model.vocab_size, eos, config.grammar_timeout_s),
+        grammar=grammar,
     )
     grouper = auditor = None
     if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
@@ -213,7 +215,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             say("speculative decoding runs the synchronous loop: the overlap scheduler is off")
             overlap = False
     core = EngineCore(
-        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size, max_context, device, hooks,
+        runner, scheduler, Sampler(device, config.seed), grammar.eos_token_ids, model.vocab_size, max_context,
+        device, hooks,
         debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder, overlap=overlap,
         speculator=speculator,
     )
@@ -273,6 +276,36 @@ def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path |
     folder = use_compile_cache(config.compile_cache_dir, device, model_shape(model, dtype))
     say(f"compile cache: {folder}")
     return folder
+
+
+def tokenizer_while_the_device_starts(resolved, device: torch.device, say):
+    """load_tokenizer(resolved) on a thread while this one starts the CUDA context (each takes seconds on a GPU
+    host). Only the context: anything that imports transformers here could race the thread's import of it."""
+    from prefixrt.hub.registry import load_tokenizer
+
+    if device.type != "cuda":
+        return load_tokenizer(resolved)
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-tokenizer-load") as loading:
+        tokenizer = loading.submit(load_tokenizer, resolved)
+        torch.zeros(1, device=device)
+        context_s = time.perf_counter() - t
+        tokenizer = tokenizer.result()
+    say(f"tokenizer and CUDA context ready in {time.perf_counter() - t:.1f}s (the context alone {context_s:.1f}s)")
+    return tokenizer
+
+
+def engine_grammar(config: EngineConfig, model, tokenizer, resolved) -> EngineGrammar:
+    """Constrained decoding's engine part, its end-of-sequence ids from the model, the resolved model and the
+    tokenizer."""
+    eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
+                 | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
+    return EngineGrammar(config.grammar_backend, tokenizer, model.vocab_size, eos, config.grammar_timeout_s)
+
+
+def grammar_warm_up(config: EngineConfig, device: torch.device) -> bool:
+    """Whether start-up builds the grammar backend (EngineConfig.grammar_warm_up; default: on CUDA)."""
+    return config.grammar_warm_up if config.grammar_warm_up is not None else device.type == "cuda"
 
 
 def start_build_pool(config: EngineConfig, folder: Path | None, ranks):
