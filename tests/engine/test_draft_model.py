@@ -102,3 +102,7 @@ def test_draft_of_another_vocabulary_is_refused(make_engine, draft_folders):
         make_engine("llama", speculative=f"draft:{draft_folders['vocab']}")
     with pytest.raises(ValueError, match="host_kv_cache_tokens"):
         make_engine("llama", speculative=f"draft:{draft_folders['skip']}", host_kv_cache_tokens=2048)
+    from prefixrt.disagg.decode import DecodeEngine
+
+    with pytest.raises(ValueError, match="decode engine"):
+        DecodeEngine("tiny-llama", speculative=f"draft:{draft_folders['skip']}")

@@ -6,8 +6,8 @@ request table, one radix tree for both models. Every target forward is mirrored 
 over the same tokens, positions and slots), so wherever the target pool holds a token's K/V the draft pool
 holds the draft's K/V of that token too, and a prefix the tree caches for the target is cached for the draft:
 a cache hit skips the prefix for both models. Eviction frees slots of both pools at once (they are the same
-slots). Nothing else writes the pool of a draft engine: the host tier, tensor parallelism and image models are
-refused at build (their K/V arrives by copy, not by a forward).
+slots). Nothing else writes the pool of a draft engine: the host tier, tensor parallelism, image models and
+a disaggregated decode engine are refused at build (their K/V arrives by copy, not by a forward).
 
 propose_in_slots(): the rows' last tokens and k draft slots are allocated already (Speculator.plan); draft
 step j runs the row's token at position base - 1 + j (its last token, then the drafts so far) into the slot
@@ -76,7 +76,7 @@ class DraftModelDrafter(Drafter):
 
 def check_draft_model(target, draft, config) -> None:
     """Refuse a draft model the engine cannot pair with the target (ValueError): another vocabulary, or a
-    configuration whose K/V reaches the pool other than by a forward."""
+    configuration whose K/V reaches the pool other than by a forward (disagg/decode.py refuses its own case)."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} ids) differs from the target's "
                          f"({target.vocab_size}): a draft model must share the target's tokenizer")
