@@ -274,7 +274,6 @@ def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max
     return Speculator(drafter, kv, lengths, max_context)
 
 
-
 def _vision_parts(config: EngineConfig, model, resolved):
     """(EncoderCache, ImageProcessor) of a vision-language model, else (None, None). The processor is read from
     the model folder's preprocessor_config.json (None without one: image requests are then refused). With the
