@@ -66,8 +66,9 @@ def component_ordering(rows, pool: dict) -> str:
             + " < ".join(parts) + f" | by speed: {'holds' if speed else 'no'}, by hit rate: {'holds' if hits else 'no'}")
 
 
-def cpu_twin(model: str) -> str:
-    """A temporary folder holding a 2-layer llama with random weights and `model`'s tokenizer (its vocabulary)."""
+def cpu_twin(model: str, path: str | None = None) -> str:
+    """A folder (path, or a new temporary one) holding a 2-layer llama with random weights and `model`'s tokenizer
+    (its vocabulary)."""
     import tempfile
 
     import torch
@@ -80,7 +81,7 @@ def cpu_twin(model: str) -> str:
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     torch.manual_seed(0)
-    path = tempfile.mkdtemp(prefix="prefixrt-cpu-twin-")
+    path = path or tempfile.mkdtemp(prefix="prefixrt-cpu-twin-")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -317,7 +317,11 @@ def start_build_pool(config: EngineConfig, folder: Path | None, ranks):
     if (folder is None or workers <= 0 or ranks.size != 1 or config.attention_backend == "torch"
             or count_cached_kernels(folder) > 0):
         return None
-    return BuildPool(workers)
+    try:
+        return BuildPool(workers)
+    except Exception as e:  # no workers: the engine builds every kernel itself, as with compile_workers=0
+        log.warning("could not start worker processes for kernel builds (%s); building in the engine process", e)
+        return None
 
 
 def compile_report(folder: Path | None, say) -> dict:

@@ -4,7 +4,9 @@ Start-up's warm-up forwards and graph captures compile every Triton kernel varia
 (engine/builder.py), one after another on the engine's thread: on an H200 about 85 builds, 0.6 s each. Here they
 are built side by side:
 
-1. `BuildPool(workers)` starts worker processes (spawned: they never touch CUDA) while the engine loads.
+1. `BuildPool(workers)` starts worker processes while the engine loads: plain `python -m` subprocesses that never
+   touch CUDA and read one build a line on stdin (the engine may itself run in a daemonic process, which
+   multiprocessing forbids to have children; a closed stdin, as when the engine dies, ends a worker).
 2. `with pool.discovering():` the warm-up forwards and the eager warm phase of graph capture run once as a dry
    pass. Triton calls its `jit_cache_hook` before building a variant it has not built in this process; the hook
    sends that variant's specialization (Triton's own serialized form) to a worker and returns True, which makes
@@ -21,9 +23,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
-import multiprocessing
 import os
+import queue
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -54,13 +60,35 @@ class BuildPool:
 
     def __init__(self, workers: int):
         self.workers = workers
-        self.pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                           initializer=_worker_start)
+        self.jobs: queue.Queue = queue.Queue()  # (job line, future); None stops one feeder
         self.futures: dict[tuple, concurrent.futures.Future] = {}
         self.report = BuildReport(workers=workers)
         self._t0: float | None = None
-        for _ in range(workers):  # start them now: they import torch and Triton while the engine loads
-            self.pool.submit(_noop)
+        self._target: dict | None = None
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="",  # building needs no GPU: never take memory on one
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env.pop("TRITON_INTERPRET", None)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "prefixrt.engine.parallel_builds"], env=env, text=True,
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                      for _ in range(workers)]  # started now: they import torch and Triton while the engine loads
+        self.feeders = [threading.Thread(target=self._feed, args=(proc,), daemon=True, name="prefixrt-build-feed")
+                        for proc in self.procs]
+        for t in self.feeders:
+            t.start()
+
+    def _feed(self, proc: subprocess.Popen) -> None:
+        """Hand this worker one job at a time and resolve its future with the worker's answer."""
+        while (item := self.jobs.get()) is not None:
+            line, fut = item
+            try:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+                answer = proc.stdout.readline()
+                if not answer:
+                    raise RuntimeError(f"the build worker exited (code {proc.poll()})")
+                fut.set_result(json.loads(answer)["error"])
+            except Exception as e:  # a dead worker: this and every later job it would take fail, not hang
+                fut.set_result(f"{type(e).__name__}: {e}")
 
     @contextlib.contextmanager
     def discovering(self):
@@ -71,6 +99,7 @@ class BuildPool:
         rt = knobs.runtime
         saved = rt.jit_cache_hook
         self._t0 = self._t0 or time.perf_counter()
+        self._target = self._target or _current_target()
         rt.jit_cache_hook = self._on_miss
         try:
             yield self
@@ -85,7 +114,10 @@ class BuildPool:
         module, name = fn.module, fn.name
         key = (module, name, spec)
         if key not in self.futures:
-            self.futures[key] = self.pool.submit(_build, module, name, spec, os.environ.get("TRITON_CACHE_DIR"))
+            fut = self.futures[key] = concurrent.futures.Future()
+            job = {"module": module, "name": name, "spec": _with_target(spec, self._target),
+                   "cache_dir": os.environ.get("TRITON_CACHE_DIR")}
+            self.jobs.put((json.dumps(job), fut))
         return True  # skip the build and the launch
 
     def wait(self) -> BuildReport:
@@ -93,10 +125,7 @@ class BuildPool:
         r = self.report
         r.variants = len(self.futures)
         for (_, name, _), fut in self.futures.items():
-            try:
-                err = fut.result()
-            except Exception as e:  # a worker died
-                err = f"{type(e).__name__}: {e}"
+            err = fut.result()
             if err is None:
                 r.built += 1
             else:
@@ -109,7 +138,18 @@ class BuildPool:
         return r
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the feeders and the workers (a worker ends at the end of its stdin). Idempotent."""
+        for _ in self.feeders:
+            self.jobs.put(None)
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.feeders = []
 
 
 def prebuild(pool: BuildPool, runner, warm_batches: list, capture_kwargs: dict | None) -> BuildReport:
@@ -125,21 +165,42 @@ def prebuild(pool: BuildPool, runner, warm_batches: list, capture_kwargs: dict |
     return pool.wait()
 
 
+def _current_target() -> dict | None:
+    """The engine's GPU target as Triton serializes it, or None where there is none to ask."""
+    try:
+        from triton.runtime.driver import driver
+
+        t = driver.active.get_current_target()
+        return {"backend": t.backend, "arch": t.arch, "warp_size": t.warp_size}
+    except Exception:
+        return None
+
+
+def _with_target(spec: str, target: dict | None) -> str:
+    """Triton before 3.7 leaves the GPU target out of the serialized specialization; a worker has no GPU to ask."""
+    obj = json.loads(spec)
+    if "target" in obj or target is None:
+        return spec
+    return json.dumps({**obj, "target": target})
+
+
 # ---------------------------------------------------------------------------------------------- in the workers
-def _worker_start() -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # building needs no GPU: never take memory on one
+def _serve() -> None:
+    """A worker: one JSON job a line on stdin ({module, name, spec, cache_dir}), one {"error": ...} line back."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever a build prints goes to stderr, never into the answers
     import torch  # noqa: F401  (imported once, before the first build arrives: the kernels' modules need it)
     import triton  # noqa: F401
 
-
-def _noop() -> None:
-    pass
+    for line in sys.stdin:
+        job = json.loads(line)
+        answers.write(json.dumps({"error": _build(job["module"], job["name"], job["spec"], job["cache_dir"])}) + "\n")
+        answers.flush()
 
 
 def _build(module: str, name: str, spec: str, cache_dir: str | None) -> str | None:
     """Build one variant from Triton's serialized specialization into cache_dir. None, or why not."""
     import importlib
-    import json
 
     try:
         if cache_dir:
@@ -186,3 +247,7 @@ def _decode(fn, obj: dict):
     target = GPUTarget(**obj["target"])
     options = make_backend(target).parse_options({k: as_tuple(v) for k, v in obj["options"].items()})
     return ASTSource(fn, signature, constexprs, attrs), target, options.__dict__
+
+
+if __name__ == "__main__":
+    _serve()

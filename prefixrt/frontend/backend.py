@@ -389,9 +389,9 @@ class ProviderBackend(ProgramBackend):
             raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
 
     def submit_prefix_hint(self, ctx: Context) -> Callable[[], int]:
-        """On an in-process engine the hint is queued at once (a prefill-only request) and not awaited: it is
-        ahead of the branches' requests in the engine's queue. Over a network, requests may arrive in any
-        order, so the hint's round trip completes first."""
+        """On an in-process engine the hint is queued at once (a prefill-only request) and the returned function
+        waits for it to finish (a fork calls it before its branches start). Over a network the hint's round trip
+        completes before this returns."""
         if not self.prefix_hints:
             return lambda: 0
         if not self._in_process:

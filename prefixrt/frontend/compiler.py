@@ -17,6 +17,7 @@ interpreter's results (tests/frontend/test_sglang_programs.py checks it).
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -29,6 +30,8 @@ from prefixrt.frontend.backend import Context, ProgramBackend, SamplingArgs, as_
 from prefixrt.frontend.chat_format import PlainFormat
 from prefixrt.frontend.interpreter import JoinOp, ProgramError, StreamExecutor
 from prefixrt.frontend.ir import RoleBegin, RoleEnd, SetVar, VarScopeBegin, VarScopeEnd
+
+log = logging.getLogger("prefixrt.frontend")
 
 _MARKER = re.compile("\x00(arg|out):([^\x00]*)\x00")
 
@@ -262,7 +265,7 @@ class _Run:
         self.execs = {0: self.root}
         self.todo = {sid: graph.stream(sid) for sid in graph.streams}
         self.pos = {0: 0}
-        self.hints: list[threading.Thread] = []
+        self.hints: list = []  # submitted prefix hints, awaited before the next calls go out
 
     def finished(self, sid: int) -> bool:
         return sid in self.pos and self.pos[sid] == len(self.todo[sid])
@@ -296,10 +299,7 @@ class _Run:
                 raise InvalidRequest("compiled programs do not take image/video inputs; run it with prog.run")
             elif n.kind == "fork":
                 if n.k > 1 and (ex.pieces or ex.open_role):  # as the interpreter's fork: the prefix hint
-                    wait = ex.backend.submit_prefix_hint(ex.context())
-                    t = threading.Thread(target=wait, name="prefixrt-prefix-hint", daemon=True)
-                    self.hints.append(t)
-                    t.start()
+                    self.hints.append(ex.backend.submit_prefix_hint(ex.context()))
                 snap = ex.snapshot()
                 for child in n.children:
                     c = StreamExecutor(self.backend, self.defaults, parent=ex)
@@ -325,10 +325,15 @@ class _Run:
                         waiting.append((sid, node))
                 if (dict(self.pos), len(self.execs)) == before:
                     break
+            # the forks' hints (submitted together) complete before their branches' calls are sent
+            hints, self.hints = self.hints, []
+            for wait in hints:
+                try:
+                    wait()
+                except Exception as e:  # a lost hint costs speed, not correctness
+                    log.warning("prefix hint failed: %s", e)
             if not waiting:
                 if all(self.finished(s) for s in self.execs):
-                    for t in self.hints:
-                        t.join()
                     return
                 raise ProgramError("the compiled program is stuck: a stream waits for a value no stream produces")
             self._submit(waiting)

@@ -113,7 +113,6 @@ class StreamExecutor:
         self.select_scores: dict[str, dict[str, float]] = {}
         self.requests: list[RequestRecord] = []
         self.children: list[StreamExecutor] = []
-        self.hints: list[threading.Thread] = []  # in-flight prefix hints (joined by sync_tree)
         self.error: BaseException | None = None
         self.state = None  # the user-facing ProgramState (for error messages)
         self.spec: SpecBuffer | None = None
@@ -198,8 +197,6 @@ class StreamExecutor:
         """Wait for this stream and every fork below it; raise the first failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.sync(timeout)
-        for t in list(self.hints):
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         for child in list(self.children):
             child.sync_tree(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
@@ -434,10 +431,11 @@ class ExprOp:
 
 
 class ForkOp:
-    """On the parent: send the shared prefix to the backend's cache (prefix hint), then hand a snapshot to the
-    children. The hint is submitted before the branches start, so it reaches the engine first and the
-    branches' first requests reuse the prefix; it is not awaited on an in-process engine (no extra round
-    trip per fork: the engine prefills the shared part once, with the hint as the leader)."""
+    """On the parent: prime the backend's cache with the shared prefix (prefix hint), then hand a snapshot to the
+    children. The branches start once the hint has completed, so every branch's first request reuses the whole
+    shared prefix and only its own text is prefilled: the shared text is computed once, by the hint, however
+    the branches' requests and the engine's steps interleave (the tokens between the last cached prefix and the
+    branches' own text would otherwise be prefilled by every branch admitted beside the hint)."""
 
     def __init__(self, k: int, hint: bool, children: list[StreamExecutor]):
         self.k = k
@@ -460,10 +458,7 @@ class ForkOp:
             except Exception as e:  # a lost hint costs speed, not correctness; the branches' calls report errors
                 log.warning("prefix hint failed: %s", e)
             else:
-                t = threading.Thread(target=self._finish_hint, args=(ex, wait, t0), name="prefixrt-prefix-hint",
-                                     daemon=True)
-                ex.hints.append(t)
-                t.start()
+                self._finish_hint(ex, wait, t0)
         self.snapshot.set_result(ex.snapshot())
 
     @staticmethod

@@ -19,10 +19,13 @@ from prefixrt.engine.parallel_builds import BuildPool
 REPO = Path(__file__).resolve().parents[2]
 
 # Triton's serialized specialization of one variant of a real kernel, built the way Triton's jit_cache_hook
-# hands it over, then built by the worker function. Run without the interpreter (conftest sets it for tests):
-# under TRITON_INTERPRET=1 @triton.jit gives interpreted functions, which have nothing to build.
+# hands it over (Triton before 3.7 leaves the target out: the pool adds it), then built by the worker function and
+# by a pool started inside a daemonic process, as `prefixrt serve` runs its engine. Run without the interpreter
+# (conftest sets it for tests): under TRITON_INTERPRET=1 @triton.jit gives interpreted functions, with nothing to
+# build.
 WORKER_SCRIPT = textwrap.dedent("""
-    import os, sys
+    import inspect, multiprocessing, os, sys
+    from types import SimpleNamespace
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import serialize_specialization_data
@@ -38,24 +41,48 @@ WORKER_SCRIPT = textwrap.dedent("""
            for i, n in enumerate(names)}
     constants = {(names.index(n),): v for n, v in consts.items()}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
-    spec = serialize_specialization_data(fn.fn.__qualname__, sig, constants, attrs, options, "key", target)
-    cache = sys.argv[1]
-    print("built:", pb._build(fn.fn.__module__, fn.fn.__qualname__, spec, cache))
-    print("entries:", len(os.listdir(cache)))
-    print("unknown kernel:", pb._build(fn.fn.__module__, "no_such_kernel", spec, cache))
+    args = [fn.fn.__qualname__, sig, constants, attrs, options, "key"]
+    if len(inspect.signature(serialize_specialization_data).parameters) == 7:
+        args.append(target)
+    spec = pb._with_target(serialize_specialization_data(*args), {"backend": "cuda", "arch": 90, "warp_size": 32})
+
+    def in_a_daemon(cache, answers):
+        os.environ["TRITON_CACHE_DIR"] = cache
+        pool = pb.BuildPool(2)
+        pool._on_miss(fn=SimpleNamespace(module=fn.fn.__module__, name=fn.fn.__qualname__),
+                      compile={"specialization_data": spec})
+        r = pool.wait()
+        answers.put((r.variants, r.built, r.failed))
+
+    if __name__ == "__main__":
+        cache = sys.argv[1]
+        print("built:", pb._build(fn.fn.__module__, fn.fn.__qualname__, spec, os.path.join(cache, "a")))
+        print("entries:", len(os.listdir(os.path.join(cache, "a"))))
+        print("unknown kernel:", pb._build(fn.fn.__module__, "no_such_kernel", spec, cache))
+        ctx = multiprocessing.get_context("spawn")
+        answers = ctx.Queue()
+        p = ctx.Process(target=in_a_daemon, args=(os.path.join(cache, "b"), answers), daemon=True)
+        p.start()
+        print("daemon pool:", answers.get(timeout=240))
+        p.join()
+        print("daemon entries:", len(os.listdir(os.path.join(cache, "b"))))
 """)
 
 
 def test_a_worker_builds_a_variant_from_tritons_serialized_form(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", WORKER_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+    script = tmp_path / "worker_check.py"
+    script.write_text(WORKER_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines() if ": " in line)
     assert lines["built"] == "None"  # built, into the given cache folder
     assert int(lines["entries"]) >= 1
     assert lines["unknown kernel"].startswith("AttributeError")  # a failure is reported, never raised
+    assert lines["daemon pool"] == "(1, 1, [])"  # a pool inside a daemonic process (the server's engine) works
+    assert int(lines["daemon entries"]) >= 1
 
 
 def test_the_pool_starts_only_for_an_empty_compile_cache_on_one_triton_rank(tmp_path):

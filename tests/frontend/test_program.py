@@ -107,6 +107,34 @@ def test_fork_prefix_hint_caches_shared_prefix(make_frontend_engine):
         assert first.kind == "gen" and first.cached_tokens >= prefix_len - 1, (first, prefix_len)
 
 
+def test_fork_branches_reuse_the_whole_hinted_prefix_however_short_its_uncached_tail(make_frontend_engine):
+    """After a gen, the text a fork shares beyond the cache is a few tokens (here under the engine's 32-token
+    shared-prefill threshold, so the engine does not hold branches back for it). The fork primes it before the
+    branches start, so each branch's first request reuses the whole prefix, however busy the engine is when the
+    branches arrive (here 12 programs at once)."""
+    eng = make_frontend_engine()
+
+    @function
+    def expand(s, topic):
+        s += f"{topic}. " + ESSAY + gen("head", max_tokens=4) + " Next:"
+        forks = s.fork(4)
+        for i, f in enumerate(forks):
+            f += f"{i}" + gen("t", max_tokens=2)
+        s.forks = forks
+
+    be = ProviderBackend(eng)
+    for _ in range(2):
+        eng.flush_cache()
+        topics = [f"Essay {n}" for n in range(12)]
+        states = expand.run_batch([{"topic": t} for t in topics], backend=be, temperature=0, num_threads=12)
+        for topic, st in zip(topics, states):
+            assert len([r for r in st.requests if r.kind == "cache_prefix"]) == 1
+            shared = len(be.encode(f"{topic}. " + ESSAY + st["head"] + " Next:"))
+            for f in st.forks:
+                first = f.requests[0]
+                assert first.kind == "gen" and first.cached_tokens >= shared, (first, shared)
+
+
 def test_fork_hint_off_sends_no_cache_prefix(make_frontend_engine):
     eng = make_frontend_engine()
     be = ProviderBackend(eng, prefix_hints=False)
