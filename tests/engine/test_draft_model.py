@@ -60,9 +60,11 @@ def test_greedy_outputs_identical_to_no_speculation(draft, make_engine, tiny_che
     assert any(c.finish_reason == "stop" and c.matched_stop in ("e", "th") for c in want if not isinstance(c, list))
 
 
-def test_target_as_its_own_draft_is_accepted_everywhere(make_engine, tiny_checkpoints):
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_target_as_its_own_draft_is_accepted_everywhere(page_size, make_engine, tiny_checkpoints):
     """The target drafting for itself: every greedy draft is the target's own argmax, so acceptance is 1.0 unless
-    the draft pool's K/V is wrong somewhere (at a chunk border, a cached prefix, an accepted or a bonus slot)."""
+    the draft pool's K/V is wrong somewhere (at a chunk border, a cached prefix, an accepted or a bonus slot;
+    whole pages or single slots)."""
     folder = tiny_checkpoints("llama")[0]
     rng = random.Random(7)
     prompts = [[1] + [rng.randrange(3, 320) for _ in range(40)] for _ in range(12)]
@@ -70,7 +72,8 @@ def test_target_as_its_own_draft_is_accepted_everywhere(make_engine, tiny_checkp
     again = [p + [7, 8] for p in prompts]  # cache hits on the first round's prompts
     ref = make_engine("llama")
     want = [[c.token_ids for c in ref.generate(ps, params)] for ps in (prompts, again)]
-    eng = make_engine("llama", speculative=f"draft:{folder}", chunked_prefill_tokens=16, speculative_adaptive=False)
+    eng = make_engine("llama", speculative=f"draft:{folder}", chunked_prefill_tokens=16, speculative_adaptive=False,
+                      page_size=page_size)
     assert [[c.token_ids for c in eng.generate(ps, params)] for ps in (prompts, again)] == want
     s = eng.stats()
     assert s.cached_tokens_total > 400 and s.spec_draft_tokens_total > 200
