@@ -43,7 +43,8 @@ from benchmarks.common import free_port, log, script_parser
 REPO = Path(__file__).resolve().parents[1]
 RESULTS: dict = {}
 # sitecustomize for --profile-server: yappi (CPU clock, every thread) between SIGUSR1 and SIGUSR2, saved as
-# <dir>/<pid>.pstat plus per-thread CPU totals in <dir>/<pid>.txt.
+# <dir>/<pid>.pstat plus, in <dir>/<pid>.txt, per-thread CPU totals and the 40 functions of most own CPU time and
+# of most CPU time with callees (readable without the pstat file).
 PROFILE_BOOT = """
 import os, signal, sys
 _dir = os.environ.get("GPU_SERVER_PROFILE_DIR")
@@ -60,6 +61,10 @@ if _dir:
         with open(base + ".txt", "w") as f:
             f.write(" ".join(sys.argv) + "\\n")
             yappi.get_thread_stats().print_all(out=f)
+            import pstats
+            for key in ("tottime", "cumulative"):
+                f.write(f"\\n=== functions by {key}\\n")
+                pstats.Stats(base + ".pstat", stream=f).sort_stats(key).print_stats(40)
         yappi.clear_stats()
     signal.signal(signal.SIGUSR1, _start)
     signal.signal(signal.SIGUSR2, _save)

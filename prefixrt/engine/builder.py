@@ -5,6 +5,7 @@ Kept apart from the Engine (engine.py) so that the Engine is only about threads 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -65,7 +66,7 @@ class Built:
 
 
 def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
-    from prefixrt.hub.registry import load_tokenizer, resolve_model
+    from prefixrt.hub.registry import resolve_model
 
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
@@ -76,7 +77,7 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
     resolved = resolve_model(config.model)
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
-    tokenizer = load_tokenizer(resolved)
+    tokenizer = tokenizer_while_the_device_starts(resolved, resolve_device(config.device), say)
     ranks = start_ranks(config, resolved.path, say)
     try:
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
@@ -107,11 +108,17 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         from prefixrt.model.quantize import quantize_fp8_weights
 
         quantize_fp8_weights(model)
+    grammar = engine_grammar(config, model, tokenizer, resolved)
+    if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
+        grammar.start_warm()
     compile_dir = start_compile_log(config, model, device, dtype, say)
     build_pool = start_build_pool(config, compile_dir, ranks)
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    draft = load_draft_model(config, model, device, dtype, say)
+    if draft is not None:  # its pool has the target pool's slots: a token costs both
+        bytes_per_token += KVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
     num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
         f"{' per rank' if ranks.size > 1 else ''})")
@@ -186,13 +193,11 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             say(line)
     if device.type == "cuda":
         startup["compile"] = compile_report(compile_dir, say)
-    eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
-                 | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
     lock = threading.Lock()
     hooks = LoopHooks(
         deliver=deliver,
         detokenizer=DetokenizerWorker(tokenizer, lock, deliver),  # started by the Engine
-        grammar=EngineGrammar(config.grammar_backend, tokenizer, model.vocab_size, eos, config.grammar_timeout_s),
+        grammar=grammar,
     )
     grouper = auditor = None
     if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
@@ -208,12 +213,13 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     overlap = config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda"
     speculator = None
     if config.speculative is not None:
-        speculator = _speculator(config, kv, model.vocab_size, max_context, max_running)
+        speculator = _speculator(config, kv, model.vocab_size, max_context, max_running, draft, device, dtype)
         if overlap:
             say("speculative decoding runs the synchronous loop: the overlap scheduler is off")
             overlap = False
     core = EngineCore(
-        runner, scheduler, Sampler(device, config.seed), eos, model.vocab_size, max_context, device, hooks,
+        runner, scheduler, Sampler(device, config.seed), grammar.eos_token_ids, model.vocab_size, max_context,
+        device, hooks,
         debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder, overlap=overlap,
         speculator=speculator,
     )
@@ -231,15 +237,44 @@ def verify_graph_tokens(config: EngineConfig, max_running: int) -> int:
     return min(EXTEND_GRAPH_TOKENS, rows * (config.speculative_num_tokens + 1))
 
 
-def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int):
-    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py)."""
+def load_draft_model(config: EngineConfig, target, device, dtype, say):
+    """The draft model of speculative="draft:MODEL" (a registry name or a folder), checked against the target
+    (engine/loop/draft_model.py check_draft_model; ValueError); None for any other spec."""
+    spec = config.speculative
+    if not (isinstance(spec, str) and spec.startswith("draft:")):
+        return None
+    from prefixrt.engine.loop.draft_model import check_draft_model
+    from prefixrt.hub.loader import load_model
+    from prefixrt.hub.registry import resolve_model
+    from prefixrt.speculative.spec import parse_spec
+
+    resolved = resolve_model(parse_spec(spec)[1]["model"])
+    fmt = "dummy" if resolved.dummy_only else config.load_format
+    say(f"loading the draft model ({fmt}) from {resolved.path} as {dtype}")
+    draft = load_model(resolved.path, load_format=fmt, dtype=dtype, device=device)
+    check_draft_model(target, draft, config)
+    return draft
+
+
+def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int, draft=None,
+                device=None, dtype=None):
+    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py); draft: the draft model of a
+    "draft:MODEL" spec, run over a pool of its own at the target pool's slots (engine/loop/draft_model.py)."""
     from prefixrt.engine.loop.speculate import Speculator
     from prefixrt.speculative.draft_length import AdaptiveDraftLength
     from prefixrt.speculative.spec import make_drafter
 
     lengths = AdaptiveDraftLength(config.speculative_num_tokens, max_batch=config.speculative_max_batch,
                                   adaptive=config.speculative_adaptive)
-    return Speculator(make_drafter(config.speculative, vocab_size), kv, lengths, max_context)
+    if draft is not None:
+        from prefixrt.engine.loop.draft_model import DraftModelDrafter
+        from prefixrt.model.rank_setup import make_runner
+
+        pool = KVPool(kv.pool.num_slots, draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype, device)
+        drafter = DraftModelDrafter(make_runner(config, draft, pool, device, max_running), kv, device)
+    else:
+        drafter = make_drafter(config.speculative, vocab_size)
+    return Speculator(drafter, kv, lengths, max_context)
 
 
 def _vision_parts(config: EngineConfig, model, resolved):
@@ -273,6 +308,36 @@ def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path |
     folder = use_compile_cache(config.compile_cache_dir, device, model_shape(model, dtype))
     say(f"compile cache: {folder}")
     return folder
+
+
+def tokenizer_while_the_device_starts(resolved, device: torch.device, say):
+    """load_tokenizer(resolved) on a thread while this one starts the CUDA context (each takes seconds on a GPU
+    host). Only the context: anything that imports transformers here could race the thread's import of it."""
+    from prefixrt.hub.registry import load_tokenizer
+
+    if device.type != "cuda":
+        return load_tokenizer(resolved)
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-tokenizer-load") as loading:
+        tokenizer = loading.submit(load_tokenizer, resolved)
+        torch.zeros(1, device=device)
+        context_s = time.perf_counter() - t
+        tokenizer = tokenizer.result()
+    say(f"tokenizer and CUDA context ready in {time.perf_counter() - t:.1f}s (the context alone {context_s:.1f}s)")
+    return tokenizer
+
+
+def engine_grammar(config: EngineConfig, model, tokenizer, resolved) -> EngineGrammar:
+    """Constrained decoding's engine part, its end-of-sequence ids from the model, the resolved model and the
+    tokenizer."""
+    eos = sorted(set(model.eos_token_ids) | set(getattr(resolved, "extra_eos_token_ids", ()))
+                 | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()))
+    return EngineGrammar(config.grammar_backend, tokenizer, model.vocab_size, eos, config.grammar_timeout_s)
+
+
+def grammar_warm_up(config: EngineConfig, device: torch.device) -> bool:
+    """Whether start-up builds the grammar backend (EngineConfig.grammar_warm_up; default: on CUDA)."""
+    return config.grammar_warm_up if config.grammar_warm_up is not None else device.type == "cuda"
 
 
 def start_build_pool(config: EngineConfig, folder: Path | None, ranks):

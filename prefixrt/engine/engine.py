@@ -87,11 +87,12 @@ class Engine(EngineAPI):
         self._inbox: queue.Queue = queue.Queue()
         self._stopped = False
         self._ids = itertools.count()
-        warm = self.config.grammar_warm_up
-        if warm or (warm is None and self.device.type == "cuda"):
-            spent = self.warm_grammar()  # the first constrained request should not build the vocabulary tables
+        if builder.grammar_warm_up(self.config, self.device):
+            # The first constrained request should not build the vocabulary tables: started during the build
+            # (engine/builder.py), waited for here; `spent` is the wait.
+            spent = self.warm_grammar()
             self._built.startup["total_s"] = self._built.startup.get("total_s", 0.0) + spent
-            log.info("grammar backend ready in %.1fs", spent)
+            (progress or log.info)(f"grammar backend ready ({spent:.1f}s after the rest of start-up)")
         if self.device.type == "cuda":
             # Everything built so far (model, graphs, tokenizer) lives as long as the engine: keep it out of the
             # cyclic collector, whose full passes over it would otherwise stall the loop thread at random steps.

@@ -29,6 +29,8 @@ class EngineGrammar:
         self.bitmask_ops = bitmask_ops
         self._compiler = None
         self._lock = threading.Lock()
+        self._tables: threading.Thread | None = None  # start_warm's background build
+        self._tables_error: BaseException | None = None
 
     @property
     def backend(self):
@@ -57,10 +59,37 @@ class EngineGrammar:
 
     def warm(self, device: torch.device) -> None:
         """Build the backend and its vocabulary tables now (and, on CUDA, compile the mask kernel) instead of
-        at the first constrained request. Raises what building raises."""
+        at the first constrained request. Raises what building raises. After start_warm: waits for its tables."""
+        if self._tables is not None:
+            self._tables.join()
+            self._tables = None
+            if self._tables_error is not None:
+                error, self._tables_error = self._tables_error, None
+                raise error
+        else:
+            self._warm_tables()
+        self._warm_kernels(device)
+
+    def start_warm(self) -> None:
+        """Start building the backend and its vocabulary tables on a thread, so start-up's other steps (CUDA
+        init, weights, kernel builds, graph capture) run meanwhile; `warm` then waits for it. The tables are
+        host work that mostly leaves the GIL free; nothing here touches the GPU (capture may be running)."""
+
+        def build() -> None:
+            try:
+                self._warm_tables()
+            except BaseException as e:  # re-raised by warm, on the caller's thread
+                self._tables_error = e
+
+        self._tables = threading.Thread(target=build, name="prefixrt-grammar-warm", daemon=True)
+        self._tables.start()
+
+    def _warm_tables(self) -> None:
         backend = self.compiler().backend
         if getattr(backend, "string_lengths", False):
             backend.token_table()  # llguidance: JSON string lengths checked beside the grammar
+
+    def _warm_kernels(self, device: torch.device) -> None:
         ops = self.bitmask_ops
         if device.type == "cuda" and ops is not None:
             # The mask kernel (a Triton kernel compiled on first use): row counts 1, a multiple of 16 and

@@ -153,6 +153,32 @@ def test_select_scores_equal_transformers_logprobs(method, make_engine, tiny_che
     assert again.cached_tokens == len(prompt) - 1
 
 
+def test_grammar_warm_up_builds_the_tables_on_a_thread_during_start_up(make_engine, monkeypatch):
+    import threading
+
+    from prefixrt.engine.grammar import EngineGrammar
+
+    seen = {}
+    real_tables = EngineGrammar._warm_tables
+
+    def tables(self):
+        seen["thread"] = threading.current_thread().name
+        real_tables(self)
+
+    monkeypatch.setattr(EngineGrammar, "_warm_tables", tables)
+    eng = make_engine("llama", grammar_warm_up=True)
+    assert seen["thread"] == "prefixrt-grammar-warm"  # not on the engine's start-up thread
+    assert eng.core.hooks.grammar.backend is not None  # and finished before the engine takes requests
+
+    def broken(self):
+        raise RuntimeError("no tables")
+
+    monkeypatch.setattr(EngineGrammar, "_warm_tables", broken)
+    eng = make_engine("llama", grammar_warm_up=True)  # a failed warm-up is logged; the engine still serves
+    assert eng.core.hooks.grammar.backend is None
+    assert eng.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0}).finish_reason == "length"
+
+
 def test_grammar_warm_up_builds_the_backend_at_start(make_engine):
     cold = make_engine("llama")  # the CPU default: built on the first constrained request
     assert cold.core.hooks.grammar.backend is None and "grammar_warm_s" not in cold._built.startup
