@@ -85,7 +85,7 @@ def _extend_kernel(
     # block and head r % BLOCK_G of the group (grid axis 1 then runs over kv heads), so a block of BLOCK_M
     # rows holds BLOCK_M // BLOCK_G tokens and each K/V block it loads serves every head of the group.
     TOKENS: tl.constexpr = BLOCK_M // BLOCK_G
-    if HAS_BLOCK_MAP:  # grid [num_blocks, H]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
+    if HAS_BLOCK_MAP:  # grid [num_blocks, H (KVH packed)]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
         h = tl.program_id(1)
         b = tl.load(BlockSeq + tl.program_id(0))
         if b < 0:
@@ -272,7 +272,10 @@ def eager_variant(head_dim: int, heads_per_kv: int, max_extend_len: int, interpr
 
 
 def pack_heads_by_default(heads_per_kv: int, has_map: bool) -> bool:
-    """Whether extend_attention packs a kv head's query heads into one program when not told."""
+    """Whether extend_attention packs a kv head's query heads into one program when not told. Not with a block
+    map (the CUDA graphs' launch): packed there, an 80-token extend over a 3,500-token prefix took 33 instead of
+    42 us a layer on an H200, but 200 tokens over 60,000 took 1.87 instead of 0.92 ms (Llama-3-8B heads,
+    docs/benchmarks.md); pass pack_heads=True to have it."""
     return 1 < heads_per_kv <= 16 and not has_map  # 16: the interpreter's 16-row blocks hold a token
 
 
@@ -337,7 +340,8 @@ def extend_attention(
     launch parameters (BLOCK_N, num_warps, num_stages; benchmarks/gpu_kernels.py sweeps them). page_size: the
     pool's; above 1 pool keys are read a page run per table lookup. pack_heads: put the query heads that share
     a kv head into one program's rows (K/V loaded once for the group, short extends fill the tile); None
-    decides by pack_heads_by_default. Only without a block map (whose blocks count tokens of one head).
+    decides by pack_heads_by_default. With a block map block_m still counts tokens (a packed block has
+    block_m x the group's rows).
     k_scale/v_scale ([KVH] fp32): the scales of an e4m3 pool, read as decode_attention reads it.
     span_end ([T] int32, optional): per new token, the end (exclusive) of the keys it sees: its position + 1,
     or, inside a bidirectional block (an image of Gemma-3), the block's end; see span_ends."""
@@ -358,12 +362,13 @@ def extend_attention(
     v_ext = v_extend if contiguous else v_buffer
     has_map = block_seq is not None
     heads_per_kv = num_heads // num_kv_heads
+    if has_map and block_m is None:
+        raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
     if pack_heads is None:
         pack_heads = pack_heads_by_default(heads_per_kv, has_map)
-    if pack_heads and has_map:
-        raise ValueError("pack_heads needs the grid sized from max_extend_len (no block map)")
     block_g = triton.next_power_of_2(heads_per_kv) if pack_heads else 1
-    cfg = _config(head_dim, max_extend_len * block_g, block_m)
+    # A map's blocks count tokens: packed, a block's rows are its tokens x the group's heads.
+    cfg = _config(head_dim, max_extend_len * block_g, block_m * block_g if has_map else block_m)
     if config:
         cfg = {**cfg, **config}
     if block_g > cfg["BLOCK_M"]:
@@ -375,9 +380,9 @@ def extend_attention(
     if num_splits > 1 and (not has_map or contiguous):
         raise ValueError("num_splits > 1 needs a block map and pool K/V (no k_extend)")
     if has_map:
-        if block_mb is None or block_m is None or cfg["BLOCK_M"] != block_m:
+        if block_mb is None or cfg["BLOCK_M"] != block_m * block_g:
             raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
-        grid = (block_seq.shape[0], num_heads, num_splits)
+        grid = (block_seq.shape[0], num_kv_heads if pack_heads else num_heads, num_splits)
     else:
         grid = (batch_size, num_kv_heads if pack_heads else num_heads, triton.cdiv(max_extend_len * block_g, cfg["BLOCK_M"]))
     _extend_kernel[grid](
