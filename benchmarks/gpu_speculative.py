@@ -224,8 +224,16 @@ def main() -> None:
                     help="scale the dummy model's output projections by SCALE and make lm_head a permutation of the "
                          "embeddings, so greedy tokens are the same on the decode and verify paths (see "
                          "stabilize_greedy; 0: leave the weights as loaded)")
+    ap.add_argument("--pack-map", default=None, help="1/0: packed query heads in the EXTEND and verify graphs' short "
+                    "blocks (default: kernels.extend_attention.pack_heads_by_default)")
     args = ap.parse_args()
     smoke = args.smoke
+    if args.pack_map is not None:
+        from prefixrt.kernels import extend_attention as ext
+
+        default_rule = ext.pack_heads_by_default
+        ext.pack_heads_by_default = lambda g, has_map, block_m=None, on=args.pack_map == "1": (
+            default_rule(g, has_map, block_m) if has_map and on else (not has_map and default_rule(g, has_map)))
     if smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
@@ -264,7 +272,8 @@ def main() -> None:
             section("ngram", lambda: ngram_repeat(eng, ctx, max_new, args.k_ngram, n_prompts))
     finally:
         eng.shutdown()
-    name = f"gpu_speculative-{args.only}{'-smoke' if smoke else ''}.json"
+    pack = "" if args.pack_map is None else f"-pack{args.pack_map}"
+    name = f"gpu_speculative-{args.only}{pack}{'-smoke' if smoke else ''}.json"
     tmp.cleanup()
     write_results(RESULTS, name, None if smoke else RESULTS_DIR)
     log(f"\nprefixrt speculative decoding, {MODEL if not smoke else 'tiny llama'} dummy on {RESULTS['device']}, "

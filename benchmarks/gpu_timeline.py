@@ -331,7 +331,8 @@ def main():
         from prefixrt.kernels import extend_attention as ext
 
         default_rule = ext.pack_heads_by_default
-        ext.pack_heads_by_default = lambda g, has_map, on=args.pack == "1": on and default_rule(g, has_map)
+        ext.pack_heads_by_default = lambda g, has_map, block_m=None, on=args.pack == "1": on and default_rule(g, has_map,
+                                                                                                   block_m)
     smoke = args.smoke
     out = os.environ.get("OUT")
     tag = ("" if args.pdl is None else f"_pdl{args.pdl}") + ("" if args.pack is None else f"_pack{args.pack}")

@@ -271,12 +271,15 @@ def eager_variant(head_dim: int, heads_per_kv: int, max_extend_len: int, interpr
     return (("BLOCK_G", block_g), *sorted(cfg.items()))
 
 
-def pack_heads_by_default(heads_per_kv: int, has_map: bool) -> bool:
-    """Whether extend_attention packs a kv head's query heads into one program when not told. Not with a block
-    map (the CUDA graphs' launch): packed there, an 80-token extend over a 3,500-token prefix took 33 instead of
-    42 us a layer on an H200, but 200 tokens over 60,000 took 1.87 instead of 0.92 ms (Llama-3-8B heads,
-    docs/benchmarks.md); pass pack_heads=True to have it."""
-    return 1 < heads_per_kv <= 16 and not has_map  # 16: the interpreter's 16-row blocks hold a token
+def pack_heads_by_default(heads_per_kv: int, has_map: bool, block_m: int | None = None) -> bool:
+    """Whether extend_attention packs a kv head's query heads into one program when not told. With a block map (the
+    CUDA graphs' launch, block_m tokens a block) only for short blocks, whose packed rows fit 64: a few tokens a
+    sequence (speculative verify, forced tokens) over its context then read each K/V block once for the group
+    instead of once per query head. Taller packed blocks lose on long prefixes: on an H200 (Llama-3-8B heads,
+    docs/benchmarks.md) 200 tokens over 60,000 took 1.87 ms packed in 128-row blocks against 0.92 ms per head."""
+    if not 1 < heads_per_kv <= 16:  # 16: the interpreter's 16-row blocks hold a token
+        return False
+    return not has_map or (block_m is not None and block_m * triton.next_power_of_2(heads_per_kv) <= 64)
 
 
 def block_m_for(head_dim: int, max_extend_len: int, block_m: int | None = None) -> int:
@@ -365,7 +368,7 @@ def extend_attention(
     if has_map and block_m is None:
         raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
     if pack_heads is None:
-        pack_heads = pack_heads_by_default(heads_per_kv, has_map)
+        pack_heads = pack_heads_by_default(heads_per_kv, has_map, block_m)
     block_g = triton.next_power_of_2(heads_per_kv) if pack_heads else 1
     # A map's blocks count tokens: packed, a block's rows are its tokens x the group's heads.
     cfg = _config(head_dim, max_extend_len * block_g, block_m * block_g if has_map else block_m)

@@ -383,7 +383,7 @@ class ExtendGraphs(_Bank):
 
         if self.num_sms <= 0:
             return 1
-        packed = pack_heads_by_default(self.num_heads // self.num_kv_heads, True)
+        packed = pack_heads_by_default(self.num_heads // self.num_kv_heads, True, self.block_m(key))
         programs = self.num_kv_heads if packed else self.num_heads  # a query block's programs (one per head)
         return extend_splits(self.num_blocks(key), programs, self.num_sms)
 
