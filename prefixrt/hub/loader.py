@@ -9,6 +9,7 @@ not loaded).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
 from collections.abc import Callable, Iterator
@@ -160,6 +161,26 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
+# torch.nn.init's in-place initialisers, which the module constructors call (nn.Linear, nn.Embedding).
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
+@contextlib.contextmanager
+def _no_parameter_init():
+    """torch.nn.init's initialisers made no-ops while a model is built on the meta device: there they compute
+    nothing (the parameters are materialised empty, then loaded), but torch runs them on meta through its Python
+    references, whose first use imports torch._dynamo: seconds of start-up on some hosts."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def _instantiate(
     hf_config, *, dtype: torch.dtype | str, device: torch.device | str, extra_eos_ids: tuple[int, ...] = (),
     tp: TPGroup | None = None,
@@ -168,7 +189,7 @@ def _instantiate(
     `dtype` on `device` (no init cost); with a tensor-parallel group of more than one rank, only this rank's
     shard (parallel/layers.py)."""
     spec = hf_config if isinstance(hf_config, ModelSpec) else model_spec(hf_config)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_parameter_init():
         model = spec.build()
         if tp is not None and tp.size > 1:
             from prefixrt.parallel.layers import shard_model
