@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, log_table, run_section, script_parser, write_results
+from benchmarks.common import log, log_table, run_section, script_parser, unpack_heads, write_results
 
 RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []
@@ -228,12 +228,8 @@ def main() -> None:
                     "blocks (default: kernels.extend_attention.pack_heads_by_default)")
     args = ap.parse_args()
     smoke = args.smoke
-    if args.pack_map is not None:
-        from prefixrt.kernels import extend_attention as ext
-
-        default_rule = ext.pack_heads_by_default
-        ext.pack_heads_by_default = lambda g, has_map, block_m=None, on=args.pack_map == "1": (
-            default_rule(g, has_map, block_m) if has_map and on else (not has_map and default_rule(g, has_map)))
+    if args.pack_map == "0":
+        unpack_heads(block_maps_only=True)
     if smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch

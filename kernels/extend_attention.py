@@ -365,7 +365,7 @@ def extend_attention(
     v_ext = v_extend if contiguous else v_buffer
     has_map = block_seq is not None
     heads_per_kv = num_heads // num_kv_heads
-    if has_map and block_m is None:
+    if has_map and (block_mb is None or block_m is None):
         raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
     if pack_heads is None:
         pack_heads = pack_heads_by_default(heads_per_kv, has_map, block_m)
@@ -383,8 +383,9 @@ def extend_attention(
     if num_splits > 1 and (not has_map or contiguous):
         raise ValueError("num_splits > 1 needs a block map and pool K/V (no k_extend)")
     if has_map:
-        if block_mb is None or cfg["BLOCK_M"] != block_m * block_g:
-            raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
+        if cfg["BLOCK_M"] != block_m * block_g:
+            raise ValueError(f"a config of {cfg['BLOCK_M']} rows does not fit the map's {block_m}-token blocks"
+                             f"{f' x {block_g} packed heads' if block_g > 1 else ''}")
         grid = (block_seq.shape[0], num_kv_heads if pack_heads else num_heads, num_splits)
     else:
         grid = (batch_size, num_kv_heads if pack_heads else num_heads, triton.cdiv(max_extend_len * block_g, cfg["BLOCK_M"]))
