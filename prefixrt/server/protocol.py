@@ -150,7 +150,10 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    # Token ids before list[str]: pydantic's smart union tries the members in order and stops at the first that
+    # validates strictly, and list[str] fails a token-id prompt one error per token (0.7 ms for 3,500 ids on
+    # the event loop, against 0.04 ms this way). The validated value is the same list either way.
+    prompt: str | TokenIds | list[TokenIds] | list[str]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
