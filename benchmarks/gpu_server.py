@@ -69,6 +69,43 @@ if _dir:
     signal.signal(signal.SIGUSR1, _start)
     signal.signal(signal.SIGUSR2, _save)
 """
+# sitecustomize for --trace-engine: in the engine process, every loop step (monotonic start and end, waiting and
+# running counts before it) and every finished request (arrival at the engine, admission, first token, finish)
+# between SIGUSR1 and SIGUSR2, saved as <dir>/<pid>.trace.json with a (time.time, time.monotonic) pair so the
+# client's send times line up. Benchmark-only instrumentation: the engine is patched here, not changed.
+TRACE_BOOT = """
+import json, os, signal, time
+_dir = os.environ.get("GPU_SERVER_TRACE_DIR")
+if _dir:
+    _trace = {"on": False, "steps": [], "requests": []}
+    def _install():
+        from prefixrt.engine.loop import core, postprocess
+        step, timing = core.EngineCore.step, postprocess.request_timing
+        def traced_step(self):
+            if not _trace["on"]:
+                return step(self)
+            w, r, t0 = len(self.scheduler.waiting), len(self.scheduler.running), time.monotonic()
+            ran = step(self)
+            if ran:
+                _trace["steps"].append((t0, time.monotonic(), w, r))
+            return ran
+        def traced_timing(req):
+            if _trace["on"]:
+                _trace["requests"].append((req.arrival, req.admitted_time, req.first_token_time, time.monotonic()))
+            return timing(req)
+        core.EngineCore.step, postprocess.request_timing = traced_step, traced_timing
+    def _start(*_):
+        _install() if not _trace.get("installed") else None
+        _trace.update(installed=True, on=True, steps=[], requests=[])
+    def _save(*_):
+        _trace["on"] = False
+        if _trace["steps"] or _trace["requests"]:
+            with open(os.path.join(_dir, f"{os.getpid()}.trace.json"), "w") as f:
+                json.dump({"wall_minus_monotonic": time.time() - time.monotonic(), "steps": _trace["steps"],
+                           "requests": _trace["requests"]}, f)
+    signal.signal(signal.SIGUSR1, _start)
+    signal.signal(signal.SIGUSR2, _save)
+"""
 
 
 def shape(smoke: bool) -> dict:
@@ -94,16 +131,20 @@ def pct(xs: list[float], q: float) -> float:
 class Server:
     """`python -m prefixrt.cli serve ...` in a subprocess; start-up timed from spawn to /health answering."""
 
-    def __init__(self, model: str, engine_args: list[str], log_path: Path, profile_dir: Path | None = None):
+    def __init__(self, model: str, engine_args: list[str], log_path: Path, profile_dir: Path | None = None,
+                 trace_dir: Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-        if profile_dir is not None:  # SIGUSR1 starts yappi in the server and engine processes, SIGUSR2 saves
-            boot = Path(tempfile.mkdtemp(prefix="gpu-server-profile-"))
-            (boot / "sitecustomize.py").write_text(PROFILE_BOOT)
+        if profile_dir is not None and trace_dir is not None:
+            raise ValueError("--profile-server and --trace-engine each install a sitecustomize: one at a time")
+        if profile_dir is not None or trace_dir is not None:  # SIGUSR1 starts, SIGUSR2 saves (both processes)
+            boot = Path(tempfile.mkdtemp(prefix="gpu-server-boot-"))
+            (boot / "sitecustomize.py").write_text(PROFILE_BOOT if profile_dir is not None else TRACE_BOOT)
             env["PYTHONPATH"] = f"{boot}{os.pathsep}{env['PYTHONPATH']}"
-            env["GPU_SERVER_PROFILE_DIR"] = str(profile_dir)
+            env["GPU_SERVER_PROFILE_DIR" if profile_dir is not None else "GPU_SERVER_TRACE_DIR"] = str(
+                profile_dir if profile_dir is not None else trace_dir)
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefixrt.cli", "serve", "--model", model, "--port", str(self.port),
@@ -235,11 +276,14 @@ class Clients:
         list(self.pool.map(_ping, range(procs)))  # started and importing before the first batch
 
     def batch(self, url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+        return batch_summary(self.parts(url, prompts, max_tokens))
+
+    def parts(self, url: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+        """Each process's requests (send, first event, end as time.time()) and CPU seconds."""
         shares = [prompts[i::self.procs] for i in range(self.procs)]
         start_at = time.time() + 0.5
-        parts = list(self.pool.map(_client_process, [url] * len(shares), shares, [max_tokens] * len(shares),
-                                   [start_at] * len(shares)))
-        return batch_summary(parts)
+        return list(self.pool.map(_client_process, [url] * len(shares), shares, [max_tokens] * len(shares),
+                                  [start_at] * len(shares)))
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -262,6 +306,30 @@ def batch_summary(parts: list[dict]) -> dict:
             "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1), "output_tokens": toks,
             "text_chars": sum(r["chars"] for r in reqs), "client_procs": len(parts),
             "busiest_client_cpu": round(max(part["cpu_s"] for part in parts) / (t1 - t0), 2)}
+
+
+def trace_summary(parts: list[dict], trace: dict, window_s: float = 0.8) -> dict:
+    """A traced batch, in ms from the first client send: when the requests reached the engine, were admitted and
+    got their first token (p0 / p50 / p100), the engine's own TTFT (arrival to first token) against the client's,
+    and the loop steps of the first window_s (start, length, waiting and running before it)."""
+    reqs = [r for part in parts for r in part["requests"]]
+    t0 = min(r["send"] for r in reqs)
+    shift = trace["wall_minus_monotonic"]
+    rows = [q for q in trace["requests"] if q[0] + shift >= t0 - 1.0]
+
+    def ms(xs):
+        xs = sorted((x + shift - t0) * 1000 for x in xs if x is not None)
+        return [round(xs[0], 1), round(statistics.median(xs), 1), round(xs[-1], 1)] if xs else None
+
+    steps = [(round((a + shift - t0) * 1000, 1), round((b - a) * 1000, 1), w, r)
+             for a, b, w, r in trace["steps"] if -0.05 <= a + shift - t0 <= window_s]
+    return {"requests": len(rows), "client_send_ms": ms([r["send"] - shift for r in reqs]),
+            "engine_arrival_ms": ms([q[0] for q in rows]), "admitted_ms": ms([q[1] for q in rows]),
+            "first_token_ms": ms([q[2] for q in rows]),
+            "client_first_event_ms": ms([r["first"] - shift for r in reqs]),
+            "engine_ttft_p50_ms": round(statistics.median((q[2] - q[0]) * 1000 for q in rows if q[2]), 1),
+            "client_ttft_p50_ms": round(statistics.median((r["first"] - r["send"]) * 1000 for r in reqs), 1),
+            "steps_start_len_waiting_running": steps}
 
 
 def measured_batch(srv: Server, prompts, max_tokens, clients: Clients | None = None) -> dict:
@@ -437,7 +505,9 @@ def phase_compare(args, out: Path) -> list[tuple]:
     profile = out / "gpu_server_profile" if args.profile_server else None
     if profile is not None:
         profile.mkdir(exist_ok=True)
-    srv = Server(model, [*eng_args, *extra], out / "gpu_server_compare_serve.log", profile_dir=profile)
+    trace_dir = Path(tempfile.mkdtemp(prefix="gpu-server-trace-")) if args.trace_engine else None
+    srv = Server(model, [*eng_args, *extra], out / "gpu_server_compare_serve.log", profile_dir=profile,
+                 trace_dir=trace_dir)
     clients = Clients(args.client_procs)
     try:
         start = srv.wait_ready()
@@ -457,6 +527,17 @@ def phase_compare(args, out: Path) -> list[tuple]:
             log(f"HTTP RAG under the profiler: {measured_batch(srv, prompts, s['output'], clients)}")
             srv.signal_all(signal.SIGUSR2)
             time.sleep(3)
+        if trace_dir is not None:  # one more batch with the engine's steps and requests recorded
+            flush(srv.url)
+            srv.signal_all(signal.SIGUSR1)
+            time.sleep(0.5)
+            parts = clients.parts(srv.url, prompts, s["output"])
+            srv.signal_all(signal.SIGUSR2)
+            time.sleep(1)
+            traces = [json.loads(f.read_text()) for f in trace_dir.glob("*.trace.json")]
+            RESULTS["traced"] = {"batch": batch_summary(parts), **trace_summary(parts, max(
+                traces, key=lambda t: len(t["requests"])))} if traces else {"error": "no trace written"}
+            log(f"HTTP RAG traced: {RESULTS['traced']}")
     finally:
         srv.stop()
         clients.close()
@@ -482,6 +563,8 @@ def main() -> None:
     ap.add_argument("--client-procs", type=int, default=8, help="client processes the 64 streams are spread over")
     ap.add_argument("--profile-server", action="store_true",
                     help="compare: one more batch with yappi in the server and engine processes (needs yappi)")
+    ap.add_argument("--trace-engine", action="store_true",
+                    help="compare: one more batch with the engine's steps and request times recorded (traced)")
     ap.add_argument("--model", default=None, help="default: llama-3-8b (dummy weights); --smoke: a tiny Llama")
     ap.add_argument("--compile-cache", default=os.environ.get("COMPILE_CACHE", "/tmp/prefixrt-gpu-server-cache"),
                     help="the --compile-cache-dir `cold` empties and fills, and `compare` starts on")
