@@ -202,6 +202,33 @@ def test_streaming_and_async(make_engine, overlap):
     assert [t for c in got for t in c.token_ids] == want.token_ids
 
 
+def test_token_id_prompts_are_submitted_on_the_event_loop(make_engine):
+    """astream_open / aencode of token ids run on the caller's loop (no worker-thread hop: many requests arriving
+    together reach the engine in arrival order, without each waiting behind the others' parsing); a text prompt
+    (tokenization) and a constrained request still go to a worker thread. Both give the same tokens, and a bad
+    token id is refused either way."""
+    eng = make_engine("llama")
+    ids = eng.encode("The quick")
+    p = {"max_new_tokens": 6, **GREEDY}
+    want = eng.generate(ids, p).token_ids
+    threads = []
+    submit = eng._submit
+    eng._submit = lambda *a, **k: (threads.append(threading.current_thread()), submit(*a, **k))[1]
+
+    async def go():
+        loop_thread = threading.current_thread()
+        assert await eng.aencode(ids) == ids
+        got = [t async for c in await eng.astream_open(ids, p) for t in c.token_ids]
+        text = [t async for c in await eng.astream_open("The quick", p) for t in c.token_ids]
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            await eng.astream_open([1, 10**6], p)
+        return loop_thread, got, text
+
+    loop_thread, got, text = asyncio.run(go())
+    assert got == want and text == want
+    assert threads[0] is loop_thread and threads[1] is not loop_thread and threads[2] is loop_thread
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_abort_midstream_releases_kv(make_engine, overlap):
     eng = make_engine("llama", overlap_schedule=overlap)
