@@ -181,6 +181,21 @@ def _no_parameter_init():
             setattr(torch.nn.init, name, fn)
 
 
+def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device` (floating ones as `dtype`), as
+    `model.to(dtype).to_empty(device)` would, without running an op on a meta tensor: torch runs those through
+    its Python references, whose first use imports torch._prims and sympy (seconds of start-up on some hosts)."""
+    for module in model.modules():
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None or t.device.type != "meta":
+                continue
+            fresh = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                module._parameters[name] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
+            else:
+                module._buffers[name] = fresh
+
+
 def _instantiate(
     hf_config, *, dtype: torch.dtype | str, device: torch.device | str, extra_eos_ids: tuple[int, ...] = (),
     tp: TPGroup | None = None,
@@ -195,9 +210,8 @@ def _instantiate(
             from prefixrt.parallel.layers import shard_model
 
             shard_model(model, tp)
-    model.to(dtype=_resolve_dtype(dtype))  # still on meta: free
-    model.to_empty(device=torch.device(device))
-    model.tie_weights()  # to_empty materialises shared parameters separately
+    _materialise(model, _resolve_dtype(dtype), torch.device(device))
+    model.tie_weights()
     for eos in extra_eos_ids:
         if eos not in model.eos_token_ids:
             model.eos_token_ids.append(eos)
