@@ -1,9 +1,10 @@
 """OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE);
 /v1/responses lives in responses.py (included here).
 
-Each route checks the body's text (validate.py), encodes the prompt in a worker thread (EngineAPI.aencode),
-checks max_tokens against the context, then submits the token ids (off the event loop too: a constrained
-request waits for its grammar to compile). A request the engine ends with finish_reason "abort" is never
+Each route checks the body's text (validate.py), encodes the prompt (EngineAPI.aencode: text and chat in a
+worker thread, token ids on the loop), checks max_tokens against the context, then submits the token ids (a
+constrained request in a worker thread: it waits for its grammar to compile). A one-prompt request awaits
+these steps in place, without a Task hop (see _each). A request the engine ends with finish_reason "abort" is never
 returned as a success: it becomes an error object, or an error event and `[DONE]` in a stream (errors.py).
 """
 
@@ -221,7 +222,7 @@ async def completions(body: CompletionRequest, request: Request):
     eng, lc = _checked(body, request)
     warnings: list[str] = []
     prompts, params = convert.completion_params(body, warnings, request.app.state.generation_defaults)
-    encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
+    encoded = await _each([eng.aencode(p) for p in prompts])
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
     requested = body.max_tokens
@@ -239,8 +240,8 @@ async def completions(body: CompletionRequest, request: Request):
         echo = await _echo_heads(eng, body, prompts, encoded)
         return convert.with_warnings(JSON(convert.completion_response(list(cs), rid, model, created, echo)), warnings)
     heads = await _echo_heads(eng, body, prompts, encoded)  # prompt logprobs go in the first chunk (as vLLM)
-    opened = await asyncio.gather(*(eng.astream_open(ids, sp, coalesce=True) for ids, sp in zip(encoded, per_prompt)),
-                                  return_exceptions=True)
+    opened = await _each([eng.astream_open(ids, sp, coalesce=True) for ids, sp in zip(encoded, per_prompt)],
+                         return_exceptions=True)
     failed = [x for x in opened if isinstance(x, BaseException)]
     if failed:
         for r in rids:
@@ -251,6 +252,20 @@ async def completions(body: CompletionRequest, request: Request):
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
     return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, rids)), warnings)
+
+
+async def _each(awaitables: list, return_exceptions: bool = False) -> list:
+    """asyncio.gather(*awaitables), with a single awaitable awaited in place. gather wraps each in a Task, which
+    first runs on the loop's next turn, behind every other request's pending work: with many requests arriving
+    together, each such hop put a request behind the parsing of all the others before it reached the engine."""
+    if len(awaitables) != 1:
+        return await asyncio.gather(*awaitables, return_exceptions=return_exceptions)
+    try:
+        return [await awaitables[0]]
+    except Exception as e:
+        if not return_exceptions:
+            raise
+        return [e]
 
 
 async def _echo_heads(eng, body: CompletionRequest, prompts: list, encoded: list[list[int]]
