@@ -25,15 +25,14 @@ import torch
 import triton
 import triton.language as tl
 from prefixrt.kernels._common import (
+    attend_block,
     check_pool_args,
     dot_args,
     interpreting,
     kv_scale_args,
-    mma,
     page_span,
     paged_slots,
     qk_scale,
-    softcap_scores,
 )
 from prefixrt.kernels.cascade_plan import CascadePlan
 from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
@@ -101,20 +100,13 @@ def _cascade_prefix_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)  # e4m3 widens exactly
-        # Scores in base 2 (exp2 is one instruction): qk_scale is sm_scale * log2(e), or sm_scale alone with a
-        # softcap, which applies to the natural-scale scores first.
-        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [rows, BLOCK_N]
-        if HAS_SOFTCAP:
-            s = softcap_scores(s, logit_softcap) * 1.4426950408889634
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        m_i = m_new
+        acc, m_i, l_i = attend_block(
+            q, acc, m_i, l_i, k, v, offs_r, offs_r, pos, mask_n, qk_scale, logit_softcap, 0,
+            MASK_KEYS=True, CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            UPCAST_DOT=UPCAST_DOT,
+        )
 
     lse_ptrs = MidLse + seqs * stride_mlb + heads * stride_mlh + split
     if end > start:

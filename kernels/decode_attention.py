@@ -26,17 +26,16 @@ import torch
 import triton
 import triton.language as tl
 from prefixrt.kernels._common import (
+    attend_block,
     check_pool_args,
     dot_args,
     interpreting,
     kv_scale_args,
-    mma,
     page_span,
     paged_slots,
     pdl_args,
     pdl_begin,
     qk_scale,
-    softcap_scores,
 )
 
 
@@ -104,22 +103,17 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         ).to(Q.dtype.element_ty)  # k: [BLOCK_N, BLOCK_D] (e4m3 widens exactly)
-        # Scores in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a softcap, applied first).
-        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_H, BLOCK_N]
-        if HAS_SOFTCAP:
-            s = softcap_scores(s, logit_softcap) * 1.4426950408889634
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         ).to(Q.dtype.element_ty)  # v: [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        m_i = m_new
+        # Every block holds a key of the split (a window already moved kv_lo), so no row's max stays -inf.
+        acc, m_i, l_i = attend_block(
+            q, acc, m_i, l_i, k, v, offs_h, offs_h, pos, mask_n, qk_scale, logit_softcap, 0,
+            MASK_KEYS=True, CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            UPCAST_DOT=UPCAST_DOT,
+        )
 
     out_split = split_offset + split
     lse_ptrs = MidLse + b * stride_mlb + heads * stride_mlh + out_split

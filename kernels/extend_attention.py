@@ -25,46 +25,16 @@ import torch
 import triton
 import triton.language as tl
 from prefixrt.kernels._common import (
+    attend_block,
     check_pool_args,
     dot_args,
     interpreting,
     kv_scale_args,
-    mma,
     page_span,
     paged_slots,
     qk_scale,
-    softcap_scores,
 )
 from prefixrt.kernels.decode_attention import decode_workspace, launch_merge
-
-
-@triton.jit
-def _attend_block(
-    q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
-    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q.
-    Scores, m_i and the exponentials are in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a
-    softcap, which applies to the natural-scale scores first). CAUSAL: a query sees keys below its q_hi
-    (its position + 1, or its bidirectional block's end)."""
-    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_M, BLOCK_N]
-    if HAS_SOFTCAP:
-        s = softcap_scores(s, logit_softcap) * 1.4426950408889634
-    if MASK_KEYS:  # block may hold keys past the range end or after some queries
-        visible = key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (k_pos[None, :] < q_hi[:, None])
-        s = tl.where(visible, s, float("-inf"))
-    if HAS_WINDOW:
-        s = tl.where(k_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row can see nothing in this block (window): keep its max finite so exp2() gives 0, not NaN.
-    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -167,7 +137,7 @@ def _extend_kernel(
                     other=0.0).to(Q.dtype.element_ty)  # e4m3 widens exactly
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :],
                     other=0.0).to(Q.dtype.element_ty)
-        acc, m_i, l_i = _attend_block(
+        acc, m_i, l_i = attend_block(
             q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, k_pos < pool_hi, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
@@ -184,7 +154,7 @@ def _extend_kernel(
                     other=0.0).to(Q.dtype.element_ty)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)
-        acc, m_i, l_i = _attend_block(
+        acc, m_i, l_i = attend_block(
             q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=True, CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
@@ -204,7 +174,7 @@ def _extend_kernel(
             v = tl.load(
                 VExt + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :], mask=kv_mask, other=0.0
             )
-            acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i = attend_block(
                 q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
                 MASK_KEYS=True, CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
             )  # fmt: skip
