@@ -124,6 +124,19 @@ def attend_block(
     return acc, m_new, l_i
 
 
+@triton.jit
+def store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, v_scale, row_ok, mask_d, nonempty, HAS_KV_SCALE: tl.constexpr):
+    """A split's partial output (acc / l, times the V scale of e4m3 K/V) and its natural-log LSE from the base-2
+    running max m_i and sum l_i; an empty split stores only LSE -inf, which the merge weighs 0."""
+    if nonempty:
+        if HAS_KV_SCALE:
+            acc = acc * v_scale
+        tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & mask_d[None, :])
+        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    else:
+        tl.store(lse_ptrs, tl.zeros_like(l_i) - float("inf"), mask=row_ok)
+
+
 def qk_scale(sm_scale: float, logit_softcap: float | None) -> float:
     """The kernels' score scale: sm_scale * log2(e), giving base-2 scores; sm_scale alone with a soft-cap, which
     applies to the natural-scale scores first (the kernels multiply by log2(e) after it)."""

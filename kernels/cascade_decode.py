@@ -33,6 +33,7 @@ from prefixrt.kernels._common import (
     page_span,
     paged_slots,
     qk_scale,
+    store_split,
 )
 from prefixrt.kernels.cascade_plan import CascadePlan
 from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
@@ -108,15 +109,9 @@ def _cascade_prefix_kernel(
             UPCAST_DOT=UPCAST_DOT,
         )
 
+    o_ptrs = MidO + seqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
     lse_ptrs = MidLse + seqs * stride_mlb + heads * stride_mlh + split
-    if end > start:
-        o_ptrs = MidO + seqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-        if HAS_KV_SCALE:
-            acc = acc * v_scale
-        tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & mask_d[None, :])
-        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # natural-log LSE
-    else:
-        tl.store(lse_ptrs, tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32), mask=row_ok)
+    store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, v_scale, row_ok, mask_d, end > start, HAS_KV_SCALE)
 
 
 def _prefix_config(head_dim: int, heads_per_kv: int, queries_per_tile: int) -> dict:

@@ -36,6 +36,7 @@ from prefixrt.kernels._common import (
     pdl_args,
     pdl_begin,
     qk_scale,
+    store_split,
 )
 
 
@@ -116,15 +117,9 @@ def _decode_stage1(
         )
 
     out_split = split_offset + split
+    o_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + out_split * stride_mos + offs_d[None, :]
     lse_ptrs = MidLse + b * stride_mlb + heads * stride_mlh + out_split
-    if end > start:
-        o_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + out_split * stride_mos + offs_d[None, :]
-        if HAS_KV_SCALE:
-            acc = acc * v_scale
-        tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)  # natural-log LSE
-    else:
-        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+    store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, v_scale, mask_h, mask_d, end > start, HAS_KV_SCALE)
 
 
 @triton.jit
