@@ -94,6 +94,17 @@ LOG2E = 1.4426950408889634  # scores are kept in base 2 (exp2 is one instruction
 
 
 @triton.jit
+def kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE: tl.constexpr):
+    """(score scale, V scale) of a kv head: e4m3 K/V put the head's K scale into the score scale and its V scale
+    onto the output; otherwise the score scale as given and 1.0."""
+    v_scale = 1.0
+    if HAS_KV_SCALE:
+        qk_scale = qk_scale * tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
+    return qk_scale, v_scale
+
+
+@triton.jit
 def attend_block(
     q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
     MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,

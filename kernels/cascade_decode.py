@@ -29,6 +29,7 @@ from prefixrt.kernels._common import (
     check_pool_args,
     dot_args,
     interpreting,
+    kv_head_scales,
     kv_scale_args,
     page_span,
     paged_slots,
@@ -55,10 +56,7 @@ def _cascade_prefix_kernel(
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
-    v_scale = 1.0
-    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
-        qk_scale = qk_scale * tl.load(KScale + kv_head)
-        v_scale = tl.load(VScale + kv_head)
+    qk_scale, v_scale = kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE)
 
     num_seqs = tl.load(TileNumSeqs + tile)
     if num_seqs <= 0:  # a padding tile (plans padded to a fixed tile count for CUDA graphs)

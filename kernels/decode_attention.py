@@ -30,6 +30,7 @@ from prefixrt.kernels._common import (
     check_pool_args,
     dot_args,
     interpreting,
+    kv_head_scales,
     kv_scale_args,
     page_span,
     paged_slots,
@@ -56,10 +57,7 @@ def _decode_stage1(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    v_scale = 1.0
-    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
-        qk_scale = qk_scale * tl.load(KScale + kv_head)
-        v_scale = tl.load(VScale + kv_head)
+    qk_scale, v_scale = kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE)
 
     seq_len = tl.load(SeqLens + b)
     kv_lo = seq_len * 0

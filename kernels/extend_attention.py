@@ -29,6 +29,7 @@ from prefixrt.kernels._common import (
     check_pool_args,
     dot_args,
     interpreting,
+    kv_head_scales,
     kv_scale_args,
     page_span,
     paged_slots,
@@ -77,10 +78,7 @@ def _extend_kernel(
     else:
         kv_head = h // HEADS_PER_KV
         first_head = h
-    v_scale = 1.0
-    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
-        qk_scale = qk_scale * tl.load(KScale + kv_head)
-        v_scale = tl.load(VScale + kv_head)
+    qk_scale, v_scale = kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE)
 
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = mb * TOKENS + offs_r // BLOCK_G  # each row's token, within the sequence's new tokens
