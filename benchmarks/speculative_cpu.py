@@ -1,10 +1,11 @@
-"""Radix-lookahead (n-gram) speculative decoding on the CPU with the embedded real models: acceptance and tokens
-per forward on a document-quoting and a code-editing workload (chat prompts, greedy), and the outputs checked
-against plain decoding (identical), with wall time and forward passes of both.
+"""Speculative decoding on the CPU with the embedded real models (radix lookahead by default, or a draft model):
+acceptance and tokens per forward on a document-quoting and a code-editing workload (chat prompts, greedy), and
+the outputs checked against plain decoding (identical), with wall time and forward passes of both.
 
     PYTHONPATH=$PWD python benchmarks/speculative_cpu.py                       # smollm2-135m-instruct, ~1-2 min
     PYTHONPATH=$PWD python benchmarks/speculative_cpu.py --model gemma-3-270m  # (a base model: a raw prompt)
-Prints a short table last and writes benchmarks/results/speculative_cpu-<model>.json.
+    PYTHONPATH=$PWD python benchmarks/speculative_cpu.py --speculative draft:smollm2-135m-instruct  # a draft model
+Prints a short table last and writes benchmarks/results/speculative_cpu-<model>[-draft-<draft>].json.
 """
 
 from __future__ import annotations
@@ -82,12 +83,16 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--k", type=int, default=8, help="drafted tokens per step at most")
+    ap.add_argument("--speculative", default="ngram", help="ngram, or draft:MODEL (a draft model)")
+    ap.add_argument("--device", default="cpu", help="cpu (the figures), or cuda (a check of the same workloads)")
     args = ap.parse_args()
     import prefixrt
 
-    eng = prefixrt.Engine(args.model, device="cpu", dtype="float32", speculative="ngram",
+    eng = prefixrt.Engine(args.model, device=args.device, dtype="float32", speculative=args.speculative,
                           speculative_num_tokens=args.k)
-    results: dict = {"model": args.model, "k": args.k, "max_new": args.max_new,
+    drafter = eng.core.spec.drafter
+    results: dict = {"model": args.model, "device": args.device, "speculative": args.speculative, "k": args.k,
+                     "max_new": args.max_new,
                      "date": time.strftime("%Y-%m-%d", time.gmtime())}
     rows = []
     try:
@@ -95,7 +100,9 @@ def main() -> None:
             eng.flush_cache()
             plain, dp, tp = run(eng, ps, args.max_new, spec=False)
             eng.flush_cache()  # the plain answers must not be drafted from the tree: own context only
+            draft_forwards = getattr(drafter, "draft_forwards", 0)
             spec, ds, ts = run(eng, ps, args.max_new, spec=True)
+            ds["draft_model_forwards"] = getattr(drafter, "draft_forwards", 0) - draft_forwards
             acc = ds["spec_accepted_tokens_total"] / max(1, ds["spec_draft_tokens_total"])
             tpf = ds["spec_emitted_tokens_total"] / max(1, ds["spec_verify_rows_total"])
             r = {"identical": [o.token_ids for o in plain] == [o.token_ids for o in spec], "plain": dp, "spec": ds, "plain_s": round(tp, 2), "spec_s": round(ts, 2),
@@ -111,8 +118,10 @@ def main() -> None:
     finally:
         eng.shutdown()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"speculative_cpu-{args.model}.json").write_text(json.dumps(results, indent=1))
-    log(f"\nngram speculation on the CPU, {args.model}, k={args.k}, {args.max_new} new tokens")
+    suffix = "" if args.device == "cpu" else f"-{args.device}"
+    suffix += "" if args.speculative == "ngram" else "-" + args.speculative.replace(":", "-").replace("/", "_")
+    (RESULTS_DIR / f"speculative_cpu-{args.model}{suffix}.json").write_text(json.dumps(results, indent=1))
+    log(f"\n{args.speculative} speculation on {args.device}, {args.model}, k={args.k}, {args.max_new} new tokens")
     log_table([("workload", "accept", "")] + rows, 8)
 
 

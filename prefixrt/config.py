@@ -70,7 +70,8 @@ class EngineConfig:
     # None: on for CUDA engines, off on the CPU.
     grammar_warm_up: bool | None = None
     # Speculative decoding (speculative/, engine/loop/speculate.py): None (off), "ngram" (radix lookahead and the
-    # request's own n-grams) or "fixed:P[:SEED]" (a test drafter accepted at rate P). Runs the synchronous loop.
+    # request's own n-grams), "fixed:P[:SEED]" (a test drafter accepted at rate P) or "draft:MODEL" (a small model
+    # of the same vocabulary, its K/V in a second pool at the target's slots). Runs the synchronous loop.
     speculative: str | None = None
     speculative_num_tokens: int = 4  # drafted tokens per step at most
     speculative_max_batch: int = 32  # no drafts when more decode rows than this are in a step
@@ -138,8 +139,9 @@ class EngineConfig:
         if self.max_running_requests is not None and self.max_running_requests < 1:
             bad("max_running_requests must be >= 1")
         if self.speculative is not None and not (
-                self.speculative == "ngram" or str(self.speculative).startswith("fixed:")):
-            bad(f"speculative must be None, 'ngram' or 'fixed:P[:SEED]', got {self.speculative!r}")
+                self.speculative == "ngram" or str(self.speculative).startswith("fixed:")
+                or (str(self.speculative).startswith("draft:") and str(self.speculative)[6:].strip())):
+            bad(f"speculative must be None, 'ngram', 'fixed:P[:SEED]' or 'draft:MODEL', got {self.speculative!r}")
         if self.speculative_num_tokens < 1 or self.speculative_max_batch < 1:
             bad("speculative_num_tokens and speculative_max_batch must be >= 1")
         if not (isinstance(self.cache_audit_rate, (int, float)) and 0 <= self.cache_audit_rate <= 1):

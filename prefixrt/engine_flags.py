@@ -99,9 +99,10 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--dist-init-addr", default=None,
                    help="host:port of node 0 for the torch.distributed rendezvous (needed with --nnodes > 1; "
                         "default: a free port on 127.0.0.1)")
-    p.add_argument("--speculative", default=None, metavar="ngram|fixed:P",
+    p.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|fixed:P",
                    help="speculative decoding: ngram drafts what the radix cache and the request's own context hold "
-                        "after its last tokens; fixed:P is a test drafter accepted at rate P (docs/serving.md); "
+                        "after its last tokens; draft:MODEL drafts with a small model of the same vocabulary "
+                        "(a registry name or a folder); fixed:P is a test drafter accepted at rate P (docs/serving.md); "
                         "runs the synchronous loop; default off")
     p.add_argument("--speculative-num-tokens", type=int, default=4,
                    help="tokens drafted per step at most (adaptive below it)")

@@ -68,6 +68,8 @@ class DecodeEngine(Engine):
     those whose K/V was being written at the abort."""
 
     def __init__(self, model: str = BASE_MODEL, **kwargs: Any):
+        if str(kwargs.get("speculative") or "").startswith("draft:"):  # received K/V would have no draft K/V
+            raise ValueError("a decode engine cannot use a draft model (its prompts' K/V arrives by copy)")
         super().__init__(model, **kwargs)
         self._links: list[_DecodeLink] = []
         self._rr = itertools.count()

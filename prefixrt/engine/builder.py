@@ -116,6 +116,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    draft = load_draft_model(config, model, device, dtype, say)
+    if draft is not None:  # its pool has the target pool's slots: a token costs both
+        bytes_per_token += KVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
     num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
         f"{' per rank' if ranks.size > 1 else ''})")
@@ -210,7 +213,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     overlap = config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda"
     speculator = None
     if config.speculative is not None:
-        speculator = _speculator(config, kv, model.vocab_size, max_context, max_running)
+        speculator = _speculator(config, kv, model.vocab_size, max_context, max_running, draft, device, dtype)
         if overlap:
             say("speculative decoding runs the synchronous loop: the overlap scheduler is off")
             overlap = False
@@ -234,15 +237,44 @@ def verify_graph_tokens(config: EngineConfig, max_running: int) -> int:
     return min(EXTEND_GRAPH_TOKENS, rows * (config.speculative_num_tokens + 1))
 
 
-def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int):
-    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py)."""
+def load_draft_model(config: EngineConfig, target, device, dtype, say):
+    """The draft model of speculative="draft:MODEL" (a registry name or a folder), checked against the target
+    (engine/loop/draft_model.py check_draft_model; ValueError); None for any other spec."""
+    spec = config.speculative
+    if not (isinstance(spec, str) and spec.startswith("draft:")):
+        return None
+    from prefixrt.engine.loop.draft_model import check_draft_model
+    from prefixrt.hub.loader import load_model
+    from prefixrt.hub.registry import resolve_model
+    from prefixrt.speculative.spec import parse_spec
+
+    resolved = resolve_model(parse_spec(spec)[1]["model"])
+    fmt = "dummy" if resolved.dummy_only else config.load_format
+    say(f"loading the draft model ({fmt}) from {resolved.path} as {dtype}")
+    draft = load_model(resolved.path, load_format=fmt, dtype=dtype, device=device)
+    check_draft_model(target, draft, config)
+    return draft
+
+
+def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int, draft=None,
+                device=None, dtype=None):
+    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py); draft: the draft model of a
+    "draft:MODEL" spec, run over a pool of its own at the target pool's slots (engine/loop/draft_model.py)."""
     from prefixrt.engine.loop.speculate import Speculator
     from prefixrt.speculative.draft_length import AdaptiveDraftLength
     from prefixrt.speculative.spec import make_drafter
 
     lengths = AdaptiveDraftLength(config.speculative_num_tokens, max_batch=config.speculative_max_batch,
                                   adaptive=config.speculative_adaptive)
-    return Speculator(make_drafter(config.speculative, vocab_size), kv, lengths, max_context)
+    if draft is not None:
+        from prefixrt.engine.loop.draft_model import DraftModelDrafter
+        from prefixrt.model.rank_setup import make_runner
+
+        pool = KVPool(kv.pool.num_slots, draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype, device)
+        drafter = DraftModelDrafter(make_runner(config, draft, pool, device, max_running), kv, device)
+    else:
+        drafter = make_drafter(config.speculative, vocab_size)
+    return Speculator(drafter, kv, lengths, max_context)
 
 
 def _vision_parts(config: EngineConfig, model, resolved):

@@ -354,6 +354,8 @@ class EngineCore:
             if step.holes:
                 fb.input_ids[step.hole_idx[0]] = prev.result.token_ids[step.hole_idx[1]]
             logits = self.runner.forward(fb)
+            if self.spec is not None:
+                self.spec.after_forward(fb)  # a draft model's K/V at the same slots
             step.fence.record()
             if self.debug and fb.kv_ready is not None:
                 fb.kv_ready.check()  # race mode: every layer waited for the loads in flight before reading

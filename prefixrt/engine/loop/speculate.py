@@ -51,22 +51,57 @@ class Speculator:
         if not decode:
             return
         t0 = time.perf_counter()
+        rows = []  # (batch index, request, k)
         for i in decode:
             r = batch.reqs[i]
             # never draft past max_tokens (the bonus token is the last) nor the context
             room = min(r.remaining_new_tokens - 1, self.max_context - len(r.all_ids) - 1)
             k = min(self.lengths.length(r, len(decode)), room)
-            if k <= 0:
+            if k > 0:
+                rows.append((i, r, k))
+        if hasattr(self.drafter, "propose_in_slots"):
+            self._plan_in_slots(batch, rows)
+        else:
+            for i, r, k in rows:
+                drafts = [t for t in self.drafter.propose(r, k, self.kv.cache)[:k] if isinstance(t, int)]
+                if r.matcher is not None:
+                    drafts = self._grammar_filter(r, drafts, k)
+                if not drafts or not self.kv.ensure_pages(self.kv.pages_for(r, len(drafts))):
+                    continue
+                batch.slots[i] = batch.slots[i] + self.kv.extend(r, len(drafts))
+                r.kv_len += len(drafts)
+                batch.drafts[i] = drafts
+        stats.spec_drafter_seconds_total += time.perf_counter() - t0
+
+    def _plan_in_slots(self, batch: ScheduledBatch, rows: list) -> None:
+        """A drafter that runs a model in the rows' own slots (engine/loop/draft_model.py): k slots per row
+        first, then the drafts; slots past what the grammar keeps are freed at once."""
+        held = []
+        for i, r, k in rows:
+            if not self.kv.ensure_pages(self.kv.pages_for(r, k)):
                 continue
-            drafts = [t for t in self.drafter.propose(r, k, self.kv.cache)[:k] if isinstance(t, int)]
+            new = self.kv.extend(r, k)
+            r.kv_len += k
+            held.append((i, r, k, new))
+        if not held:
+            return
+        proposals = self.drafter.propose_in_slots([(r, k, batch.slots[i][-1:] + new) for i, r, k, new in held])
+        for (i, r, k, new), drafts in zip(held, proposals):
+            drafts = drafts[:k]
             if r.matcher is not None:
                 drafts = self._grammar_filter(r, drafts, k)
-            if not drafts or not self.kv.ensure_pages(self.kv.pages_for(r, len(drafts))):
-                continue
-            batch.slots[i] = batch.slots[i] + self.kv.extend(r, len(drafts))
-            r.kv_len += len(drafts)
-            batch.drafts[i] = drafts
-        stats.spec_drafter_seconds_total += time.perf_counter() - t0
+            if len(drafts) < k:
+                r.kv_len -= k - len(drafts)
+                self.kv.truncate(r)
+            if drafts:
+                batch.slots[i] = batch.slots[i] + new[: len(drafts)]
+                batch.drafts[i] = drafts
+
+    def after_forward(self, fb) -> None:
+        """A target forward ran: a drafter with a model of its own mirrors it (draft_model.py)."""
+        mirror = getattr(self.drafter, "mirror", None)
+        if mirror is not None:
+            mirror(fb)
 
     @staticmethod
     def _grammar_filter(r: Req, drafts: list[int], k: int) -> list[int]:
