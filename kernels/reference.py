@@ -56,26 +56,10 @@ def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
 
 
 def extend_attention(
-    q: torch.Tensor,  # [T, H, D] new queries of all sequences, concatenated
-    o: torch.Tensor,  # [T, H, D] output, written in place
-    k_buffer: torch.Tensor,  # [num_slots, KVH, D] pool K of this layer
-    v_buffer: torch.Tensor,  # [num_slots, KVH, D]
-    req_to_token: torch.Tensor,  # [R, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B]
-    prefix_lens: torch.Tensor,  # [B]
-    extend_lens: torch.Tensor,  # [B]
-    extend_start_loc: torch.Tensor,  # [B]
-    max_extend_len: int,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    k_extend: torch.Tensor | None = None,
-    v_extend: torch.Tensor | None = None,
-    page_size: int = 1,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    span_end: torch.Tensor | None = None,
-) -> None:
+    q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+    max_extend_len: int, sm_scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
+    k_extend=None, v_extend=None, page_size: int = 1, k_scale=None, v_scale=None, span_end=None,
+) -> None:  # the arguments and their shapes: kernels/extend_attention.py
     """Causal attention of each sequence's new tokens over its positions [0, own position], read from the
     pool (the new tokens' K/V included). k_extend/v_extend ([T, KVH, D]), when given, hold the new tokens'
     K/V contiguously; the result is the same either way. k_scale/v_scale ([KVH]): an e4m3 pool, dequantized.
@@ -116,56 +100,33 @@ def _decode_one(q, k_buffer, v_buffer, slots, kv_lo, seq_len, sm_scale, sliding_
     )
 
 
+def _each_sequence(o: torch.Tensor, seq_lens: torch.Tensor, attend_one) -> None:
+    """o[i] = attend_one(i, seq_len) ([1, H, D]) for each decode sequence; 0 for a padded entry (seq_len 0)."""
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        o[i] = attend_one(i, seq_len)[0].to(o.dtype) if seq_len else 0
+
+
 def decode_attention(
-    q: torch.Tensor,  # [B, H, D] one query per sequence, at position seq_lens[i] - 1
-    o: torch.Tensor,  # [B, H, D] output, written in place
-    k_buffer: torch.Tensor,  # [num_slots, KVH, D]
-    v_buffer: torch.Tensor,  # [num_slots, KVH, D]
-    req_to_token: torch.Tensor,  # [R, max_context] int32
-    req_pool_indices: torch.Tensor,  # [B]
-    seq_lens: torch.Tensor,  # [B] tokens with K/V, the query's own included; 0 = padded entry (output 0)
-    sm_scale: float,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    num_kv_splits: int = 8,
-    mid_o: torch.Tensor | None = None,
-    mid_lse: torch.Tensor | None = None,
-    page_size: int = 1,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+    q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale: float,
+    sliding_window: int | None = None, logit_softcap: float | None = None, num_kv_splits: int = 8, mid_o=None,
+    mid_lse=None, page_size: int = 1, k_scale=None, v_scale=None,
+) -> None:  # the arguments and their shapes: kernels/decode_attention.py
     """Attention of each sequence's single new query over its slots [0, seq_len) (windowed if asked)."""
-    for i in range(q.shape[0]):
-        seq_len = int(seq_lens[i])
-        if seq_len == 0:
-            o[i] = 0
-            continue
-        out, _ = _decode_one(
+
+    def attend_one(i: int, seq_len: int) -> torch.Tensor:
+        return _decode_one(
             q[i], k_buffer, v_buffer, req_to_token[req_pool_indices[i]], 0, seq_len, sm_scale, sliding_window, logit_softcap,
             k_scale, v_scale,
-        )
-        o[i] = out[0].to(o.dtype)
+        )[0]
+
+    _each_sequence(o, seq_lens, attend_one)
 
 
 def cascade_decode_attention(
-    q: torch.Tensor,  # [B, H, D]
-    o: torch.Tensor,  # [B, H, D]
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    sm_scale: float,
-    plan: CascadePlan,
-    logit_softcap: float | None = None,
-    num_prefix_splits: int = 4,
-    num_suffix_splits: int = 4,
-    mid_o: torch.Tensor | None = None,
-    mid_lse: torch.Tensor | None = None,
-    page_size: int = 1,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+    q, o, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, sm_scale: float, plan: CascadePlan,
+    logit_softcap: float | None = None, num_prefix_splits: int = 4, num_suffix_splits: int = 4, mid_o=None,
+    mid_lse=None, page_size: int = 1, k_scale=None, v_scale=None,
+) -> None:  # the arguments and their shapes: kernels/cascade_decode.py
     """Decode attention computed the cascade way: every grouped sequence attends to its group's shared
     prefix (read through the group's lead sequence) and to its own suffix, and the two parts are merged by
     their log-sum-exp. Equals decode_attention when the plan's groups really share their prefix slots."""
@@ -175,17 +136,12 @@ def cascade_decode_attention(
     for g, prefix_len in enumerate(plan.group_prefix_lens.tolist()):
         for s in seq_ids[starts[g] : starts[g + 1]]:
             group_of[s], prefix_len_of[s] = g, prefix_len
-    for i in range(q.shape[0]):
-        seq_len = int(seq_lens[i])
-        if seq_len == 0:
-            o[i] = 0
-            continue
+
+    def attend_one(i: int, seq_len: int) -> torch.Tensor:
         own_slots = req_to_token[req_pool_indices[i]]
         if i not in group_of:
-            out, _ = _decode_one(q[i], k_buffer, v_buffer, own_slots, 0, seq_len, sm_scale, None, logit_softcap,
-                                 k_scale, v_scale)
-            o[i] = out[0].to(o.dtype)
-            continue
+            return _decode_one(q[i], k_buffer, v_buffer, own_slots, 0, seq_len, sm_scale, None, logit_softcap,
+                               k_scale, v_scale)[0]
         lead = int(plan.group_lead_seq[group_of[i]])
         prefix_slots = req_to_token[req_pool_indices[lead]]
         p = prefix_len_of[i]
@@ -194,5 +150,6 @@ def cascade_decode_attention(
         out_s, lse_s = _decode_one(q[i], k_buffer, v_buffer, own_slots, p, seq_len, sm_scale, None, logit_softcap,
                                    k_scale, v_scale)
         lse = torch.logaddexp(lse_p, lse_s)  # [1, H]
-        out = out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
-        o[i] = out[0].to(o.dtype)
+        return out_p * torch.exp(lse_p - lse)[..., None] + out_s * torch.exp(lse_s - lse)[..., None]
+
+    _each_sequence(o, seq_lens, attend_one)
