@@ -48,13 +48,12 @@ from dspy.lm15 import (
     UnsupportedFeatureError,
     Usage,
 )
+from prefixrt.adapters import _lowering
 from prefixrt.adapters._lowering import (
     ProviderHandle,
     ToolPlan,
     lower_chat,
     new_call_id,
-    normalize_messages,
-    sampling_params,
 )
 from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint
 
@@ -126,7 +125,7 @@ def _openai_messages(request: Request, images: list | None = None) -> list[dict]
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": json.dumps(c.input, ensure_ascii=False)}} for c in calls]
         messages.append(message)
-    return normalize_messages(messages)
+    return _lowering.normalize_messages(messages)
 
 
 def request_messages(request: Request) -> list[dict]:
@@ -179,7 +178,7 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
         raise UnsupportedFeatureError("prefixrt: reasoning, provider prompt-cache config and probabilities are not "
                                       "supported (prefix caching is automatic)", provider=_PROVIDER)
     try:
-        params = sampling_params({**options, **extensions}, what="dspy request")
+        params = _lowering.sampling_params({**options, **extensions}, what="dspy request")
         tools, choice = _openai_tools(request)
         # One tool call per reply unless asked: a small model allowed "one or more" may write calls until
         # max_tokens.
@@ -332,20 +331,22 @@ class PrefixRTEngine:
         return self.handle.get()
 
     def complete(self, request: Request) -> Response:
-        messages, params, tools = lower_request(request, self.parser is not None)
-        try:
-            completion = self.provider.generate(messages, params)
-        except Exception as e:
-            raise _translate(e) from e
+        completion, _, tools = self._call(request, "generate")
         return build_response(request, completion, tools, self.parser)
 
     def stream(self, request: Request) -> Iterator:
+        chunks, params, tools = self._call(request, "stream")
+        return self._events(request, tools, params["request_id"], chunks)
+
+    def _call(self, request: Request, method: str):
+        """Lowers the request and calls the provider's `method` ("generate" or "stream") on it, its errors
+        translated. -> (the provider's result, the sampling params, the tool plan)"""
         messages, params, tools = lower_request(request, self.parser is not None)
         try:
-            chunks = self.provider.stream(messages, params)
+            result = getattr(self.provider, method)(messages, params)
         except Exception as e:
             raise _translate(e) from e
-        return self._events(request, tools, params["request_id"], chunks)
+        return result, params, tools
 
     def _events(self, request, tools, request_id, chunks) -> Iterator:
         state = _StreamState(request, tools, self.parser)

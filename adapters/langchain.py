@@ -42,13 +42,12 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, Runn
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import secret_from_env
+from prefixrt.adapters import _lowering
 from prefixrt.adapters._lowering import (
     ProviderHandle,
     ToolPlan,
     lower_chat,
     new_call_id,
-    normalize_messages,
-    sampling_params,
     strict_schema,
 )
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
@@ -105,7 +104,7 @@ def to_openai_messages(messages: Sequence[BaseMessage], images: list | None = No
             out.append({"role": _ROLES[m.role], "content": text})
         else:
             raise ValueError(f"ChatPrefixRT cannot send a {type(m).__name__}")
-    return normalize_messages(out)
+    return _lowering.normalize_messages(out)
 
 
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
@@ -240,7 +239,7 @@ class ChatPrefixRT(BaseChatModel):
                    "top_k": self.top_k, "seed": self.seed, "repetition_penalty": self.repetition_penalty,
                    "cache_salt": self.cache_salt, "stop": stop if stop is not None else self.stop}
         options.update(kwargs)
-        params = sampling_params(options, what="ChatPrefixRT")
+        params = _lowering.sampling_params(options, what="ChatPrefixRT")
         choice = None
         if tools:
             choice = _tool_choice_name(tool_choice, [t["function"]["name"] for t in tools])
