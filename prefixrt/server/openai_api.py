@@ -42,6 +42,13 @@ def _lifecycle(request: Request):
     return request.app.state.lifecycle
 
 
+def _checked(body: ChatCompletionRequest | CompletionRequest, request: Request):
+    """Checks the body's model and fields. -> (the engine, the lifecycle)"""
+    check_model(request.app.state, body.model)
+    check_body(body)
+    return _engine(request), _lifecycle(request)
+
+
 def _raise_if_aborted(lc, cs) -> None:
     for c in cs:
         for s in convert.samples(c):
@@ -95,9 +102,7 @@ async def get_model(model_id: str, request: Request):
 @router.post("/v1/chat/completions")
 @traced("chat.completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    eng, lc = _engine(request), _lifecycle(request)
-    check_model(request.app.state, body.model)
-    check_body(body)
+    eng, lc = _checked(body, request)
     body, image_urls = server_images.without_images(body)
     lowered = convert.chat_params(body, eng, request.app.state.generation_defaults)
     template_kwargs = convert.template_kwargs(body)
@@ -213,9 +218,7 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 @router.post("/v1/completions")
 @traced("completions")
 async def completions(body: CompletionRequest, request: Request):
-    eng, lc = _engine(request), _lifecycle(request)
-    check_model(request.app.state, body.model)
-    check_body(body)
+    eng, lc = _checked(body, request)
     warnings: list[str] = []
     prompts, params = convert.completion_params(body, warnings, request.app.state.generation_defaults)
     encoded = await asyncio.gather(*(eng.aencode(p) for p in prompts))
