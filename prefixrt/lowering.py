@@ -79,6 +79,7 @@ OPTION_NAMES = {
     "json_object": "json_object",
     "cache_salt": "cache_salt",
     "priority": "priority",
+    "speculative": "speculative",
 }
 
 

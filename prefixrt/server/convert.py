@@ -29,7 +29,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 # Request fields that carry over under their OpenAI names (lowering.sampling_options maps them).
 _OPTIONS = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
             "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens", "regex",
-            "grammar", "choices", "json_schema", "cache_salt", "priority")
+            "grammar", "choices", "json_schema", "cache_salt", "priority", "speculative")
 
 
 def constrained_decoding_available() -> bool:

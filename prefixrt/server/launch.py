@@ -19,7 +19,7 @@ import sys
 import time
 
 from prefixrt.engine.progress import DEFAULT_STALL_TIMEOUT_S
-from prefixrt.engine_flags import add_engine_args, engine_kwargs, start_engine
+from prefixrt.engine_flags import add_engine_args, engine_kwargs, start_engine, start_engine_process
 from prefixrt.reasoning import PARSERS as REASONING_PARSERS
 
 
@@ -50,12 +50,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
 
-def build_engine(args: argparse.Namespace, own_process: bool = False):
-    """An Engine, or with own_process a ProcessEngine (the engine in a child process), printing progress."""
-    if own_process:
-        from prefixrt.engine.process.client import ProcessEngine
-
-        return start_engine(args, ProcessEngine, "in its own process")
+def build_engine(args: argparse.Namespace):
+    """An Engine in this process (--engine-in-process), printing progress. (The default, the engine in its own
+    process, starts through start_engine_process.)"""
     from prefixrt.engine.engine import Engine
 
     return start_engine(args, Engine)
@@ -133,12 +130,7 @@ def fast_io() -> tuple[str, str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from prefixrt.hub.generation import generation_defaults
-    from prefixrt.server.app import create_app
-    from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
-    from prefixrt.server.lifecycle import Lifecycle
 
     if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
         from prefixrt.config import EngineConfig
@@ -149,10 +141,24 @@ def serve(args: argparse.Namespace) -> int:
               f"at {config.dist_init_addr}", file=sys.stderr, flush=True)
         return run_node(config)
     defaults = generation_defaults(args.model, args.generation_config)  # a bad folder fails before the engine starts
+    # The engine process starts first: the HTTP stack's imports (seconds) run while it builds.
+    starting = start_engine_process(args) if args.role == "standalone" and not args.engine_in_process else None
+    try:
+        import uvicorn
+
+        from prefixrt.server.app import create_app
+        from prefixrt.server.body import OFFLOAD_BYTES, BodyParser
+        from prefixrt.server.lifecycle import Lifecycle
+    except BaseException:
+        if starting is not None:
+            starting.cancel()
+        raise
     worker = None
     try:
-        if args.role == "standalone":
-            eng = build_engine(args, own_process=not args.engine_in_process)
+        if starting is not None:
+            eng = starting()
+        elif args.role == "standalone":
+            eng = build_engine(args)
         else:
             eng, worker = build_role_engine(args)
     except RuntimeError as e:  # the engine failed to start (e.g. its process died); other mistakes reach cli.main

@@ -54,6 +54,7 @@ class _Sampling(_Body):
     json_schema: dict[str, Any] | None = None
     cache_salt: str | None = None
     priority: int | None = None
+    speculative: bool | None = None  # False: this request never speculates (an engine with --speculative on)
 
 
 class TextPart(_Body):

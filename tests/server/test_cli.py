@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import ServeProcess, cli, cli_env
 
@@ -93,3 +94,36 @@ def test_generate_and_models(model_dirs):
     r = subprocess.run(cli("serve", "--model", "/nonexistent/model"), env=cli_env(), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "nonexistent" in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_engine_process_starts_before_the_caller_waits_for_it(model_dirs):
+    """`prefixrt serve` starts the engine process, then imports its HTTP stack while it builds
+    (ProcessEngine.start): the progress arrives meanwhile, ready() gives a serving engine, and cancel() ends a
+    start-up the caller gives up on."""
+    import multiprocessing
+    import threading
+
+    from prefixrt.engine.process.client import ProcessEngine
+
+    said = []
+    first = threading.Event()
+
+    def progress(text):
+        said.append(text)
+        first.set()
+
+    ready = ProcessEngine.start(str(model_dirs("llama")), progress=progress, device="cpu", kv_cache_tokens=1024)
+    assert first.wait(120), "no progress before ready() was called"  # read on its own thread
+    eng = ready()
+    try:
+        assert any(text.startswith("start-up:") for text in said)
+        out = eng.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert out.completion_tokens == 4
+    finally:
+        eng.shutdown()
+
+    ready = ProcessEngine.start(str(model_dirs("llama")), device="cpu", kv_cache_tokens=1024)
+    assert [p for p in multiprocessing.active_children() if p.name == "prefixrt-engine"]
+    ready.cancel()
+    assert not [p for p in multiprocessing.active_children() if p.name == "prefixrt-engine"]

@@ -97,6 +97,44 @@ class ProcessEngine(EngineAPI):
 
     def __init__(self, model: str = BASE_MODEL, progress: Callable[[str], None] | None = None,
                  **engine_kwargs: Any):
+        self._spawn(model, engine_kwargs)
+        try:
+            info = self._wait_ready(progress)
+        except BaseException:
+            self._stop_child(timeout=5)
+            raise
+        self._ready(info)
+
+    @classmethod
+    def start(cls, model: str = BASE_MODEL, progress: Callable[[str], None] | None = None,
+              **engine_kwargs: Any) -> Callable[[], ProcessEngine]:
+        """Start the engine process and return `ready()`, which waits for it and returns the ProcessEngine (or
+        raises its start-up error). Meanwhile the caller does its own start-up (`prefixrt serve` imports its HTTP
+        stack); `progress` receives the start-up messages as they come, on a thread that only reads the pipe.
+        If the caller fails before ready(), `ready.cancel()` kills the engine process."""
+        eng = cls.__new__(cls)
+        eng._spawn(model, engine_kwargs)
+        reading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-engine-start")
+        info = reading.submit(eng._wait_ready, progress)
+        reading.shutdown(wait=False)
+
+        def ready() -> ProcessEngine:
+            try:
+                eng._ready(info.result())
+            except BaseException:
+                eng._stop_child(timeout=5)
+                raise
+            return eng
+
+        def cancel() -> None:
+            eng._proc.kill()
+            eng._proc.join()
+            eng._conn.close()
+
+        ready.cancel = cancel
+        return ready
+
+    def _spawn(self, model: str, engine_kwargs: dict) -> None:
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._conn, child_conn = ctx.Pipe()
         # Daemonic unless it starts tensor-parallel ranks of its own (a daemonic process may not have children).
@@ -104,11 +142,9 @@ class ProcessEngine(EngineAPI):
                                  name="prefixrt-engine", daemon=engine_kwargs.get("tp_size", 1) == 1)
         self._proc.start()
         child_conn.close()  # the child's end lives in the child only: its exit closes the pipe
-        try:
-            info = self._wait_ready(progress)
-        except BaseException:
-            self._stop_child(timeout=5)
-            raise
+
+    def _ready(self, info: EngineInfo) -> None:
+        """The rest of the constructor, once the engine process has said it is ready."""
         # Two copies of the tokenizer: one decodes outputs (on the event loop), one encodes prompts (on worker
         # threads), so a long encode never blocks a stream. Unpickling holds the GIL: done now, not while serving.
         self._tokenizer = pickle.loads(info.tokenizer)
