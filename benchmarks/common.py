@@ -191,6 +191,17 @@ def set_cascade(eng, on: bool, saved: dict) -> None:
     eng._run_on_loop(flip)
 
 
+def unpack_heads(block_maps_only: bool) -> None:
+    """A/B runs of extend attention's packed query heads: after this call kernels.extend_attention packs no launch by
+    default (block_maps_only: no block-mapped launch, i.e. the CUDA graphs'; eager launches keep the default rule).
+    Call it before the engine is built (graph capture sizes its splits by the same rule)."""
+    from prefixrt.kernels import extend_attention as ext
+
+    default_rule = ext.pack_heads_by_default
+    ext.pack_heads_by_default = lambda g, has_map, block_m=None: (
+        not has_map and block_maps_only and default_rule(g, has_map, block_m))
+
+
 def replay_ms(graph, iters: int = 20) -> float:
     """A captured CUDA graph replayed alone, back to back (3 warm replays first): wall ms per replay."""
     import torch

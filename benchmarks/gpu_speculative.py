@@ -5,8 +5,8 @@
     (fixed:0.7, taught by the plain run) against plain decoding (overlap scheduler on, no speculation);
 (3) ngram: radix lookahead on a workload whose answers repeat cached text (8 prompts answered once, then asked
     again: the tree holds each answer), batch 1, against the same repeat run plain.
-Sections 2 and 3 need greedy tokens that do not depend on the kernel path: --stable-greedy (on by default) scales
-the dummy model's output projections so that they do (stabilize_greedy says why).
+Sections 2 and 3 need greedy tokens that do not depend on the kernel path: --stable-greedy (on by default) makes the
+dummy model's next greedy token a fixed function of the last one, by a wide margin (stabilize_greedy says how).
 Prints a short table last and writes JSON to benchmarks/results/gpu_speculative.json (and $OUT when set).
 
     PYTHONPATH=$PWD python benchmarks/gpu_speculative.py           # all sections, ~2-3 min on one H200
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, log_table, run_section, script_parser, write_results
+from benchmarks.common import log, log_table, run_section, script_parser, unpack_heads, write_results
 
 RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []
@@ -130,12 +130,14 @@ def _set(eng, overlap: bool, drafter=None, k: int | None = None) -> None:
 
 def _spec_counters(eng) -> dict:
     s = eng.stats()
+    forwards = {f"forwards_{how}": n for how, n in eng.core.runner.replays.items()}  # how the target forwards ran
     return {"draft": s.spec_draft_tokens_total, "accepted": s.spec_accepted_tokens_total,
-            "emitted": s.spec_emitted_tokens_total, "rows": s.spec_verify_rows_total}
+            "emitted": s.spec_emitted_tokens_total, "rows": s.spec_verify_rows_total, **forwards,
+            "drafter_s": s.spec_drafter_seconds_total}
 
 
 def _delta(a: dict, b: dict) -> dict:
-    d = {k: b[k] - a[k] for k in a}
+    d = {k: round(b[k] - a[k], 4) for k in a}
     d["acceptance"] = round(d["accepted"] / d["draft"], 3) if d["draft"] else 0.0
     d["tokens_per_forward"] = round(d["emitted"] / d["rows"], 3) if d["rows"] else 0.0
     return d
@@ -182,14 +184,18 @@ def ngram_repeat(eng, ctx: int, max_new: int, k: int, prompts_n: int) -> dict:
     return out
 
 
-def stabilize_greedy(model, scale: float) -> int:
-    """Scale every layer's output projections (o_proj, down_proj) by `scale`, in place; returns how many.
+def stabilize_greedy(model, scale: float, seed: int = 0) -> int:
+    """Make greedy tokens a fixed function of the last token, with a wide margin, on every kernel path; returns how
+    many linears were changed. In place: each forward's work and memory traffic are unchanged.
 
     Dummy weights give nearly flat logits, so the decode graph and the verify forward (an extend over k + 1 tokens)
-    round differently enough to pick different argmaxes within a few tokens: a drafter replaying one path's output
-    (the fixed-rate drafter, radix lookahead over an earlier answer) then stops matching the other's. With small
-    output projections the residual stream stays near the token's embedding, so the next greedy token is a fixed
-    function of the last one on every kernel path. Each forward's work and memory traffic are unchanged."""
+    round differently enough to pick different argmaxes: a drafter replaying one path's output (the fixed-rate
+    drafter, radix lookahead over an earlier answer) then stops matching the other's. Scaling every layer's output
+    projections (o_proj, down_proj) by `scale` keeps the residual stream near the last token's embedding e_t, and
+    lm_head's rows become the embeddings in a random order (row j = e_perm[j]): token j's logit is then largest
+    for the j with perm[j] = t, by |e_t|^2 against dot products of unrelated embeddings (~64x apart at 4096
+    hidden), which no rounding difference flips. The text is a walk along a random permutation: no token repeats
+    within its cycle, so only the tree (not the request's own context) can draft it."""
     import torch
 
     count = 0
@@ -198,6 +204,12 @@ def stabilize_greedy(model, scale: float) -> int:
             if name.rsplit(".", 1)[-1] in ("o_proj", "down_proj") and getattr(module, "weight", None) is not None:
                 module.weight.mul_(scale)
                 count += 1
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        if head.data_ptr() != embed.data_ptr() and head.shape == embed.shape:  # (tied: already the embeddings)
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            perm = torch.randperm(embed.shape[0], generator=gen).to(embed.device)
+            head.copy_(embed[perm])
+            count += 1
     return count
 
 
@@ -209,10 +221,15 @@ def main() -> None:
     ap.add_argument("--k-fixed", default="4,8", help="drafted tokens per step with the fixed-rate drafter (each)")
     ap.add_argument("--k-ngram", type=int, default=8, help="drafted tokens per step with the n-gram drafter")
     ap.add_argument("--stable-greedy", type=float, default=1e-3, metavar="SCALE",
-                    help="scale the dummy model's output projections by SCALE so greedy tokens are the same on the "
-                         "decode and verify paths (see stabilize_greedy; 0: leave the weights as loaded)")
+                    help="scale the dummy model's output projections by SCALE and make lm_head a permutation of the "
+                         "embeddings, so greedy tokens are the same on the decode and verify paths (see "
+                         "stabilize_greedy; 0: leave the weights as loaded)")
+    ap.add_argument("--pack-map", default=None, help="1/0: packed query heads in the EXTEND and verify graphs' short "
+                    "blocks (default: kernels.extend_attention.pack_heads_by_default)")
     args = ap.parse_args()
     smoke = args.smoke
+    if args.pack_map == "0":
+        unpack_heads(block_maps_only=True)
     if smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
@@ -240,7 +257,8 @@ def main() -> None:
     if args.stable_greedy:
         scaled = stabilize_greedy(eng._built.model, args.stable_greedy)
         RESULTS["stable_greedy"] = {"scale": args.stable_greedy, "linears": scaled}
-        log(f"output projections of {scaled} linears scaled by {args.stable_greedy:g} (--stable-greedy)")
+        log(f"{scaled} linears changed: output projections scaled by {args.stable_greedy:g}, lm_head a permutation of "
+            "the embeddings (--stable-greedy)")
     try:
         if "1" in args.only:
             section("verify", lambda: verify_costs(eng, batches, (4, 8), ctx, iters))
@@ -250,7 +268,8 @@ def main() -> None:
             section("ngram", lambda: ngram_repeat(eng, ctx, max_new, args.k_ngram, n_prompts))
     finally:
         eng.shutdown()
-    name = f"gpu_speculative-{args.only}{'-smoke' if smoke else ''}.json"
+    pack = "" if args.pack_map is None else f"-pack{args.pack_map}"
+    name = f"gpu_speculative-{args.only}{pack}{'-smoke' if smoke else ''}.json"
     tmp.cleanup()
     write_results(RESULTS, name, None if smoke else RESULTS_DIR)
     log(f"\nprefixrt speculative decoding, {MODEL if not smoke else 'tiny llama'} dummy on {RESULTS['device']}, "

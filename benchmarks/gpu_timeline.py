@@ -27,7 +27,7 @@ import time
 import torch
 
 import prefixrt
-from benchmarks.common import log, script_parser, stream_text
+from benchmarks.common import log, script_parser, stream_text, unpack_heads
 from prefixrt.bench import workloads as W
 
 RESULTS: dict = {}
@@ -327,11 +327,8 @@ def main():
     ap.add_argument("--pack", default=None, help="1/0: extend attention packs a kv head's query heads (default: "
                     "kernels.extend_attention.pack_heads_by_default)")
     args = ap.parse_args()
-    if args.pack is not None:
-        from prefixrt.kernels import extend_attention as ext
-
-        default_rule = ext.pack_heads_by_default
-        ext.pack_heads_by_default = lambda g, has_map, on=args.pack == "1": on and default_rule(g, has_map)
+    if args.pack == "0":
+        unpack_heads(block_maps_only=False)
     smoke = args.smoke
     out = os.environ.get("OUT")
     tag = ("" if args.pdl is None else f"_pdl{args.pdl}") + ("" if args.pack is None else f"_pack{args.pack}")

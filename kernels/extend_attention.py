@@ -47,7 +47,7 @@ def _extend_kernel(
     # block and head r % BLOCK_G of the group (grid axis 1 then runs over kv heads), so a block of BLOCK_M
     # rows holds BLOCK_M // BLOCK_G tokens and each K/V block it loads serves every head of the group.
     TOKENS: tl.constexpr = BLOCK_M // BLOCK_G
-    if HAS_BLOCK_MAP:  # grid [num_blocks, H]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
+    if HAS_BLOCK_MAP:  # grid [num_blocks, H (KVH packed)]: block i is query block BlockMb[i] of sequence BlockSeq[i] (-1 = pad)
         h = tl.program_id(1)
         b = tl.load(BlockSeq + tl.program_id(0))
         if b < 0:
@@ -230,9 +230,15 @@ def eager_variant(head_dim: int, heads_per_kv: int, max_extend_len: int, interpr
     return (("BLOCK_G", block_g), *sorted(cfg.items()))
 
 
-def pack_heads_by_default(heads_per_kv: int, has_map: bool) -> bool:
-    """Whether extend_attention packs a kv head's query heads into one program when not told."""
-    return 1 < heads_per_kv <= 16 and not has_map  # 16: the interpreter's 16-row blocks hold a token
+def pack_heads_by_default(heads_per_kv: int, has_map: bool, block_m: int | None = None) -> bool:
+    """Whether extend_attention packs a kv head's query heads into one program when not told. With a block map (the
+    CUDA graphs' launch, block_m tokens a block) only for short blocks, whose packed rows fit 64: a few tokens a
+    sequence (speculative verify, forced tokens) over its context then read each K/V block once for the group
+    instead of once per query head. Taller packed blocks lose on long prefixes: on an H200 (Llama-3-8B heads,
+    docs/benchmarks.md) 200 tokens over 60,000 took 1.87 ms packed in 128-row blocks against 0.92 ms per head."""
+    if not 1 < heads_per_kv <= 16:  # 16: the interpreter's 16-row blocks hold a token
+        return False
+    return not has_map or (block_m is not None and block_m * triton.next_power_of_2(heads_per_kv) <= 64)
 
 
 def block_m_for(head_dim: int, max_extend_len: int, block_m: int | None = None) -> int:
@@ -296,7 +302,8 @@ def extend_attention(
     launch parameters (BLOCK_N, num_warps, num_stages; benchmarks/gpu_kernels.py sweeps them). page_size: the
     pool's; above 1 pool keys are read a page run per table lookup. pack_heads: put the query heads that share
     a kv head into one program's rows (K/V loaded once for the group, short extends fill the tile); None
-    decides by pack_heads_by_default. Only without a block map (whose blocks count tokens of one head).
+    decides by pack_heads_by_default. With a block map block_m still counts tokens (a packed block has
+    block_m x the group's rows).
     k_scale/v_scale ([KVH] fp32): the scales of an e4m3 pool, read as decode_attention reads it.
     span_end ([T] int32, optional): per new token, the end (exclusive) of the keys it sees: its position + 1,
     or, inside a bidirectional block (an image of Gemma-3), the block's end; see span_ends."""
@@ -317,12 +324,13 @@ def extend_attention(
     v_ext = v_extend if contiguous else v_buffer
     has_map = block_seq is not None
     heads_per_kv = num_heads // num_kv_heads
+    if has_map and (block_mb is None or block_m is None):
+        raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
     if pack_heads is None:
-        pack_heads = pack_heads_by_default(heads_per_kv, has_map)
-    if pack_heads and has_map:
-        raise ValueError("pack_heads needs the grid sized from max_extend_len (no block map)")
+        pack_heads = pack_heads_by_default(heads_per_kv, has_map, block_m)
     block_g = triton.next_power_of_2(heads_per_kv) if pack_heads else 1
-    cfg = _config(head_dim, max_extend_len * block_g, block_m)
+    # A map's blocks count tokens: packed, a block's rows are its tokens x the group's heads.
+    cfg = _config(head_dim, max_extend_len * block_g, block_m * block_g if has_map else block_m)
     if config:
         cfg = {**cfg, **config}
     if block_g > cfg["BLOCK_M"]:
@@ -334,9 +342,10 @@ def extend_attention(
     if num_splits > 1 and (not has_map or contiguous):
         raise ValueError("num_splits > 1 needs a block map and pool K/V (no k_extend)")
     if has_map:
-        if block_mb is None or block_m is None or cfg["BLOCK_M"] != block_m:
-            raise ValueError("a block map needs block_seq, block_mb and the block_m it was built with")
-        grid = (block_seq.shape[0], num_heads, num_splits)
+        if cfg["BLOCK_M"] != block_m * block_g:
+            raise ValueError(f"a config of {cfg['BLOCK_M']} rows does not fit the map's {block_m}-token blocks"
+                             f"{f' x {block_g} packed heads' if block_g > 1 else ''}")
+        grid = (block_seq.shape[0], num_kv_heads if pack_heads else num_heads, num_splits)
     else:
         grid = (batch_size, num_kv_heads if pack_heads else num_heads, triton.cdiv(max_extend_len * block_g, cfg["BLOCK_M"]))
     _extend_kernel[grid](

@@ -154,24 +154,6 @@ def progress_printer() -> Callable[[str], None]:
     return progress
 
 
-def start_engine_process(args: argparse.Namespace) -> Callable[[], Any]:
-    """start_engine for a ProcessEngine that starts now and is waited for later: returns `ready()` (and
-    `ready.cancel()`), see ProcessEngine.start. `prefixrt serve` imports its HTTP stack in between."""
-    from prefixrt.engine.process.client import ProcessEngine
-
-    progress = progress_printer()
-    progress(f"starting engine for {args.model!r} (in its own process)")
-    starting = ProcessEngine.start(args.model, progress=progress, **engine_kwargs(args))
-
-    def ready():
-        eng = starting()
-        progress(f"engine ready: {eng.model_name} on {eng.device}, context {eng.max_context} tokens")
-        return eng
-
-    ready.cancel = starting.cancel
-    return ready
-
-
 def start_engine(args: argparse.Namespace, make: Callable[..., Any], where: str = "in this process"):
     """`make(args.model, progress=..., **engine_kwargs(args))` (Engine, ProcessEngine, ...), saying on stderr that
     it starts (and `where`) and when it is ready."""

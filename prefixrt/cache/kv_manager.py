@@ -625,8 +625,11 @@ class KVManager(AllocatorSizes):
         return self.salts.snapshot(usage() if usage is not None else {})
 
     def flush(self) -> int:
+        """Drop every unlocked cache entry; returns pool tokens freed. Pages whose backup to the host was still
+        copying are waited for here, so they are free on return (no step may follow to reclaim them)."""
         freed = self.cache.flush()
         self.evicted_tokens_total += freed
+        self._reclaim_copies(wait=True)
         return freed
 
     # ------------------------------------------------------------------ accounting

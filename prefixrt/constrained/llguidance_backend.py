@@ -14,7 +14,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -28,6 +27,22 @@ from prefixrt.errors import InvalidRequest
 
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else message
+
+
+def fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Write matcher's next-token mask into bitmask[row] (a CPU int32 [B, words] tensor), natively. (llguidance.torch
+    has the same wrapper, but importing that module imports torch._dynamo for a decorator: seconds of start-up.)"""
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous CPU int32 tensor")
+    words = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+
+def fill_rows(executor: llguidance.LLExecutor, matchers: list, bitmask: torch.Tensor) -> None:
+    """fill_row for (matcher, row) pairs, on the executor's threads."""
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous CPU int32 tensor")
+    executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
 
 
 class _Template:
@@ -115,7 +130,7 @@ class LLGuidanceMatcher(Matcher):
         if self._eos_accepted:
             fill_only(bitmask, row, self._eos)
             return
-        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        fill_row(self._m, bitmask, row)
         self.narrow(bitmask, row)
 
     def narrow(self, bitmask: torch.Tensor, row: int) -> None:
@@ -433,10 +448,10 @@ class LLGuidanceBackend(GrammarBackend):
             with self._executor_lock:
                 if self._executor is None:
                     self._executor = llguidance.LLExecutor(num_threads=self._mask_threads)
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, native, bitmask)
+            fill_rows(self._executor, native, bitmask)
         else:
             for m, row in native:
-                llguidance.torch.fill_next_token_bitmask(m, bitmask, row)
+                fill_row(m, bitmask, row)
         for m, row in rest:
             m.fill_bitmask(bitmask, row)
         for lead, row in copies:

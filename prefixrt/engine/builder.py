@@ -70,14 +70,15 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
 
     say = progress or (lambda msg: log.info(msg))
     t0 = time.perf_counter()
-    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
 
     say(f"resolving model {config.model!r}")
     resolved = resolve_model(config.model)
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
-    tokenizer = tokenizer_while_the_device_starts(resolved, resolve_device(config.device), say)
+    tokenizer = tokenizer_while_the_device_starts(resolved, device, say)
     ranks = start_ranks(config, resolved.path, say)
     try:
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"

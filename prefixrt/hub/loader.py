@@ -9,11 +9,13 @@ not loaded).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,11 +77,42 @@ def model_spec(hf_config) -> ModelSpec:
     return _BUILDERS[arch](hf_config, arch)
 
 
+# config.json read as plain JSON for these architectures when it spells out every field their builder reads whose
+# transformers default differs from the builder's (a missing eos_token_id is 2 in LlamaConfig, for one); anything
+# else goes through AutoConfig. Importing any transformers config class imports its auto classes, which on some
+# installs (transformers 5.17 with accelerate) pull in the generation, masking and FSDP modules: ~5 s of an
+# engine's start-up on an H200 host (docs/benchmarks.md). Mistral is left out: a missing sliding_window is 4096
+# there.
+PLAIN_JSON_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+PLAIN_JSON_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "eos_token_id")
+
+
+def plain_config(path: str | Path) -> SimpleNamespace | None:
+    """A local folder's config.json as attributes when the llama-family builder can read it without transformers
+    (see PLAIN_JSON_ARCHITECTURES), else None."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or "auto_map" in config:
+        return None
+    archs = config.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in PLAIN_JSON_ARCHITECTURES or any(f not in config for f in PLAIN_JSON_FIELDS):
+        return None
+    if "rope_theta" not in config and "rope_parameters" not in config:
+        return None
+    return SimpleNamespace(**config)
+
+
 def read_model_spec(path: str | Path) -> ModelSpec:
     """The ModelSpec of a local folder's config.json."""
-    from transformers import AutoConfig
+    config = plain_config(path)
+    if config is None:
+        from transformers import AutoConfig
 
-    return model_spec(AutoConfig.from_pretrained(str(path), local_files_only=True))
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return model_spec(config)
 
 
 _BUILDERS: dict[str, Callable[[object, str], ModelSpec]] = {
@@ -128,6 +161,26 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return resolved
 
 
+# torch.nn.init's in-place initialisers, which the module constructors call (nn.Linear, nn.Embedding).
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                 "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")
+
+
+@contextlib.contextmanager
+def _no_parameter_init():
+    """torch.nn.init's initialisers made no-ops while a model is built on the meta device: there they compute
+    nothing (the parameters are materialised empty, then loaded), but torch runs them on meta through its Python
+    references, whose first use imports torch._dynamo: seconds of start-up on some hosts."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS}
+    try:
+        for name in _INITIALISERS:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def _instantiate(
     hf_config, *, dtype: torch.dtype | str, device: torch.device | str, extra_eos_ids: tuple[int, ...] = (),
     tp: TPGroup | None = None,
@@ -136,7 +189,7 @@ def _instantiate(
     `dtype` on `device` (no init cost); with a tensor-parallel group of more than one rank, only this rank's
     shard (parallel/layers.py)."""
     spec = hf_config if isinstance(hf_config, ModelSpec) else model_spec(hf_config)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_parameter_init():
         model = spec.build()
         if tp is not None and tp.size > 1:
             from prefixrt.parallel.layers import shard_model

@@ -123,14 +123,37 @@ def list_models() -> list[dict[str, Any]]:
     return rows
 
 
+# Tokenizer classes with nothing model-specific, loaded as themselves: AutoTokenizer would give the same class, but
+# importing it imports transformers.models.auto, which on some installs (transformers 5.17 with accelerate) pulls
+# in the generation, masking and FSDP modules: 10 s of an engine's start-up on an H200 host (docs/benchmarks.md).
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def tokenizer_class(folder: Path) -> Any:
+    """The transformers class that reads folder's tokenizer: the generic one its tokenizer_config.json names, when
+    the installed transformers has it, else AutoTokenizer."""
+    try:
+        name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name in GENERIC_TOKENIZERS:
+        import transformers
+
+        try:
+            return getattr(transformers, name)
+        except AttributeError:
+            pass
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 def load_tokenizer(resolved: ResolvedModel) -> Any:
     """The model's transformers tokenizer, read from its folder only (never the network).
 
     The registry's chat template, if the model has one, replaces the tokenizer's own.
     """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path), local_files_only=True)
+    tokenizer = tokenizer_class(resolved.path).from_pretrained(str(resolved.path), local_files_only=True)
     if resolved.chat_template is not None:
         tokenizer.chat_template = resolved.chat_template
     return tokenizer

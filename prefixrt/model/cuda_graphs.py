@@ -338,10 +338,11 @@ class ExtendGraphs(_Bank):
     def __init__(self, forward_eager, attn_backend, req_to_token: torch.Tensor, pad_row: int, max_seqs: int,
                  head_dim: int, device: torch.device, max_tokens: int = DEFAULT_MAX_EXTEND_TOKENS,
                  logits_out: torch.Tensor | None = None, emulate: bool = False, num_heads: int = 1,
-                 num_sms: int = 0):
-        """num_heads, num_sms: size the split-KV of each bucket (num_sms 0: no splits)."""
+                 num_sms: int = 0, num_kv_heads: int | None = None):
+        """num_heads, num_kv_heads, num_sms: size the split-KV of each bucket (num_sms 0: no splits)."""
         super().__init__(forward_eager, attn_backend, req_to_token, pad_row, device, logits_out, emulate)
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
         self.num_sms = num_sms
         self.keys = extend_buckets(max_tokens, max_seqs)
         self.token_buckets = sorted({t for t, _ in self.keys})
@@ -378,9 +379,13 @@ class ExtendGraphs(_Bank):
         return b + -(-t // self.block_m(key))
 
     def num_splits(self, key: tuple[int, int]) -> int:
+        from prefixrt.kernels.extend_attention import pack_heads_by_default
+
         if self.num_sms <= 0:
             return 1
-        return extend_splits(self.num_blocks(key), self.num_heads, self.num_sms)
+        packed = pack_heads_by_default(self.num_heads // self.num_kv_heads, True, self.block_m(key))
+        programs = self.num_kv_heads if packed else self.num_heads  # a query block's programs (one per head)
+        return extend_splits(self.num_blocks(key), programs, self.num_sms)
 
     def _static_batch(self, key: tuple[int, int]) -> ForwardBatch:
         t, b = key

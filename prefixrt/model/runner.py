@@ -95,6 +95,7 @@ class ModelRunner:
                 ext = cls(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
                           self.model.head_dim, device, max_tokens=tokens, logits_out=graphs.logits_out,
                           emulate=emulate, num_heads=self.model.attention_layers[0].num_heads,
+                          num_kv_heads=self.model.attention_layers[0].num_kv_heads,
                           num_sms=getattr(self.attn_backend, "num_sms", 0))
                 ext.capture(pool, warm_only)
                 setattr(self, f"{name}_graphs", ext)

@@ -19,7 +19,7 @@ import sys
 import time
 
 from prefixrt.engine.progress import DEFAULT_STALL_TIMEOUT_S
-from prefixrt.engine_flags import add_engine_args, engine_kwargs, start_engine, start_engine_process
+from prefixrt.engine_flags import add_engine_args, engine_kwargs, progress_printer, start_engine
 from prefixrt.reasoning import PARSERS as REASONING_PARSERS
 
 
@@ -48,6 +48,24 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for module in ("uvicorn", "fastapi"):
         if importlib.util.find_spec(module) is None:
             raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+
+def start_engine_process(args: argparse.Namespace):
+    """start_engine for a ProcessEngine that starts now and is waited for later: returns `ready()` (and
+    `ready.cancel()`), see ProcessEngine.start. `prefixrt serve` imports its HTTP stack in between."""
+    from prefixrt.engine.process.client import ProcessEngine
+
+    progress = progress_printer()
+    progress(f"starting engine for {args.model!r} (in its own process)")
+    starting = ProcessEngine.start(args.model, progress=progress, **engine_kwargs(args))
+
+    def ready():
+        eng = starting()
+        progress(f"engine ready: {eng.model_name} on {eng.device}, context {eng.max_context} tokens")
+        return eng
+
+    ready.cancel = starting.cancel
+    return ready
 
 
 def build_engine(args: argparse.Namespace):

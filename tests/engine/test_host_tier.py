@@ -105,3 +105,15 @@ def test_missing_layer_wait_reads_unloaded_slots(make_engine, monkeypatch):
     got = eng.generate(prompt, params)
     assert got.cached_tokens > 0 and eng.stats().host_hit_tokens_total > 0
     assert got.token_ids != want
+
+
+def test_flush_frees_pages_whose_backup_is_still_copying(make_engine):
+    """flush_cache() evicts pool nodes whose backup to the host may still be copying (race mode makes every copy
+    slow): their pages are free when it returns, not held until a step that an idle engine never runs."""
+    eng = _tiered(make_engine, "write_through", host_kv_debug_delay_s=0.02)
+    rng = random.Random(3)
+    for _ in range(3):
+        eng.generate([1] + [rng.randrange(3, 320) for _ in range(40)], {"max_new_tokens": 2, **GREEDY})
+    eng.flush_cache()
+    s = eng.stats()
+    assert s.kv_locked == 0 and s.kv_free == s.kv_total, s

@@ -146,3 +146,20 @@ def test_prepare_packed_is_prepare_on_token_ids(make_engine):
     eng.enqueue(prepared, stream)
     got = eng._wait(prepared.request_id, stream, prepared.prompt_ids, prepared.params)
     assert got.token_ids == eng.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0}).token_ids
+
+
+def test_the_server_side_imports_the_tokenizer_classes_before_the_engine_is_ready():
+    """ProcessEngine.start's ready() imports what unpickling the engine's tokenizer needs while the engine may still
+    be building; in a fresh process that is transformers' tokenizer base module, without its auto classes (whose
+    import costs seconds on some installs), and the pickled tokenizer then loads without further transformers
+    imports of note."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from prefixrt.engine.process.client import import_tokenizer_classes; "
+             "assert 'transformers' not in sys.modules; import_tokenizer_classes(); "
+             "print('transformers.tokenization_utils_tokenizers' in sys.modules, "
+             "'transformers.models.auto.auto_factory' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "False"]

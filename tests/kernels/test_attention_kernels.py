@@ -574,16 +574,17 @@ def test_triton_backend_extend_then_cascade_decode(page_size):
     assert batch.mode.value == "decode" and backend.cascade_plan is not None
 
 
-@pytest.mark.parametrize("block_m,window,dtype,splits", [(16, None, torch.float32, 1), (32, 8, torch.float32, 1),
-                                                         (16, None, torch.bfloat16, 1), (16, None, torch.float32, 3),
-                                                         (32, 8, torch.float32, 4), (16, None, torch.bfloat16, 2)])
-def test_extend_attention_block_map_equals_reference(block_m, window, dtype, splits):
+@pytest.mark.parametrize("pack", [False, True], ids=["per-head", "packed-heads"])
+@pytest.mark.parametrize("block_m,window,dtype,splits,heads_per_kv", [
+    (16, None, torch.float32, 1, 2), (32, 8, torch.float32, 1, 2), (16, None, torch.bfloat16, 1, 4),
+    (16, None, torch.float32, 3, 2), (32, 8, torch.float32, 4, 4), (16, None, torch.bfloat16, 2, 3)])
+def test_extend_attention_block_map_equals_reference(block_m, window, dtype, splits, heads_per_kv, pack):
     """The fixed-grid launch (CUDA graphs): a padded block map gives the reference result, and padding
-    entries (-1) write nothing; with split-KV the merged partials equal it too."""
+    entries (-1) write nothing; with split-KV the merged partials equal it too. Packed, a block's programs
+    hold its tokens x the kv head's query heads."""
     from prefixrt.kernels.extend_attention import block_map
-
     rng = random.Random(f"map-{block_m}-{window}")
-    q, args, _, _ = make_extend_case(rng, 2, 64, dtype, num_seqs=4)
+    q, args, _, _ = make_extend_case(rng, heads_per_kv, 64, dtype, num_seqs=4)
     extend_lens = args[5].tolist()
     nb = len(extend_lens) + -(-sum(extend_lens) // block_m) + 3  # room to spare: padding entries
     seqs, mbs = block_map(extend_lens, block_m, nb)
@@ -591,7 +592,7 @@ def test_extend_attention_block_map_equals_reference(block_m, window, dtype, spl
     out = torch.full_like(q, 7.0)
     expected = torch.empty_like(q)
     extend_attention(q, out, *args, sliding_window=window, block_seq=torch.tensor(seqs, **i32),
-                     block_mb=torch.tensor(mbs, **i32), block_m=block_m, num_splits=splits)
+                     block_mb=torch.tensor(mbs, **i32), block_m=block_m, num_splits=splits, pack_heads=pack)
     ref.extend_attention(q, expected, *args, sliding_window=window)
     assert rel_err(out, expected) < TOL[dtype]
 

@@ -82,6 +82,16 @@ class _InFlight:
     unfinished: set[int] = field(default_factory=set)  # sample indexes without their final output yet
 
 
+def import_tokenizer_classes() -> None:
+    """Import transformers' tokenizer base classes, which unpickling the engine's tokenizer (ProcessEngine._ready)
+    would import otherwise: seconds on some installs (transformers' package import), better spent while the engine
+    process builds. A failure is left for the unpickling to report."""
+    try:
+        import transformers.tokenization_utils_tokenizers  # noqa: F401
+    except Exception:
+        pass
+
+
 class ProcessEngine(EngineAPI):
     """`ProcessEngine(model, **engine_kwargs)`: Engine's API (generate, agenerate, stream, astream,
     cache_prefix, abort, stats, flush_cache, ...) with the engine in a child process. Blocks until the
@@ -120,6 +130,7 @@ class ProcessEngine(EngineAPI):
 
         def ready() -> ProcessEngine:
             try:
+                import_tokenizer_classes()  # while the engine may still be building
                 eng._ready(info.result())
             except BaseException:
                 eng._stop_child(timeout=5)
