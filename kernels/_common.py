@@ -93,6 +93,61 @@ def softcap_scores(s, logit_softcap):
 LOG2E = 1.4426950408889634  # scores are kept in base 2 (exp2 is one instruction; exp is exp2 and a multiply)
 
 
+@triton.jit
+def kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE: tl.constexpr):
+    """(score scale, V scale) of a kv head: e4m3 K/V put the head's K scale into the score scale and its V scale
+    onto the output; otherwise the score scale as given and 1.0."""
+    v_scale = 1.0
+    if HAS_KV_SCALE:
+        qk_scale = qk_scale * tl.load(KScale + kv_head)
+        v_scale = tl.load(VScale + kv_head)
+    return qk_scale, v_scale
+
+
+@triton.jit
+def attend_block(
+    q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q (the extend,
+    decode and cascade kernels' shared inner step). key_ok masks keys outside the range when MASK_KEYS; q_pos,
+    q_hi, k_pos and sliding_window are read only when CAUSAL or HAS_WINDOW. CAUSAL: a query sees keys below its
+    q_hi (its position + 1, or its bidirectional block's end).
+    Scores, m_i and the exponentials are in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a
+    softcap, which applies to the natural-scale scores first)."""
+    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        s = softcap_scores(s, logit_softcap) * 1.4426950408889634
+    if MASK_KEYS:  # block may hold keys past the range end or after some queries
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] < q_hi[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    if HAS_WINDOW:
+        s = tl.where(k_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row can see nothing in this block (window): keep its max finite so exp2() gives 0, not NaN.
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, v_scale, row_ok, mask_d, nonempty, HAS_KV_SCALE: tl.constexpr):
+    """A split's partial output (acc / l, times the V scale of e4m3 K/V) and its natural-log LSE from the base-2
+    running max m_i and sum l_i; an empty split stores only LSE -inf, which the merge weighs 0."""
+    if nonempty:
+        if HAS_KV_SCALE:
+            acc = acc * v_scale
+        tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & mask_d[None, :])
+        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    else:
+        tl.store(lse_ptrs, tl.zeros_like(l_i) - float("inf"), mask=row_ok)
+
+
 def qk_scale(sm_scale: float, logit_softcap: float | None) -> float:
     """The kernels' score scale: sm_scale * log2(e), giving base-2 scores; sm_scale alone with a soft-cap, which
     applies to the natural-scale scores first (the kernels multiply by log2(e) after it)."""

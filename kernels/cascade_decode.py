@@ -24,17 +24,8 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import (
-    check_pool_args,
-    dot_args,
-    interpreting,
-    kv_scale_args,
-    mma,
-    page_span,
-    paged_slots,
-    qk_scale,
-    softcap_scores,
-)
+from prefixrt.kernels import _common
+from prefixrt.kernels._common import attend_block, kv_head_scales, paged_slots, store_split
 from prefixrt.kernels.cascade_plan import CascadePlan
 from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1, launch_merge
 
@@ -55,10 +46,7 @@ def _cascade_prefix_kernel(
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
-    v_scale = 1.0
-    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
-        qk_scale = qk_scale * tl.load(KScale + kv_head)
-        v_scale = tl.load(VScale + kv_head)
+    qk_scale, v_scale = kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE)
 
     num_seqs = tl.load(TileNumSeqs + tile)
     if num_seqs <= 0:  # a padding tile (plans padded to a fixed tile count for CUDA graphs)
@@ -101,40 +89,27 @@ def _cascade_prefix_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)  # e4m3 widens exactly
-        # Scores in base 2 (exp2 is one instruction): qk_scale is sm_scale * log2(e), or sm_scale alone with a
-        # softcap, which applies to the natural-scale scores first.
-        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [rows, BLOCK_N]
-        if HAS_SOFTCAP:
-            s = softcap_scores(s, logit_softcap) * 1.4426950408889634
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        m_i = m_new
+        acc, m_i, l_i = attend_block(
+            q, acc, m_i, l_i, k, v, offs_r, offs_r, pos, mask_n, qk_scale, logit_softcap, 0,
+            MASK_KEYS=True, CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            UPCAST_DOT=UPCAST_DOT,
+        )
 
+    o_ptrs = MidO + seqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
     lse_ptrs = MidLse + seqs * stride_mlb + heads * stride_mlh + split
-    if end > start:
-        o_ptrs = MidO + seqs[:, None] * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
-        if HAS_KV_SCALE:
-            acc = acc * v_scale
-        tl.store(o_ptrs, acc / l_i[:, None], mask=row_ok[:, None] & mask_d[None, :])
-        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)  # natural-log LSE
-    else:
-        tl.store(lse_ptrs, tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32), mask=row_ok)
+    store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, v_scale, row_ok, mask_d, end > start, HAS_KV_SCALE)
 
 
 def _prefix_config(head_dim: int, heads_per_kv: int, queries_per_tile: int) -> dict:
     block_g = triton.next_power_of_2(heads_per_kv)
     block_q = triton.next_power_of_2(queries_per_tile)
-    max_rows = 64 if interpreting() or head_dim > 128 else 128
+    max_rows = 64 if _common.interpreting() or head_dim > 128 else 128
     block_g = min(block_g, max(1, max_rows // block_q))  # cap the matrix at max_rows rows
     block_q = max(block_q, 16 // block_g)  # tl.dot needs at least 16 rows
     cfg = {"BLOCK_G": block_g, "BLOCK_Q": block_q, "HEAD_BLOCKS": triton.cdiv(heads_per_kv, block_g)}
-    if interpreting():
+    if _common.interpreting():
         return {**cfg, "BLOCK_N": 16, "num_warps": 1}
     return {**cfg, "BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 8 if block_q * block_g >= 128 else 4,
             "num_stages": 3}  # fmt: skip
@@ -143,7 +118,7 @@ def _prefix_config(head_dim: int, heads_per_kv: int, queries_per_tile: int) -> d
 def _suffix_config(head_dim: int) -> dict | None:
     """Decode stage 1 over the short own suffixes: a deeper pipeline than plain decode's (measured on an H200:
     RAG suffixes of 80-280 keys, 25.8 -> 20.3 us a layer)."""
-    if interpreting():
+    if _common.interpreting():
         return None
     return {"BLOCK_N": 64 if head_dim <= 128 else 32, "num_warps": 4, "num_stages": 3}
 
@@ -187,14 +162,14 @@ def cascade_decode_attention(
     result; False runs them one after the other). merge_launch: launch_merge's launch parameters
     (heads_per_program, num_warps) in place of its defaults. k_scale/v_scale ([KVH] fp32): an e4m3 pool's scales
     (both stages read it as decode_attention does)."""
-    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    num_heads, num_kv_heads, head_dim = _common.check_pool_args(q, k_buffer, v_buffer)
     batch_size = q.shape[0]
     num_splits = num_prefix_splits + num_suffix_splits
     if mid_o is None or mid_lse is None:
         mid_o, mid_lse = decode_workspace(batch_size, num_heads, head_dim, num_splits, q.device)
     heads_per_kv = num_heads // num_kv_heads
     cfg = _prefix_config(head_dim, heads_per_kv, plan.queries_per_tile)
-    concurrent = q.is_cuda and plan.num_tiles > 0 and not interpreting() and concurrent_stages
+    concurrent = q.is_cuda and plan.num_tiles > 0 and not _common.interpreting() and concurrent_stages
     main = torch.cuda.current_stream(q.device) if concurrent else None
     if concurrent:
         side = _side_stream(q.device)
@@ -215,19 +190,19 @@ def cascade_decode_attention(
 
 def _launch_prefix(q, k_buffer, v_buffer, req_to_token, req_pool_indices, mid_o, mid_lse, sm_scale, plan,
                    logit_softcap, num_prefix_splits, cfg, page_size, k_scale=None, v_scale=None):  # fmt: skip
-    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    num_heads, num_kv_heads, head_dim = _common.check_pool_args(q, k_buffer, v_buffer)
     heads_per_kv = num_heads // num_kv_heads
-    scales = kv_scale_args(k_buffer, k_scale, v_scale)
+    scales = _common.kv_scale_args(k_buffer, k_scale, v_scale)
     if plan.num_tiles:
         grid = (plan.num_tiles, num_kv_heads * cfg["HEAD_BLOCKS"], num_prefix_splits)
         _cascade_prefix_kernel[grid](
             q, k_buffer, v_buffer, req_to_token, req_pool_indices, plan.group_prefix_lens, plan.group_lead_seq,
             plan.group_seq_ids, plan.tile_group, plan.tile_seq_start, plan.tile_num_seqs, mid_o, mid_lse,
-            scales.pop("KScale"), scales.pop("VScale"), qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0,
+            scales.pop("KScale"), scales.pop("VScale"), _common.qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0,
             q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
             v_buffer.stride(1), req_to_token.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
             HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             NUM_SPLITS=num_prefix_splits, HAS_SOFTCAP=logit_softcap is not None,
-            **dot_args(q.dtype), **cfg, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **scales,
+            **_common.dot_args(q.dtype), **cfg, PAGE_SPAN=_common.page_span(page_size, cfg["BLOCK_N"]), **scales,
         )  # fmt: skip

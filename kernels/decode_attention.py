@@ -25,19 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import (
-    check_pool_args,
-    dot_args,
-    interpreting,
-    kv_scale_args,
-    mma,
-    page_span,
-    paged_slots,
-    pdl_args,
-    pdl_begin,
-    qk_scale,
-    softcap_scores,
-)
+from prefixrt.kernels import _common
+from prefixrt.kernels._common import attend_block, kv_head_scales, paged_slots, pdl_begin, store_split
 
 
 @triton.jit
@@ -56,10 +45,7 @@ def _decode_stage1(
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    v_scale = 1.0
-    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
-        qk_scale = qk_scale * tl.load(KScale + kv_head)
-        v_scale = tl.load(VScale + kv_head)
+    qk_scale, v_scale = kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE)
 
     seq_len = tl.load(SeqLens + b)
     kv_lo = seq_len * 0
@@ -104,33 +90,22 @@ def _decode_stage1(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         ).to(Q.dtype.element_ty)  # k: [BLOCK_N, BLOCK_D] (e4m3 widens exactly)
-        # Scores in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a softcap, applied first).
-        s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_H, BLOCK_N]
-        if HAS_SOFTCAP:
-            s = softcap_scores(s, logit_softcap) * 1.4426950408889634
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :],
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         ).to(Q.dtype.element_ty)  # v: [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-        m_i = m_new
+        # Every block holds a key of the split (a window already moved kv_lo), so no row's max stays -inf.
+        acc, m_i, l_i = attend_block(
+            q, acc, m_i, l_i, k, v, offs_h, offs_h, pos, mask_n, qk_scale, logit_softcap, 0,
+            MASK_KEYS=True, CAUSAL=False, HAS_WINDOW=False, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION,
+            UPCAST_DOT=UPCAST_DOT,
+        )
 
     out_split = split_offset + split
+    o_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + out_split * stride_mos + offs_d[None, :]
     lse_ptrs = MidLse + b * stride_mlb + heads * stride_mlh + out_split
-    if end > start:
-        o_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + out_split * stride_mos + offs_d[None, :]
-        if HAS_KV_SCALE:
-            acc = acc * v_scale
-        tl.store(o_ptrs, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=mask_h)  # natural-log LSE
-    else:
-        tl.store(lse_ptrs, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=mask_h)
+    store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, v_scale, mask_h, mask_d, end > start, HAS_KV_SCALE)
 
 
 @triton.jit
@@ -186,7 +161,7 @@ def _stage1_config(head_dim: int, work_items: int) -> dict:
     benchmarks/gpu_tune.py --only=decode): a 3-stage pipeline reads B=256 x 1.1k context at 4074 GB/s (2
     stages: 3796) and is neutral at B=64 x 2k; with a handful of work items (batch 1-2) 128-key blocks halve
     each split's loop (B=1 x 4k: 9.4 vs 10.9 us)."""
-    if interpreting():
+    if _common.interpreting():
         return {"BLOCK_N": 16, "num_warps": 1}
     if head_dim > 128:
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
@@ -202,17 +177,17 @@ def launch_decode_stage1(
     the slots are read a page run at a time (see paged_slots for the layout this relies on). config: launch
     parameters (BLOCK_N, num_warps, num_stages) in place of _stage1_config's. k_scale/v_scale: an e4m3 pool's
     per-kv-head scales (kv_scale_args)."""
-    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    num_heads, num_kv_heads, head_dim = _common.check_pool_args(q, k_buffer, v_buffer)
     heads_per_kv = num_heads // num_kv_heads
     batch_size = q.shape[0]
     if batch_size == 0:
         return
     cfg = config or _stage1_config(head_dim, batch_size * num_kv_heads)
-    scales = kv_scale_args(k_buffer, k_scale, v_scale)
+    scales = _common.kv_scale_args(k_buffer, k_scale, v_scale)
     _decode_stage1[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         kv_start if kv_start is not None else seq_lens, mid_o, mid_lse, scales.pop("KScale"), scales.pop("VScale"),
-        qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0, sliding_window or 0,
+        _common.qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -220,8 +195,8 @@ def launch_decode_stage1(
         HEADS_PER_KV=heads_per_kv, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(heads_per_kv)),
         BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=logit_softcap is not None, **dot_args(q.dtype), **cfg,
-        PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), **(pdl_args(q, batch_size) if pdl else {}), **scales,
+        HAS_SOFTCAP=logit_softcap is not None, **_common.dot_args(q.dtype), **cfg,
+        PAGE_SPAN=_common.page_span(page_size, cfg["BLOCK_N"]), **(_common.pdl_args(q, batch_size) if pdl else {}), **scales,
     )  # fmt: skip
 
 
@@ -240,7 +215,7 @@ def launch_merge(o, mid_o, mid_lse, num_splits, kv_start=None, num_guarded=0, pd
         o.stride(0), o.stride(1), num_heads,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits), NUM_GUARDED=num_guarded, BLOCK_HM=heads_per_program,
-        num_warps=1 if interpreting() else num_warps or 1, **(pdl_args(o, batch_size) if pdl else {}),
+        num_warps=1 if _common.interpreting() else num_warps or 1, **(_common.pdl_args(o, batch_size) if pdl else {}),
     )  # fmt: skip
 
 

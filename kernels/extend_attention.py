@@ -24,47 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefixrt.kernels._common import (
-    check_pool_args,
-    dot_args,
-    interpreting,
-    kv_scale_args,
-    mma,
-    page_span,
-    paged_slots,
-    qk_scale,
-    softcap_scores,
-)
+from prefixrt.kernels import _common
+from prefixrt.kernels._common import attend_block, kv_head_scales, paged_slots
 from prefixrt.kernels.decode_attention import decode_workspace, launch_merge
-
-
-@triton.jit
-def _attend_block(
-    q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
-    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step: fold keys k/v ([BLOCK_N, BLOCK_D]) into (acc, m_i, l_i) for queries q.
-    Scores, m_i and the exponentials are in base 2: qk_scale is sm_scale * log2(e) (sm_scale alone with a
-    softcap, which applies to the natural-scale scores first). CAUSAL: a query sees keys below its q_hi
-    (its position + 1, or its bidirectional block's end)."""
-    s = mma(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # s: [BLOCK_M, BLOCK_N]
-    if HAS_SOFTCAP:
-        s = softcap_scores(s, logit_softcap) * 1.4426950408889634
-    if MASK_KEYS:  # block may hold keys past the range end or after some queries
-        visible = key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (k_pos[None, :] < q_hi[:, None])
-        s = tl.where(visible, s, float("-inf"))
-    if HAS_WINDOW:
-        s = tl.where(k_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row can see nothing in this block (window): keep its max finite so exp2() gives 0, not NaN.
-    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -107,10 +69,7 @@ def _extend_kernel(
     else:
         kv_head = h // HEADS_PER_KV
         first_head = h
-    v_scale = 1.0
-    if HAS_KV_SCALE:  # e4m3 K/V: the head's K scale goes into the score scale, its V scale onto the output
-        qk_scale = qk_scale * tl.load(KScale + kv_head)
-        v_scale = tl.load(VScale + kv_head)
+    qk_scale, v_scale = kv_head_scales(qk_scale, KScale, VScale, kv_head, HAS_KV_SCALE)
 
     offs_r = tl.arange(0, BLOCK_M)
     offs_m = mb * TOKENS + offs_r // BLOCK_G  # each row's token, within the sequence's new tokens
@@ -167,7 +126,7 @@ def _extend_kernel(
                     other=0.0).to(Q.dtype.element_ty)  # e4m3 widens exactly
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=mask_d[None, :],
                     other=0.0).to(Q.dtype.element_ty)
-        acc, m_i, l_i = _attend_block(
+        acc, m_i, l_i = attend_block(
             q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, k_pos < pool_hi, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=False, CAUSAL=False, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
@@ -184,7 +143,7 @@ def _extend_kernel(
                     other=0.0).to(Q.dtype.element_ty)
         v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(Q.dtype.element_ty)
-        acc, m_i, l_i = _attend_block(
+        acc, m_i, l_i = attend_block(
             q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
             MASK_KEYS=True, CAUSAL=POOL_NEEDS_CAUSAL, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP,
             DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
@@ -204,7 +163,7 @@ def _extend_kernel(
             v = tl.load(
                 VExt + ext_rows[:, None] * stride_vet + kv_head * stride_veh + offs_d[None, :], mask=kv_mask, other=0.0
             )
-            acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i = attend_block(
                 q, acc, m_i, l_i, k, v, q_pos, q_hi, k_pos, key_ok, qk_scale, logit_softcap, sliding_window,
                 MASK_KEYS=True, CAUSAL=True, HAS_WINDOW=HAS_WINDOW, HAS_SOFTCAP=HAS_SOFTCAP, DOT_PRECISION=DOT_PRECISION, UPCAST_DOT=UPCAST_DOT,
             )  # fmt: skip
@@ -250,7 +209,7 @@ def span_ends(prefix_lens: list[int], extend_lens: list[int], spans: list[list[t
 def _config(head_dim: int, max_extend_len: int, block_m: int | None = None, interpret: bool | None = None) -> dict:
     """Launch parameters for rows = max_extend_len query rows a program column (x the packed heads).
     interpret: None = as this process runs (TRITON_INTERPRET); False gives the GPU's choice anywhere."""
-    if interpreting() if interpret is None else interpret:
+    if _common.interpreting() if interpret is None else interpret:
         return {"BLOCK_M": block_m or 16, "BLOCK_N": 16, "num_warps": 1}
     if block_m is None:
         block_m = 128 if max_extend_len > 64 else 64
@@ -348,13 +307,13 @@ def extend_attention(
     k_scale/v_scale ([KVH] fp32): the scales of an e4m3 pool, read as decode_attention reads it.
     span_end ([T] int32, optional): per new token, the end (exclusive) of the keys it sees: its position + 1,
     or, inside a bidirectional block (an image of Gemma-3), the block's end; see span_ends."""
-    num_heads, num_kv_heads, head_dim = check_pool_args(q, k_buffer, v_buffer)
+    num_heads, num_kv_heads, head_dim = _common.check_pool_args(q, k_buffer, v_buffer)
     batch_size = req_pool_indices.shape[0]
     if batch_size == 0 or max_extend_len == 0:
         return
     if span_end is not None and span_end.shape != (q.shape[0],):
         raise ValueError(f"span_end must be [T] = [{q.shape[0]}]; got {tuple(span_end.shape)}")
-    scales = kv_scale_args(k_buffer, k_scale, v_scale)
+    scales = _common.kv_scale_args(k_buffer, k_scale, v_scale)
     contiguous = k_extend is not None
     if contiguous and scales["HAS_KV_SCALE"]:
         raise ValueError("an e4m3 pool is read from the pool only (no k_extend/v_extend): the new tokens' K/V must be "
@@ -391,18 +350,18 @@ def extend_attention(
         grid = (batch_size, num_kv_heads if pack_heads else num_heads, triton.cdiv(max_extend_len * block_g, cfg["BLOCK_M"]))
     _extend_kernel[grid](
         q, o, k_buffer, v_buffer, k_ext, v_ext, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start_loc, qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0, sliding_window or 0,
+        extend_start_loc, _common.qk_scale(sm_scale, logit_softcap), logit_softcap or 0.0, sliding_window or 0,
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), k_ext.stride(0), k_ext.stride(1), v_ext.stride(0),
         v_ext.stride(1), req_to_token.stride(0),
         HEADS_PER_KV=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None,
-        CONTIGUOUS_NEW_KV=contiguous, POOL_NEEDS_CAUSAL=not contiguous, **dot_args(q.dtype), **cfg,
+        CONTIGUOUS_NEW_KV=contiguous, POOL_NEEDS_CAUSAL=not contiguous, **_common.dot_args(q.dtype), **cfg,
         BlockSeq=block_seq if has_map else extend_lens, BlockMb=block_mb if has_map else extend_lens,
         HAS_BLOCK_MAP=has_map,
         MidO=mid_o, MidLse=mid_lse, stride_mot=mid_o.stride(0), stride_moh=mid_o.stride(1),
         stride_mos=mid_o.stride(2), stride_mlt=mid_lse.stride(0), stride_mlh=mid_lse.stride(1),
-        NUM_SPLITS=num_splits, PAGE_SPAN=page_span(page_size, cfg["BLOCK_N"]), BLOCK_G=block_g, **scales,
+        NUM_SPLITS=num_splits, PAGE_SPAN=_common.page_span(page_size, cfg["BLOCK_N"]), BLOCK_G=block_g, **scales,
         SpanEnd=span_end if span_end is not None else extend_lens, HAS_SPANS=span_end is not None,
     )  # fmt: skip
     if num_splits > 1:
