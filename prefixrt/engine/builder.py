@@ -32,13 +32,13 @@ from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
 from prefixrt.engine.parallel_builds import BuildPool, default_workers, prebuild
 from prefixrt.engine.ranks import SingleDevice, start_ranks
 from prefixrt.engine.stream import RequestStream
+from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, head_layouts, warm_up_batches
 from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.model.rank_setup import kv_pool_slots, resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
 
 log = logging.getLogger("prefixrt")
 
-EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
 # Shared-prefix (cascade) decode inside the decode graphs, for groups of >= 2 running requests sharing
 # >= CASCADE_MIN_PREFIX cached tokens (engine/loop/prefix_groups.py, kernels/cascade_decode.py); EngineConfig.
 # cascade_decode overrides it. On by default: on an H200 (docs/benchmarks.md) an fp32 engine gives greedy
@@ -428,64 +428,6 @@ def cascade_spec(attention, config: EngineConfig) -> CascadeSpec | None:
         return None
     return CascadeSpec(queries_per_tile=attention.cascade_queries_per_tile, min_prefix_len=CASCADE_MIN_PREFIX,
                        min_group_size=attention.cascade_min_group_size)
-
-
-def head_layouts(model) -> list[tuple[int, int]]:
-    """(query heads per kv head, head dim) of the model's attention layers, each once: what fixes the attention
-    kernels' shape constexprs."""
-    return sorted({(layer.num_heads // layer.num_kv_heads, layer.head_dim) for layer in model.attention_layers})
-
-
-def eager_extend_variants(layouts: list[tuple[int, int]], max_extend_len: int, interpret: bool | None = None
-                          ) -> dict[tuple, int]:
-    """Every extend-attention variant an eager EXTEND batch can compile (kernels/extend_attention.eager_variant)
-    for extends of 1..max_extend_len tokens (a chunked prefill never extends a request by more), each with the
-    longest extend that picks it. Keys are (heads per kv, head dim, variant)."""
-    from prefixrt.kernels.extend_attention import eager_variant
-
-    out: dict[tuple, int] = {}
-    for g, d in layouts:
-        for n in range(1, max_extend_len + 1):
-            out[(g, d, eager_variant(d, g, n, interpret))] = n
-    return out
-
-
-def warm_up_batches(req_to_token: torch.Tensor, pad_row: int, max_context: int, max_running: int,
-                    chunk_tokens: int, device: torch.device, layouts: list[tuple[int, int]] = (),
-                    interpret: bool | None = None) -> list:
-    """Eager EXTEND batches with the shapes a served workload hits outside the graphs (a long prefill
-    chunk; many sequences with short extends over long cached prefixes), so their kernel variants compile
-    and their activation memory is reserved at start-up, not inside a user's request; then one more for each
-    extend-attention variant (eager_extend_variants over the model's head layouts) those shapes leave out.
-    They write only the padding slot 0 and read only the reserved page 0 (slot 0; slots 0..page_size-1 when
-    paged) through the all-zero pad_row."""
-    from prefixrt.model.forward_batch import ForwardBatch
-
-    out = []
-    chunk = max(1, min(chunk_tokens, max_context - 1))
-    shapes = [(1, 0, chunk)]  # (sequences, cached prefix, new tokens each): a whole prefill chunk
-    n_seqs = min(max_running, max(1, (EXTEND_GRAPH_TOKENS + 64) // 60))
-    prefix = min(3500, max_context - 61)
-    if prefix > 0:
-        shapes.append((1, prefix, min(100, chunk, max_context - prefix - 1)))  # hot prefix, tall query blocks
-        shapes.append((n_seqs, prefix, min(60, chunk, max_context - prefix - 1)))  # many short extends
-    shapes = [s for s in shapes if s[2] >= 1]
-    if layouts:
-        from prefixrt.kernels.extend_attention import eager_variant
-
-        covered = {(g, d, eager_variant(d, g, e, interpret)) for g, d in layouts for _, _, e in shapes}
-        for key, e in sorted(eager_extend_variants(layouts, chunk, interpret).items(), key=lambda kv: kv[1]):
-            if key not in covered:
-                shapes.append((1, 0, e))
-                covered |= {(g, d, eager_variant(d, g, e, interpret)) for g, d in layouts}
-    for n, p, e in shapes:
-        tokens = [[0] * e for _ in range(n)]
-        ends = [(i + 1) * e - 1 for i in range(n)]
-        out.append(ForwardBatch.build(
-            req_pool_indices=[pad_row] * n, prefix_lens=[p] * n, extend_tokens=tokens,
-            out_cache_loc=[0] * (n * e), req_to_token=req_to_token, logits_indices=ends, device=device,
-        ))
-    return out
 
 
 def stop_ranks(built: Built) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from prefixrt.kernels.extend_attention import eager_variant
 
-from prefixrt.engine.builder import EXTEND_GRAPH_TOKENS, eager_extend_variants, warm_up_batches
+from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, eager_extend_variants, warm_up_batches
 from prefixrt.model.cuda_graphs import decode_buckets, extend_buckets, extend_key_for, pick
 
 # (query heads per kv head, head dim): Llama-3-8B, a 1:1 small model, Gemma-3 (head dim 256), MQA-like 8:1, 32:1

@@ -43,14 +43,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefixrt.engine.detokenizer import DetokState
-from prefixrt.engine.loop import postprocess, stats
+from prefixrt.engine.loop import batch_inputs, postprocess, stats
 from prefixrt.engine.loop.grammar_masks import GrammarMasks
 from prefixrt.engine.loop.hooks import LoopHooks
 from prefixrt.engine.loop.scheduler import ScheduledBatch, Scheduler
 from prefixrt.engine.loop.step import HostSample, Step, StepFence
 from prefixrt.model.forward_batch import ForwardBatch
-from prefixrt.model.vision import SequenceImages, multimodal_batch
-from prefixrt.multimodal.inputs import model_ids
 from prefixrt.outputs import EngineStats
 from prefixrt.request import Req
 from prefixrt.sampling.sampler import DeviceSample, SampleOutput, Sampler
@@ -246,45 +244,10 @@ class EngineCore:
         """The batch's ForwardBatch on the device (host lists, one copy), not launched; marks the sampled
         requests' new tokens unresolved. Tokens still on the device are holes, filled from the previous step's
         tokens at launch. None if building failed (its requests are aborted)."""
-        ends, acc = [], 0
-        sampled: list[Req] = []
-        scored: list[tuple[Req, list[int]]] = []  # (request, positions whose next-token logprob it wants)
-        extra: list[int] = []
-        extend_tokens: list[list[int]] = []
-        holes: list[int] = []  # flat positions whose token is still on the device
-        hole_rows: list[int] = []  # ... at these rows of prev's sampled tokens
-        spec: list = []  # speculating rows (speculate.py): logits at their last token and every draft
-        spec_ends: list[int] = []
-        for i, (r, p, n, s) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.num_tokens, batch.sample)):
-            drafts = batch.drafts.get(i) if batch.drafts else None
-            known = len(r.all_ids)
-            toks = r.all_ids[p: min(p + n, known)]
-            if p + n > known:
-                step, row = r.future
-                assert step is self._inflight and p + n == known + 1, "an unresolved token must come from the last step"
-                holes.append(acc + n - 1)
-                hole_rows.append(row)
-                toks = toks + [0]
-            if r.images is not None:
-                toks = model_ids(toks, r.images.image_token_id)
-            if drafts:
-                toks = toks + drafts
-            extend_tokens.append(toks)
-            if r.input_logprobs_from is not None:
-                pos = [j for j in range(p, p + n) if r.input_logprobs_from - 1 <= j <= r.seq_len - 2]
-                if pos:
-                    scored.append((r, pos))
-                    extra.extend(acc + j - p for j in pos)
-            if drafts:
-                spec.append((r, drafts, len(spec_ends), r.epoch))
-                spec_ends.extend(range(acc + n - 1, acc + n + len(drafts)))
-                acc += n + len(drafts)
-                continue
-            acc += n
-            if s and r.params.max_new_tokens > 0:
-                ends.append(acc - 1)
-                sampled.append(r)
-            if r.num_cached_tokens is not None and not r.prompt_counted:
+        ins = batch_inputs.collect(batch, self._inflight)
+        for i, r in enumerate(batch.reqs):
+            speculating = bool(batch.drafts and batch.drafts.get(i))  # (its prompt was counted at its prefill)
+            if not speculating and r.num_cached_tokens is not None and not r.prompt_counted:
                 r.prompt_counted = True
                 self.stats.prompt_tokens_total += len(r.prompt_ids)
                 self.stats.cached_tokens_total += r.num_cached_tokens
@@ -292,32 +255,33 @@ class EngineCore:
                 self.kv.salts.add(r.salt, "cached_tokens_total", r.num_cached_tokens)
                 if self.auditor is not None:
                     self.auditor.on_hit(r)
+        sampled, holes = ins.sampled, ins.holes
         step = Step(batch, [r.row for r in batch.reqs], sampled, [r.epoch for r in sampled], StepFence(self.device))
         for r, n in zip(batch.reqs, batch.num_tokens):
             if n > 1:
                 r.chunk_step = step
         self.kv.write_fence = step.fence
-        step.holes, step.scored, step.num_ends = holes, scored, len(ends) + len(spec_ends)
-        step.spec = spec
+        step.holes, step.scored, step.num_ends = holes, ins.scored, len(ins.ends) + len(ins.spec_ends)
+        step.spec = ins.spec
         try:
             self.kv.table.flush()
             fb = ForwardBatch.build(
                 req_pool_indices=[r.row for r in batch.reqs],
                 prefix_lens=batch.prefix_lens,
-                extend_tokens=extend_tokens,
+                extend_tokens=ins.extend_tokens,
                 out_cache_loc=[s for slots in batch.slots for s in slots],
                 req_to_token=self.kv.table.table,
-                logits_indices=(ends + spec_ends + extra) or [acc - 1],
+                logits_indices=(ins.ends + ins.spec_ends + ins.extra) or [ins.num_tokens - 1],
                 device=self.device,
                 prefix_groups=(self.prefix_grouper.groups(batch.reqs)
-                               if self.prefix_grouper is not None and not spec
+                               if self.prefix_grouper is not None and not ins.spec
                                and all(n == 1 for n in batch.num_tokens) else None),
             )
             fb.kv_ready = self.kv.load_waiter(batch.reqs)  # host-tier loads into their paths (None: nothing)
             if any(r.images is not None for r in batch.reqs):
-                fb.mm = self._images_of(batch)
+                fb.mm = batch_inputs.images_of(self.encoder, self.runner.model, batch, self.device)
             if holes:
-                idx = torch.tensor([holes, hole_rows], dtype=torch.int64)
+                idx = torch.tensor([holes, ins.hole_rows], dtype=torch.int64)
                 step.hole_idx = idx.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
                     else idx
             step.fb = fb
@@ -328,23 +292,6 @@ class EngineCore:
             r.num_unresolved += 1
             r.future = (step, i)
         return step
-
-    def _images_of(self, batch: ScheduledBatch):
-        """The forward's MultimodalBatch: encoder outputs (from the encoder cache) for the image tokens it computes."""
-        if self.encoder is None:
-            raise RuntimeError("a request with images reached a model without a vision encoder")
-        seqs = []
-        for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.num_tokens):
-            im = r.images
-            if im is None:
-                seqs.append(SequenceImages([], p, n, []))
-                continue
-            needed = [i for i, (a, b) in enumerate(im.blocks) if a < p + n and b > p]
-            embeds: list = [None] * len(im.blocks)
-            for i, emb in zip(needed, self.encoder.get([im.images[i] for i in needed])):
-                embeds[i] = emb
-            seqs.append(SequenceImages(im.blocks, p, n, embeds))
-        return multimodal_batch(self.runner.model.vision, seqs, self.device)
 
     def launch(self, step: Step, prev: Step | None) -> Step | None:
         """Fill the holes from prev's device tokens (prev is drawn already) and run the model; the step's fence
