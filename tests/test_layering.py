@@ -221,3 +221,11 @@ def test_the_loop_does_not_know_the_process_boundary():
     bad = sorted((m, d) for m, deps in g.items() if m.startswith("prefixrt.engine.loop.")
                  for d in deps if d.startswith("prefixrt.engine.process") or d in outside)
     assert bad == []
+
+
+def test_engine_modules_stay_readable():
+    """No module of prefixrt/engine/ (the loop, the process boundary, the builder) is over 500 lines: a concern
+    that outgrows that gets a module of its own (as engine/warm_up.py and engine/loop/batch_inputs.py did)."""
+    long = {str(p.relative_to(REPO)): n for p in (REPO / "prefixrt" / "engine").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long
