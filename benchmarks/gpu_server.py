@@ -17,7 +17,9 @@ on the filled cache: start-up time and builds.
 compare: in the same run, the RAG case in-process (Engine.astream with text, as benchmarks/gpu_engine.py) and
 through `prefixrt serve` with 64 streaming clients (httpx), a warm-up batch each then the measured one: out tok/s
 and TTFT p50 both, the ratio; hot-prefix TTFT (3500 cached + 80 new, one request at a time, 20 requests) p50 /
-p99 in-process and through HTTP. The server starts on the cache `cold` filled.
+p99 in-process and through HTTP. The server starts on the cache `cold` filled. `--trace-engine` adds one more
+batch with the engine's loop steps and each request's arrival, admission and first token recorded (the `traced`
+entry: when the requests reached the engine, against the clients' sends).
 
 Prints a table last and writes benchmarks/results/gpu_server_<phase>.json (or $OUT/gpu_server_<phase>.json).
 """
