@@ -143,3 +143,45 @@ def test_engine_process_heartbeats_carry_its_progress(long_model_dir):
         assert eng.health() is None
     finally:
         eng.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_engine_process_never_blocks_the_submitting_event_loop(long_model_dir):
+    """Token-id prompts are submitted on the caller's event loop (EngineAPI._inline), but never write the pipe
+    there: with the engine process stopped (SIGSTOP: it reads nothing), 64 submissions of 1 MB in all, past what the
+    pipe buffers, return at once; after SIGCONT each request completes with the tokens a running engine gives."""
+    import asyncio
+
+    from prefixrt.engine.process.client import ProcessEngine
+
+    greedy = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    prefix = [1] + [3 + j % 300 for j in range(3899)]
+    prompts = [prefix + [3 + (i * 7 + j) % 300 for j in range(100)] for i in range(64)]
+    eng = ProcessEngine(str(long_model_dir), device="cpu", kv_cache_tokens=32768)
+    submitted, resumed, out = threading.Event(), threading.Event(), {}
+
+    async def go():
+        t0 = time.monotonic()
+        streams = [await eng.astream_open(p, greedy) for p in prompts]
+        out["submit_s"] = time.monotonic() - t0
+        submitted.set()
+        await asyncio.to_thread(resumed.wait, 120)
+        out["tokens"] = []
+        for s in streams:
+            out["tokens"].append([t async for ch in s for t in ch.token_ids])
+
+    try:
+        pid = eng._proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            runner = threading.Thread(target=lambda: asyncio.run(go()), daemon=True)
+            runner.start()
+            assert submitted.wait(30), "submitting to a stopped engine blocked the event loop"
+            assert out["submit_s"] < 10, out
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            resumed.set()
+        runner.join(120)
+        assert out["tokens"] == [c.token_ids for c in eng.generate(prompts, greedy)]
+    finally:
+        eng.shutdown()

@@ -166,7 +166,8 @@ class ProcessEngine(EngineAPI):
             setattr(self, name, value)
         self._send_lock = threading.Lock()  # guards the outbox, _writing and _closed
         self._outbox: list[bytes] = []  # pickled messages waiting for the writer (_post)
-        self._writing = False  # a caller is writing the outbox to the pipe
+        self._writing = False  # a caller (or the writer thread) is writing the outbox to the pipe
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-engine-writer")
         self.pipe_writes = self.batched_messages = 0  # writes to the pipe; messages that went in a Batch
         self._streams: dict[str, _InFlight] = {}  # written by callers, finished by the reader thread
         self._replies: dict[int, concurrent.futures.Future] = {}
@@ -208,11 +209,11 @@ class ProcessEngine(EngineAPI):
         self._post(data)
 
     def _post(self, data: bytes, closing: bool = False) -> None:
-        """Queue a pickled message and write the queue to the pipe (group commit). The first caller to find the
-        pipe free writes; callers arriving while it writes only queue, and it writes what they queued as one
-        Batch next, so requests arriving together cross the boundary in a few writes. Order is kept: every
-        message goes through the one queue, and one writer at a time takes it. closing: the Shutdown, which
-        may follow a close."""
+        """Queue a pickled message and write the queue to the pipe (group commit): the first caller to find the
+        pipe free writes, later ones only queue and it writes their messages as one Batch next (one queue, one
+        writer at a time: order kept). On an event loop the writing goes to the writer thread: a write blocks
+        while the engine process reads nothing (a broken pipe then reaches the requests through the reader, as
+        the engine's death does). closing: the Shutdown, which may follow a close."""
         with self._send_lock:
             if self._closed is not None and not closing:
                 raise EngineDeadError(self._closed)
@@ -222,6 +223,13 @@ class ProcessEngine(EngineAPI):
             if self._writing:
                 return
             self._writing = True
+        if _on_event_loop():
+            self._writer.submit(self._write_outbox)
+        else:
+            self._write_outbox()
+
+    def _write_outbox(self) -> None:
+        """Write the outbox until it is empty (the caller set _writing)."""
         while True:
             with self._send_lock:
                 parts, self._outbox = self._outbox, []
@@ -452,6 +460,7 @@ class ProcessEngine(EngineAPI):
             pass
         self._reader.join(timeout=timeout)
         self._stop_child(timeout)
+        self._writer.shutdown(wait=False)
         self._conn.close()
 
     def _stop_child(self, timeout: float) -> None:
@@ -468,6 +477,11 @@ class ProcessEngine(EngineAPI):
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread is running an asyncio event loop."""
+    return asyncio._get_running_loop() is not None
 
 
 def _pack_if_int32(ids: list[int]) -> bytes | None:
