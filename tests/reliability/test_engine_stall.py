@@ -136,9 +136,13 @@ def test_engine_process_heartbeats_carry_its_progress(long_model_dir):
         time.sleep(1.5)
         idle_steps = eng.progress._steps
         assert idle_steps > 0 and not eng.progress._busy
-        seen = []
-        for _chunk in eng.stream("Count on", {"max_new_tokens": 300, "ignore_eos": True}):
+        seen = []  # until a heartbeat says busy with more steps (a short stream can end between two heartbeats)
+        it = eng.stream("Count on", {"max_new_tokens": 6000, "ignore_eos": True})
+        for _chunk in it:
             seen.append((eng.progress._steps, eng.progress._busy))
+            if any(busy for _, busy in seen) and max(s for s, _ in seen) > idle_steps:
+                break
+        it.close()  # aborts the rest
         assert any(busy for _, busy in seen) and max(s for s, _ in seen) > idle_steps
         assert eng.health() is None
     finally:
