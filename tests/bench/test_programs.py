@@ -143,6 +143,17 @@ def test_bench_cli_program(long_folder, tmp_path, capsys):
     assert "x no-cache" in capsys.readouterr().out
 
 
+def test_bench_cli_program_reports_start_up_progress_by_default(long_folder, tmp_path, capsys):
+    """Without --no-progress the engine's start-up steps go to stderr (the flag used to reach the engine as `True`,
+    which the builder then called)."""
+    from prefixrt.bench.cli import main
+
+    rc = main(["--program", "mmlu", "--model", str(long_folder), "--device", "cpu", "--ablations", "full",
+               "--json", str(tmp_path / "p.json")])
+    assert rc == 0
+    assert "[prefixrt " in capsys.readouterr().err
+
+
 def test_gpu_programs_smoke(long_folder, tmp_path):
     path = long_folder
     cmd = [sys.executable, "benchmarks/gpu_programs.py", "--smoke", str(path), "--workloads",

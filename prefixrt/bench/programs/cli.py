@@ -111,12 +111,14 @@ def run_programs(args, argv) -> int:
         results = _run_remote(args, workloads, ablations, skipped, meta)
     else:
         from prefixrt.engine.engine import Engine
+        from prefixrt.engine_flags import progress_printer
 
         base = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                     attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
                     page_size=args.page_size, schedule_policy=args.schedule_policy,
                     prefix_cache=args.prefix_cache, chunked_prefill_tokens=args.chunked_prefill_tokens,
-                    max_running_requests=args.max_running_requests, seed=args.seed, progress=not args.no_progress)
+                    max_running_requests=args.max_running_requests, seed=args.seed,
+                    progress=None if args.no_progress else progress_printer())
 
         def make_engine(overrides):
             eng = Engine(args.model, **{**base, **overrides})
