@@ -231,6 +231,11 @@ class ProviderBackend(ProgramBackend):
     made of whole chat messages is sent as messages, which the provider renders with the model's own chat
     template (the same prompt an Engine gets); other contexts are sent as plain text.
 
+    With token ids, a program's next prompt continues the exact ids of its last prompt and generation where its
+    text continues them (token_prefix.py), so the cache reuses what the model wrote even where the text would
+    encode to other ids. `token_continuity=False` encodes every prompt's whole text instead, as a provider that
+    takes text does: to compare with one.
+
     `prefix_hints=False` turns off fork/batch `cache_prefix` calls (the ablation). `parallel=False` issues each
     program's calls one at a time, forks included (ProgramBackend.parallel: the other ablation). `select_method`: "auto"
     (the engine's `choices` scoring when the provider reports `choice_scores`, else scoring each choice from
@@ -240,7 +245,8 @@ class ProviderBackend(ProgramBackend):
     """
 
     def __init__(self, provider, prefix_hints: bool = True, select_method: str = "auto",
-                 normalization: str = "token_length_normalized", tokenizer=None, parallel: bool = True):
+                 normalization: str = "token_length_normalized", tokenizer=None, parallel: bool = True,
+                 token_continuity: bool = True):
         if select_method not in ("auto", "engine", "logprobs"):
             raise ValueError("select_method must be 'auto', 'engine' or 'logprobs'")
         if normalization not in ("token_length_normalized", "sum", "unconditional_normalized"):
@@ -251,6 +257,7 @@ class ProviderBackend(ProgramBackend):
         self.provider = provider
         self.prefix_hints = prefix_hints
         self.parallel = parallel
+        self.token_continuity = token_continuity
         self.select_method = select_method
         self.normalization = normalization
         own = getattr(provider, "tokenizer", None)
@@ -306,7 +313,7 @@ class ProviderBackend(ProgramBackend):
             raise BackendError("the prompt is empty: append some text before gen/select")
         if self.tokenizer is None:
             return text, None
-        return self._ids(text, ctx.token_prefix), text
+        return self._ids(text, ctx.token_prefix if self.token_continuity else None), text
 
     def _ids(self, text: str, prefix: TokenPrefix | None) -> list[int]:
         """Prompt text -> token ids: prefix's exact ids and the rest of text encoded alone when text continues
@@ -323,7 +330,7 @@ class ProviderBackend(ProgramBackend):
                       params) -> TokenPrefix | None:
         """The state's text after a gen (text + out_text) with its exact ids: prompt + the generated ids that
         spell out_text. None when the prompt was not token ids or no generated ids spell out_text."""
-        if text is None:
+        if text is None or not self.token_continuity:
             return None
         with self._tok_lock:
             return after_generation(self.tokenizer, prompt, text, token_ids, out_text, matched_stop,
@@ -480,7 +487,8 @@ class ProviderBackend(ProgramBackend):
         if self.tokenizer is None:
             raise BackendError("select needs either the engine's choice scores or a tokenizer to score choices")
         text = self.render(ctx)
-        choice_ids = [self._choice_ids(text, prompt, c, ctx.token_prefix) for c in choices]
+        prefix = ctx.token_prefix if self.token_continuity else None
+        choice_ids = [self._choice_ids(text, prompt, c, prefix) for c in choices]
         try:
             scores = teacher_forced_scores(self.provider, prompt, choice_ids, normalization,
                                    prefix_hint=self.prefix_hints)
