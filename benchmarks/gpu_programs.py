@@ -31,9 +31,10 @@ block cache < fcfs < full, by programs/s and by hit rate). --kv-cache-tokens N i
     PYTHONPATH=$PWD python benchmarks/gpu_programs.py --cpu-twin   # ci shapes on the CPU, hit rates as on the H200
 
 --cpu-twin: the ci preset on the CPU with a 2-layer llama of random weights that uses --model's tokenizer, built in
-a temporary folder, its weights drawn as --load-format dummy draws them. The H200 run's dummy weights write random tokens, which the frontend decodes to text and encodes
-again in the next call's prompt; how much of an answer survives that depends on the tokenizer and on the answer
-being random, so this twin, not Gemma-3-270M, is the CPU run whose hit rates compare with the H200's ci_preset rows.
+a temporary folder, its weights drawn as --load-format dummy draws them. Token counts, and so hit rates, depend on
+the tokenizer, and a program's answers on the weights (random ones write random tokens, often of other lengths
+than a real model's before a stop string), so this twin, not Gemma-3-270M, is the CPU run whose hit rates compare
+with the H200's ci_preset rows (docs/benchmarks-programs.md, "CPU against H200").
 """
 
 from __future__ import annotations

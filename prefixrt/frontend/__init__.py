@@ -8,6 +8,7 @@ program.py      @function, run (stream=True), run_batch (batch prefix hint, prog
 compiler.py     trace -> Graph of primitives; CompiledProgram (prefix prefetch, gens submitted together)
 chat_format.py  pieces -> prompt text (the model's chat template, or a plain layout)
 backend.py      ProgramBackend interface, token usage; ProviderBackend (Engine, RemoteEngine)
+token_prefix.py token continuity: the next prompt continues the exact ids of the last prompt and generation
 select.py       choice scoring from token logprobs
 openai_backend.py, speculative.py   OpenAIBackend and the speculative buffer
 """

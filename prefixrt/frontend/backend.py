@@ -7,6 +7,7 @@ black-box OpenAI-compatible endpoint with API speculative execution.
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -25,6 +26,9 @@ from prefixrt.frontend.chat_format import (
 )
 from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_FLOAT, REGEX_STR, Gen
 from prefixrt.frontend.select import ChoiceScores, teacher_forced_scores
+from prefixrt.frontend.token_prefix import TokenPrefix, after_generation, continued_prompt
+
+log = logging.getLogger("prefixrt.frontend")
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Context:
     open_role: str | None = None
     partial: str = ""  # content of the open role block so far
     partial_media: list = field(default_factory=list)  # (offset in partial, ir.Media) of the open block
+    token_prefix: TokenPrefix | None = None  # the ids the state's text begins with (token_prefix.py)
 
     def messages(self) -> list[dict]:
         """Completed chat messages (the open block is not included)."""
@@ -94,6 +99,7 @@ class GenResult:
     cached_tokens: int = 0
     finish_reason: str | None = None
     completion_tokens: int = 0
+    token_prefix: TokenPrefix | None = None  # the prompt's text + `text`, with their exact ids (None: not known)
 
 
 @dataclass
@@ -225,6 +231,11 @@ class ProviderBackend(ProgramBackend):
     made of whole chat messages is sent as messages, which the provider renders with the model's own chat
     template (the same prompt an Engine gets); other contexts are sent as plain text.
 
+    With token ids, a program's next prompt continues the exact ids of its last prompt and generation where its
+    text continues them (token_prefix.py), so the cache reuses what the model wrote even where the text would
+    encode to other ids. `token_continuity=False` encodes every prompt's whole text instead, as a provider that
+    takes text does: to compare with one.
+
     `prefix_hints=False` turns off fork/batch `cache_prefix` calls (the ablation). `parallel=False` issues each
     program's calls one at a time, forks included (ProgramBackend.parallel: the other ablation). `select_method`: "auto"
     (the engine's `choices` scoring when the provider reports `choice_scores`, else scoring each choice from
@@ -234,7 +245,8 @@ class ProviderBackend(ProgramBackend):
     """
 
     def __init__(self, provider, prefix_hints: bool = True, select_method: str = "auto",
-                 normalization: str = "token_length_normalized", tokenizer=None, parallel: bool = True):
+                 normalization: str = "token_length_normalized", tokenizer=None, parallel: bool = True,
+                 token_continuity: bool = True):
         if select_method not in ("auto", "engine", "logprobs"):
             raise ValueError("select_method must be 'auto', 'engine' or 'logprobs'")
         if normalization not in ("token_length_normalized", "sum", "unconditional_normalized"):
@@ -245,6 +257,7 @@ class ProviderBackend(ProgramBackend):
         self.provider = provider
         self.prefix_hints = prefix_hints
         self.parallel = parallel
+        self.token_continuity = token_continuity
         self.select_method = select_method
         self.normalization = normalization
         own = getattr(provider, "tokenizer", None)
@@ -283,16 +296,45 @@ class ProviderBackend(ProgramBackend):
         return None
 
     def prompt(self, ctx: Context):
+        """ctx's prompt as the provider takes it: token ids when a tokenizer is known (continuing
+        ctx.token_prefix's ids where that is exact), else chat messages or text."""
+        return self._prompt(ctx)[0]
+
+    def _prompt(self, ctx: Context) -> tuple[list[int] | list[dict] | str, str | None]:
+        """(prompt, its rendered text when the prompt is token ids, else None)."""
         if ctx.partial_media or any(isinstance(p, Message) and p.media for p in ctx.pieces):
-            return self._image_messages(ctx)
+            return self._image_messages(ctx), None
         if self.tokenizer is None:
             messages = self._as_messages(ctx)
             if messages is not None:
-                return messages
+                return messages, None
         text = self.render(ctx)
         if not text:
             raise BackendError("the prompt is empty: append some text before gen/select")
-        return self.encode(text) if self.tokenizer is not None else text
+        if self.tokenizer is None:
+            return text, None
+        return self._ids(text, ctx.token_prefix if self.token_continuity else None), text
+
+    def _ids(self, text: str, prefix: TokenPrefix | None) -> list[int]:
+        """Prompt text -> token ids: prefix's exact ids and the rest of text encoded alone when text continues
+        prefix and that spells it exactly (token_prefix.py), else encode(text)."""
+        if prefix is not None:
+            with self._tok_lock:
+                ids = continued_prompt(self.tokenizer, prefix, text)
+            if ids is not None:
+                return ids
+            log.debug("prompt encoded whole: its text does not continue the last generation's exactly")
+        return self.encode(text)
+
+    def _token_prefix(self, prompt, text: str | None, token_ids: list[int], out_text: str, matched_stop,
+                      params) -> TokenPrefix | None:
+        """The state's text after a gen (text + out_text) with its exact ids: prompt + the generated ids that
+        spell out_text. None when the prompt was not token ids or no generated ids spell out_text."""
+        if text is None or not self.token_continuity:
+            return None
+        with self._tok_lock:
+            return after_generation(self.tokenizer, prompt, text, token_ids, out_text, matched_stop,
+                                    params.skip_special_tokens)
 
     def _params(self, args: SamplingArgs, **over):
         from prefixrt.params import SamplingParams
@@ -321,17 +363,24 @@ class ProviderBackend(ProgramBackend):
 
     # ------------------------------------------------------------------ ProgramBackend
     def generate(self, ctx: Context, args: SamplingArgs) -> GenResult:
-        c = self._generate_or_raise(self.prompt(ctx), self._params(args))
-        return GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason, c.completion_tokens)
+        (prompt, text), params = self._prompt(ctx), self._params(args)
+        c = self._generate_or_raise(prompt, params)
+        return self._gen_result(c, prompt, text, params)
+
+    def _gen_result(self, c, prompt, text: str | None, params) -> GenResult:
+        """GenResult of completion c of prompt (rendered from text; None: the prompt was not token ids)."""
+        prefix = self._token_prefix(prompt, text, c.token_ids, c.text, c.matched_stop, params)
+        return GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason, c.completion_tokens, prefix)
 
     def generate_stream(self, ctx: Context, args: SamplingArgs, on_text: Callable[[str], None]) -> GenResult:
-        prompt, params = self.prompt(ctx), self._params(args)
-        text, last = [], None
+        (prompt, prompt_text), params = self._prompt(ctx), self._params(args)
+        text, token_ids, last = [], [], None
         try:
             for chunk in self.provider.stream(prompt, params):
                 last = chunk
                 if chunk.finish_reason == "abort":
                     raise BackendError(f"request {chunk.request_id} was aborted")
+                token_ids.extend(chunk.token_ids)
                 if chunk.text:
                     text.append(chunk.text)
                     on_text(chunk.text)
@@ -342,8 +391,10 @@ class ProviderBackend(ProgramBackend):
         if last is None:
             raise BackendError("the stream ended without output")
         self.token_usage.add(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
-        return GenResult("".join(text), last.prompt_tokens, last.cached_tokens, last.finish_reason,
-                         last.completion_tokens)
+        out_text = "".join(text)
+        prefix = self._token_prefix(prompt, prompt_text, token_ids, out_text, last.matched_stop, params)
+        return GenResult(out_text, last.prompt_tokens, last.cached_tokens, last.finish_reason,
+                         last.completion_tokens, prefix)
 
     def generate_many(self, calls: list[tuple[Context, SamplingArgs]]) -> list[GenResult]:
         """One provider call per group of gens with the same sampling parameters (the engine schedules the
@@ -354,10 +405,11 @@ class ProviderBackend(ProgramBackend):
             groups.setdefault(repr(p), []).append(i)
         out: list[GenResult | None] = [None] * len(calls)
         for idx in groups.values():
-            prompts = [self.prompt(calls[i][0]) for i in idx]
+            built = [self._prompt(calls[i][0]) for i in idx]
+            prompts = [prompt for prompt, _ in built]
             res = self._generate_or_raise(prompts if len(prompts) > 1 else prompts[0], params[idx[0]])
-            for i, c in zip(idx, res if isinstance(res, list) else [res]):
-                out[i] = GenResult(c.text, c.prompt_tokens, c.cached_tokens, c.finish_reason, c.completion_tokens)
+            for i, (prompt, text), c in zip(idx, built, res if isinstance(res, list) else [res]):
+                out[i] = self._gen_result(c, prompt, text, params[i])
         return out
 
     def check_media(self, kind: str) -> None:
@@ -435,7 +487,8 @@ class ProviderBackend(ProgramBackend):
         if self.tokenizer is None:
             raise BackendError("select needs either the engine's choice scores or a tokenizer to score choices")
         text = self.render(ctx)
-        choice_ids = [self._choice_ids(text, prompt, c) for c in choices]
+        prefix = ctx.token_prefix if self.token_continuity else None
+        choice_ids = [self._choice_ids(text, prompt, c, prefix) for c in choices]
         try:
             scores = teacher_forced_scores(self.provider, prompt, choice_ids, normalization,
                                    prefix_hint=self.prefix_hints)
@@ -470,9 +523,10 @@ class ProviderBackend(ProgramBackend):
                               token_logprobs=c.choice_logprobs)
         return self._result(choices, scores, "engine", c.prompt_tokens, c.cached_tokens)
 
-    def _choice_ids(self, text: str, prompt: list[int], choice: str) -> list[int]:
-        """The tokens choice adds after prompt: from a joint tokenization when it extends the prompt's."""
-        joint = self.encode(text + choice)
+    def _choice_ids(self, text: str, prompt: list[int], choice: str, prefix: TokenPrefix | None) -> list[int]:
+        """The tokens choice adds after prompt: from a joint tokenization (made as the prompt's was) when it
+        extends the prompt's."""
+        joint = self._ids(text + choice, prefix)
         if joint[: len(prompt)] == prompt and len(joint) > len(prompt):
             return joint[len(prompt):]
         with self._tok_lock:

@@ -352,6 +352,7 @@ class _Run:
             ex = self.execs[sid]
             ex.record("gen", n.name, res, t0)
             self._done(sid, n, res.text)
+            ex.generated(res)
         for (sid, n), res in zip(selects, sel_results):
             ex = self.execs[sid]
             ex.record("select", n.name, res, t0)

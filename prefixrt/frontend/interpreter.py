@@ -42,6 +42,7 @@ from prefixrt.frontend.ir import (
     flatten,
 )
 from prefixrt.frontend.speculative import SpecBuffer
+from prefixrt.frontend.token_prefix import TokenPrefix
 
 log = logging.getLogger("prefixrt.frontend")
 
@@ -103,6 +104,9 @@ class StreamExecutor:
         self.partial = ""
         self.partial_media: list[tuple[int, Media]] = []  # (offset in partial, media) of the open block
         self.all_text = ""
+        # The exact token ids the state's text begins with, from its last gen (token_prefix.py): the next prompt
+        # continues them. It stays valid while text is only appended; a backend checks that it still is.
+        self.token_prefix: TokenPrefix | None = None
         self.fork_pos = 0  # len(all_text) when this branch started (concate_and_append joins what follows)
         self.fork_pieces = 0  # len(pieces) then
         self.fork_last_len = 0  # len(pieces[-1]) then, when it was text
@@ -211,7 +215,7 @@ class StreamExecutor:
 
     # ------------------------------------------------------------------ state helpers (worker thread)
     def context(self) -> Context:
-        return Context(list(self.pieces), self.open_role, self.partial, list(self.partial_media))
+        return Context(list(self.pieces), self.open_role, self.partial, list(self.partial_media), self.token_prefix)
 
     def append(self, text: str) -> None:
         if not text:
@@ -330,8 +334,15 @@ class StreamExecutor:
             with self.calls():
                 res = self.backend.generate(self.context(), args)
             self.append(res.text)
+        self.generated(res)
         self.record("gen", g.name, res, t0)
         self._set(g.name, res.text)
+
+    def generated(self, res: GenResult) -> None:
+        """After a gen's text was appended: its ids, when the backend knows them, become the state's token
+        prefix (otherwise the last one stays: the text still begins with it)."""
+        if res.token_prefix is not None:
+            self.token_prefix = res.token_prefix
 
     def _gen_streamed(self, g: Gen, args: SamplingArgs) -> GenResult:
         if g.name is not None:
@@ -394,10 +405,10 @@ class StreamExecutor:
     # ------------------------------------------------------------------ forks (worker thread)
     def snapshot(self) -> tuple:
         return (list(self.pieces), dict(self.variables), self.open_role, self.partial, list(self.partial_media),
-                self.all_text)
+                self.all_text, self.token_prefix)
 
     def init_from(self, snap: tuple) -> None:
-        pieces, variables, self.open_role, self.partial, self.partial_media, self.all_text = snap
+        pieces, variables, self.open_role, self.partial, self.partial_media, self.all_text, self.token_prefix = snap
         self.pieces = list(pieces)  # each branch owns its copy
         self.partial_media = list(self.partial_media)
         self.fork_pos, self.fork_pieces, self.fork_open_role = len(self.all_text), len(self.pieces), self.open_role
