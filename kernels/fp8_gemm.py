@@ -1,21 +1,27 @@
 """FP8 (e4m3) linear layers: y = x @ W^T (+ bias) with W stored in e4m3 and its scales (kernels/fp8_reference.py
 states the scheme and is the oracle).
 
-- `quantize_rows`: per-token quantization of x [M, K] -> (x_q e4m3, scale [M] fp32), one program a row.
+- `quantize_activations`: x [M, K] -> (x_q e4m3, fp32 scales per group of K values [M, ceil(K / G)], or per token
+  [M]), one program a row.
 - `fp8_gemm`: the Triton GEMM for skinny inputs (decode: 1-64 rows; any M runs, on a grid over row blocks). A
   program owns BLOCK_N output columns and streams its [BLOCK_K, BLOCK_N] e4m3 weight tiles once (half the bytes
   of bf16), multiplying them with the e4m3 input tile on the tensor cores (fp32 accumulation); the scales apply
   to the accumulator: per output channel once at the end, or per 128 x 128 block after each K tile (BLOCK_K
-  divides 128, so a tile never straddles two blocks). With `quantize_input` x comes in its float dtype and each
-  program computes its rows' scales itself (a first pass over x, which is small and stays in L2) and quantizes
-  each tile as it loads it: no separate quantization launch, which is what a batch-1 decode step wants.
+  divides 128, so a tile never straddles two blocks). The activation scales: per group of G K values (the
+  default), each group's product is scaled by its rows' group scale before it is accumulated (a BLOCK_K tile wider
+  than G is computed as BLOCK_K / G dots); per token, once at the end. With `quantize_input` x comes in its float
+  dtype and each program computes its rows' scales itself (per group: from the tile it loads, or from the whole
+  group when G > BLOCK_K; per token: a first pass over x, which is small and stays in L2) and quantizes each tile as
+  it loads it: no separate quantization launch, which is what a batch-1 decode step wants.
   Split-K (`split_k` > 1, for the few rows of decode): a program then owns BLOCK_N columns of one of split_k
   slices of K, so the grid has split_k times more programs (N / BLOCK_N alone is about one wave on an H200, each
   program streaming all of K: far below HBM bandwidth); each writes its scaled fp32 partial sums and a second
   launch (gemv.py's split-K sum) adds the split_k partials in a fixed order (deterministic), adds the bias and
   rounds once.
 - `scaled_mm`: cuBLAS's FP8 GEMM through `torch._scaled_mm` with row-wise scales (CUDA, Hopper and Ada), for
-  larger M; None where this torch or GPU cannot run it.
+  larger M with per-token activation scales only: it takes one scale per row of x, not one per K group, so the
+  default group scheme runs the Triton GEMM at every M (its large-M speed is not measured yet: docs/benchmarks.md,
+  "FP8").
 
 Which of the Triton layouts or `_scaled_mm` is fastest depends on the shape and the GPU: `choose_config` measures
 them inside a CUDA graph (weights cycled past L2, as kernels/gemv.py does for bf16) and kernels/fp8_table.py keeps
@@ -107,13 +113,13 @@ def _quantize_rows_kernel(X, XQ, Scale, K, stride_x, stride_q, stride_s, BLOCK_K
         tl.store(Scale + row + tl.arange(0, 1), scale)
 
 
-def quantize_rows(x: torch.Tensor, block_k: int = 1024, activation_scale: str = "token"
-                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def quantize_activations(x: torch.Tensor, activation_scale: str = "group", block_k: int = 1024
+                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """e4m3 quantization of x [M, K] (last dim contiguous): (x_q [M, K] e4m3, scale), scale [M] fp32 per token
     ("token") or [M, ceil(K / G)] per group of G = activation_group_size(K) values ("group"). Equals
     fp8_reference.quantize_activations."""
     if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"quantize_rows needs a 2-d x with a contiguous last dim, got {tuple(x.shape)}")
+        raise ValueError(f"quantize_activations needs a 2-d x with a contiguous last dim, got {tuple(x.shape)}")
     num_rows, k = x.shape
     group = _group_size(k, activation_scale)
     x_q = torch.empty((num_rows, k), dtype=FP8, device=x.device)
@@ -351,22 +357,26 @@ def candidate_configs(n: int, k: int, num_rows: int, block_scales: bool = False)
 
 
 def run_config(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-               config: Fp8GemmConfig | None) -> torch.Tensor:  # fmt: skip
+               config: Fp8GemmConfig | None, activation_scale: str = "group") -> torch.Tensor:  # fmt: skip
     """One linear the way a config runs it: the Triton GEMM (quantizing x inside it or in a launch before), or
-    (config None) the quantize launch and `scaled_mm`."""
+    (config None, per-token activation scales only) the quantize launch and `scaled_mm`."""
+    if config is None and activation_scale != "token":
+        raise ValueError("quantize + _scaled_mm takes one activation scale per token: activation_scale='token'")
     if config is not None and config.quantize_input:
-        return fp8_gemm(x, w_q, w_scale, bias, config)
-    x_q, x_scale = quantize_rows(x)
+        return fp8_gemm(x, w_q, w_scale, bias, config, activation_scale=activation_scale)
+    x_q, x_scale = quantize_activations(x, activation_scale)
     if config is None:
         return scaled_mm(x_q, x_scale, w_q, w_scale, bias, x.dtype)
-    return fp8_gemm(x_q, w_q, w_scale, bias, config, x_scale=x_scale, out_dtype=x.dtype)
+    return fp8_gemm(x_q, w_q, w_scale, bias, config, x_scale=x_scale, out_dtype=x.dtype,
+                    activation_scale=activation_scale)
 
 
 def measure(n: int, k: int, m: int, device, configs: list[Fp8GemmConfig | None], block_scales: bool = False,
-            l2_bytes: int = 128 << 20) -> dict[Fp8GemmConfig | None, float]:  # fmt: skip
-    """Microseconds per call of each config (None = quantize + _scaled_mm) for an [m, k] x [k, n] product with bf16
-    input, enough weight copies that each call reads its weight from HBM. A config whose result differs from the
-    reference (fp8_reference.fp8_linear) by more than 1e-2 relative is dropped."""
+            l2_bytes: int = 128 << 20, activation_scale: str = "group") -> dict[Fp8GemmConfig | None, float]:  # fmt: skip
+    """Microseconds per call of each config (None = quantize + _scaled_mm, measured with per-token activation scales
+    only) for an [m, k] x [k, n] product with bf16 input, enough weight copies that each call reads its weight from
+    HBM. A config whose result differs from the reference (fp8_reference.fp8_linear) by more than 1e-2 relative is
+    dropped."""
     from prefixrt.kernels import fp8_reference
     from prefixrt.kernels.gemv import graph_time_us
 
@@ -374,25 +384,27 @@ def measure(n: int, k: int, m: int, device, configs: list[Fp8GemmConfig | None],
     quantize = fp8_reference.quantize_blocks if block_scales else fp8_reference.quantize_rows
     weights = [quantize(torch.randn(n, k, device=device) / k**0.5) for _ in range(copies)]
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    expected = fp8_reference.fp8_linear(x, *weights[0]).float()
+    expected = fp8_reference.fp8_linear(x, *weights[0], activation_scale=activation_scale).float()
     out: dict[Fp8GemmConfig | None, float] = {}
     for cfg in configs:
-        if cfg is None and (block_scales or not scaled_mm_supported(x.device)):
+        if cfg is None and (block_scales or activation_scale != "token" or not scaled_mm_supported(x.device)):
             continue
         try:
-            got = run_config(x, *weights[0], None, cfg).float()
+            got = run_config(x, *weights[0], None, cfg, activation_scale).float()
             if ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item() > 1e-2:
                 continue
-            out[cfg] = graph_time_us(lambda i, c=cfg: run_config(x, *weights[i], None, c), copies)
+            out[cfg] = graph_time_us(lambda i, c=cfg: run_config(x, *weights[i], None, c, activation_scale), copies)
         except Exception:  # a layout this GPU cannot run (shared memory, registers): not a candidate
             continue
     return out
 
 
-def choose_config(n: int, k: int, m: int, device, block_scales: bool = False
+def choose_config(n: int, k: int, m: int, device, block_scales: bool = False, activation_scale: str = "group"
                   ) -> tuple[Fp8GemmConfig | None, dict[Fp8GemmConfig | None, float]]:  # fmt: skip
-    """(fastest Triton layout, or None when quantize + _scaled_mm is at least as fast; all timings in us)."""
-    timings = measure(n, k, m, device, [None, *candidate_configs(n, k, m, block_scales)], block_scales)
+    """(fastest Triton layout, or None when quantize + _scaled_mm is at least as fast, which per-token activation
+    scales only can run; all timings in us)."""
+    timings = measure(n, k, m, device, [None, *candidate_configs(n, k, m, block_scales)], block_scales,
+                      activation_scale=activation_scale)
     triton_timings = {c: t for c, t in timings.items() if c is not None}
     if not triton_timings:
         return None, timings
