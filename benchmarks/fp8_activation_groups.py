@@ -3,7 +3,7 @@ tests/model/test_fp8_accuracy.py's text on an embedded model, bf16 against FP8 w
 scales) with activations quantized per token (`fp8_activation_scale="token"`) and per group of G values of a token
 (one e4m3 scale per 1 x G block), and with 128 x 128 weight blocks and the same groups. The reference path
 (kernels/fp8_reference.py) computes every variant. --group 0 (the default) takes the shipped rule,
-fp8_reference.activation_group_size (128, or 64 where K is not a multiple of 128); another G swaps the reference's
+fp8_reference.activation_group_size (64); another G swaps the reference's
 activation quantization for groups of G here only.
 
     PYTHONPATH=$PWD python benchmarks/fp8_activation_groups.py --model smollm2-135m-instruct --group 64   # ~5 min

@@ -24,14 +24,17 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-12  # a row of zeros gets this amax (its scale stays finite, its values 0)
 SCALE_BLOCK = 128  # block-wise weight scales cover SCALE_BLOCK x SCALE_BLOCK tiles of W
 ACTIVATION_SCALES = ("group", "token")  # one e4m3 scale per group of a token's K values, or one per token
+ACTIVATION_GROUP = 64  # K values per activation scale with "group" (activation_group_size)
 
 
 def activation_group_size(k: int) -> int:
-    """K values per activation scale for a linear of input width K: 128 where K is a multiple of 128 (every K of the
-    Llama, Qwen and Gemma shapes), else 64 (SmolLM2's 576). Any K runs: ceil(K / G) groups, the last one shorter
-    when G does not divide K. Both divide 128, so a 128 x 128 weight block never straddles two groups' ends
-    unevenly and a kernel's K tile (a power of two) either lies inside one group or covers whole groups."""
-    return SCALE_BLOCK if k % SCALE_BLOCK == 0 else SCALE_BLOCK // 2
+    """K values per activation scale for a linear of input width K: ACTIVATION_GROUP (64) for every K (every K of the
+    registry's models is a multiple of 64; any other K runs with ceil(K / 64) groups, the last one shorter). Why not
+    128 where K allows it (DeepSeek-V3's groups): on SmolLM2-135M, groups of 128 for its 1536-wide down projection
+    and 64 for its 576-wide inputs cost +2.34% perplexity over bf16, past the 2% line, where groups of 64 throughout
+    cost +1.69% (docs/benchmarks.md, "FP8"). 64 divides 128, so a 128 x 128 weight block holds whole groups and a
+    kernel's K tile (a power of two) lies inside one group or covers whole groups."""
+    return ACTIVATION_GROUP
 
 
 def _per_max(amax: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # first forward waits for it); wait_complete: prefetched, admitted once the load is done (others run meanwhile).
 PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
 QUANTIZATIONS = (None, "fp8")  # quantization: weights as the checkpoint stores them, or FP8 (e4m3) decoder linears
-# fp8_activation_scale (with FP8 weights): activations quantized with one e4m3 scale per group of 128 (or 64) K
-# values of a token, or one per token (kernels/fp8_reference.py; the same names as its ACTIVATION_SCALES).
+# fp8_activation_scale (with FP8 weights): activations quantized with one e4m3 scale per group of 64 K values
+# of a token, or one per token (kernels/fp8_reference.py; the same names as its ACTIVATION_SCALES).
 FP8_ACTIVATION_SCALES = ("group", "token")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kv_cache_dtype: the model's dtype, or e4m3 with per-layer/head scales
 # prefix_cache names: the radix tree (cache/radix.py), or the hash-block table of vLLM-style prefix caching
@@ -33,7 +33,7 @@ class EngineConfig:
     # "fp8" quantizes a float checkpoint's decoder linears at load (e4m3, per-output-channel scales).
     quantization: str | None = None
     # FP8 weights' activations, quantized at run time (one of FP8_ACTIVATION_SCALES): "group", one e4m3 scale per
-    # 128 (or 64) K values of a token, within the 2% perplexity line on the embedded models; "token", one per token
+    # 64 K values of a token, within the 2% perplexity line on the embedded models; "token", one per token
     # (cuBLAS's row-wise _scaled_mm can run it at large batches; +2.1-2.3% perplexity). docs/benchmarks.md, "FP8".
     fp8_activation_scale: str = "group"
     # K/V cache storage (cache/kv_pool.py): "auto" (the model's dtype) or "fp8_e4m3" (half the bytes of bf16 a token;

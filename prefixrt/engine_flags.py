@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                         "load (per-channel weight scales); default: the weights as the checkpoint stores them (a "
                         "pre-quantized FP8 checkpoint loads as FP8)")
     p.add_argument("--fp8-activation-scale", choices=["group", "token"], default="group",
-                   help="with FP8 weights, the activations' e4m3 scales: one per 128 (or 64) values of a token "
+                   help="with FP8 weights, the activations' e4m3 scales: one per 64 values of a token "
                         "(group, the default: the more accurate) or one per token (token: cuBLAS's row-wise FP8 GEMM "
                         "can run it at large batches)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",

@@ -2,7 +2,7 @@
 
 A Linear holds FP8 weights when its `weight_scale` is set (model/quantize.py puts them there): `weight` [N, K] e4m3
 and `weight_scale` [N] (per output channel) or [ceil(N / 128), ceil(K / 128)] (128 x 128 blocks). Activations are
-quantized at run time, with the Linear's `fp8_activation_scale`: one scale per group of 128 (or 64) K values of a
+quantized at run time, with the Linear's `fp8_activation_scale`: one scale per group of 64 K values of a
 token ("group", the default: the one within the acceptance's perplexity line, docs/benchmarks.md "FP8") or one per
 token ("token"). kernels/fp8_reference.py states the scheme; every path below computes it:
 - the CPU (and any device without a plan entry and without CUDA): the torch reference, dequantize then multiply in

@@ -118,8 +118,8 @@ def outlier_activations(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("k", [576, 384, 200])  # groups of 64 (SmolLM2's hidden size), of 128, of 64 (last: 8)
-@pytest.mark.parametrize("block_k", [32, 64, 128, 256])  # inside a group, one group, two or more groups a tile
+@pytest.mark.parametrize("k", [576, 384, 200])  # 9 groups of 64 (SmolLM2's hidden size), 6, 4 (the last of 8)
+@pytest.mark.parametrize("block_k", [32, 64, 128, 256])  # inside a group, one group, two or four groups a tile
 @pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_fp8_gemm_group_scales_are_tight(k, block_k, quantize_input, split_k):
@@ -148,7 +148,7 @@ def test_fp8_gemm_group_scales_are_tight(k, block_k, quantize_input, split_k):
 @pytest.mark.parametrize("block_k", [64, 128])
 @pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])
 def test_fp8_gemm_group_scales_with_block_weights(k, block_k, quantize_input):
-    """128 x 128 weight blocks with group activation scales (groups of 64 or 128 inside each block), fp32: the
+    """128 x 128 weight blocks with group activation scales (two groups of 64 inside each block), fp32: the
     weight block's scale and the activation group's both multiply each tile's product; split-K 2."""
     gen = torch.Generator().manual_seed(k)
     w_q, w_scale = fp8_ref.quantize_blocks(torch.randn(200, k, generator=gen) / k**0.5)
@@ -199,10 +199,11 @@ def test_fp8_gemm_rejects_bad_arguments():
 
 
 def test_activation_group_size_covers_the_registry_shapes():
-    """128 where K is a multiple of 128 (Gemma-3-270M 640 / 1024 / 2048, Llama-3-8B 4096 / 14336, Qwen3-0.6B), 64
-    otherwise (SmolLM2-135M's 576; its 1536 takes 128); any other K runs with a shorter last group."""
-    assert [fp8_ref.activation_group_size(k) for k in (640, 1024, 2048, 4096, 14336, 3072, 1536)] == [128] * 7
-    assert [fp8_ref.activation_group_size(k) for k in (576, 320, 96)] == [64] * 3
+    """Groups of 64 for every K of the registry's models (SmolLM2-135M 576 / 1536, Gemma-3-270M 640 / 1024 / 2048,
+    Llama-3-8B 4096 / 14336, Qwen3-0.6B 1024 / 2048 / 3072), each a whole number of groups; any other K runs with a
+    shorter last group."""
+    for k in (576, 1536, 640, 1024, 2048, 4096, 14336, 3072):
+        assert fp8_ref.activation_group_size(k) == 64 and k % 64 == 0
     x_q, scale = fp8_ref.quantize_activations(torch.randn(2, 200))
     assert scale.shape == (2, 4) and x_q.shape == (2, 200)
 

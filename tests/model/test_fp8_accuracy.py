@@ -2,7 +2,7 @@
 acceptance states it (issue #34: "over bf16"):
 
 - perplexity of a fixed ~2,000-token English text (tests/data/fp8_eval.txt) with FP8 weights (quantize at load, bf16
-  activations quantized at run time with the default scheme: one scale per group of 128, or 64, K values of a token)
+  activations quantized at run time with the default scheme: one scale per group of 64 K values of a token)
   and separately with the FP8 K/V cache (calibrated scales): the target is at most
   2% above bf16 (a miss is reported as an xfail with the figures; more than 4% fails the test);
 - greedy continuations of 20 prompts (decoded together over the paged pool, as the engine runs them): the fraction of
