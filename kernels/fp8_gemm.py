@@ -177,6 +177,8 @@ def _fp8_gemm_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     for k0 in range(k_start, k_end, BLOCK_K):
+        if BLOCK_SCALES:  # this K tile lies inside one 128-wide scale block
+            w_scale = tl.load(WScale + (offs_n // _SCALE_BLOCK) * stride_wsn + k0 // _SCALE_BLOCK, mask=mask_n, other=0.0)
         for sub in tl.static_range(BLOCK_K // SUB_K):
             ks = k0 + sub * SUB_K
             offs_k = ks + offs_kb
@@ -198,9 +200,7 @@ def _fp8_gemm_kernel(
                 if QUANTIZE_INPUT:
                     x = _quantize_tile(x, g_scale)
                 part = tl.dot(x, w) * g_scale[:, None]  # [BM, BN] fp32 in x's units
-            if BLOCK_SCALES:  # this K tile lies inside one 128-wide scale block
-                w_scale = tl.load(WScale + (offs_n // _SCALE_BLOCK) * stride_wsn + ks // _SCALE_BLOCK, mask=mask_n,
-                                  other=0.0)  # fmt: skip
+            if BLOCK_SCALES:
                 acc += part * w_scale[None, :]
             else:
                 acc += part
