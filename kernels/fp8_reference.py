@@ -54,7 +54,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 quantization of x [M, K] with one scale per group of `group` consecutive values of a row: (x_q [M, K]
-    e4m3, scale [M, ceil(K / group)] float32), x ~= x_q * expand_group_scales(scale, K). The last group of a row is
+    e4m3, scale [M, ceil(K / group)] float32), x ~= x_q * expand_group_scales(scale, K, group). The last group is
     shorter when group does not divide K."""
     m, k = x.shape
     groups = -(-k // group)
