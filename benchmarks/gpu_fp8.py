@@ -1,18 +1,21 @@
 """FP8 on one H200, Llama-3-8B shape with dummy weights, bf16 and FP8 in the same run:
-(1) kernels: the FP8 kernels against their torch references on the GPU (per-token quantization, the Triton FP8 GEMM
-    per-channel and 128x128-block, quantize + torch._scaled_mm, extend / decode / cascade attention and the fused
+(1) kernels: the FP8 kernels against their torch references on the GPU (activation quantization per group and per
+    token, the Triton FP8 GEMM per-channel and 128x128-block with group activation scales, quantize +
+    torch._scaled_mm with per-token ones, extend / decode / cascade attention and the fused
     RoPE store over an e4m3 K/V pool);
-(2) layouts: the FP8 GEMM's Triton layouts against quantize + _scaled_mm for the 8B linears at 1-64 rows (the engines
-    below use these choices; the lines to paste into kernels/fp8_table.py are printed);
-(5) GEMMs: per 8B linear and the LM head at 1, 8, 64, 256 rows, bf16 cuBLAS against the FP8 GEMM as the table ran
-    it, its best split-K layout, other Triton layouts (256 rows) and quantize + _scaled_mm (us, weight TB/s);
+(2) layouts: the FP8 GEMM's Triton layouts for the 8B linears at 1-64 rows with group activation scales, the engines'
+    default (the engines below use these choices; the lines to paste into kernels/fp8_table.py are printed);
+(5) GEMMs: per 8B linear and the LM head at 1, 8, 64, 256 rows, bf16 cuBLAS against the FP8 GEMM with group
+    activation scales as the table ran it, its best split-K layout, other Triton layouts (256 rows: the prefill-size
+    question, since group scales run the Triton GEMM at every batch size) and quantize + _scaled_mm with per-token
+    scales (us, weight TB/s);
 (3) logits: FP8 weights, FP8 K/V and both against bf16 on the same dummy weights (relative error, top-1 agreement);
 (4) engines bf16 | FP8 weights | FP8 weights + FP8 K/V: batch-1 decode at 4k context, the RAG workload in-process
     (64 x (3500 shared + 80 unique), 200 out, streamed with text), decode throughput at batch 256, and the KV pool's
     tokens at the same memory fraction.
 Prints a short table last and writes JSON to benchmarks/results/gpu_fp8-<sections>.json (and $OUT when set).
 Sections that would start past --budget-s are skipped (said so in the table). Section 2 saves its choices to
-benchmarks/results/gpu_fp8_layouts.json; section 4 run later on the same GPU model loads them, so the two can run as
+benchmarks/results/gpu_fp8_group_layouts.json; section 4 run later on the same GPU model loads them, so the two can run as
 separate commands:
 
     PYTHONPATH=$PWD python benchmarks/gpu_fp8.py --only 123                       # kernels, logits, layouts
@@ -41,7 +44,7 @@ RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []  # (what, value, note)
 BUDGET_S = 230  # --budget-s: an 8B engine takes 30-65 s to start, a section cannot be cut short
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-LAYOUTS_FILE = RESULTS_DIR / "gpu_fp8_layouts.json"
+LAYOUTS_FILE = RESULTS_DIR / "gpu_fp8_group_layouts.json"  # (choices with group activation scales)
 T_START = time.perf_counter()
 MODEL = "llama-3-8b"
 TARGETS = {"b1_tok_s": 400, "rag_out_tok_s": 12000, "b256_speedup": 1.6, "kv_tokens_ratio": 1.9}
@@ -84,10 +87,14 @@ def kernel_checks(smoke: bool, dev) -> dict:
 
     k_dim = 4096 if not smoke else 256
     x = randn(64 if not smoke else 8, k_dim, scale=3.0).to(torch.bfloat16)
-    x_q, x_s = G.quantize_rows(x)
-    r_q, r_s = R.quantize_rows(x)
-    out["quantize_rows_byte_mismatch"] = int((x_q.view(torch.uint8) != r_q.view(torch.uint8)).sum())
-    out["quantize_rows_scale_rel_err"] = rel_err(x_s, r_s)
+    mismatch, scale_err = 0, 0.0
+    for scheme in ("group", "token"):
+        x_q, x_s = G.quantize_activations(x, scheme)
+        r_q, r_s = R.quantize_activations(x, scheme)
+        mismatch += int((x_q.view(torch.uint8) != r_q.view(torch.uint8)).sum())
+        scale_err = max(scale_err, rel_err(x_s, r_s))
+    out["quantize_rows_byte_mismatch"] = mismatch  # (both activation schemes)
+    out["quantize_rows_scale_rel_err"] = scale_err
 
     shapes = [(6144, 4096), (4096, 14336)] if not smoke else [(96, 256)]
     worst = {}
@@ -97,7 +104,7 @@ def kernel_checks(smoke: bool, dev) -> dict:
             w_q, w_s = R.quantize_blocks(w) if block else R.quantize_weight(w)
             for m in ((1, 16, 64, 300) if not smoke else (1, 20)):
                 xm = randn(m, k).to(torch.bfloat16)
-                want = R.fp8_linear(xm, w_q, w_s).float()
+                want = R.fp8_linear(xm, w_q, w_s).float()  # activation scales per group (the default)
                 configs = [G.Fp8GemmConfig(quantize_input=True), G.Fp8GemmConfig(quantize_input=False),
                            G.Fp8GemmConfig(quantize_input=True, split_k=4),
                            G.Fp8GemmConfig(32, 128, quantize_input=False, split_k=8 if not smoke else 2)]
@@ -106,7 +113,11 @@ def kernel_checks(smoke: bool, dev) -> dict:
                 for cfg in configs:
                     label = "scaled_mm" if cfg is None else (f"triton_{'block' if block else 'channel'}"
                                                              f"{'_split_k' if cfg.split_k > 1 else ''}")
-                    err = rel_err(G.run_config(xm, w_q, w_s, None, cfg), want)
+                    if cfg is None:  # cuBLAS's row-wise scales: per-token activations
+                        err = rel_err(G.run_config(xm, w_q, w_s, None, None, "token"),
+                                      R.fp8_linear(xm, w_q, w_s, activation_scale="token").float())
+                    else:
+                        err = rel_err(G.run_config(xm, w_q, w_s, None, cfg), want)
                     worst[label] = max(worst.get(label, 0.0), err)
     out["gemm_rel_err"] = {k: round(v, 5) for k, v in worst.items()}
     out["scaled_mm_supported"] = G.scaled_mm_supported(x.device)
@@ -208,9 +219,9 @@ def measure_layouts(smoke: bool, dev, rows_measured: tuple[int, ...]) -> dict:
         for rows in rows_measured:
             if over_budget(f"layouts {name} {rows} rows and after"):
                 break
-            config, timings = fp8_linear._kernels().choose_config(n, k, rows, dev)
-            fp8_linear._CHOICES[(n, k, rows, False, gpu)] = config
-            cublas = timings.get(None)
+            config, timings = fp8_linear._kernels().choose_config(n, k, rows, dev)  # group activation scales
+            fp8_linear._CHOICES[(n, k, rows, False, gpu, "group")] = config
+            cublas = timings.get(None)  # (None: _scaled_mm cannot take group scales)
             best = min((t for c, t in timings.items() if c is not None), default=float("nan"))
             out[f"{name}_{rows}"] = {"choice": str(config), "scaled_mm_us": cublas, "best_triton_us": best}
             value = "None" if config is None else f"Fp8GemmConfig{dataclasses.astuple(config)}"
@@ -221,7 +232,8 @@ def measure_layouts(smoke: bool, dev, rows_measured: tuple[int, ...]) -> dict:
     if LAYOUTS_FILE.is_file() and json.loads(LAYOUTS_FILE.read_text())["gpu"] == gpu:
         saved = json.loads(LAYOUTS_FILE.read_text())["choices"]
     saved.update({f"{n},{k},{rows}": None if c is None else list(dataclasses.astuple(c))
-                  for (n, k, rows, block, g), c in fp8_linear._CHOICES.items() if g == gpu and not block})
+                  for (n, k, rows, block, g, scheme), c in fp8_linear._CHOICES.items()
+                  if g == gpu and not block and scheme == "group"})
     RESULTS_DIR.mkdir(exist_ok=True)
     LAYOUTS_FILE.write_text(json.dumps({"gpu": gpu, "choices": saved}, indent=1))
     out["table_lines"] = lines
@@ -245,7 +257,7 @@ def load_layouts(dev) -> None:
     config_cls = fp8_linear._kernels().Fp8GemmConfig
     for key, fields in choices.items():
         n, k, rows = map(int, key.split(","))
-        fp8_linear._CHOICES[(n, k, rows, False, gpu)] = None if fields is None else config_cls(*fields)
+        fp8_linear._CHOICES[(n, k, rows, False, gpu, "group")] = None if fields is None else config_cls(*fields)
     RESULTS["layouts_loaded"] = len(choices)
     log(f"loaded {len(choices)} measured FP8 layout choices from {LAYOUTS_FILE}")
 
@@ -276,7 +288,8 @@ def gemm_timings(smoke: bool, dev, rows_list: tuple[int, ...]) -> dict:
             cands = G.candidate_configs(n, k, m)
             split = [c for c in cands if c.split_k > 1]
             other = [c for c in cands if c.split_k == 1 and c != old] if m > 64 else []
-            t8 = G.measure(n, k, m, dev, [None, old, *split, *other])
+            t8 = G.measure(n, k, m, dev, [old, *split, *other])  # activation scales per group (the default)
+            t8[None] = G.measure(n, k, m, dev, [None], activation_scale="token").get(None)  # cuBLAS: per token
             t16 = gemv.measure(n, k, m, torch.bfloat16, dev, [None]).get(None)
             best_split = min(split, key=lambda c: t8.get(c, math.inf), default=None)
             best_other = min(other, key=lambda c: t8.get(c, math.inf), default=None)

@@ -5,8 +5,14 @@ The scheme (the one every FP8 path here computes):
 - weights: e4m3 with one float32 scale per output channel (row of W, `w_scale` [N]; quantize_weight picks it) or
   per 128 x 128 block
   (`w_scale` [ceil(N / 128), ceil(K / 128)], DeepSeek-style checkpoints); W ~= W_q * scale;
-- activations: quantized per token (row of x) at run time, scale = amax(|row|) / 448;
+- activations: quantized at run time with one scale per group of G consecutive K values of a token (the default,
+  `activation_scale="group"`: x_scale [M, ceil(K / G)], G from `activation_group_size(K)`) or one per token
+  (`"token"`: x_scale [M]); scale = amax(|values it covers|) / 448;
 - y = (x_q * x_scale) @ (W_q * w_scale)^T + bias, accumulated in float32, rounded once to x's dtype.
+
+Why groups by default: on the embedded models per-token scales cost +2.13% / +2.34% perplexity over bf16 and 1 x 64
+groups +1.69% / +1.79% (docs/benchmarks.md, "FP8"); the acceptance line is 2%. A token's outlier channels then
+coarsen only their own group's rounding instead of the whole row's.
 """
 
 from __future__ import annotations
@@ -17,6 +23,18 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-12  # a row of zeros gets this amax (its scale stays finite, its values 0)
 SCALE_BLOCK = 128  # block-wise weight scales cover SCALE_BLOCK x SCALE_BLOCK tiles of W
+ACTIVATION_SCALES = ("group", "token")  # one e4m3 scale per group of a token's K values, or one per token
+ACTIVATION_GROUP = 64  # K values per activation scale with "group" (activation_group_size)
+
+
+def activation_group_size(k: int) -> int:
+    """K values per activation scale for a linear of input width K: ACTIVATION_GROUP (64) for every K (every K of the
+    registry's models is a multiple of 64; any other K runs with ceil(K / 64) groups, the last one shorter). Why not
+    128 where K allows it (DeepSeek-V3's groups): on SmolLM2-135M, groups of 128 for its 1536-wide down projection
+    and 64 for its 576-wide inputs cost +2.34% perplexity over bf16, past the 2% line, where groups of 64 throughout
+    cost +1.69% (docs/benchmarks.md, "FP8"). 64 divides 128, so a 128 x 128 weight block holds whole groups and a
+    kernel's K tile (a power of two) lies inside one group or covers whole groups."""
+    return ACTIVATION_GROUP
 
 
 def _per_max(amax: torch.Tensor) -> torch.Tensor:
@@ -32,6 +50,46 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x32 = x.float()
     scale = _per_max(x32.abs().amax(dim=-1).clamp_min(MIN_AMAX))  # [M]
     return (x32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 quantization of x [M, K] with one scale per group of `group` consecutive values of a row: (x_q [M, K]
+    e4m3, scale [M, ceil(K / group)] float32), x ~= x_q * expand_group_scales(scale, K, group). The last group is
+    shorter when group does not divide K."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.zeros(m, groups * group, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    scale = _per_max(padded.view(m, groups, group).abs().amax(dim=-1).clamp_min(MIN_AMAX))  # [M, groups]
+    x_q = (x.float() / expand_group_scales(scale, k, group)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x_q, scale
+
+
+def expand_group_scales(scale: torch.Tensor, k: int, group: int) -> torch.Tensor:
+    """Group scales [M, ceil(K / group)] -> one scale per value [M, K]."""
+    return scale.repeat_interleave(group, 1)[:, :k]
+
+
+def quantize_activations(x: torch.Tensor, activation_scale: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q e4m3, x_scale): [M, ceil(K / G)] for "group" (G = activation_group_size(K)), [M] for
+    "token"."""
+    if activation_scale == "group":
+        return quantize_groups(x, activation_group_size(x.shape[-1]))
+    if activation_scale == "token":
+        return quantize_rows(x)
+    raise ValueError(f"activation_scale must be one of {ACTIVATION_SCALES}, got {activation_scale!r}")
+
+
+def dequantize_activations(x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """x_q [M, K] e4m3 with scales [M] (per token) or [M, ceil(K / G)] (per group, G = activation_group_size(K))
+    -> x [M, K] float32."""
+    m, k = x_q.shape
+    if x_scale.dim() == 2:
+        group = activation_group_size(k)
+        if tuple(x_scale.shape) != (m, -(-k // group)):
+            raise ValueError(f"group scales of x [{m}, {k}] must be [{m}, {-(-k // group)}], got {tuple(x_scale.shape)}")
+        return x_q.float() * expand_group_scales(x_scale.float(), k, group)
+    return x_q.float() * x_scale.float()[:, None]
 
 
 def quantize_weight(w: torch.Tensor, steps: int = 32, chunk_elements: int = 1 << 24
@@ -88,20 +146,19 @@ def dequantize_weight(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     return w_q.float() * w_scale.float()[:, None]
 
 
-def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:  # fmt: skip
-    """x [M, K] -> [M, N] in x's dtype: x quantized per token, then dequantize-and-multiply in float32."""
-    x_q, x_scale = quantize_rows(x)
-    y = (x_q.float() * x_scale[:, None]) @ dequantize_weight(w_q, w_scale).T  # [M, N] float32
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               activation_scale: str = "group") -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> [M, N] in x's dtype: x quantized (per group of K values, or per token), then dequantize-and-multiply
+    in float32."""
+    x_q, x_scale = quantize_activations(x, activation_scale)
+    return fp8_matmul_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype)
 
 
 def fp8_matmul_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
                          bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """The product of an already quantized x_q [M, K] (scales [M]) with W_q: what fp8_gemm computes for fp8 x."""
-    y = (x_q.float() * x_scale.float()[:, None]) @ dequantize_weight(w_q, w_scale).T
+    """The product of an already quantized x_q [M, K] (scales [M] or [M, groups]) with W_q: what fp8_gemm computes
+    for e4m3 x."""
+    y = dequantize_activations(x_q, x_scale) @ dequantize_weight(w_q, w_scale).T  # [M, N] float32
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype)

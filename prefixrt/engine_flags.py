@@ -18,7 +18,8 @@ from typing import Any
 from prefixrt.default_models import CHAT_MODEL
 
 # The flags that become Engine keyword arguments as they are (EngineConfig fields of the same name).
-ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "kv_cache_dtype", "attention_backend",
+ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "fp8_activation_scale", "kv_cache_dtype",
+                "attention_backend",
                 "kv_cache_tokens", "mem_fraction", "page_size", "prefix_cache", "schedule_policy",
                 "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
@@ -38,8 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: FP8 (e4m3) weights for the decoder's linear layers, a float checkpoint quantized at "
-                        "load (per-channel weight scales, per-token activation scales); default: the weights as the "
-                        "checkpoint stores them (a pre-quantized FP8 checkpoint loads as FP8)")
+                        "load (per-channel weight scales); default: the weights as the checkpoint stores them (a "
+                        "pre-quantized FP8 checkpoint loads as FP8)")
+    p.add_argument("--fp8-activation-scale", choices=["group", "token"], default="group",
+                   help="with FP8 weights, the activations' e4m3 scales: one per 64 values of a token "
+                        "(group, the default: the more accurate) or one per token (token: cuBLAS's row-wise FP8 GEMM "
+                        "can run it at large batches)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                    help="fp8_e4m3: store K/V in FP8 (half the bytes of bf16: about twice the cached tokens), one scale "
                         "per layer and kv head (from the checkpoint, else calibrated at start-up); default: the "

@@ -109,6 +109,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         from prefixrt.model.quantize import quantize_fp8_weights
 
         quantize_fp8_weights(model)
+    from prefixrt.model.quantize import set_fp8_activation_scale
+
+    set_fp8_activation_scale(model, config.fp8_activation_scale)  # (before the kernel plans are made)
     grammar = engine_grammar(config, model, tokenizer, resolved)
     if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
         grammar.start_warm()
@@ -386,7 +389,7 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
     weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
     fp8 = f"|scales:{pool.scales_digest()}" if pool.quantized else ""  # FP8 bytes mean K/V under these scales only
     if config.quantization:  # FP8 weights compute other K/V
-        fp8 += f"|quantization:{config.quantization}"
+        fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}{fp8}")
 

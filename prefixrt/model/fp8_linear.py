@@ -2,13 +2,18 @@
 
 A Linear holds FP8 weights when its `weight_scale` is set (model/quantize.py puts them there): `weight` [N, K] e4m3
 and `weight_scale` [N] (per output channel) or [ceil(N / 128), ceil(K / 128)] (128 x 128 blocks). Activations are
-quantized per token at run time. kernels/fp8_reference.py states the scheme; every path below computes it:
+quantized at run time, with the Linear's `fp8_activation_scale`: one scale per group of 64 K values of a
+token ("group", the default: the one within the acceptance's perplexity line, docs/benchmarks.md "FP8") or one per
+token ("token"). kernels/fp8_reference.py states the scheme; every path below computes it:
 - the CPU (and any device without a plan entry and without CUDA): the torch reference, dequantize then multiply in
   float32 (the oracle the kernels are tested against);
 - CUDA, a row count the plan maps to a Triton layout (the small batches of decode; chosen from the measured table,
   kernels/fp8_table.py): the Triton FP8 GEMM;
-- CUDA otherwise: per-token quantization, then cuBLAS's FP8 GEMM (`torch._scaled_mm`, row-wise scales); where that
-  cannot run (an older GPU or torch, block-wise scales, N or K not a multiple of 16), the Triton GEMM.
+- CUDA otherwise, per-token scales: per-token quantization, then cuBLAS's FP8 GEMM (`torch._scaled_mm`, row-wise
+  scales); where that cannot run (an older GPU or torch, block-wise scales, N or K not a multiple of 16), the Triton
+  GEMM;
+- CUDA otherwise, group scales: the Triton GEMM in its default layout (cuBLAS's row-wise path takes one scale per
+  token; its speed at prefill sizes is not measured yet).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
+
+from prefixrt.config import FP8_ACTIVATION_SCALES
 
 if TYPE_CHECKING:
     from prefixrt.kernels.fp8_gemm import Fp8GemmConfig
@@ -33,38 +40,40 @@ def _kernels() -> SimpleNamespace:
     """The Triton FP8 kernels, imported on first use (the CPU path never needs Triton)."""
     from prefixrt.kernels import fp8_gemm
 
-    return SimpleNamespace(fp8_gemm=fp8_gemm.fp8_gemm, quantize_rows=fp8_gemm.quantize_rows,
+    return SimpleNamespace(fp8_gemm=fp8_gemm.fp8_gemm, quantize_activations=fp8_gemm.quantize_activations,
                            run_config=fp8_gemm.run_config, scaled_mm=fp8_gemm.scaled_mm,
                            scaled_mm_supported=fp8_gemm.scaled_mm_supported, scaled_mm_fits=fp8_gemm.scaled_mm_fits,
                            Fp8GemmConfig=fp8_gemm.Fp8GemmConfig, choose_config=fp8_gemm.choose_config)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               plan: dict[int, Fp8GemmConfig]) -> torch.Tensor:  # fmt: skip
-    """x [..., K] (float) -> [..., N] in x's dtype: x @ (weight * scale)^T + bias, x quantized per token (see the
-    module docstring for which kernel runs). plan: rows -> Triton layout (Linear.fp8_plan)."""
+               plan: dict[int, Fp8GemmConfig], activation_scale: str = "group") -> torch.Tensor:  # fmt: skip
+    """x [..., K] (float) -> [..., N] in x's dtype: x @ (weight * scale)^T + bias, x quantized per group of K values
+    or per token (activation_scale; see the module docstring for which kernel runs). plan: rows -> Triton layout
+    (Linear.fp8_plan)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     config = plan.get(x2.shape[0])
     if config is not None:
-        y = _kernels().run_config(x2, weight, weight_scale, bias, config)
+        y = _kernels().run_config(x2, weight, weight_scale, bias, config, activation_scale)
     elif not x2.is_cuda:
         from prefixrt.kernels.fp8_reference import fp8_linear as reference
 
-        y = reference(x2, weight, weight_scale, bias)
+        y = reference(x2, weight, weight_scale, bias, activation_scale)
     else:
         k = _kernels()
-        if k.scaled_mm_supported(x2.device) and k.scaled_mm_fits(weight, weight_scale):
-            x_q, x_scale = k.quantize_rows(x2)
+        if (activation_scale == "token" and k.scaled_mm_supported(x2.device)
+                and k.scaled_mm_fits(weight, weight_scale)):  # fmt: skip
+            x_q, x_scale = k.quantize_activations(x2, "token")
             y = k.scaled_mm(x_q, x_scale, weight, weight_scale, bias, x2.dtype)
         else:
-            y = k.fp8_gemm(x2, weight, weight_scale, bias, k.Fp8GemmConfig())
+            y = k.fp8_gemm(x2, weight, weight_scale, bias, k.Fp8GemmConfig(), activation_scale=activation_scale)
     return y.view(*lead, y.shape[-1])
 
 
-_CHOICES: dict[tuple, Fp8GemmConfig | None] = {}  # (n, k, rows, block, gpu) -> measured in this process
+_CHOICES: dict[tuple, Fp8GemmConfig | None] = {}  # (n, k, rows, block, gpu, activation_scale) -> measured here
 
 
 def _table_choice(n: int, k: int, rows: int, gpu: str) -> Fp8GemmConfig | None:
@@ -73,11 +82,15 @@ def _table_choice(n: int, k: int, rows: int, gpu: str) -> Fp8GemmConfig | None:
     return MEASURED.get(gpu, {}).get((n, k, rows))
 
 
-def fp8_plan_for(weight: torch.Tensor, weight_scale: torch.Tensor, mode: str = "table") -> dict[int, Fp8GemmConfig]:
-    """rows (1..MAX_PLAN_ROWS) -> Triton layout for one FP8 weight; row counts left out run quantize + _scaled_mm.
-    mode: "table" (CUDA: the layouts measured on this GPU model and checked in, kernels/fp8_table.py), "measure"
-    (CUDA: measured now, once per shape and process), "always" (the default layout for every row count: tests, the
-    interpreter) or "never"."""
+def fp8_plan_for(weight: torch.Tensor, weight_scale: torch.Tensor, mode: str = "table",
+                 activation_scale: str = "group") -> dict[int, Fp8GemmConfig]:  # fmt: skip
+    """rows (1..MAX_PLAN_ROWS) -> Triton layout for one FP8 weight; row counts left out run quantize + _scaled_mm
+    (per-token activation scales) or the Triton GEMM's default layout (group scales). mode: "table" (CUDA: the
+    layouts measured on this GPU model and checked in, kernels/fp8_table.py; measured with per-token scales, used
+    for both), "measure" (CUDA: measured now, once per shape, scheme and process), "always" (the default layout for
+    every row count: tests, the interpreter) or "never"."""
+    if activation_scale not in FP8_ACTIVATION_SCALES:
+        raise ValueError(f"fp8 activation_scale must be one of {FP8_ACTIVATION_SCALES}, got {activation_scale!r}")
     if mode not in PLAN_MODES:
         raise ValueError(f"fp8 plan mode must be one of {PLAN_MODES}, got {mode!r}")
     if mode == "never":
@@ -91,9 +104,10 @@ def fp8_plan_for(weight: torch.Tensor, weight_scale: torch.Tensor, mode: str = "
     gpu = torch.cuda.get_device_name(weight.device)
     measured = {}
     for rows in MEASURED_ROWS:
-        key = (n, k, rows, block, gpu)
+        key = (n, k, rows, block, gpu, activation_scale)
         if mode == "measure" and key not in _CHOICES:
-            _CHOICES[key] = _kernels().choose_config(n, k, rows, weight.device, block_scales=block)[0]
+            _CHOICES[key] = _kernels().choose_config(n, k, rows, weight.device, block_scales=block,
+                                                     activation_scale=activation_scale)[0]
         if key in _CHOICES:
             measured[rows] = _CHOICES[key]
         else:  # (the table holds per-channel weights' layouts)

@@ -2,6 +2,8 @@
 
 - `quantize_fp8_weights(model)`: a loaded float model -> e4m3 weights with one scale per output channel, in place
   (`quantization="fp8"` on a bf16/fp32 checkpoint, or dummy weights).
+- `set_fp8_activation_scale(model, scheme)`: how the FP8 linears quantize their activations at run time ("group",
+  the default, or "token"; kernels/fp8_reference.py).
 - `prepare_fp8_linears(model, names, block_scales)`: before loading a pre-quantized checkpoint, give the linears the
   checkpoint holds in FP8 their e4m3 weight and scale parameters, so `load_weights` fills them directly
   (hub/fp8_checkpoint.py reads the checkpoint formats).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prefixrt.config import FP8_ACTIVATION_SCALES
 from prefixrt.model.fp8_linear import FP8_WEIGHT_DTYPE
 from prefixrt.model.layers import Linear, MergedLinear
 
@@ -45,6 +48,20 @@ def quantize_fp8_weights(model: nn.Module) -> int:
         # hand the float weights' memory back to the device: the KV pool is sized from the free memory, which
         # memory held by the caching allocator does not count (an 8B model: ~7.5 GB more for K/V)
         torch.cuda.empty_cache()
+    return count
+
+
+def set_fp8_activation_scale(model: nn.Module, activation_scale: str) -> int:
+    """Set `fp8_activation_scale` (one of config.FP8_ACTIVATION_SCALES) on every linear of fp8_linears; those with
+    FP8 weights quantize their activations that way from the next forward. Call before use_fused_kernels (the
+    kernel plans depend on it) and before capturing CUDA graphs. Returns the number of FP8 linears it applies to.
+    Raises ValueError for an unknown scheme."""
+    if activation_scale not in FP8_ACTIVATION_SCALES:
+        raise ValueError(f"fp8 activation_scale must be one of {FP8_ACTIVATION_SCALES}, got {activation_scale!r}")
+    count = 0
+    for module in fp8_linears(model).values():
+        module.fp8_activation_scale = activation_scale
+        count += module.weight_scale is not None
     return count
 
 

@@ -50,6 +50,31 @@ def test_fp8_weights_engine_quantizes_decoder_linears(make_engine):
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.out_features,)
     assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight_scale is None
     assert len(eng.generate([1, 5, 6], GREEDY).token_ids) == GREEDY["max_new_tokens"]
+    assert {m.fp8_activation_scale for m in model.modules() if getattr(m, "weight_scale", None) is not None} == {"group"}
+
+
+def test_fp8_activation_scale_reaches_the_linears(make_engine):
+    """fp8_activation_scale="token" reaches every FP8 linear of an engine, and a linear computes the scheme it holds:
+    per-token and per-group references differ on K = 256 (four groups of 64, an outlier in the first)."""
+    from prefixrt.kernels import fp8_reference
+    from torch import nn
+
+    from prefixrt.model.layers import Linear
+
+    eng = make_engine("llama", quantization="fp8", fp8_activation_scale="token")
+    fp8 = [m for m in eng._built.model.modules() if isinstance(m, Linear) and m.weight_scale is not None]
+    assert fp8 and {m.fp8_activation_scale for m in fp8} == {"token"}
+    assert len(eng.generate([1, 5, 6], GREEDY).token_ids) == GREEDY["max_new_tokens"]
+
+    linear = Linear(256, 16, bias=False)
+    w_q, w_scale = fp8_reference.quantize_weight(torch.randn(16, 256))
+    linear.weight, linear.weight_scale = nn.Parameter(w_q, requires_grad=False), nn.Parameter(w_scale)
+    x = torch.randn(3, 256)
+    x[:, 7] *= 1e4  # an outlier in the first group
+    for scheme, other in (("token", "group"), ("group", "token")):
+        linear.fp8_activation_scale = scheme
+        assert torch.equal(linear(x), fp8_reference.fp8_linear(x, w_q, w_scale, None, scheme))
+        assert not torch.equal(linear(x), fp8_reference.fp8_linear(x, w_q, w_scale, None, other))
 
 
 def test_fp8_pool_holds_twice_the_tokens_of_bf16(monkeypatch):
@@ -74,6 +99,8 @@ def test_fp8_options_are_checked():
         EngineConfig(quantization="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="fp8_activation_scale"):
+        EngineConfig(quantization="fp8", fp8_activation_scale="tensor")
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(kv_cache_dtype="fp8_e4m3", tp_size=2)
 
@@ -85,10 +112,11 @@ def test_fp8_command_line_flags():
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    kw = engine_kwargs(p.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]))
-    assert kw["quantization"] == "fp8" and kw["kv_cache_dtype"] == "fp8_e4m3"
+    kw = engine_kwargs(p.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3",
+                                     "--fp8-activation-scale", "token"]))
+    assert kw["quantization"] == "fp8" and kw["kv_cache_dtype"] == "fp8_e4m3" and kw["fp8_activation_scale"] == "token"
     kw = engine_kwargs(p.parse_args([]))
-    assert kw["quantization"] is None and kw["kv_cache_dtype"] == "auto"
+    assert kw["quantization"] is None and kw["kv_cache_dtype"] == "auto" and kw["fp8_activation_scale"] == "group"
     EngineConfig(**{k: v for k, v in kw.items()})  # the defaults are valid options
 
 

@@ -1,5 +1,6 @@
 """FP8 kernels against their torch references, under TRITON_INTERPRET=1 on the CPU (see conftest.py):
-- the FP8 linear (kernels/fp8_gemm.py) against kernels/fp8_reference.py (dequantize, multiply in float32);
+- the FP8 linear (kernels/fp8_gemm.py) against kernels/fp8_reference.py (dequantize, multiply in float32), with
+  activation scales per group of K values and per token, and the reference's own quantizers;
 - the attention kernels (extend, decode, cascade, split merge) reading an e4m3 K/V pool with per-kv-head scales,
   against kernels/reference.py given the same scales, and that reference against attention over the dequantized
   float pool;
@@ -22,7 +23,7 @@ from prefixrt.kernels.cascade_decode import cascade_decode_attention  # noqa: E4
 from prefixrt.kernels.cascade_plan import plan_cascade  # noqa: E402
 from prefixrt.kernels.decode_attention import decode_attention  # noqa: E402
 from prefixrt.kernels.extend_attention import block_m_for, block_map, extend_attention  # noqa: E402
-from prefixrt.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, quantize_rows  # noqa: E402
+from prefixrt.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, quantize_activations, run_config  # noqa: E402
 from prefixrt.kernels.rope import qk_norm_rope_store  # noqa: E402
 
 from tests.kernels.test_attention_kernels import (  # noqa: E402
@@ -44,23 +45,27 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------------ FP8 linear
 
 
-def test_quantize_rows_matches_reference_bytes():
-    """Per-token quantization: the kernel's bytes and scales equal the reference's, including values whose rounding
-    carries into the next power of two (124.1 -> 128), exact ties, a row of zeros and subnormals."""
+@pytest.mark.parametrize("activation_scale", ["group", "token"])
+def test_quantize_activations_matches_reference_bytes(activation_scale):
+    """Per-group (K = 300: groups of 64, the last of 44) and per-token quantization: the kernel's bytes and scales
+    equal the reference's, including values whose rounding carries into the next power of two (124.1 -> 128), exact
+    ties, a row of zeros and subnormals."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(6, 300, generator=gen) * torch.tensor([1.0, 1e-3, 50.0, 1.0, 1.0, 1e-6])[:, None]
     x[3] = 0.0
     x[4, :5] = torch.tensor([124.1, -125.0, 448.0, 0.0, 3.5]) / 448.0 * 448.0  # amax 448: scale 1, values as is
     x[4, 5:] = torch.linspace(-447.0, 447.0, 295)
-    x_q, scale = quantize_rows(x.to(DEVICE))
-    r_q, r_scale = fp8_ref.quantize_rows(x)
+    x_q, scale = quantize_activations(x.to(DEVICE), activation_scale)
+    r_q, r_scale = fp8_ref.quantize_activations(x, activation_scale)
+    assert scale.shape == ((6, 5) if activation_scale == "group" else (6,))
     assert same_bytes(x_q.cpu(), r_q)
     assert torch.equal(scale.cpu(), r_scale)
     assert x_q[4, 0].float().item() == 128.0
     assert torch.all(x_q[3].float() == 0)
 
 
-def gemm_case(m: int, k: int, block_scales: bool, quantize_input: bool, split_k: int, seed: int):
+def gemm_case(m: int, k: int, block_scales: bool, quantize_input: bool, split_k: int, seed: int,
+              activation_scale: str = "group"):  # fmt: skip
     """(y from fp8_gemm, the reference's product, the float product) for random x [m, k] bf16, W [n, k] (n 200
     with 128 x 128 block scales, else 48), a bias, 32 x 64 tiles."""
     gen = torch.Generator().manual_seed(seed)
@@ -72,19 +77,22 @@ def gemm_case(m: int, k: int, block_scales: bool, quantize_input: bool, split_k:
     config = Fp8GemmConfig(block_n=32, block_k=64, quantize_input=quantize_input, split_k=split_k)
     args = [t.to(DEVICE) for t in (w_q, w_scale, bias)]
     if quantize_input:
-        y = fp8_gemm(x.to(DEVICE), *args, config=config)
+        y = fp8_gemm(x.to(DEVICE), *args, config=config, activation_scale=activation_scale)
     else:
-        x_q, x_scale = quantize_rows(x.to(DEVICE))
-        y = fp8_gemm(x_q, *args, config=config, x_scale=x_scale)
+        x_q, x_scale = quantize_activations(x.to(DEVICE), activation_scale)
+        y = fp8_gemm(x_q, *args, config=config, x_scale=x_scale, activation_scale=activation_scale)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    return y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias), x.float() @ w.T + bias.float()
+    expected = fp8_ref.fp8_linear(x, w_q, w_scale, bias, activation_scale)
+    return y.cpu(), expected, x.float() @ w.T + bias.float()
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 70])
 @pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
 @pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])
-def test_fp8_gemm_matches_reference(m, block_scales, quantize_input):
-    y, expected, unquantized = gemm_case(m, 300 if block_scales else 96, block_scales, quantize_input, 1, seed=m)
+@pytest.mark.parametrize("activation_scale", ["group", "token"])
+def test_fp8_gemm_matches_reference(m, block_scales, quantize_input, activation_scale):
+    y, expected, unquantized = gemm_case(m, 300 if block_scales else 96, block_scales, quantize_input, 1, seed=m,
+                                         activation_scale=activation_scale)
     assert rel_err(y, expected) < 1e-2
     # and the quantized product is close to the unquantized one (the reference is not trivially wrong)
     assert rel_err(expected, unquantized) < 0.08
@@ -100,8 +108,63 @@ def test_fp8_gemm_split_k_matches_reference(split_k, m, block_scales):
     assert rel_err(y, expected) < 1e-2
 
 
+def outlier_activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """x [m, k] float32 whose rows have a few channels 100x the rest (as real activations do): per-token scales then
+    round the other channels far more coarsely than per-group ones, so the two schemes' products differ by far
+    more than float rounding and a kernel applying a group's scale to the wrong values shows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[:3]] *= 100.0
+    return x
+
+
+@pytest.mark.parametrize("k", [576, 384, 200])  # 9 groups of 64 (SmolLM2's hidden size), 6, 4 (the last of 8)
+@pytest.mark.parametrize("block_k", [32, 64, 128, 256])  # inside a group, one group, two or four groups a tile
+@pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])
 @pytest.mark.parametrize("split_k", [1, 4])
-def test_fp8_gemm_fp32_output_is_tight(split_k):
+def test_fp8_gemm_group_scales_are_tight(k, block_k, quantize_input, split_k):
+    """Group activation scales with an fp32 input and output: the kernel equals the reference to float rounding for
+    every relation of the K tile to the group (narrower, equal, wider), with and without split-K (K 576 in slices of
+    160 at block_k 32: a slice ends inside a group), the input quantized inside the GEMM or before it; 1, 5 and 33 rows (one
+    and two row blocks). The per-token reference is far off (the test tells the schemes apart)."""
+    gen = torch.Generator().manual_seed(k + block_k)
+    w_q, w_scale = fp8_ref.quantize_weight(torch.randn(40, k, generator=gen) / k**0.5)
+    bias = torch.randn(40, generator=gen)
+    config = Fp8GemmConfig(32, block_k, quantize_input=quantize_input, split_k=split_k)
+    args = [t.to(DEVICE) for t in (w_q, w_scale, bias)]
+    for m in (1, 5, 33):
+        x = outlier_activations(m, k, seed=m)
+        if quantize_input:
+            y = fp8_gemm(x.to(DEVICE), *args, config=config)
+        else:
+            x_q, x_scale = quantize_activations(x.to(DEVICE))
+            y = fp8_gemm(x_q, *args, config=config, x_scale=x_scale, out_dtype=torch.float32)
+        expected = fp8_ref.fp8_linear(x, w_q, w_scale, bias)
+        assert rel_err(y.cpu(), expected) < 1e-5
+        assert rel_err(fp8_ref.fp8_linear(x, w_q, w_scale, bias, "token"), expected) > 1e-3
+
+
+@pytest.mark.parametrize("k", [576, 256])
+@pytest.mark.parametrize("block_k", [64, 128])
+@pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])
+def test_fp8_gemm_group_scales_with_block_weights(k, block_k, quantize_input):
+    """128 x 128 weight blocks with group activation scales (two groups of 64 inside each block), fp32: the
+    weight block's scale and the activation group's both multiply each tile's product; split-K 2."""
+    gen = torch.Generator().manual_seed(k)
+    w_q, w_scale = fp8_ref.quantize_blocks(torch.randn(200, k, generator=gen) / k**0.5)
+    config = Fp8GemmConfig(64, block_k, quantize_input=quantize_input, split_k=2)
+    x = outlier_activations(7, k, seed=1)
+    if quantize_input:
+        y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), config=config)
+    else:
+        x_q, x_scale = quantize_activations(x.to(DEVICE))
+        y = fp8_gemm(x_q, w_q.to(DEVICE), w_scale.to(DEVICE), config=config, x_scale=x_scale, out_dtype=torch.float32)
+    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale)) < 1e-5
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("activation_scale", ["group", "token"])
+def test_fp8_gemm_fp32_output_is_tight(split_k, activation_scale):
     """With an fp32 input and output the kernel equals the reference to float rounding (no bf16 output rounding),
     with and without split-K."""
     gen = torch.Generator().manual_seed(3)
@@ -109,8 +172,9 @@ def test_fp8_gemm_fp32_output_is_tight(split_k):
     x = torch.randn(5, 256, generator=gen)
     bias = torch.randn(64, generator=gen)
     config = Fp8GemmConfig(32, 64, split_k=split_k)
-    y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE), config=config)
-    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias)) < 1e-6
+    y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE), config=config,
+                 activation_scale=activation_scale)
+    assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias, activation_scale)) < 1e-6
 
 
 def test_fp8_gemm_rejects_bad_arguments():
@@ -125,6 +189,46 @@ def test_fp8_gemm_rejects_bad_arguments():
         fp8_gemm(torch.randn(2, 256), bq, bs, config=Fp8GemmConfig(block_k=256))
     with pytest.raises(ValueError, match="split_k"):
         fp8_gemm(x, w_q, w_scale, config=Fp8GemmConfig(split_k=3))
+    with pytest.raises(ValueError, match="activation_scale"):
+        fp8_gemm(x, w_q, w_scale, activation_scale="tensor")
+    x_q, token_scale = fp8_ref.quantize_activations(x, "token")
+    with pytest.raises(ValueError, match="x_scale"):  # per-token scales given to the group scheme
+        fp8_gemm(x_q, w_q, w_scale, x_scale=token_scale)
+    with pytest.raises(ValueError, match="_scaled_mm"):  # cuBLAS's row-wise path takes no group scales
+        run_config(x, w_q, w_scale, None, None, "group")
+
+
+def test_activation_group_size_covers_the_registry_shapes():
+    """Groups of 64 for every K of the registry's models (SmolLM2-135M 576 / 1536, Gemma-3-270M 640 / 1024 / 2048,
+    Llama-3-8B 4096 / 14336, Qwen3-0.6B 1024 / 2048 / 3072), each a whole number of groups; any other K runs with a
+    shorter last group."""
+    for k in (576, 1536, 640, 1024, 2048, 4096, 14336, 3072):
+        assert fp8_ref.activation_group_size(k) == 64 and k % 64 == 0
+    x_q, scale = fp8_ref.quantize_activations(torch.randn(2, 200))
+    assert scale.shape == (2, 4) and x_q.shape == (2, 200)
+
+
+def test_group_quantization_reference():
+    """Each group's scale is its own amax / 448 (the last group of 8 values too), the round trip is within e4m3's
+    relative step, a group of zeros stays zero, and a row's outliers leave the other groups' rounding fine where a
+    per-token scale coarsens them."""
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(4))
+    x[:, 5] *= 1e5  # an outlier channel in the first group: under its scale the other values are e4m3 subnormals
+    x[1, 64:128] = 0.0
+    x_q, scale = fp8_ref.quantize_groups(x, 64)
+    assert scale.shape == (3, 4)
+    for g, (lo, hi) in enumerate(((0, 64), (64, 128), (128, 192), (192, 200))):
+        assert torch.equal(scale[:, g], x[:, lo:hi].abs().amax(-1).clamp_min(fp8_ref.MIN_AMAX) / 448.0)
+    assert torch.all(x_q[1, 64:128].float() == 0)
+    deq = fp8_ref.dequantize_activations(x_q, scale)
+    assert ((deq - x).abs() <= x.abs() * 2**-4 + scale.repeat_interleave(64, 1)[:, :200] * 2**-9).all()
+    others = slice(64, 200)  # the groups without the outlier
+    token_err = (fp8_ref.dequantize_activations(*fp8_ref.quantize_rows(x)) - x)[:, others].abs().mean()
+    assert (deq - x)[:, others].abs().mean() < token_err / 2
+    with pytest.raises(ValueError, match="group scales"):
+        fp8_ref.dequantize_activations(x_q, scale[:, :3])
+    with pytest.raises(ValueError, match="activation_scale"):
+        fp8_ref.quantize_activations(x, "channel")
 
 
 def test_block_quantization_round_trip():

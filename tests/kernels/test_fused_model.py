@@ -99,22 +99,26 @@ def test_fused_path_without_gemv_keeps_cublas_linears(tmp_path):
         assert rel_err(g, e) < 1e-5
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
-def test_fused_path_fp8_weights_and_kv_matches_reference(arch, tmp_path):
-    """FP8 weights (Triton FP8 GEMM for every row count, input quantized inside it) and an FP8 K/V pool (the fused
+@pytest.mark.parametrize("arch,activation_scale", [("qwen3", "group"), ("gemma3", "group"), ("qwen3", "token")])
+def test_fused_path_fp8_weights_and_kv_matches_reference(arch, activation_scale, tmp_path):
+    """FP8 weights (Triton FP8 GEMM for every row count, input quantized inside it, activation scales per group of K
+    values or per token) and an FP8 K/V pool (the fused
     RoPE store quantizing into it) against the reference path (dequantize-then-fp32 linears, the pool's torch
     quantization): the same computation, so logits agree closely; a K/V value may round one e4m3 step the other way
     where the two paths' float rounding differs, rarely."""
     from prefixrt.model.kv_calibration import calibrate_kv_scales
+    from prefixrt.model.quantize import set_fp8_activation_scale
 
     save_tiny_checkpoint(arch, tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32, device=DEVICE, quantization="fp8")
+    assert set_fp8_activation_scale(model, activation_scale) == 4 * model.num_layers
     kv = {"kv_dtype": torch.float8_e4m3fn, "kv_scales": calibrate_kv_scales(model, tokens(40, 9), DEVICE)}
     with torch.inference_mode():
         expected, expected_k = run_steps(model, **kv)
         use_fused_kernels(model, gemv="always")
         fp8 = [m for m in model.modules() if isinstance(m, Linear) and m.weight_scale is not None]
         assert len(fp8) == 4 * model.num_layers and all(m.fp8_plan and not m.gemv_plan for m in fp8)
+        assert all(m.fp8_activation_scale == activation_scale for m in fp8)
         assert not any(m.down_act_plan for m in model.modules() if isinstance(m, GatedMLP))
         got, got_k = run_steps(model, **kv)
     for g, e in zip(got, expected):

@@ -2,7 +2,8 @@
 acceptance states it (issue #34: "over bf16"):
 
 - perplexity of a fixed ~2,000-token English text (tests/data/fp8_eval.txt) with FP8 weights (quantize at load, bf16
-  activations quantized per token) and separately with the FP8 K/V cache (calibrated scales): the target is at most
+  activations quantized at run time with the default scheme: one scale per group of 64 K values of a token)
+  and separately with the FP8 K/V cache (calibrated scales): the target is at most
   2% above bf16 (a miss is reported as an xfail with the figures; more than 4% fails the test);
 - greedy continuations of 20 prompts (decoded together over the paged pool, as the engine runs them): the fraction of
   the first 32 tokens equal to bf16's, position by position (free-running: one flipped argmax changes the rest of a
