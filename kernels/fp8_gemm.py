@@ -37,12 +37,12 @@ import triton
 import triton.language as tl
 from prefixrt.kernels._common import interpreting, pdl_args, pdl_trigger, pdl_wait, to_e4m3
 from prefixrt.kernels.fp8_reference import (
-    ACTIVATION_SCALES,
     FP8,
     FP8_MAX,
     MIN_AMAX,
     SCALE_BLOCK,
     activation_group_size,
+    check_activation_scale,
 )
 from prefixrt.kernels.gemv import _sum_splits_kernel  # the split-K sum: fp32 partials [S, M, N] -> y
 
@@ -134,8 +134,7 @@ def quantize_activations(x: torch.Tensor, activation_scale: str = "group", block
 
 def _group_size(k: int, activation_scale: str) -> int:
     """K values per activation scale: activation_group_size(K) for "group", 0 (the whole row) for "token"."""
-    if activation_scale not in ACTIVATION_SCALES:
-        raise ValueError(f"activation_scale must be one of {ACTIVATION_SCALES}, got {activation_scale!r}")
+    check_activation_scale(activation_scale)
     return activation_group_size(k) if activation_scale == "group" else 0
 
 

@@ -70,14 +70,19 @@ def expand_group_scales(scale: torch.Tensor, k: int, group: int) -> torch.Tensor
     return scale.repeat_interleave(group, 1)[:, :k]
 
 
+def check_activation_scale(activation_scale: str) -> None:
+    """Raise ValueError unless activation_scale names one of ACTIVATION_SCALES."""
+    if activation_scale not in ACTIVATION_SCALES:
+        raise ValueError(f"activation_scale must be one of {ACTIVATION_SCALES}, got {activation_scale!r}")
+
+
 def quantize_activations(x: torch.Tensor, activation_scale: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x_q e4m3, x_scale): [M, ceil(K / G)] for "group" (G = activation_group_size(K)), [M] for
     "token"."""
+    check_activation_scale(activation_scale)
     if activation_scale == "group":
         return quantize_groups(x, activation_group_size(x.shape[-1]))
-    if activation_scale == "token":
-        return quantize_rows(x)
-    raise ValueError(f"activation_scale must be one of {ACTIVATION_SCALES}, got {activation_scale!r}")
+    return quantize_rows(x)
 
 
 def dequantize_activations(x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:

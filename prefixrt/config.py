@@ -15,7 +15,8 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
 QUANTIZATIONS = (None, "fp8")  # quantization: weights as the checkpoint stores them, or FP8 (e4m3) decoder linears
 # fp8_activation_scale (with FP8 weights): activations quantized with one e4m3 scale per group of 64 K values
-# of a token, or one per token (kernels/fp8_reference.py; the same names as its ACTIVATION_SCALES).
+# of a token, or one per token (kernels/fp8_reference.py; the same names as its ACTIVATION_SCALES, which this
+# layer cannot import: tests/engine/test_fp8_engine.py holds the two equal).
 FP8_ACTIVATION_SCALES = ("group", "token")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kv_cache_dtype: the model's dtype, or e4m3 with per-layer/head scales
 # prefix_cache names: the radix tree (cache/radix.py), or the hash-block table of vLLM-style prefix caching

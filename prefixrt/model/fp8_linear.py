@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefixrt.config import FP8_ACTIVATION_SCALES
+from prefixrt.kernels.fp8_reference import check_activation_scale
 
 if TYPE_CHECKING:
     from prefixrt.kernels.fp8_gemm import Fp8GemmConfig
@@ -89,8 +89,7 @@ def fp8_plan_for(weight: torch.Tensor, weight_scale: torch.Tensor, mode: str = "
     layouts measured on this GPU model and checked in, kernels/fp8_table.py; measured with per-token scales, used
     for both), "measure" (CUDA: measured now, once per shape, scheme and process), "always" (the default layout for
     every row count: tests, the interpreter) or "never"."""
-    if activation_scale not in FP8_ACTIVATION_SCALES:
-        raise ValueError(f"fp8 activation_scale must be one of {FP8_ACTIVATION_SCALES}, got {activation_scale!r}")
+    check_activation_scale(activation_scale)
     if mode not in PLAN_MODES:
         raise ValueError(f"fp8 plan mode must be one of {PLAN_MODES}, got {mode!r}")
     if mode == "never":

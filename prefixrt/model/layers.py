@@ -262,7 +262,7 @@ class Linear(nn.Linear):
         self.gemv_plan: dict[int, GemvConfig] = {}  # rows -> config; a missing row count runs cuBLAS
         self.register_parameter("weight_scale", None)  # set with FP8 weights
         self.fp8_plan: dict[int, Fp8GemmConfig] = {}  # rows -> Triton FP8 layout (fp8_linear.fp8_plan_for)
-        self.fp8_activation_scale = "group"  # one of config.FP8_ACTIVATION_SCALES
+        self.fp8_activation_scale = "group"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:

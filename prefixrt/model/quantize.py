@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prefixrt.config import FP8_ACTIVATION_SCALES
+from prefixrt.kernels.fp8_reference import check_activation_scale
 from prefixrt.model.fp8_linear import FP8_WEIGHT_DTYPE
 from prefixrt.model.layers import Linear, MergedLinear
 
@@ -52,12 +52,11 @@ def quantize_fp8_weights(model: nn.Module) -> int:
 
 
 def set_fp8_activation_scale(model: nn.Module, activation_scale: str) -> int:
-    """Set `fp8_activation_scale` (one of config.FP8_ACTIVATION_SCALES) on every linear of fp8_linears; those with
+    """Set `fp8_activation_scale` (one of kernels/fp8_reference.py's ACTIVATION_SCALES) on every linear of fp8_linears; those with
     FP8 weights quantize their activations that way from the next forward. Call before use_fused_kernels (the
     kernel plans depend on it) and before capturing CUDA graphs. Returns the number of FP8 linears it applies to.
     Raises ValueError for an unknown scheme."""
-    if activation_scale not in FP8_ACTIVATION_SCALES:
-        raise ValueError(f"fp8 activation_scale must be one of {FP8_ACTIVATION_SCALES}, got {activation_scale!r}")
+    check_activation_scale(activation_scale)
     count = 0
     for module in fp8_linears(model).values():
         module.fp8_activation_scale = activation_scale

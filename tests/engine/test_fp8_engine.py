@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from prefixrt.kernels.fp8_reference import ACTIVATION_SCALES
 
 from prefixrt.cache.kv_pool import KVPool
-from prefixrt.config import EngineConfig
+from prefixrt.config import FP8_ACTIVATION_SCALES, EngineConfig
 from tests.engine.test_oracle import _prompts
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -101,6 +102,8 @@ def test_fp8_options_are_checked():
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="fp8_activation_scale"):
         EngineConfig(quantization="fp8", fp8_activation_scale="tensor")
+    # the config's names are the kernels' scheme names (config.py cannot import kernels/)
+    assert FP8_ACTIVATION_SCALES == ACTIVATION_SCALES
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(kv_cache_dtype="fp8_e4m3", tp_size=2)
 
