@@ -458,8 +458,8 @@ def _inline(prompt) -> bool:
     requests arrive together: each hop's return waits behind every other request's work on the loop, and the
     workers contend with the loop for the GIL, so the first request reached the engine only after the last had
     been parsed. Text and chat prompts (tokenization) and constrained requests (a grammar compiles; a process
-    engine waits for the child's verdict) keep the worker thread. A process engine's pipe write is never made on
-    the loop (ProcessEngine._post hands it to its writer thread)."""
+    engine waits for the child's verdict) keep the worker thread. A process engine's pipe write never blocks the
+    loop (engine/process/pipe_writer.py: a non-blocking send, the rest on its writer thread)."""
     return isinstance(prompt, list) and bool(prompt) and type(prompt[0]) is int
 
 

@@ -68,7 +68,7 @@ def test_requests_sent_while_the_pipe_is_busy_cross_it_as_one_batch(model_dirs):
         params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
         prompts = _prompts(8)
         expected = [eng.generate(p, params).text for p in prompts]
-        writes0 = eng.pipe_writes
+        writes0 = eng._pipe.writes
         real, gate, first = eng._conn.send_bytes, threading.Event(), threading.Event()
 
         def held(data):  # the first write waits until everyone else has queued
@@ -82,12 +82,12 @@ def test_requests_sent_while_the_pipe_is_busy_cross_it_as_one_batch(model_dirs):
         assert first.wait(30)
         futs += [pool.submit(eng.generate, p, params) for p in prompts[1:]]
         deadline = time.monotonic() + 30
-        while len(eng._outbox) < 7 and time.monotonic() < deadline:
+        while len(eng._pipe.queued) < 7 and time.monotonic() < deadline:
             time.sleep(0.01)
         gate.set()
         got = [f.result(timeout=60).text for f in futs]
         assert got == expected
-        assert eng.pipe_writes - writes0 == 2 and eng.batched_messages == 7
+        assert eng._pipe.writes - writes0 == 2 and eng._pipe.batched == 7
     finally:
         eng.shutdown()  # fails whatever still waits
         pool.shutdown(wait=False)

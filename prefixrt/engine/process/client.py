@@ -53,7 +53,6 @@ from prefixrt.engine.process.child import child_main
 from prefixrt.engine.process.messages import (
     Abort,
     Add,
-    Batch,
     Beat,
     Bye,
     Call,
@@ -65,7 +64,9 @@ from prefixrt.engine.process.messages import (
     Shutdown,
     pack_token_ids,
     packed_id_range,
+    pickled,
 )
+from prefixrt.engine.process.pipe_writer import PipeWriter
 from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import ENGINE_UNRESPONSIVE, EngineDeadError, InvalidRequest
@@ -164,15 +165,10 @@ class ProcessEngine(EngineAPI):
         self._encode_lock = threading.Lock()
         for name, value in info.api_attributes().items():  # model_name, vocab_size, max_context, ...
             setattr(self, name, value)
-        self._send_lock = threading.Lock()  # guards the outbox, _writing and _closed
-        self._outbox: list[bytes] = []  # pickled messages waiting for the writer (_post)
-        self._writing = False  # a caller (or the writer thread) is writing the outbox to the pipe
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefixrt-engine-writer")
-        self.pipe_writes = self.batched_messages = 0  # writes to the pipe; messages that went in a Batch
+        self._pipe = PipeWriter(self._conn)  # group commit; never blocks an event loop
         self._streams: dict[str, _InFlight] = {}  # written by callers, finished by the reader thread
         self._replies: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
-        self._closed: str | None = None  # why the engine no longer takes requests
         self.death: str | None = None  # why the engine process died, if it died on its own
         self._stopping = False  # shutdown() was called: the child's exit is expected
         self._last_heard = time.monotonic()
@@ -202,49 +198,20 @@ class ProcessEngine(EngineAPI):
     # ------------------------------------------------------------------ messages
     def _send(self, msg) -> None:
         try:
-            data = _pickle(msg)
+            data = pickled(msg)
         except (pickle.PicklingError, RecursionError, TypeError, AttributeError) as e:
             raise InvalidRequest(f"the request cannot be passed to the engine process: {type(e).__name__}: {e}"
                                  ) from None
         self._post(data)
 
     def _post(self, data: bytes, closing: bool = False) -> None:
-        """Queue a pickled message and write the queue to the pipe (group commit): the first caller to find the
-        pipe free writes, later ones only queue and it writes their messages as one Batch next (one queue, one
-        writer at a time: order kept). On an event loop the writing goes to the writer thread: a write blocks
-        while the engine process reads nothing (a broken pipe then reaches the requests through the reader, as
-        the engine's death does). closing: the Shutdown, which may follow a close."""
-        with self._send_lock:
-            if self._closed is not None and not closing:
-                raise EngineDeadError(self._closed)
-            self._outbox.append(data)
-            if closing:  # nothing may follow the Shutdown
-                self._closed = self._closed or "engine is shut down"
-            if self._writing:
-                return
-            self._writing = True
-        if _on_event_loop():
-            self._writer.submit(self._write_outbox)
-        else:
-            self._write_outbox()
+        """Send a pickled message (engine/process/pipe_writer.py). closing: the Shutdown, which may follow a close."""
+        self._pipe.post(data, closing)
 
-    def _write_outbox(self) -> None:
-        """Write the outbox until it is empty (the caller set _writing)."""
-        while True:
-            with self._send_lock:
-                parts, self._outbox = self._outbox, []
-                if not parts:
-                    self._writing = False
-                    return
-            try:
-                self._conn.send_bytes(parts[0] if len(parts) == 1 else _pickle(Batch(parts)))
-            except OSError as e:
-                with self._send_lock:
-                    self._writing = False
-                    self._outbox.clear()  # their senders' streams and calls fail through the reader (_fail_all)
-                raise EngineDeadError(f"the engine process is gone: {e}") from e
-            self.pipe_writes += 1
-            self.batched_messages += len(parts) if len(parts) > 1 else 0
+    @property
+    def _closed(self) -> str | None:
+        """Why the engine no longer takes requests (None while it does)."""
+        return self._pipe.closed
 
     def _ask(self, make_msg: Callable[[int], Any], timeout: float | None = None):
         """Send make_msg(call_id) and wait for the engine's Reply: its result, or its exception."""
@@ -292,8 +259,7 @@ class ProcessEngine(EngineAPI):
         code = self._proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         reason = f"the engine process died ({how})"
-        with self._send_lock:
-            self.death = reason
+        self.death = reason
         log.error("%s; failing every in-flight request", reason)
         if self.on_death is not None:  # first, so that whoever reads the failures below knows the cause
             try:
@@ -317,8 +283,7 @@ class ProcessEngine(EngineAPI):
 
     def _fail_all(self, reason: str) -> None:
         """The child is gone: every waiting caller gets an error instead of waiting forever."""
-        with self._send_lock:
-            self._closed = self._closed or reason
+        self._pipe.close(reason)
         self._fail_in_flight(reason)
 
     def _fail_in_flight(self, reason: str) -> list[str]:
@@ -449,18 +414,17 @@ class ProcessEngine(EngineAPI):
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is running, stop the engine process and wait for it to exit."""
         self._stop_workers()
-        with self._send_lock:
-            if self._closed is not None and not self._proc.is_alive():
-                self._proc.join(timeout=1)
-                return
-            self._stopping = True
+        if self._closed is not None and not self._proc.is_alive():
+            self._proc.join(timeout=1)
+            return
+        self._stopping = True
         try:
-            self._post(_pickle(Shutdown()), closing=True)
+            self._post(pickled(Shutdown()), closing=True)
         except EngineDeadError:
             pass
         self._reader.join(timeout=timeout)
         self._stop_child(timeout)
-        self._writer.shutdown(wait=False)
+        self._pipe.stop()
         self._conn.close()
 
     def _stop_child(self, timeout: float) -> None:
@@ -479,11 +443,6 @@ class ProcessEngine(EngineAPI):
         self.shutdown()
 
 
-def _on_event_loop() -> bool:
-    """Whether this thread is running an asyncio event loop."""
-    return asyncio._get_running_loop() is not None
-
-
 def _pack_if_int32(ids: list[int]) -> bytes | None:
     """pack_token_ids(ids), or None for an id beyond int32 (outside any vocabulary: _validate_ids names it)."""
     try:
@@ -492,7 +451,3 @@ def _pack_if_int32(ids: list[int]) -> bytes | None:
         return None
 
 
-def _pickle(msg) -> bytes:
-    from multiprocessing.reduction import ForkingPickler
-
-    return bytes(ForkingPickler.dumps(msg))

@@ -9,7 +9,7 @@ engine/process/child.py the engine end). Nothing else crosses the pipe.
                        Call          a blocking Engine method by name (stats, cache_prefix, generate, ...)
                        Shutdown
                        Batch         several of the above, each pickled on its own, sent as one message:
-                                     what callers sent while the pipe was busy (group commit, client.py)
+                                     what callers sent while the pipe was busy (group commit, pipe_writer.py)
     engine -> server   Progress*, then Ready(EngineInfo) or Failed          start-up
                        Outputs       all outputs of one scheduler step, [(request id, StepOutput), ...]
                        Reply         the answer to an Add with a call_id, or to a Call
@@ -157,6 +157,13 @@ class Beat:
 @dataclass(frozen=True, slots=True)
 class Bye:
     pass
+
+
+def pickled(msg) -> bytes:
+    """A message as the bytes that cross the pipe (multiprocessing's pickler, as Connection.send uses)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    return bytes(ForkingPickler.dumps(msg))
 
 
 def picklable(e: BaseException) -> BaseException:
