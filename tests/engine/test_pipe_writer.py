@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import pickle
+import socket
 import threading
+import time
 
 import pytest
 
@@ -32,8 +34,23 @@ def _flat(frames: list[bytes]) -> list:
     return out
 
 
-def _pipe():
-    return multiprocessing.get_context("spawn").Pipe()
+@pytest.fixture
+def pipe():
+    """(a PipeWriter on one end of a Pipe, the other end); both closed after the test."""
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    pw = PipeWriter(ours)
+    yield pw, theirs
+    pw.stop()
+    ours.close()
+    theirs.close()
+
+
+def _on_a_loop(fn) -> None:
+    """fn() called on a running asyncio event loop (as a server's request handler calls post)."""
+    async def run():
+        fn()
+
+    asyncio.run(asyncio.wait_for(run(), 10))
 
 
 def _read(conn, n: int, out: list, start: threading.Event) -> threading.Thread:
@@ -48,78 +65,59 @@ def _read(conn, n: int, out: list, start: threading.Event) -> threading.Thread:
 
 
 @pytest.mark.parametrize("reader_waits", [False, True], ids=["reading", "reader-late"])
-def test_frames_sent_from_an_event_loop_are_read_by_connection_in_order(reader_waits):
+def test_frames_sent_from_an_event_loop_are_read_by_connection_in_order(pipe, reader_waits):
     """With the reader late, the pipe fills: a message goes in part and its end follows from the writer thread;
     post() never blocks the loop either way."""
-    ours, theirs = _pipe()
-    pw = PipeWriter(ours)
+    pw, theirs = pipe
     messages = _messages()
     got, start = [], threading.Event()
     if not reader_waits:
         start.set()
     reader = _read(theirs, len(messages), got, start)
+    outcomes = []  # each send from the loop: "whole", "part" (its end left to the thread) or "thread"
+    attempt = pw._write_without_blocking
 
-    async def post_all():
-        for m in messages:
-            pw.post(M.pickled(m))
+    def recorded():
+        done = attempt()
+        outcomes.append("whole" if done else "part" if pw._tail is not None else "thread")
+        return done
 
-    try:
-        asyncio.run(asyncio.wait_for(post_all(), 10))  # never blocks, even with nobody reading
-        start.set()
-        reader.join(30)
-        assert _flat(got) == messages
-        assert pw.writes >= 1 and not pw.writing and not pw.queued
-    finally:
-        pw.stop()
-        ours.close()
-        theirs.close()
-
-
-def test_a_small_message_from_an_event_loop_takes_no_thread():
-    ours, theirs = _pipe()
-    pw = PipeWriter(ours)
-    try:
-        async def post():
-            pw.post(M.pickled(M.Abort("r1")))
-            pw.post(M.pickled(M.Abort("r2")))
-
-        asyncio.run(post())
-        assert [theirs.recv(), theirs.recv()] == [M.Abort("r1"), M.Abort("r2")]
-        assert pw.writes == 2 and not pw.writing
-        assert not pw._thread._threads  # the writer thread was never started
-    finally:
-        pw.stop()
-        ours.close()
-        theirs.close()
+    pw._write_without_blocking = recorded
+    pw._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)  # whatever the host's default: it fills
+    _on_a_loop(lambda: [pw.post(M.pickled(m)) for m in messages])  # never blocks, even with nobody reading
+    start.set()
+    reader.join(30)
+    assert _flat(got) == messages
+    deadline = time.monotonic() + 10  # the writer thread ends its turn after its last write is read
+    while pw.writing and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not pw.writing and not pw.queued
+    assert outcomes[0] == "whole"
+    if reader_waits:  # the socket buffer filled before the 300 KB message went
+        assert "part" in outcomes
 
 
-def test_callers_without_a_loop_write_in_place_and_a_closed_writer_refuses():
-    ours, theirs = _pipe()
-    pw = PipeWriter(ours)
-    try:
-        pw.post(M.pickled(M.Abort("r1")))
-        assert theirs.recv() == M.Abort("r1")
-        pw.post(M.pickled(M.Shutdown()), closing=True)
-        assert theirs.recv() == M.Shutdown()
-        with pytest.raises(EngineDeadError, match="shut down"):
-            pw.post(M.pickled(M.Abort("r2")))
-    finally:
-        pw.stop()
-        ours.close()
-        theirs.close()
+def test_a_small_message_from_an_event_loop_takes_no_thread(pipe):
+    pw, theirs = pipe
+    _on_a_loop(lambda: [pw.post(M.pickled(M.Abort(r))) for r in ("r1", "r2")])
+    assert [theirs.recv(), theirs.recv()] == [M.Abort("r1"), M.Abort("r2")]
+    assert pw.writes == 2 and not pw.writing
+    assert not pw._thread._threads  # the writer thread was never started
 
 
-def test_a_broken_pipe_on_an_event_loop_raises_engine_dead():
-    ours, theirs = _pipe()
-    pw = PipeWriter(ours)
+def test_callers_without_a_loop_write_in_place_and_a_closed_writer_refuses(pipe):
+    pw, theirs = pipe
+    pw.post(M.pickled(M.Abort("r1")))
+    assert theirs.recv() == M.Abort("r1")
+    pw.post(M.pickled(M.Shutdown()), closing=True)
+    assert theirs.recv() == M.Shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        pw.post(M.pickled(M.Abort("r2")))
+
+
+def test_a_broken_pipe_on_an_event_loop_raises_engine_dead(pipe):
+    pw, theirs = pipe
     theirs.close()
-    try:
-        async def post():
-            pw.post(M.pickled(M.Abort("r1")))
-
-        with pytest.raises(EngineDeadError, match="gone"):
-            asyncio.run(post())
-        assert not pw.writing and not pw.queued
-    finally:
-        pw.stop()
-        ours.close()
+    with pytest.raises(EngineDeadError, match="gone"):
+        _on_a_loop(lambda: pw.post(M.pickled(M.Abort("r1"))))
+    assert not pw.writing and not pw.queued
