@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 
 from prefixrt.engine.detokenizer import IncrementalDetokenizer
+from prefixrt.engine.process.messages import PackedIds, token_id_range
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
 from prefixrt.hub.chat_templates import render_chat_template
@@ -166,6 +167,8 @@ class EngineAPI:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise InvalidRequest("prompt is empty", param="prompt")
+            if type(prompt) is PackedIds:  # ints by construction, packed already
+                return prompt
             if not _INT_ONLY.issuperset(map(type, prompt)):  # (bool, an int subclass, is no token id)
                 raise InvalidRequest("a token-id prompt must be a list of integers", param="prompt")
             return list(prompt)
@@ -235,7 +238,7 @@ class EngineAPI:
         params.logit_bias within the vocabulary). id_range: (min(ids), max(ids)) when the caller has them."""
         if not ids:
             raise InvalidRequest("prompt is empty", param="prompt")
-        lowest, highest = id_range if id_range is not None else (min(ids), max(ids))  # (C-speed scans)
+        lowest, highest = id_range if id_range is not None else token_id_range(ids)
         if lowest < 0 or highest >= self.vocab_size:
             bad = [t for t in ids if t < 0 or t >= self.vocab_size]
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
 from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
+from prefixrt.engine.process.messages import PackedIds
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.hub import generation as hub_generation
 from prefixrt.params import SamplingParams
@@ -237,6 +238,8 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
             _raise_if_failed(lc, cs)
             return JSON([c.to_dict() for c in cs])
         prompt = body.prompt if body.prompt is not None else body.input_ids
+        if isinstance(prompt, list) and prompt and type(prompt[0]) is int:  # StrictInt ids: packed once
+            prompt = PackedIds.of(prompt)
         params = dataclasses.replace(params, request_id=rid)
         if not body.stream:
             with lc.serving(engine, [rid]):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixrt import lowering
+from prefixrt.engine.process.messages import PackedIds
 from prefixrt.errors import InvalidRequest
 from prefixrt.outputs import Chunk, Completion
 from prefixrt.params import CONSTRAINT_FIELDS, SamplingParams
@@ -203,9 +204,9 @@ def completion_params(req: CompletionRequest, warnings: list[str] | None = None,
     if isinstance(p, str):
         prompts: list = [p]
     elif p and isinstance(p[0], int):
-        prompts = [list(p)]
+        prompts = [PackedIds.of(p)]  # StrictInt lists: packed once, not scanned again (messages.PackedIds)
     else:
-        prompts = list(p)
+        prompts = [x if isinstance(x, str) else PackedIds.of(x) for x in p]
     if not prompts:
         raise InvalidRequest("prompt is empty", param="prompt")
     return prompts, _finish_params(params)

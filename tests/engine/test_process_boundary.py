@@ -122,6 +122,14 @@ def test_step_outputs_pickle_every_field():
     assert pickle.loads(pickle.dumps(M.Outputs([("r", full)]))) == M.Outputs([("r", full)])
 
 
+def _checked_cases(eng) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Token-id prompts and params that pass or fail each of prepare's checks (empty, vocabulary, int32, context)."""
+    vocab, context = eng.vocab_size, eng.max_context
+    prompts = [[1, 2, 3], [0], [vocab - 1] * 5, [], [vocab], [5, -1, 7], [2**31 - 1], list(range(context + 3)),
+               [k % vocab for k in range(context - 1)]]
+    return prompts, [SamplingParams(max_new_tokens=2, n=2, request_id="r"), SamplingParams(logit_bias={vocab: 1.0})]
+
+
 def _verdict(prepare, *args):
     try:
         got = prepare(*args)
@@ -133,10 +141,7 @@ def _verdict(prepare, *args):
 def test_prepare_packed_is_prepare_on_token_ids(make_engine):
     """What the engine process does with an Add: the same checks, errors and prepared request as prepare()."""
     eng = make_engine()
-    vocab, context = eng.vocab_size, eng.max_context
-    prompts = [[1, 2, 3], [0], [vocab - 1] * 5, [], [vocab], [5, -1, 7], [2**31 - 1], list(range(context + 3)),
-               [k % vocab for k in range(context - 1)]]
-    params = [SamplingParams(max_new_tokens=2, n=2, request_id="r"), SamplingParams(logit_bias={vocab: 1.0})]
+    prompts, params = _checked_cases(eng)
     for ids in prompts:
         for p in params:
             want = _verdict(eng.prepare, ids, p)
@@ -163,3 +168,32 @@ def test_the_server_side_imports_the_tokenizer_classes_before_the_engine_is_read
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "False"]
+
+
+def test_packed_ids_are_prepared_as_their_list_is(make_engine):
+    """A PackedIds prompt (the server's StrictInt ids, packed once) gets the same checks, errors and prepared
+    request as the plain list, and the engine takes it without copying or scanning its types again."""
+    eng = make_engine()
+    prompts, params = _checked_cases(eng)
+    for ids in prompts:
+        packed = M.PackedIds.of(ids)
+        assert type(packed) is M.PackedIds and packed == ids and packed.packed == M.pack_token_ids(ids)
+        for p in params:
+            assert _verdict(eng.prepare, packed, p) == _verdict(eng.prepare, ids, p), (ids[:5], p)
+    packed = M.PackedIds.of([1, 2, 3])
+    assert eng.encode(packed) is packed  # trusted: no copy, no second scan
+    assert M.token_id_range(packed) == (1, 3) == M.token_id_range([1, 2, 3])
+    greedy = {"max_new_tokens": 3, "temperature": 0}
+    assert eng.generate(packed, greedy).token_ids == eng.generate([1, 2, 3], greedy).token_ids
+
+
+@pytest.mark.parametrize("ids", [[2**31], [1, 2.0], [1, "2"]])
+def test_ids_that_cannot_be_packed_stay_a_plain_list(ids):
+    """PackedIds.of leaves them as they are, so the engine's own checks name the problem."""
+    assert M.PackedIds.of(ids) is ids
+
+
+def test_packed_ids_survive_pickling():
+    packed = M.PackedIds.of([5, 6, 7])
+    back = pickle.loads(pickle.dumps(packed))
+    assert type(back) is M.PackedIds and back == [5, 6, 7] and back.packed == packed.packed

@@ -59,6 +59,7 @@ from prefixrt.engine.process.messages import (
     EngineInfo,
     Failed,
     Outputs,
+    PackedIds,
     Progress,
     Reply,
     Shutdown,
@@ -335,7 +336,8 @@ class ProcessEngine(EngineAPI):
             self._validate_ids(ids, p)
         else:
             ids = self._tokenize(prompt)
-            packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
+            # what the Add carries; its id range is read off it, not scanned twice
+            packed = ids.packed if type(ids) is PackedIds else _pack_if_int32(ids)
             self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
         if isinstance(p.json_schema, type):  # a pydantic class: send its schema, not the class
             p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
