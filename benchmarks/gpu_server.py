@@ -353,33 +353,42 @@ def http_batch(url, prompts, max_tokens, clients: Clients | None = None) -> dict
     return batch_summary([asyncio.run(_stream_requests(url, prompts, max_tokens))])
 
 
-def http_hot_ttft(url: str, s: dict, seed: int = 5) -> dict:
-    """The hot-prefix case through HTTP: the prefix cached (/cache_prefix, then 3 warm requests), then hot_n
-    requests of prefix + hot_new fresh tokens one at a time, TTFT to the first streamed event."""
+def hot_request_windows(url: str, shared_len: int, new_len: int, n: int, vocab: int, seed: int = 5,
+                        pause_s: float = 0.0) -> list[tuple[float, float, float]]:
+    """The hot-prefix case through HTTP: the prefix cached (/cache_prefix, then 3 warm requests), then n requests
+    of prefix + new_len fresh tokens one at a time (pause_s between them), each read to the end. Per request,
+    time.monotonic at its send, its first streamed event and its end."""
     import httpx
 
     rng = random.Random(seed)
-    shared = [rng.randrange(16, s["vocab"]) for _ in range(s["hot_shared"])]
+    shared = [rng.randrange(16, vocab) for _ in range(shared_len)]
     with httpx.Client(base_url=url, timeout=120) as http:
         http.post("/flush_cache").raise_for_status()
         http.post("/cache_prefix", json={"prompt": shared}).raise_for_status()
 
-        def once() -> float:
-            body = {"model": "m", "prompt": shared + [rng.randrange(16, s["vocab"]) for _ in range(s["hot_new"])],
+        def once() -> tuple[float, float, float]:
+            body = {"model": "m", "prompt": shared + [rng.randrange(16, vocab) for _ in range(new_len)],
                     "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True}
-            t0 = time.perf_counter()
-            dt = None
+            t0, first = time.monotonic(), None
             with http.stream("POST", "/v1/completions", json=body) as resp:
                 for line in resp.iter_lines():  # read to the end: the next request finds the engine idle
-                    if dt is None and line.startswith("data: {"):
-                        dt = time.perf_counter() - t0
-            if dt is None:
+                    if first is None and line.startswith("data: {"):
+                        first = time.monotonic()
+            if first is None:
                 raise RuntimeError("no event")
-            return dt
+            end = time.monotonic()
+            time.sleep(pause_s)
+            return t0, first, end
 
         for _ in range(3):
             once()
-        xs = [once() for _ in range(s["hot_n"])]
+        return [once() for _ in range(n)]
+
+
+def http_hot_ttft(url: str, s: dict, seed: int = 5) -> dict:
+    """hot_request_windows with the benchmark's shape: TTFT to the first streamed event, p50 / p99."""
+    xs = [first - t0 for t0, first, _ in
+          hot_request_windows(url, s["hot_shared"], s["hot_new"], s["hot_n"], s["vocab"], seed)]
     return {"p50_ms": round(pct(xs, 0.5) * 1000, 2), "p99_ms": round(pct(xs, 0.99) * 1000, 2), "n": len(xs)}
 
 

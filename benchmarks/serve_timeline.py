@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import statistics
 import sys
@@ -116,29 +115,6 @@ if _dir:
 '''
 
 
-def hot_requests(url: str, n: int, shared: int, new: int, vocab: int) -> list[tuple[float, float, float]]:
-    """(sent, first event, end) of n hot-prefix requests after 3 warm ones, time.monotonic."""
-    import httpx
-
-    rng = random.Random(5)
-    prefix = [rng.randrange(16, vocab) for _ in range(shared)]
-    out = []
-    with httpx.Client(base_url=url, timeout=120) as http:
-        http.post("/flush_cache").raise_for_status()
-        http.post("/cache_prefix", json={"prompt": prefix}).raise_for_status()
-        for _ in range(n + 3):
-            body = {"model": "m", "prompt": prefix + [rng.randrange(16, vocab) for _ in range(new)],
-                    "max_tokens": 1, "temperature": 0, "ignore_eos": True, "stream": True}
-            t0, first = time.monotonic(), None
-            with http.stream("POST", "/v1/completions", json=body) as resp:
-                for line in resp.iter_lines():
-                    if first is None and line.startswith("data: {"):
-                        first = time.monotonic()
-            out.append((t0, first, time.monotonic()))
-            time.sleep(0.02)  # the engine goes idle between requests, as in the TTFT benchmark
-    return out[3:]
-
-
 def table(windows, stamps) -> list[tuple[str, float, float, int]]:
     """(stage, p50 ms, min ms, requests seen) in time order of the p50s, the client's first event included."""
     rows = []
@@ -164,7 +140,7 @@ def main() -> None:
     ap.add_argument("--constant-logits", action="store_true")
     ap.add_argument("serve_args", nargs="*", help="after --: more `prefixrt serve` arguments")
     args = ap.parse_args()
-    from benchmarks.gpu_server import Server
+    from benchmarks.gpu_server import Server, hot_request_windows
 
     root = Path(tempfile.mkdtemp(prefix="serve-timeline-"))
     serve_args = list(args.serve_args)
@@ -188,7 +164,8 @@ def main() -> None:
         print(f"server ready in {srv.wait_ready():.1f} s", flush=True)
         srv.signal_all(signal.SIGUSR1)
         time.sleep(0.5)
-        windows = hot_requests(srv.url, args.requests, args.shared, args.new, args.vocab)
+        # the engine goes idle between requests (20 ms), as in the TTFT benchmark
+        windows = hot_request_windows(srv.url, args.shared, args.new, args.requests, args.vocab, pause_s=0.02)
         srv.signal_all(signal.SIGUSR2)
         time.sleep(1.0)
         stamps = [tuple(s) for f in stamps_dir.glob("*.json") for s in json.loads(f.read_text())]

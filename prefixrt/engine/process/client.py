@@ -336,8 +336,7 @@ class ProcessEngine(EngineAPI):
             self._validate_ids(ids, p)
         else:
             ids = self._tokenize(prompt)
-            # what the Add carries; its id range is read off it, not scanned twice
-            packed = ids.packed if type(ids) is PackedIds else _pack_if_int32(ids)
+            packed = _pack_if_int32(ids)  # what the Add carries; its id range is read off it, not scanned twice
             self._validate_ids(ids, p, packed_id_range(packed) if packed else None)
         if isinstance(p.json_schema, type):  # a pydantic class: send its schema, not the class
             p = dataclasses.replace(p, json_schema=to_json_schema(p.json_schema))
@@ -446,7 +445,10 @@ class ProcessEngine(EngineAPI):
 
 
 def _pack_if_int32(ids: list[int]) -> bytes | None:
-    """pack_token_ids(ids), or None for an id beyond int32 (outside any vocabulary: _validate_ids names it)."""
+    """pack_token_ids(ids) (a PackedIds' own bytes), or None for an id beyond int32 (outside any vocabulary:
+    _validate_ids names it)."""
+    if type(ids) is PackedIds:
+        return ids.packed
     try:
         return pack_token_ids(ids)
     except OverflowError:
