@@ -12,7 +12,8 @@ not changed), installed by SIGUSR1 after start-up. Each stage's first stamp insi
 taken; the table gives its p50 and minimum over the requests, in time order.
 
 --constant-logits: the engine process's forward returns fixed logits, so what is left is host work (the
-serving path's own cost, without the model's). Extra arguments after `--` go to `prefixrt serve`.
+serving path's own cost, without the model's). Extra arguments after `--` go to `prefixrt serve`. For a before /
+after, copy this script and gpu_server.py into an older checkout and run it there too.
 """
 
 from __future__ import annotations
@@ -89,15 +90,19 @@ if _dir:
     def _server_side():
         from uvicorn.protocols.http import httptools_impl
         from prefixrt.engine import api
-        from prefixrt.engine.process import client, pipe_writer
+        from prefixrt.engine.process import client
         from prefixrt.server import body, convert, sse
         _wrap(httptools_impl.HttpToolsProtocol, "data_received", "server: bytes in")
         _wrap(body, "loads_json", "server: body parse", "server: body parsed")
         _wrap(convert, "completion_params", "server: handler")
         _wrap(api.EngineAPI, "astream_open", "server: open stream")
         _wrap(client.ProcessEngine, "_submit", "server: submit", "server: submitted")
-        _wrap(pipe_writer.PipeWriter, "_write_without_blocking", "server: pipe write (loop)")
-        _wrap(pipe_writer.PipeWriter, "_write_queue", "server: pipe write (thread)")
+        try:
+            from prefixrt.engine.process import pipe_writer
+            _wrap(pipe_writer.PipeWriter, "_write_without_blocking", "server: pipe write (loop)")
+            _wrap(pipe_writer.PipeWriter, "_write_queue", "server: pipe write (thread)")
+        except ImportError:  # a checkout from before engine/process/pipe_writer.py (for a before / after)
+            _wrap(client.ProcessEngine, "_write_outbox", "server: pipe write (thread)")
         _wrap(client.ProcessEngine, "_deliver", "server: outputs in")
         _wrap(convert.TextEvents, "event", "server: SSE event")
 

@@ -15,7 +15,9 @@ token), TTFT p50 / max, the whole run's wall time, and the CPU seconds the serve
 process spent over the intake (until `all_first_s`) and over the whole run, per request. --inprocess adds a
 row for the same prompts through Engine.astream in this process (no HTTP) as the floor. --wire prints instead what
 the engine-process messages cost to pickle and unpickle: one Add of a RAG prompt, one step's Outputs for every
-request.
+request. --checks N,M,...: instead, the event-loop time of a token-id completion's checks in the server process
+for prompts of N, M, ... ids (the body check, completion_params, encode, and the checks and packing of a process
+engine's submit), with the code of the checkout it runs in: run it at two commits for a before / after.
 """
 
 from __future__ import annotations
@@ -198,6 +200,42 @@ def wire_costs(requests: int, prompt_len: int, repeat: int = 2000) -> dict:
     return out
 
 
+def check_costs(lengths: list[int], repeat_ids: int = 2_000_000) -> dict:
+    """Milliseconds (best of 5) of what the server's event loop does with a /v1/completions token-id prompt before
+    it crosses the pipe: check_body, convert.completion_params, EngineAPI.encode, then ProcessEngine._submit's
+    tokenize / pack / range / validate, on real code with a stand-in EngineAPI (the limits only)."""
+    from prefixrt.engine.api import EngineAPI
+    from prefixrt.engine.process import client
+    from prefixrt.params import SamplingParams
+    from prefixrt.server import convert
+    from prefixrt.server.protocol import CompletionRequest
+    from prefixrt.server.validate import check_body
+
+    api = EngineAPI.__new__(EngineAPI)
+    api.vocab_size, api.max_context, api.kv_total_tokens = 128_256, 1 << 22, 1 << 22
+    params = SamplingParams(max_new_tokens=1)
+    out = {}
+    for n in lengths:
+        body = CompletionRequest.model_validate({"model": "m", "prompt": workload(1, n, 0, 128_000)[0],
+                                                 "max_tokens": 1})
+
+        def checks(body=body):
+            check_body(body)
+            ids = api.encode(convert.completion_params(body)[0][0])
+            ids = api._tokenize(ids)
+            packed = client._pack_if_int32(ids)
+            api._validate_ids(ids, params, client.packed_id_range(packed))
+
+        repeat, best = max(1, repeat_ids // n), float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                checks()
+            best = min(best, (time.perf_counter() - t0) / repeat)
+        out[f"checks_{n}_ids_ms"] = round(1e3 * best, 3)
+    return out
+
+
 def main() -> None:
     ap = script_parser(__doc__)
     int_flags(ap, requests=64, prefix=3500, unique=80, output=4)
@@ -210,7 +248,12 @@ def main() -> None:
     ap.add_argument("--hold", type=float, default=0.0,
                     help="seconds to wait after start-up before the rounds (to attach a profiler)")
     ap.add_argument("--wire", action="store_true", help="only the pipe messages' pickling costs (no server)")
+    ap.add_argument("--checks", default=None, metavar="N,M", help="only the event-loop checks of token-id prompts "
+                    "of these lengths (no server)")
     args = ap.parse_args()
+    if args.checks:
+        print(json.dumps(check_costs([int(x) for x in args.checks.split(",")]), indent=1))
+        return
     if args.wire:
         print(json.dumps(wire_costs(args.requests, args.prefix + args.unique), indent=1))
         return
