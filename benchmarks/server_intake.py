@@ -190,14 +190,19 @@ def wire_costs(requests: int, prompt_len: int, repeat: int = 2000) -> dict:
     outputs_data = bytes(ops["outputs_send"]())
     out: dict = {"add_bytes": len(add_data), "outputs_bytes": len(outputs_data)}
     for name, fn in ops.items():
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / repeat)
-        out[f"{name}_us"] = round(1e6 * best, 1)
+        out[f"{name}_us"] = round(1e6 * _best_seconds(fn, repeat), 1)
     return out
+
+
+def _best_seconds(fn, repeat: int) -> float:
+    """Seconds per call of fn, the best of 5 rounds of `repeat` calls."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / repeat)
+    return best
 
 
 def check_costs(lengths: list[int], repeat_ids: int = 2_000_000) -> dict:
@@ -226,13 +231,7 @@ def check_costs(lengths: list[int], repeat_ids: int = 2_000_000) -> dict:
             packed = client._pack_if_int32(ids)
             api._validate_ids(ids, params, client.packed_id_range(packed))
 
-        repeat, best = max(1, repeat_ids // n), float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(repeat):
-                checks()
-            best = min(best, (time.perf_counter() - t0) / repeat)
-        out[f"checks_{n}_ids_ms"] = round(1e3 * best, 3)
+        out[f"checks_{n}_ids_ms"] = round(1e3 * _best_seconds(checks, max(1, repeat_ids // n)), 3)
     return out
 
 
