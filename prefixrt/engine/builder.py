@@ -36,6 +36,7 @@ from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, head_layouts, warm_up_b
 from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.model.rank_setup import kv_pool_slots, resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
+from prefixrt.stage_clock import StageClock
 
 log = logging.getLogger("prefixrt")
 
@@ -66,42 +67,58 @@ class Built:
 
 
 def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
+    """Resolve, load and assemble the engine for `config`. Its start-up line says where the time went, by stage
+    (StageClock: resolving, a first use's conversion stages, the tokenizer, loading, assembling, warming up)."""
     from prefixrt.hub.registry import resolve_model
 
     say = progress or (lambda msg: log.info(msg))
-    t0 = time.perf_counter()
+    clock = StageClock()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
 
     say(f"resolving model {config.model!r}")
-    resolved = resolve_model(config.model)
+    with clock.stage("resolve"):
+        resolved = resolve_model(config.model, clock)
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
-    tokenizer = tokenizer_while_the_device_starts(resolved, device, say)
-    ranks = start_ranks(config, resolved.path, say)
+    with clock.stage("tokenizer"):
+        tokenizer = tokenizer_while_the_device_starts(resolved, device, say)
+    with clock.stage("start ranks"):
+        ranks = start_ranks(config, resolved.path, say)
     try:
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
             + (f" (rank 0 of {ranks.size})" if ranks.size > 1 else ""))
-        model = ranks.load_model(resolved.path, config, dtype)
-        load_s = time.perf_counter() - t0
-        built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks, deliver=deliver)
+        with clock.stage("load weights"):
+            model = ranks.load_model(resolved.path, config, dtype)
+        load_s = clock.total()
+        built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks, deliver=deliver,
+                         clock=clock)
     except BaseException:
         ranks.stop()
         raise
     built.owns_model = True
     built.startup["load_s"] = load_s
-    built.startup["total_s"] = time.perf_counter() - t0
-    say(f"start-up: {built.startup['total_s']:.1f}s (weights {load_s:.1f}s)")
+    built.startup["total_s"] = clock.total()
+    built.startup["stages"] = dict(clock.seconds)
+    say(f"start-up: {clock.summary()}")
     return built
 
 
 def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None,
-             deliver=RequestStream.push_many) -> Built:
+             deliver=RequestStream.push_many, clock: StageClock | None = None) -> Built:
     """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core and its hooks (deliver:
     where the loop's outputs go, LoopHooks.deliver). Tests inject models here.
     ranks: the rank strategy (engine/ranks.py; default one device). With tensor parallelism (this is rank 0) the
-    pool size is agreed with the other ranks, which get the table shape, and the runner drives them."""
+    pool size is agreed with the other ranks, which get the table shape, and the runner drives them.
+    clock: where the stages' seconds go (assemble; KV pool; on CUDA warm up and capture graphs)."""
+    clock = clock or StageClock()
+    with clock.stage("assemble"):
+        return _assemble(config, model, tokenizer, resolved, device, dtype, say, ranks, deliver, clock)
+
+
+def _assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say, ranks, deliver,
+              clock: StageClock) -> Built:
     say = say or (lambda msg: log.info(msg))
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
@@ -126,7 +143,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
         f"{' per rank' if ranks.size > 1 else ''})")
-    pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
+    with clock.stage("KV pool"):
+        pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
     if pool.quantized:  # before anything is written: the scales are constants of the pool
         from prefixrt.model.kv_calibration import set_kv_scales
 
@@ -168,30 +186,33 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
                             max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
                             cascade=cascade_spec(attention, config),
                             max_verify_tokens=verify_graph_tokens(config, max_running)) if config.cuda_graph else None)
-            report = prebuild(build_pool, runner, batches, capture)
+            with clock.stage("build kernels"):
+                report = prebuild(build_pool, runner, batches, capture)
             startup["parallel_builds"] = dataclasses.asdict(report)
             say(report.line())
         t = time.perf_counter()
-        startup["warm_up_s"] = runner.warm_up(batches)
+        with clock.stage("warm up"):
+            startup["warm_up_s"] = runner.warm_up(batches)
         say(f"kernels warmed up for long-prefix EXTEND shapes in {time.perf_counter() - t:.1f}s")
     if config.cuda_graph and triton_on_gpu:
         say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
             f"{EXTEND_GRAPH_TOKENS} tokens)")
         t = time.perf_counter()
-        # On failure: plain decode graphs alone, then eager.
-        verify = verify_graph_tokens(config, max_running)
-        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
-            try:
-                startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
-                                                          max_extend_tokens=extend_tokens, cascade=cascade,
-                                                          max_verify_tokens=verify if extend_tokens else 0)
-                break
-            except Exception as e:  # keep serving, eagerly, and say so loudly
-                ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
-                runner.release_graphs()
-                what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
-                log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
-                print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}", flush=True)
+        with clock.stage("capture graphs"):
+            # On failure: plain decode graphs alone, then eager.
+            verify = verify_graph_tokens(config, max_running)
+            for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
+                try:
+                    startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
+                                                              max_extend_tokens=extend_tokens, cascade=cascade,
+                                                              max_verify_tokens=verify if extend_tokens else 0)
+                    break
+                except Exception as e:  # keep serving, eagerly, and say so loudly
+                    ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
+                    runner.release_graphs()
+                    what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
+                    log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
+                    print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}", flush=True)
         startup["capture_s"] = time.perf_counter() - t
         for line in startup["graphs"]:
             say(line)
