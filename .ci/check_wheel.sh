@@ -15,8 +15,9 @@ trap 'rm -rf "$work"' EXIT
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset PYTHONPATH
 started=$SECONDS
+section() { echo "== [$((SECONDS - started))s] $*"; }
 
-echo "== export $(git -C "$repo" rev-parse --short "$ref") and build"
+section "export $(git -C "$repo" rev-parse --short "$ref") and build"
 mkdir -p "$work/src" "$work/dist" "$work/from-sdist" "$work/run"
 git -C "$repo" archive --format=tar "$ref" | tar -x -C "$work/src"
 (cd "$work/src" && python -c "from setuptools import build_meta as b; b.build_sdist('$work/dist')" >/dev/null)
@@ -30,14 +31,14 @@ assert a == b, f"wheel from the tree vs wheel from the sdist: {sorted(a ^ b)}"
 print(f"sdist and wheel built; {len(a)} files in the wheel, the same from the sdist")
 EOF
 
-echo "== a venv with the wheel alone"
+section "a venv with the wheel alone"
 python -m venv --without-pip "$work/venv"
 deps="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 site="$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$deps" > "$site/_dependencies.pth"
 python -m pip --python "$work/venv/bin/python" install -q --no-deps "$work"/dist/prefixrt-*.whl
 
-echo "== a tiny checkpoint (tests/helpers, with the project's venv)"
+section "a tiny checkpoint (tests/helpers, with the project's venv)"
 (cd "$repo" && python - "$work/tiny" <<'EOF'
 import sys
 from tests.helpers.checkpoints import save_tiny_checkpoint
@@ -47,7 +48,7 @@ make_tiny_tokenizer().save_pretrained(sys.argv[1])
 EOF
 )
 
-echo "== the installed package, from $work/run"
+section "the installed package, from $work/run"
 cp "$repo/.ci/check_installed.py" "$work/run/"
 (cd "$work/run" && "$work/venv/bin/python" -I check_installed.py "$work/tiny")
-echo "== check_wheel: $((SECONDS - started))s"
+section "check_wheel passed"
