@@ -41,10 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    help="fp8: FP8 (e4m3) weights for the decoder's linear layers, a float checkpoint quantized at "
                         "load (per-channel weight scales); default: the weights as the checkpoint stores them (a "
                         "pre-quantized FP8 checkpoint loads as FP8)")
-    p.add_argument("--fp8-activation-scale", choices=["group", "token"], default="group",
-                   help="with FP8 weights, the activations' e4m3 scales: one per 64 values of a token "
-                        "(group, the default: the more accurate) or one per token (token: cuBLAS's row-wise FP8 GEMM "
-                        "can run it at large batches)")
+    p.add_argument("--fp8-activation-scale", choices=["none", "group", "token"], default="none",
+                   help="with FP8 weights, inputs taller than a decode batch (which always runs weight-only): "
+                        "none (weight-only too, the default: the most accurate), group (activations quantized with "
+                        "one e4m3 scale per 64 values of a token) or token (one per token: cuBLAS's row-wise FP8 GEMM, "
+                        "the fastest at large batches)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                    help="fp8_e4m3: store K/V in FP8 (half the bytes of bf16: about twice the cached tokens), one scale "
                         "per layer and kv head (from the checkpoint, else calibrated at start-up); default: the "
