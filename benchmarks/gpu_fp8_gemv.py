@@ -57,6 +57,7 @@ def correctness(smoke: bool, dev) -> dict:
     import torch
     from prefixrt.kernels import fp8_reference as R
     from prefixrt.kernels import gemv as G
+    from prefixrt.kernels.fused_reference import act_mul
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     shapes = [(6144, 4096), (4096, 14336), (1000, 4096)] if not smoke else [(96, 256), (130, 192)]
@@ -68,7 +69,7 @@ def correctness(smoke: bool, dev) -> dict:
             for m in (1, 7, 33, 64) if not smoke else (1, 5):
                 for act in (None, "silu"):
                     x = (torch.randn(m, 2 * k if act else k, generator=gen) * 2).to(dev, torch.bfloat16)
-                    want = R.weight_only_linear(x, w_q, w_s, None, act)
+                    want = R.weight_only_linear(act_mul(x, act) if act else x, w_q, w_s)
                     for cfg in (G.GemvConfig(32, 128), G.GemvConfig(64, 128, 4), G.GemvConfig(16, 256)):
                         if block and 128 % cfg.block_k:
                             continue
@@ -105,6 +106,7 @@ def shape_timings(name: str, n: int, k: int, act: str | None, dev, rows_all: tup
     from prefixrt.kernels import fp8_gemm as FG
     from prefixrt.kernels import fp8_reference as R
     from prefixrt.kernels import gemv as G
+    from prefixrt.kernels.fused_reference import act_mul
 
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     copies = max(4, min(16, -(-256 * 2**20 // (n * k))))
@@ -116,7 +118,7 @@ def shape_timings(name: str, n: int, k: int, act: str | None, dev, rows_all: tup
         x = torch.randn(m, 2 * k if act else k, device=dev, dtype=torch.bfloat16)
         xa = F.silu(x[:, :k]) * x[:, k:] if act else x
         row: dict = {"bf16_cublas": G.graph_time_us(_call(F.linear, xa, w16), copies)}
-        want = R.weight_only_linear(x, w8q[0], w8s[0], None, act).float()
+        want = R.weight_only_linear(act_mul(x, act) if act else x, w8q[0], w8s[0]).float()
         wo, w16t = {}, {}
         for cfg in G.weight_only_candidates(n, k, m, num_sms):
             try:
@@ -186,7 +188,6 @@ def tall_w8a8(dev, rows_list: tuple[int, ...]) -> dict:
     against bf16 cuBLAS and quantize + _scaled_mm (per-token scales), for inputs of rows_list rows (us)."""
     import torch
     import torch.nn.functional as F
-
     from prefixrt.kernels import fp8_gemm as FG
     from prefixrt.kernels import fp8_reference as R
     from prefixrt.kernels import gemv as G
@@ -231,7 +232,6 @@ def decode_attention_kv(dev) -> dict:
     """Decode attention at batch 256 x 1024 context (Llama-3-8B heads): bf16 against e4m3 K/V, stage 1 in several
     launch configurations (GB/s of K/V read)."""
     import torch
-
     from prefixrt.kernels import fp8_reference as R
     from prefixrt.kernels import gemv as G
     from prefixrt.kernels.decode_attention import decode_workspace, launch_decode_stage1

@@ -164,15 +164,11 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     return fp8_matmul_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype)
 
 
-def weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                       act_input: str | None = None) -> torch.Tensor:  # fmt: skip
-    """x [M, K] (or a gate_up row [M, 2K] with act_input) -> [M, N] in x's dtype: weight-only FP8, x as it is (no
-    activation quantization) times the dequantized weight, in float32; act_input: act(gate) * up first, rounded to
-    x's dtype as the model's torch path rounds it. What the weight-only GEMV (kernels/gemv.py with w_scale) computes."""
-    if act_input:
-        from prefixrt.kernels.fused_reference import act_mul
-
-        x = act_mul(x, act_input)
+def weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> [M, N] in x's dtype: weight-only FP8, x as it is (no activation quantization) times the dequantized
+    weight, in float32. What the weight-only GEMV (kernels/gemv.py with w_scale) computes; with its gated activation
+    fused, x is fused_reference.act_mul(gate_up) (rounded to the model dtype, as the model's torch path rounds it)."""
     y = x.float() @ dequantize_weight(w_q, w_scale).T  # [M, N] float32
     if bias is not None:
         y = y + bias.float()
