@@ -111,7 +111,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     where the loop's outputs go, LoopHooks.deliver). Tests inject models here.
     ranks: the rank strategy (engine/ranks.py; default one device). With tensor parallelism (this is rank 0) the
     pool size is agreed with the other ranks, which get the table shape, and the runner drives them.
-    clock: where the stages' seconds go (assemble; KV pool; on CUDA warm up and capture graphs)."""
+    clock: where the stages' seconds go (assemble; FP8 speed check; KV pool; on CUDA build kernels, warm up and
+    capture graphs)."""
     clock = clock or StageClock()
     with clock.stage("assemble"):
         return _assemble(config, model, tokenizer, resolved, device, dtype, say, ranks, deliver, clock)
@@ -131,7 +132,8 @@ def _assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, s
     set_fp8_activation_scale(model, config.fp8_activation_scale)  # (before the kernel plans are made)
     from prefixrt.model.fp8_speed_check import check_fp8_speed
 
-    speed = check_fp8_speed(model, dtype, config.fp8_speed_check, say)  # (before the pool is sized from free memory)
+    with clock.stage("FP8 speed check"):  # (before the pool is sized from free memory)
+        speed = check_fp8_speed(model, dtype, config.fp8_speed_check, say)
     if speed is not None:
         startup["fp8_speed_check"] = {"fp8_us": round(speed.fp8_us, 1), "bf16_us": round(speed.bf16_us, 1),
                                       "served_as_fp8": not speed.fp8_slower}
