@@ -40,9 +40,7 @@ NEW_TOKENS = 8
 def check_isolation() -> None:
     """Nothing but the installed copy of prefixrt can be imported: no source tree on sys.path, no editable
     install's finder, no source-tree finder (an installed prefixrt never installs one)."""
-    import prefixrt.kernels
-
-    import prefixrt
+    import prefixrt.kernels  # (binds prefixrt too)
 
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     package = Path(prefixrt.__file__).resolve().parent
