@@ -92,8 +92,9 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
         with clock.stage("load weights"):
             model = ranks.load_model(resolved.path, config, dtype)
         load_s = clock.total()
-        built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks, deliver=deliver,
-                         clock=clock)
+        with clock.stage("assemble"):
+            built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks,
+                             deliver=deliver, clock=clock)
     except BaseException:
         ranks.stop()
         raise
@@ -111,15 +112,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     where the loop's outputs go, LoopHooks.deliver). Tests inject models here.
     ranks: the rank strategy (engine/ranks.py; default one device). With tensor parallelism (this is rank 0) the
     pool size is agreed with the other ranks, which get the table shape, and the runner drives them.
-    clock: where the stages' seconds go (assemble; FP8 speed check; KV pool; on CUDA build kernels, warm up and
-    capture graphs)."""
+    clock: where the stages' seconds go (FP8 speed check; KV pool; on CUDA build kernels, warm up and capture
+    graphs)."""
     clock = clock or StageClock()
-    with clock.stage("assemble"):
-        return _assemble(config, model, tokenizer, resolved, device, dtype, say, ranks, deliver, clock)
-
-
-def _assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say, ranks, deliver,
-              clock: StageClock) -> Built:
     say = say or (lambda msg: log.info(msg))
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
