@@ -48,19 +48,17 @@ from dspy.lm15 import (
     UnsupportedFeatureError,
     Usage,
 )
-from prefixrt.adapters import _lowering
-from prefixrt.adapters._lowering import (
-    ProviderHandle,
-    ToolPlan,
-    lower_chat,
-    new_call_id,
-)
 from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint
+from prefixrt.adapters.provider_handle import ProviderHandle
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.lowering.chat import lower_chat
+from prefixrt.lowering.messages import normalize_messages
+from prefixrt.lowering.options import sampling_options, with_request_id
+from prefixrt.lowering.reasoning import ReasoningParser
+from prefixrt.lowering.tools import ToolPlan, new_call_id
 from prefixrt.multimodal.messages import IMAGE_MARKER, restore_images
 from prefixrt.params import CONSTRAINT_FIELDS
-from prefixrt.reasoning import ReasoningParser
 
 _PROVIDER = "prefixrt"
 _LM_CLASS_PATH = "prefixrt.adapters.dspy.LM"
@@ -125,7 +123,7 @@ def _openai_messages(request: Request, images: list | None = None) -> list[dict]
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": json.dumps(c.input, ensure_ascii=False)}} for c in calls]
         messages.append(message)
-    return _lowering.normalize_messages(messages)
+    return normalize_messages(messages)
 
 
 def request_messages(request: Request) -> list[dict]:
@@ -160,7 +158,7 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
     think (an explicit response_format or tool plan still is).
 
     The chat request itself (messages, tools, tool choice, response format) is lowered by
-    prefixrt.lowering.lower_chat, as `prefixrt serve` lowers it; what is DSPy's own is the reply format its
+    prefixrt/lowering/chat.py lower_chat, as `prefixrt serve` lowers it; what is DSPy's own is the reply format its
     adapters ask for in the prompt (adapters/dspy_formats.py), which becomes the constraint when nothing else
     is one."""
     cfg = request.config
@@ -178,7 +176,7 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
         raise UnsupportedFeatureError("prefixrt: reasoning, provider prompt-cache config and probabilities are not "
                                       "supported (prefix caching is automatic)", provider=_PROVIDER)
     try:
-        params = _lowering.sampling_params({**options, **extensions}, what="dspy request")
+        params = with_request_id(sampling_options({**options, **extensions}, what="dspy request"))
         tools, choice = _openai_tools(request)
         # One tool call per reply unless asked: a small model allowed "one or more" may write calls until
         # max_tokens.
@@ -440,7 +438,7 @@ class LM(dspy.LM):
     different weights never share cached answers. Defaults suit a small local model: temperature 0 (greedy)
     and max_tokens 512. Other keyword arguments are default request options (as for `dspy.LM`), including
     prefixrt's own (regex, choices, grammar, cache_salt, repetition_penalty, top_k, min_p).
-    `reasoning_parser` ("qwen3", "deepseek-r1"; prefixrt/reasoning.py): a reasoning model's thinking is returned
+    `reasoning_parser` ("qwen3", "deepseek-r1"; prefixrt/lowering/reasoning.py): a reasoning model's thinking is returned
     apart from its reply, as DSPy's `reasoning_content`, and fills a `dspy.Reasoning` output field.
     """
 

@@ -39,7 +39,7 @@ import json
 import re
 
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
-from prefixrt.json_schema import strict_schema
+from prefixrt.lowering.json_schema import strict_schema
 
 _CHAT_REQUEST = re.compile(r"Respond with the corresponding output fields, starting with the field (.*?), and then "
                            r"ending with the marker for `\[\[ ## completed ## \]\]`\.", re.S)

@@ -42,18 +42,16 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, Runn
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import secret_from_env
-from prefixrt.adapters import _lowering
-from prefixrt.adapters._lowering import (
-    ProviderHandle,
-    ToolPlan,
-    lower_chat,
-    new_call_id,
-    strict_schema,
-)
+from prefixrt.adapters.provider_handle import ProviderHandle
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
+from prefixrt.lowering.chat import lower_chat
+from prefixrt.lowering.json_schema import strict_schema
+from prefixrt.lowering.messages import normalize_messages
+from prefixrt.lowering.options import sampling_options, with_request_id
+from prefixrt.lowering.reasoning import ReasoningParser, ReasoningSplitter
+from prefixrt.lowering.tools import ToolPlan, new_call_id
 from prefixrt.multimodal.messages import IMAGE_MARKER, image_source, restore_images
-from prefixrt.reasoning import ReasoningParser, ReasoningSplitter
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
           "ai": "assistant"}
@@ -104,7 +102,7 @@ def to_openai_messages(messages: Sequence[BaseMessage], images: list | None = No
             out.append({"role": _ROLES[m.role], "content": text})
         else:
             raise ValueError(f"ChatPrefixRT cannot send a {type(m).__name__}")
-    return _lowering.normalize_messages(out)
+    return normalize_messages(out)
 
 
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
@@ -172,7 +170,7 @@ class ChatPrefixRT(BaseChatModel):
     cache_salt: str | None = None
     """Requests with different salts never share cached KV."""
     reasoning_parser: str | None = None
-    """A reasoning model's form ("qwen3", "deepseek-r1"; prefixrt/reasoning.py): its thinking then goes in the
+    """A reasoning model's form ("qwen3", "deepseek-r1"; prefixrt/lowering/reasoning.py): its thinking then goes in the
     AIMessage's additional_kwargs["reasoning_content"] (streamed as chunks), apart from the content."""
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, protected_namespaces=())
@@ -239,7 +237,7 @@ class ChatPrefixRT(BaseChatModel):
                    "top_k": self.top_k, "seed": self.seed, "repetition_penalty": self.repetition_penalty,
                    "cache_salt": self.cache_salt, "stop": stop if stop is not None else self.stop}
         options.update(kwargs)
-        params = _lowering.sampling_params(options, what="ChatPrefixRT")
+        params = with_request_id(sampling_options(options, what="ChatPrefixRT"))
         choice = None
         if tools:
             choice = _tool_choice_name(tool_choice, [t["function"]["name"] for t in tools])

@@ -91,10 +91,17 @@ if _dir:
         from uvicorn.protocols.http import httptools_impl
         from prefixrt.engine import api
         from prefixrt.engine.process import client
-        from prefixrt.server import body, convert, sse
+        from prefixrt.server import body, sse
         _wrap(httptools_impl.HttpToolsProtocol, "data_received", "server: bytes in")
         _wrap(body, "loads_json", "server: body parse", "server: body parsed")
-        _wrap(convert, "completion_params", "server: handler")
+        try:
+            from prefixrt.server import openai_api, openai_format
+            _wrap(openai_api, "lower_completion_request", "server: handler")
+            text_events = openai_format.TextEvents
+        except ImportError:  # a checkout from before prefixrt/lowering/ (for a before / after)
+            from prefixrt.server import convert
+            _wrap(convert, "completion_params", "server: handler")
+            text_events = convert.TextEvents
         _wrap(api.EngineAPI, "astream_open", "server: open stream")
         _wrap(client.ProcessEngine, "_submit", "server: submit", "server: submitted")
         try:
@@ -104,7 +111,7 @@ if _dir:
         except ImportError:  # a checkout from before engine/process/pipe_writer.py (for a before / after)
             _wrap(client.ProcessEngine, "_write_outbox", "server: pipe write (thread)")
         _wrap(client.ProcessEngine, "_deliver", "server: outputs in")
-        _wrap(convert.TextEvents, "event", "server: SSE event")
+        _wrap(text_events, "event", "server: SSE event")
 
     def _install(*_):
         if "prefixrt.server.app" in sys.modules:

@@ -207,12 +207,23 @@ def _best_seconds(fn, repeat: int) -> float:
 
 def check_costs(lengths: list[int], repeat_ids: int = 2_000_000) -> dict:
     """Milliseconds (best of 5) of what the server's event loop does with a /v1/completions token-id prompt before
-    it crosses the pipe: check_body, convert.completion_params, EngineAPI.encode, then ProcessEngine._submit's
+    it crosses the pipe: check_body, the request's lowering, EngineAPI.encode, then ProcessEngine._submit's
     tokenize / pack / range / validate, on real code with a stand-in EngineAPI (the limits only)."""
     from prefixrt.engine.api import EngineAPI
     from prefixrt.engine.process import client
     from prefixrt.params import SamplingParams
-    from prefixrt.server import convert
+    try:
+        from prefixrt.engine.process.messages import PackedIds
+        from prefixrt.lowering.completion import lower_completion_request
+
+        def lowered_prompt(body):  # as the /v1/completions route does
+            fields = {k: getattr(body, k) for k in type(body).model_fields if k != "prompt"}
+            return PackedIds.of(lower_completion_request(fields, body.prompt)[0][0])
+    except ImportError:  # a checkout from before prefixrt/lowering/ (for a before / after)
+        from prefixrt.server import convert
+
+        def lowered_prompt(body):
+            return convert.completion_params(body)[0][0]
     from prefixrt.server.protocol import CompletionRequest
     from prefixrt.server.validate import check_body
 
@@ -226,7 +237,7 @@ def check_costs(lengths: list[int], repeat_ids: int = 2_000_000) -> dict:
 
         def checks(body=body):
             check_body(body)
-            ids = api.encode(convert.completion_params(body)[0][0])
+            ids = api.encode(lowered_prompt(body))
             ids = api._tokenize(ids)
             packed = client._pack_if_int32(ids)
             api._validate_ids(ids, params, client.packed_id_range(packed))

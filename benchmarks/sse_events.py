@@ -16,7 +16,7 @@ import timeit
 
 from benchmarks.common import script_parser
 from prefixrt.outputs import Chunk
-from prefixrt.server import convert
+from prefixrt.server import openai_format as convert
 from prefixrt.server.sse import sse
 
 RID, MODEL, CREATED = "cmpl-0123456789abcdef0123456789abcdef", "llama-3-8b", 1764547200

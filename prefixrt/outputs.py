@@ -42,6 +42,15 @@ class Completion:
         return d
 
 
+def completion_from_dict(d: dict[str, Any]) -> Completion:
+    """The inverse of Completion.to_dict (RemoteEngine reads the server's JSON with it)."""
+    d = dict(d)
+    outs = [completion_from_dict(o) for o in d.pop("outputs", []) or []]
+    c = Completion(**d)
+    c.outputs = outs if outs else [c]
+    return c
+
+
 @dataclass
 class Chunk:
     request_id: str

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.text_checks import MAX_JSON_DEPTH, check_json_value, check_text
+from prefixrt.lowering.text_checks import MAX_JSON_DEPTH, check_json_value, check_text
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices", "json_object")
 
@@ -42,7 +42,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     regex: str | None = None
-    json_schema: Any = None  # dict, JSON text, or a pydantic model class (prefixrt/json_schema.py)
+    json_schema: Any = None  # dict, JSON text, or a pydantic model class (prefixrt/lowering/json_schema.py)
     grammar: str | None = None
     choices: list[str] | None = None
     json_object: bool = False  # any JSON object (OpenAI response_format json_object)

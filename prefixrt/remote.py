@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 
 from prefixrt.errors import EngineDeadError, InvalidRequest
-from prefixrt.json_schema import to_json_schema
-from prefixrt.outputs import Chunk, Completion, EngineStats
+from prefixrt.lowering.json_schema import to_json_schema
+from prefixrt.outputs import Chunk, EngineStats, completion_from_dict
 from prefixrt.params import SamplingParams
 
 
@@ -49,12 +49,6 @@ def _is_batch(prompt) -> bool:
         return False
     first = prompt[0]
     return isinstance(first, str) or (isinstance(first, (list, tuple)) and not isinstance(first, dict))
-
-
-def _completion(d: dict) -> Completion:
-    from prefixrt.server.convert import completion_from_dict
-
-    return completion_from_dict(d)
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -154,13 +148,13 @@ class RemoteEngine:
         resp = self._client.post("/generate", json=self._body(prompt, params))
         _raise_for(resp)
         data = resp.json()
-        return [_completion(d) for d in data] if isinstance(data, list) else _completion(data)
+        return [completion_from_dict(d) for d in data] if isinstance(data, list) else completion_from_dict(data)
 
     async def agenerate(self, prompt, params: SamplingParams | dict | None = None):
         resp = await self._aclient().post("/generate", json=self._body(prompt, params))
         _raise_for(resp)
         data = resp.json()
-        return [_completion(d) for d in data] if isinstance(data, list) else _completion(data)
+        return [completion_from_dict(d) for d in data] if isinstance(data, list) else completion_from_dict(data)
 
     def stream(self, prompt, params: SamplingParams | dict | None = None) -> Iterator[Chunk]:
         """Submit now (errors raise here), then iterate Chunks. Closing the iterator early aborts."""

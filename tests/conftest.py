@@ -140,7 +140,7 @@ def gemma_engine_session():
     Options: `Engine("gemma-3-270m", device="cpu", dtype="float32", debug=True)` (debug: KV accounting is checked
     at every idle step and freed slots are poisoned with NaN), the default CPU KV pool. It is also the engine
     that `prefixrt.LM("gemma-3-270m")`, `ChatPrefixRT(model="gemma-3-270m")` and
-    `prefixrt.adapters._lowering.shared_engine("gemma-3-270m")` return while the fixture is active, so adapter
+    `prefixrt.adapters.provider_handle.shared_engine("gemma-3-270m")` return while the fixture is active, so adapter
     tests that name the model reach this engine too.
 
     Contract for users: only read from it. Do not shut it down or change its settings, and leave it idle (no
@@ -148,23 +148,23 @@ def gemma_engine_session():
     cached tokens (or `flush_cache()` first), never exact counts that depend on earlier tests. Skips the test
     when the model's package is missing. At teardown the engine must be idle and clean (assert_idle_and_clean).
     """
-    from prefixrt.adapters import _lowering
+    from prefixrt.adapters import provider_handle
 
     from prefixrt.engine.engine import Engine
 
     skip_without_gemma()
     eng = Engine(GEMMA, device="cpu", dtype="float32", debug=True, progress=False)
     key = (GEMMA, ())  # shared_engine's key for the model with no engine kwargs (what LM(model) passes)
-    with _lowering._shared_lock:
-        _lowering._shared_engines[key] = eng
+    with provider_handle._shared_lock:
+        provider_handle._shared_engines[key] = eng
     try:
-        assert _lowering.shared_engine(GEMMA) is eng, "adapters' shared_engine key changed: update this fixture"
+        assert provider_handle.shared_engine(GEMMA) is eng, "adapters' shared_engine key changed: update this fixture"
         yield eng
         assert_idle_and_clean(eng)
     finally:
-        with _lowering._shared_lock:
-            if _lowering._shared_engines.get(key) is eng:
-                del _lowering._shared_engines[key]
+        with provider_handle._shared_lock:
+            if provider_handle._shared_engines.get(key) is eng:
+                del provider_handle._shared_engines[key]
         eng.shutdown()
 
 

@@ -1,4 +1,4 @@
-"""Choice scoring: the normalizations of prefixrt/choice_scoring.py and best_choice."""
+"""Choice scoring: the normalizations of prefixrt/lowering/choice_scoring.py and best_choice."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from prefixrt.choice_scoring import best_choice, score_choices
+from prefixrt.lowering.choice_scoring import best_choice, score_choices
 
 
 def select_choice(*args):

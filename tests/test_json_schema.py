@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import to_json_schema
+from prefixrt.lowering.json_schema import to_json_schema
 from prefixrt.params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""prefixrt/reasoning.py: replies in Qwen3's and DeepSeek-R1's forms split into reasoning and content, whole
+"""prefixrt/lowering/reasoning.py: replies in Qwen3's and DeepSeek-R1's forms split into reasoning and content, whole
 and streamed in every way a reply can be cut into deltas."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from prefixrt.reasoning import ReasoningParser, check_parser
+from prefixrt.lowering.reasoning import ReasoningParser, check_parser
 
 QWEN3 = "<think>\nThe user asks 2+2. That is 4.\n</think>\n\nThe answer is 4."
 R1 = "Okay, 2+2 is 4. Check: 4-2=2.\n</think>\n\n**4**"

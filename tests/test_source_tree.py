@@ -88,11 +88,11 @@ print(spec.loader is None or type(spec.loader).__name__, getattr({name}, '__file
 def test_subpackages_import_from_a_checkout_without_install(tmp_path):
     # python -S skips site-packages, so the editable install's finder is absent: only PYTHONPATH=<repo> remains.
     code = ("import importlib.util, prefixrt, prefixrt.kernels, prefixrt.adapters; "
-            "m = importlib.util.find_spec('prefixrt.adapters._lowering'); "  # found, not run (it needs torch)
+            "m = importlib.util.find_spec('prefixrt.adapters.provider_handle'); "  # found, not run (it needs torch)
             "print(list(prefixrt.kernels.__path__), list(prefixrt.adapters.__path__), m.origin, prefixrt.__path__)")
     out = run_python(code, path=[REPO], isolated=True, cwd=tmp_path)
     assert out == " ".join([repr([str(REPO / "kernels")]), repr([str(REPO / "adapters")]),
-                            str(REPO / "adapters" / "_lowering.py"),
+                            str(REPO / "adapters" / "provider_handle.py"),
                             repr([str(REPO / "prefixrt")])])  # no __path__ extension exposing tests/, docs/, ...
 
 

@@ -1,11 +1,11 @@
-"""prefixrt/tool_formats.py: each family's tool-call syntax, as those models write it, read back into calls; a
+"""prefixrt/lowering/tool_formats.py: each family's tool-call syntax, as those models write it, read back into calls; a
 template's family detected from its text; anything else left as prose."""
 
 from __future__ import annotations
 
 import pytest
 
-from prefixrt.tool_formats import detect, may_be_call, parse
+from prefixrt.lowering.tool_formats import detect, may_be_call, parse
 
 NAMES = {"get_weather", "add"}
 PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})

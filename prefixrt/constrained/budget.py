@@ -402,11 +402,11 @@ def comma_tokens(vocab) -> list[tuple[int, str]]:
     return vocab._comma_tokens
 
 
-def budget_matcher(backend: GrammarBackend, compiled: CompiledGrammar, budget: int) -> Matcher:
-    """`backend.matcher(compiled)`, held to `budget` output tokens where the output may be JSON (json_schema,
+def budget_matcher(backend: GrammarBackend, compiled: CompiledGrammar, max_new_tokens: int) -> Matcher:
+    """`backend.matcher(compiled)`, held to `max_new_tokens` output tokens where the output may be JSON (json_schema,
     json_object, and grammars, which embed JSON for tool calls): BudgetMatcher closes the document in time, and
     stays out of output that is not JSON. Regex and choices: the plain matcher."""
     m = backend.matcher(compiled)
     if compiled.kind not in ("json_schema", "json_object", "grammar"):
         return m
-    return BudgetMatcher(m, budget, backend)
+    return BudgetMatcher(m, max_new_tokens, backend)

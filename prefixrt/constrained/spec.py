@@ -11,7 +11,7 @@ from typing import Any
 
 from prefixrt.constrained.base import CONSTRAINT_KINDS
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import strict_schema, to_json_schema, unproductive_refs
+from prefixrt.lowering.json_schema import strict_schema, to_json_schema, unproductive_refs
 
 # The OpenAI `json_object` response format: any JSON object.
 JSON_OBJECT_SCHEMA: dict = {"type": "object"}
@@ -35,7 +35,7 @@ def check_kind(kind: str) -> None:
 def load_json_schema(spec: Any) -> dict | bool:
     """The JSON schema the engine enforces for `spec` (what `to_json_schema` accepts), with the strict-mode
     rule applied: objects listing `properties` and silent on `additionalProperties` are closed
-    (prefixrt/json_schema.py). The compiler's cache key and both backends use it."""
+    (prefixrt/lowering/json_schema.py). The compiler's cache key and both backends use it."""
     return strict_schema(to_json_schema(spec))
 
 

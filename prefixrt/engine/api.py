@@ -19,10 +19,10 @@ from prefixrt.engine.process.messages import PackedIds, token_id_range
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import InvalidRequest
 from prefixrt.hub.chat_templates import render_chat_template
+from prefixrt.lowering.text_checks import check_json_value, check_text
 from prefixrt.multimodal.messages import has_images
 from prefixrt.outputs import Chunk, Completion, coalesce_chunks
 from prefixrt.params import SamplingParams
-from prefixrt.text_checks import check_json_value, check_text
 
 
 class EngineAPI:

@@ -20,7 +20,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from prefixrt.choice_scoring import best_choice, score_choices
 from prefixrt.config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
 from prefixrt.default_models import BASE_MODEL
@@ -31,6 +30,7 @@ from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
 from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream
 from prefixrt.errors import EngineDeadError, InvalidRequest
+from prefixrt.lowering.choice_scoring import best_choice, score_choices
 from prefixrt.multimodal.inputs import ReqImages, keyed_prompt
 from prefixrt.multimodal.messages import IMAGE_MARKER, has_images, split_images
 from prefixrt.outputs import Completion, EngineStats
@@ -303,8 +303,8 @@ class Engine(EngineAPI):
             r = Req(rid=rid, prompt_ids=ids if key is None else key, params=p, sink=None, index=i,
                     salt=p.cache_salt, **req_fields)
             if compiled is not None:
-                budget = min(p.max_new_tokens, self.max_context - len(ids))
-                r.matcher = budget_matcher(self.grammar_compiler().backend, compiled, budget)
+                max_new_tokens = min(p.max_new_tokens, self.max_context - len(ids))
+                r.matcher = budget_matcher(self.grammar_compiler().backend, compiled, max_new_tokens)
                 # Step-0 forced tokens join the prefill (reserve 1: the prefill still samples a token).
                 r.pending_emit = jump_forward(r, self.max_context, reserve=1)
             reqs.append(r)

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixrt.choice_scoring import best_choice
 from prefixrt.errors import InvalidRequest
 from prefixrt.frontend.chat_format import (
     ChatFormat,
@@ -27,6 +26,7 @@ from prefixrt.frontend.chat_format import (
 from prefixrt.frontend.ir import GEN_SAMPLING, REGEX_FLOAT, REGEX_STR, Gen
 from prefixrt.frontend.select import ChoiceScores, teacher_forced_scores
 from prefixrt.frontend.token_prefix import TokenPrefix, after_generation, continued_prompt
+from prefixrt.lowering.choice_scoring import best_choice
 
 log = logging.getLogger("prefixrt.frontend")
 

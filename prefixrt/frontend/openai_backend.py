@@ -30,7 +30,7 @@ from prefixrt.frontend.backend import (
     TokenUsage,
 )
 from prefixrt.frontend.chat_format import Message, PlainFormat, TemplateFormat, message_dict
-from prefixrt.json_schema import to_json_schema
+from prefixrt.lowering.json_schema import to_json_schema
 
 TOP_LOGPROBS = 20
 

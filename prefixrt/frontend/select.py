@@ -1,5 +1,5 @@
 """select() by teacher forcing: choice-token logprobs gathered from a provider's top logprobs (the source used
-when the provider does not score `choices` requests itself). The normalization is prefixrt/choice_scoring.py's.
+when the provider does not score `choices` requests itself). The normalization is prefixrt/lowering/choice_scoring.py's.
 
 Each choice is scored by teacher forcing: for choice tokens c_1..c_m after the prompt, request one greedy
 token with top-k logprobs after `prompt + c_1..c_{j-1}` and read c_j's logprob. All requests share the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixrt.choice_scoring import score_choices
+from prefixrt.lowering.choice_scoring import score_choices
 
 TOP_K = 20  # the most top logprobs SamplingParams accepts
 

@@ -1,7 +1,7 @@
 """RoutingKeys: an OpenAI request body -> the token ids a replica will see at the start of its prompt.
 
 Routing is over token ids, not characters: chat messages are rendered with the model's chat template and
-tokenized exactly as the engine does (lowering.engine_messages, then render_chat_template, then encode without
+tokenized exactly as the engine does (lowering/messages.py engine_messages, then render_chat_template, then encode without
 special tokens), so the template's header and turn markers are part of the key, and two conversations share a
 key prefix exactly where their prompts share tokens. A Responses request is keyed as the chat it becomes
 (instructions as the system message, input items as messages). A follow-up that names previous_response_id
@@ -21,8 +21,7 @@ import threading
 from typing import Any
 
 from prefixrt.hub.chat_templates import render_chat_template
-from prefixrt.lowering import engine_messages
-from prefixrt.server.responses import input_messages
+from prefixrt.lowering.messages import engine_messages, responses_input
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
@@ -72,7 +71,7 @@ class RoutingKeys:
                 ids = self.completion_ids(body.get("prompt"))
             elif route == "/v1/responses":
                 system = [{"role": "system", "content": body["instructions"]}] if body.get("instructions") else []
-                ids = self.chat_ids(system + input_messages(body.get("input", [])))
+                ids = self.chat_ids(system + responses_input(body.get("input", [])))
             else:
                 return []
         except Exception:  # malformed messages, a template that refuses them: the replica reports it

@@ -27,8 +27,8 @@ from prefixrt.engine.metrics import CONTENT_TYPE, Metrics
 from prefixrt.engine.process.messages import PackedIds
 from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.hub import generation as hub_generation
+from prefixrt.lowering.reasoning import ReasoningParser
 from prefixrt.params import SamplingParams
-from prefixrt.reasoning import ReasoningParser
 from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
 from prefixrt.server.body import BodyParser, OffloadedBodyRoute
 from prefixrt.server.dashboard import router as dashboard_router
@@ -140,7 +140,7 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     `model_not_found` unless `any_model_name`. `generation_defaults`: sampling settings for OpenAI requests that
     leave them out (default: the model's generation config, prefixrt/hub/generation.py). `api_key` / `admin_api_key` / `max_request_bytes`: see
     admission.py; `lifecycle`: drain and engine-death state (the launcher passes its own). `reasoning_parser`:
-    a reasoning model's form (prefixrt/reasoning.py: "qwen3", "deepseek-r1"), whose thinking then goes in chat's
+    a reasoning model's form (prefixrt/lowering/reasoning.py: "qwen3", "deepseek-r1"), whose thinking then goes in chat's
     `reasoning_content` and the Responses API's reasoning items. `otlp_traces_endpoint` / `tracer_provider`: a span
     per OpenAI request (server/tracing.py; the OTEL_* environment turns it on too)."""
     @contextlib.asynccontextmanager

@@ -20,7 +20,7 @@ import time
 
 from prefixrt.engine.progress import DEFAULT_STALL_TIMEOUT_S
 from prefixrt.engine_flags import add_engine_args, engine_kwargs, progress_printer, start_engine
-from prefixrt.reasoning import PARSERS as REASONING_PARSERS
+from prefixrt.lowering.reasoning import PARSERS as REASONING_PARSERS
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -239,7 +239,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="the served model's reasoning form: its thinking goes in chat's reasoning_content (streamed "
                         "as deltas) and the Responses API's reasoning items; a request turns it off with "
-                        "chat_template_kwargs {\"enable_thinking\": false} (prefixrt/reasoning.py)")
+                        "chat_template_kwargs {\"enable_thinking\": false} (prefixrt/lowering/reasoning.py)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send a span per OpenAI request (queue/prefill/decode time, token counts, tenant, priority; "
                         "the caller's traceparent continued) to this OTLP collector; the OTEL_* environment "

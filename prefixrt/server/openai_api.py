@@ -1,9 +1,10 @@
 """OpenAI-compatible routes: /v1/models[/{id}], /v1/chat/completions, /v1/completions (JSON or SSE);
 /v1/responses lives in responses.py (included here).
 
-Each route checks the body's text (validate.py), encodes the prompt (EngineAPI.aencode: text and chat in a
-worker thread, token ids on the loop), checks max_tokens against the context, then submits the token ids (a
-constrained request in a worker thread: it waits for its grammar to compile). A one-prompt request awaits
+Each route checks the body's text (validate.py), lowers the request (prefixrt/lowering/: chat.py, completion.py),
+encodes the prompt (EngineAPI.aencode: text and chat in a worker thread, token ids on the loop), fits
+max_new_tokens to the context (lowering/options.py), then submits the token ids (a constrained request in a
+worker thread: it waits for its grammar to compile); the response objects are built by openai_format.py. A one-prompt request awaits
 these steps in place, without a Task hop (see _each). A request the engine ends with finish_reason "abort" is never
 returned as a success: it becomes an error object, or an error event and `[DONE]` in a stream (errors.py).
 """
@@ -11,7 +12,6 @@ returned as a success: it becomes an error object, or an error event and `[DONE]
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,10 +19,14 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from prefixrt.engine.process.messages import PackedIds
 from prefixrt.errors import InvalidRequest
-from prefixrt.lowering import ToolPlan
-from prefixrt.server import convert
+from prefixrt.lowering.chat import lower_chat_request, request_reasoning
+from prefixrt.lowering.completion import lower_completion_request
+from prefixrt.lowering.reasoning import Reasoning
+from prefixrt.lowering.tools import ToolPlan
 from prefixrt.server import images as server_images
+from prefixrt.server import openai_format as fmt
 from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -52,7 +56,7 @@ def _checked(body: ChatCompletionRequest | CompletionRequest, request: Request):
 
 def _raise_if_aborted(lc, cs) -> None:
     for c in cs:
-        for s in convert.samples(c):
+        for s in fmt.samples(c):
             if s.finish_reason == "abort":
                 raise RequestFailed.for_abort(lc, s.error)
 
@@ -105,67 +109,63 @@ async def get_model(model_id: str, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _checked(body, request)
     body, image_urls = server_images.without_images(body)
-    lowered = convert.chat_params(body, eng, request.app.state.generation_defaults)
-    template_kwargs = convert.template_kwargs(body)
+    chat = lower_chat_request(body.model_dump(exclude_none=True, by_alias=True), tokenizer=eng.tokenizer,
+                              max_context=eng.max_context, defaults=request.app.state.generation_defaults)
     if image_urls:  # the prompt: the lowered messages with their images back (Engine.prepare renders them)
-        if body.continue_final_message or lowered.template_tools:
+        if body.continue_final_message or chat.template_tools:
             raise InvalidRequest("images with continue_final_message or template tools are not supported",
                                  param="messages")
-        prompt = server_images.with_images(lowered.messages, image_urls)
+        prompt = server_images.with_images(chat.messages, image_urls)
         ids = await run_in_threadpool(eng.image_prompt_ids, prompt)
     else:
-        ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools,
-                                      body.continue_final_message, template_kwargs)
+        ids = await run_in_threadpool(eng.encode_chat, chat.messages, chat.template_tools,
+                                      body.continue_final_message, chat.template_kwargs)
         prompt = ids
-    reasoning = await _reasoning(request, template_kwargs, ids)
-    params, mode = lowered.params, lowered.tools
+    reasoning = await _reasoning(request, chat.template_kwargs, ids)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    params = convert.fit_max_tokens(params, convert.requested_max_tokens(body), len(ids), eng.max_context,
-                                    limit_param)
-    params = dataclasses.replace(params, request_id=rid)
+    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid)
     model, created = _model_name(request), int(time.time())
     if not body.stream:
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(prompt, params))
         observe(request, rid, [c])
         _raise_if_aborted(lc, [c])
-        return convert.with_warnings(JSON(convert.chat_response(c, rid, model, created, mode, reasoning)),
-                                     lowered.warnings)
+        return fmt.with_warnings(JSON(fmt.chat_response(c, rid, model, created, chat.tools, reasoning)),
+                                 chat.warnings)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
     chunks = observed(request, rid, await eng.astream_open(prompt, params, coalesce=True), n=params.n)
     lc.register(eng, [rid])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _guarded(_chat_events(chunks, rid, model, created, mode, include_usage, lc, reasoning))
-    return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])), lowered.warnings)
+    gen = _guarded(_chat_events(chunks, rid, model, created, chat.tools, include_usage, lc, reasoning))
+    return fmt.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])), chat.warnings)
 
 
-async def _reasoning(request: Request, template_kwargs: dict | None, ids: list[int]) -> convert.Reasoning | None:
+async def _reasoning(request: Request, template_kwargs: dict | None, ids: list[int]) -> Reasoning | None:
     """The request's Reasoning under the server's --reasoning-parser (None without one)."""
     parser = request.app.state.reasoning_parser
     if parser is None:
         return None
-    return await run_in_threadpool(convert.request_reasoning, parser, template_kwargs, _engine(request), ids)
+    return await run_in_threadpool(request_reasoning, parser, template_kwargs, _engine(request), ids)
 
 
 async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
-                       include_usage: bool, lc, reasoning: convert.Reasoning | None = None) -> AsyncIterator[str]:
+                       include_usage: bool, lc, reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     """Text streams as it comes. With tools, a sample's text is held while it may still be a call (it starts
     like one); calls are sent whole, one delta per call, once the sample ends. With `reasoning`, a sample's
     thinking streams as `reasoning_content` deltas and only the rest goes through the above."""
-    usage = convert.StreamUsage()
+    usage = fmt.StreamUsage()
     splitters: dict[int, object] = {}  # index -> its ReasoningSplitter
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
     held_lps: dict[int, list] = {}
     plain: set[int] = set()  # indexes known to be plain text
-    text_events = convert.TextEvents(rid, model, created, "chat.completion.chunk")
+    text_events = fmt.TextEvents(rid, model, created, "chat.completion.chunk")
 
     def chunk(i, delta, reason=None, lps=None):
         if lps is None and len(delta) == 1 and "content" in delta:  # the common event: text only
             return text_events.event(i, delta["content"], reason)
-        return sse(convert.chat_chunk(rid, model, created, i, delta, reason, convert.chat_logprobs(lps)))
+        return sse(fmt.chat_chunk(rid, model, created, i, delta, reason, fmt.chat_logprobs(lps)))
 
     async for ch in chunks:
         if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
@@ -212,7 +212,7 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
         if ch.finish_reason is not None:
             yield chunk(i, {}, ch.finish_reason)
     if include_usage:
-        yield sse(convert.usage_chunk(rid, model, created, "chat.completion.chunk", usage.to_dict()))
+        yield sse(fmt.usage_chunk(rid, model, created, "chat.completion.chunk", usage.to_dict()))
     yield SSE_DONE
 
 
@@ -220,14 +220,15 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 @traced("completions")
 async def completions(body: CompletionRequest, request: Request):
     eng, lc = _checked(body, request)
-    warnings: list[str] = []
-    prompts, params = convert.completion_params(body, warnings, request.app.state.generation_defaults)
+    fields = {name: getattr(body, name) for name in type(body).model_fields if name != "prompt"}
+    prompts, options = lower_completion_request(fields, body.prompt, defaults=request.app.state.generation_defaults)
+    # Token-id prompts are packed to int32 once, here: their bytes serve the range check and the engine's pipe.
+    prompts = [p if isinstance(p, str) else PackedIds.of(p) for p in prompts]
     encoded = await _each([eng.aencode(p) for p in prompts])
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
-    requested = body.max_tokens
-    per_prompt = [dataclasses.replace(convert.fit_max_tokens(params, requested, len(ids), eng.max_context),
-                                      request_id=r) for ids, r in zip(encoded, rids)]
+    per_prompt = [options.fit_to_context(len(ids), eng.max_context, request_id=r) for ids, r in zip(encoded, rids)]
+    n = per_prompt[0].n
     model, created = _model_name(request), int(time.time())
     if not body.stream:
         async def run():
@@ -238,7 +239,8 @@ async def completions(body: CompletionRequest, request: Request):
         observe(request, rid, list(cs))
         _raise_if_aborted(lc, cs)
         echo = await _echo_heads(eng, body, prompts, encoded)
-        return convert.with_warnings(JSON(convert.completion_response(list(cs), rid, model, created, echo)), warnings)
+        return fmt.with_warnings(JSON(fmt.completion_response(list(cs), rid, model, created, echo)),
+                                 options.warnings)
     heads = await _echo_heads(eng, body, prompts, encoded)  # prompt logprobs go in the first chunk (as vLLM)
     opened = await _each([eng.astream_open(ids, sp, coalesce=True) for ids, sp in zip(encoded, per_prompt)],
                          return_exceptions=True)
@@ -248,10 +250,10 @@ async def completions(body: CompletionRequest, request: Request):
             eng.abort(r)
         raise failed[0]
     lc.register(eng, rids)
-    opened = [observed(request, rid, s, k, params.n) for k, s in enumerate(opened)]
+    opened = [observed(request, rid, s, k, n) for k, s in enumerate(opened)]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen = _guarded(_completion_events(list(opened), params.n, rid, model, created, include_usage, lc, heads))
-    return convert.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, rids)), warnings)
+    gen = _guarded(_completion_events(list(opened), n, rid, model, created, include_usage, lc, heads))
+    return fmt.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, rids)), options.warnings)
 
 
 async def _each(awaitables: list, return_exceptions: bool = False) -> list:
@@ -275,19 +277,19 @@ async def _echo_heads(eng, body: CompletionRequest, prompts: list, encoded: list
     if not body.echo:
         return None
     if body.logprobs is None:
-        return [(convert.prompt_text(eng, p), None) for p in prompts]
-    scored = [await run_in_threadpool(convert.prompt_entries, eng, ids) for ids in encoded]
-    return [(convert.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, scored)]
+        return [(fmt.prompt_text(eng, p), None) for p in prompts]
+    scored = [await run_in_threadpool(fmt.prompt_entries, eng, ids) for ids in encoded]
+    return [(fmt.prompt_text(eng, p), e) for p, (_, e) in zip(prompts, scored)]
 
 
 async def _completion_events(streams, n: int, rid: str, model: str, created: int, include_usage: bool, lc,
                              heads: list[tuple[str, list[dict] | None]] | None = None) -> AsyncIterator[str]:
     """heads: with echo, each prompt's (text, logprob entries or None), sent first on each of its samples."""
-    usage = convert.StreamUsage()
+    usage = fmt.StreamUsage()
     # choice index -> text_offset of its next token: the lengths of the token strings before it (and of the
     # echoed prompt), as the whole response counts them, so offsets do not depend on how tokens were chunked.
     next_offset: dict[int, int] = {}
-    text_events = convert.TextEvents(rid, model, created, "text_completion")
+    text_events = fmt.TextEvents(rid, model, created, "text_completion")
     async for k, ch in _merge(streams):
         if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
             yield RequestFailed.for_abort(lc, ch.error).event()
@@ -302,15 +304,15 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
             next_offset[index] = 0 if head_entries is not None else len(head)
             if head_entries is not None:
                 entries = head_entries + (entries or [])
-        lps = convert.completion_logprobs(entries, next_offset[index])
+        lps = fmt.completion_logprobs(entries, next_offset[index])
         if entries:
             next_offset[index] += sum(len(e["token"]) for e in entries)
         if lps is None and (text or ch.finish_reason is not None):
             yield text_events.event(index, text, ch.finish_reason)
         elif text or entries or ch.finish_reason is not None:
-            yield sse(convert.completion_chunk(rid, model, created, index, text, ch.finish_reason, lps))
+            yield sse(fmt.completion_chunk(rid, model, created, index, text, ch.finish_reason, lps))
     if include_usage:
-        yield sse(convert.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))
+        yield sse(fmt.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))
     yield SSE_DONE
 
 

@@ -1,7 +1,7 @@
 """Request bodies the server accepts: OpenAI chat/completions (plus prefixrt's extra fields) and the native API.
 
 Only requests are modelled (they define the OpenAPI schema and the 400s for malformed bodies); responses are
-plain dicts built in convert.py. Unknown fields are ignored, as vLLM and SGLang do, so clients that send
+plain dicts built in openai_format.py. Unknown fields are ignored, as vLLM and SGLang do, so clients that send
 newer OpenAI fields keep working. Range checks live in SamplingParams (one place, one message per field).
 """
 

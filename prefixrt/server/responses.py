@@ -1,10 +1,11 @@
 """POST /v1/responses (OpenAI's Responses API), JSON or SSE with the Responses event types; GET and DELETE
 /v1/responses/{id}.
 
-A Responses request is lowered to a chat request and goes through the same translation layer
-(convert.chat_params -> prefixrt/lowering.py): `instructions` -> a leading system message, `input` (text or
-items: messages, `function_call`, `function_call_output`) -> chat messages, `text.format` -> response_format,
-function `tools` / `tool_choice` / `parallel_tool_calls` -> the tool plan, `max_output_tokens` -> max_tokens.
+A Responses request is lowered to a chat request and goes through the same lowering (prefixrt/lowering/chat.py
+`lower_chat_request`): `instructions` -> a leading system message, `input` (text or items: messages,
+`function_call`, `function_call_output`; lowering/messages.py `responses_input`) -> chat messages, `text.format`
+-> response_format, function `tools` / `tool_choice` / `parallel_tool_calls` -> the tool plan;
+`max_output_tokens` is one of OpenAI's names of max_new_tokens (lowering/options.py).
 
 `previous_response_id`: every response is kept in memory (`ResponseStore`, bounded, least recently used
 dropped first) as the conversation it ended: earlier input and output items, never instructions (which,
@@ -15,7 +16,6 @@ cached_tokens shows it). `store: false` keeps a response out of the store.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import uuid
@@ -29,10 +29,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.lowering import ToolCall, ToolPlan, check_output_limit, content_text, new_call_id
-from prefixrt.server import convert
+from prefixrt.lowering.chat import lower_chat_request, request_reasoning
+from prefixrt.lowering.messages import responses_input
+from prefixrt.lowering.tools import ToolCall, ToolPlan, new_call_id
 from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model
+from prefixrt.server.openai_format import with_warnings
 from prefixrt.server.protocol import ChatCompletionRequest, _Body
 from prefixrt.server.sse import JSON, EventStream, dumps, until_disconnect
 from prefixrt.server.tracing import observe, observed, traced
@@ -121,35 +123,6 @@ def _store(request: Request) -> ResponseStore:
 # ---------------------------------------------------------------------------------------------- input
 
 
-def input_messages(items: str | list[dict]) -> list[dict]:
-    """Responses `input` -> OpenAI chat messages (function calls become assistant tool_calls, their outputs
-    tool messages). Reasoning items are dropped (prefixrt models emit none)."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict] = []
-    for k, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise InvalidRequest(f"input[{k}]: unsupported role {role!r}", param=f"input[{k}].role")
-            out.append({"role": role, "content": content_text(item.get("content"))})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else content_text(output)})
-        elif kind == "reasoning":
-            continue
-        else:
-            raise InvalidRequest(f"input[{k}]: unsupported item type {kind!r}", param=f"input[{k}].type")
-    return out
 
 
 def _chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
@@ -175,7 +148,7 @@ def _chat_request(body: ResponsesRequest, messages: list[dict]) -> ChatCompletio
             raise InvalidRequest(f"unsupported tool_choice {choice!r}", param="tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    fields = dict(messages=system + messages, max_tokens=body.max_output_tokens, temperature=body.temperature,
+    fields = dict(messages=system + messages, temperature=body.temperature,
                   top_p=body.top_p, response_format=rf, tools=tools or None, tool_choice=choice,
                   parallel_tool_calls=body.parallel_tool_calls, seed=body.seed, stop=body.stop, top_k=body.top_k,
                   min_p=body.min_p, repetition_penalty=body.repetition_penalty, cache_salt=body.cache_salt,
@@ -218,7 +191,7 @@ def output_items(text: str, plan: ToolPlan | None, finish: str) -> list[dict]:
 
 def output_messages(items: list[dict]) -> list[dict]:
     """Output items -> the chat messages they add to the conversation (for previous_response_id)."""
-    return input_messages([{k: v for k, v in item.items() if k not in ("id", "status")} for item in items])
+    return responses_input([{k: v for k, v in item.items() if k not in ("id", "status")} for item in items])
 
 
 class _Shell:
@@ -272,29 +245,27 @@ async def create_response(body: ResponsesRequest, request: Request):
             raise InvalidRequest(f"previous response {body.previous_response_id!r} is not stored on this server",
                                  param="previous_response_id")
         history = prev[0]
-    conversation = history + input_messages(body.input)
-    check_output_limit(body.max_output_tokens, "max_output_tokens")
-    chat = _chat_request(body, conversation)
-    check_body(chat)
-    lowered = convert.chat_params(chat, eng, request.app.state.generation_defaults)
-    if lowered.params.n != 1:
+    conversation = history + responses_input(body.input)
+    chat_body = _chat_request(body, conversation)
+    check_body(chat_body)
+    chat_fields = {**chat_body.model_dump(exclude_none=True, by_alias=True), "max_output_tokens": body.max_output_tokens}
+    chat = lower_chat_request(chat_fields, tokenizer=eng.tokenizer, max_context=eng.max_context,
+                              defaults=request.app.state.generation_defaults)
+    if chat.options.params.get("n", 1) != 1:
         raise InvalidRequest("n must be 1 on /v1/responses", param="n")
-    template_kwargs = convert.template_kwargs(chat)
-    ids = await run_in_threadpool(eng.encode_chat, lowered.messages, lowered.template_tools, False, template_kwargs)
+    ids = await run_in_threadpool(eng.encode_chat, chat.messages, chat.template_tools, False, chat.template_kwargs)
     parser = request.app.state.reasoning_parser
     reasoning = None if parser is None else await run_in_threadpool(
-        convert.request_reasoning, parser, template_kwargs, eng, ids)
+        request_reasoning, parser, chat.template_kwargs, eng, ids)
     reasoning_id = f"rs_{uuid.uuid4().hex}"
     rid = f"resp_{uuid.uuid4().hex}"
-    params = convert.fit_max_tokens(lowered.params, body.max_output_tokens, len(ids), eng.max_context,
-                                    "max_output_tokens")
-    params = dataclasses.replace(params, request_id=rid)
+    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid)
     shell = _Shell(body, request.app.state.model_name, rid, int(time.time()), params)
     lc = request.app.state.lifecycle
 
     def finish(text: str, reason: str, usage: dict) -> dict:
         thought, text = reasoning.split(text) if reasoning is not None else (None, text)
-        items = output_items(text, lowered.tools, reason)
+        items = output_items(text, chat.tools, reason)
         if thought is not None:  # the thinking comes first, as a reasoning item
             items.insert(0, _reasoning_item(reasoning_id, thought))
         status, incomplete = ("completed", None) if reason == "stop" else ("incomplete", "max_output_tokens")
@@ -309,8 +280,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         observe(request, rid, [c])
         if c.finish_reason == "abort":
             raise RequestFailed.for_abort(lc, c.error)
-        return convert.with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
-            c.prompt_tokens, c.completion_tokens, c.cached_tokens))), lowered.warnings)
+        return with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
+            c.prompt_tokens, c.completion_tokens, c.cached_tokens))), chat.warnings)
     chunks = await eng.astream_open(ids, params, coalesce=True)  # a bad request raises before any byte is sent
     chunks = observed(request, rid, chunks)
     lc.register(eng, [rid])
@@ -320,8 +291,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         lc.release([rid])
 
     split = reasoning.splitter() if reasoning is not None else None
-    events = _events(chunks, shell, lowered.tools, finish, lc, _ReasoningEvents(reasoning_id, split))
-    return convert.with_warnings(EventStream(events, on_close=close), lowered.warnings)
+    events = _events(chunks, shell, chat.tools, finish, lc, _ReasoningEvents(reasoning_id, split))
+    return with_warnings(EventStream(events, on_close=close), chat.warnings)
 
 
 def _event(seq: list[int], kind: str, **fields) -> str:
@@ -476,4 +447,4 @@ async def delete_response(response_id: str, request: Request):
     return JSON({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-__all__ = ["router", "ResponsesRequest", "ResponseStore", "input_messages"]
+__all__ = ["router", "ResponsesRequest", "ResponseStore"]

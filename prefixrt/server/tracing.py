@@ -28,6 +28,7 @@ import os
 import time
 from typing import Any
 
+from prefixrt.lowering.options import OUTPUT_BUDGET_NAMES
 from prefixrt.server.sse import EventStream
 
 INSTALL_HINT = "pip install 'prefixrt[tracing]' (opentelemetry-sdk and opentelemetry-exporter-otlp)"
@@ -153,11 +154,10 @@ class RequestSpan:
 
 def request_attributes(body) -> dict[str, Any]:
     """A request body's span attributes (chat, completions or responses)."""
-    limit = next((getattr(body, k, None) for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-                  if getattr(body, k, None) is not None), None)
+    max_new_tokens = next((v for k in OUTPUT_BUDGET_NAMES if (v := getattr(body, k, None)) is not None), None)
     salt = getattr(body, "cache_salt", None)
     return {"gen_ai.system": "prefixrt", "gen_ai.request.model": getattr(body, "model", None),
-            "gen_ai.request.max_tokens": limit, "gen_ai.request.temperature": getattr(body, "temperature", None),
+            "gen_ai.request.max_tokens": max_new_tokens, "gen_ai.request.temperature": getattr(body, "temperature", None),
             "gen_ai.request.top_p": getattr(body, "top_p", None), "gen_ai.request.n": getattr(body, "n", None),
             "prefixrt.tenant": tenant_label(salt), "prefixrt.priority": getattr(body, "priority", None) or 0,
             "prefixrt.stream": bool(getattr(body, "stream", False))}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from prefixrt.errors import InvalidRequest
-from prefixrt.text_checks import check_text
+from prefixrt.lowering.text_checks import check_text
 
 MAX_NESTING = 100  # objects/arrays; real JSON schemas and tool definitions stay far below
 _SCALARS = frozenset({int, float, bool, type(None)})  # exact types: nothing in them to check

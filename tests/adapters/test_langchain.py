@@ -12,11 +12,11 @@ from typing import Annotated
 import jsonschema
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
-from prefixrt.adapters._lowering import Tool, plan_tools, strict_schema, tools_prompt
 from prefixrt.adapters.langchain import to_chat_messages
 from pydantic import BaseModel, Field
 
-from prefixrt.json_schema import SAFE_INTEGER
+from prefixrt.lowering.json_schema import SAFE_INTEGER, strict_schema
+from prefixrt.lowering.tools import Tool, plan_tools, tools_prompt
 
 SYSTEM = "You answer questions about the city library's opening hours and loan rules. " * 8
 

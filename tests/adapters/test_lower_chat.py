@@ -1,8 +1,8 @@
-"""One chat request, three doors: `prefixrt serve`'s chat route (server/convert.py), the DSPy adapter and the
-LangChain adapter all lower a request through prefixrt.lowering.lower_chat, so the same conversation, tools,
-tool_choice and response_format give the same prompt messages, the same constraint and the same tool plan.
+"""One chat request, three doors: `prefixrt serve`'s chat route, the DSPy adapter and the LangChain adapter all
+lower a request through prefixrt/lowering/chat.py `lower_chat`, so the same conversation, tools, tool_choice and
+response_format give the same prompt messages, the same constraint and the same tool plan.
 
-The server side runs `convert.chat_params` on the pydantic request model it parses bodies into; the adapters
+The server side runs `lower_chat_request` on the dict of the pydantic request model it parses bodies into; the adapters
 run their own lowering (`dspy.lower_request`, `ChatPrefixRT._prepare`) on their own request types. No model is
 loaded: the engine the server would render with is a stand-in with a tokenizer whose template has no tool
 format (the adapters never give tools to a template).
@@ -32,7 +32,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from prefixrt.adapters.dspy import lower_request  # noqa: E402
 from prefixrt.adapters.langchain import ChatPrefixRT  # noqa: E402
 
-from prefixrt.server import convert  # noqa: E402
+from prefixrt.lowering.chat import lower_chat_request  # noqa: E402
 from prefixrt.server.protocol import ChatCompletionRequest  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
@@ -56,9 +56,9 @@ def _server(tool_choice, response_format, with_tools: bool = True) -> tuple[list
         body["tool_choice"] = tool_choice
     if response_format is not None:
         body["response_format"] = response_format
-    eng = SimpleNamespace(max_context=4096, tokenizer=SimpleNamespace(chat_template="{{ messages }}"))
-    lowered = convert.chat_params(ChatCompletionRequest.model_validate(body), eng)
-    return lowered.messages, _constraint(vars(lowered.params)), lowered.tools
+    fields = ChatCompletionRequest.model_validate(body).model_dump(exclude_none=True, by_alias=True)
+    lowered = lower_chat_request(fields, tokenizer=SimpleNamespace(chat_template="{{ messages }}"), max_context=4096)
+    return lowered.messages, _constraint(vars(lowered.options.sampling_params())), lowered.tools
 
 
 def _dspy(tool_choice, response_format, with_tools: bool = True):

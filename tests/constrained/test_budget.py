@@ -109,15 +109,15 @@ def test_an_ample_budget_changes_nothing(small_backends, small_tokenizer, token_
 
 
 def test_parallel_tool_calls_end_within_the_budget(small_backends, small_tokenizer, token_texts):
-    """The grammar of "required" with parallel calls (calls one per line, lowering.plan_tools): a sampler that
+    """The grammar of "required" with parallel calls (calls one per line, plan_tools): a sampler that
     never closes still ends with well-formed calls of the declared tool inside the budget. llguidance only:
     the grammar's compact-layout `%json` options are llguidance's (under xgrammar the layout is free, and a
     sampler that never closes spends the budget on whitespace)."""
     backend_name = "llguidance"
-    from prefixrt import lowering
+    from prefixrt.lowering.tools import plan_tools, tools_from_openai
 
-    tools = lowering.tools_from_openai([{"type": "function", "function": {"name": "Contacts", "parameters": ITERABLE}}])
-    plan = lowering.plan_tools(tools, "required", None)
+    tools = tools_from_openai([{"type": "function", "function": {"name": "Contacts", "parameters": ITERABLE}}])
+    plan = plan_tools(tools, "required", None)
     assert "grammar" in plan.constraint  # the one-per-line alternation, not a single JSON schema
     backend = small_backends[backend_name]
     texts = token_texts[id(small_tokenizer)]

@@ -382,7 +382,7 @@ def _check_call(call) -> None:
     """A call names a declared tool and carries exactly its parameters (closed objects), schema-valid."""
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
     args = json.loads(call.function.arguments)
-    from prefixrt.json_schema import strict_schema
+    from prefixrt.lowering.json_schema import strict_schema
 
     jsonschema.validate(args, strict_schema(params))
     assert set(args) <= set(params["properties"])

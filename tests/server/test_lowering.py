@@ -1,4 +1,4 @@
-"""The translation layer (prefixrt/lowering.py, prefixrt/schema.py) without a model: schemas, tool plans and
+"""The translation layer (prefixrt/lowering/) without a model: schemas, tool plans and
 their grammars checked against the real llguidance matcher on the tiny tokenizer, message lowering."""
 
 from __future__ import annotations
@@ -10,9 +10,12 @@ import pydantic
 import pytest
 from typing_extensions import TypedDict
 
-from prefixrt import lowering
 from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import embed, strict_schema, to_json_schema, with_defs
+from prefixrt.lowering.constraints import response_format_constraint
+from prefixrt.lowering.json_schema import embed, strict_schema, to_json_schema, with_defs
+from prefixrt.lowering.messages import engine_messages, with_tools_prompt
+from prefixrt.lowering.options import sampling_options
+from prefixrt.lowering.tools import TAGGED, plan_tools, template_call_syntax, tools_from_openai, tools_prompt
 from tests.server.conftest import needs_constrained_decoding
 
 
@@ -76,7 +79,7 @@ def test_embedded_schema_refs_resolve():
     assert defs["node"]["properties"]["next"] == {"$ref": "#/$defs/node"}
 
 
-TOOLS = lowering.tools_from_openai([
+TOOLS = tools_from_openai([
     {"type": "function", "function": {"name": "add", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}},
     {"type": "function", "function": {"name": "save", "parameters": Person.model_json_schema()}},
@@ -103,7 +106,7 @@ CALL_SAVE = '{"name": "save", "arguments": {"name": "A", "home": {"city": "P", "
 
 @needs_constrained_decoding()
 def test_auto_grammar_is_text_or_calls(tiny_tokenizer):
-    plan = lowering.plan_tools(TOOLS, "auto")
+    plan = plan_tools(TOOLS, "auto")
     assert "grammar" in plan.constraint and plan.parallel
     backend, g = _matcher(tiny_tokenizer, plan.constraint)
     assert _accepts(backend, g, "The answer is 5.")
@@ -121,7 +124,7 @@ def test_auto_grammar_is_text_or_calls(tiny_tokenizer):
                                                   ({"type": "function", "function": {"name": "save"}}, None,
                                                    "json_schema")])
 def test_forced_plans(tiny_tokenizer, choice, parallel, kind):
-    plan = lowering.plan_tools(TOOLS, choice, parallel)
+    plan = plan_tools(TOOLS, choice, parallel)
     assert kind in plan.constraint
     backend, g = _matcher(tiny_tokenizer, plan.constraint)
     assert _accepts(backend, g, CALL_SAVE)  # nested $defs resolve inside the call schema
@@ -132,7 +135,7 @@ def test_forced_plans(tiny_tokenizer, choice, parallel, kind):
 
 @needs_constrained_decoding()
 def test_tagged_call_syntax(tiny_tokenizer):
-    plan = lowering.plan_tools(TOOLS, "auto", None, lowering.TAGGED)
+    plan = plan_tools(TOOLS, "auto", None, TAGGED)
     backend, g = _matcher(tiny_tokenizer, plan.constraint)
     assert _accepts(backend, g, "<tool_call>\n" + CALL_ADD + "\n</tool_call>")
     assert not _accepts(backend, g, CALL_ADD)
@@ -142,37 +145,37 @@ def test_tagged_call_syntax(tiny_tokenizer):
 
 
 def test_tool_choice_validation():
-    assert lowering.plan_tools(TOOLS, "none") is None and lowering.plan_tools([], None) is None
+    assert plan_tools(TOOLS, "none") is None and plan_tools([], None) is None
     with pytest.raises(InvalidRequest):
-        lowering.plan_tools(TOOLS, {"type": "function", "function": {"name": "nope"}})
+        plan_tools(TOOLS, {"type": "function", "function": {"name": "nope"}})
     with pytest.raises(InvalidRequest):
-        lowering.plan_tools([], "required")
+        plan_tools([], "required")
     with pytest.raises(InvalidRequest):
-        lowering.tools_from_openai([{"type": "function", "function": {"name": "a"}}] * 2)
+        tools_from_openai([{"type": "function", "function": {"name": "a"}}] * 2)
 
 
 def test_response_formats():
     chat = {"type": "json_schema", "json_schema": {"name": "p", "schema": Person.model_json_schema()}}
-    assert lowering.response_format_constraint(chat)["json_schema"]["additionalProperties"] is False
+    assert response_format_constraint(chat)["json_schema"]["additionalProperties"] is False
     # "strict": false (LangChain sends it for dict and TypedDict schemas) still decodes strictly, as vLLM does.
     flat = {"type": "json_schema", "name": "p", "schema": Person.model_json_schema(), "strict": False}
-    assert lowering.response_format_constraint(flat)["json_schema"]["additionalProperties"] is False
+    assert response_format_constraint(flat)["json_schema"]["additionalProperties"] is False
     explicit = {"type": "json_schema", "schema": {"type": "object", "properties": {}, "additionalProperties": True}}
-    assert lowering.response_format_constraint(explicit)["json_schema"]["additionalProperties"] is True
-    assert lowering.response_format_constraint({"type": "json_object"}) == {"json_object": True}
-    assert lowering.response_format_constraint({"type": "text"}) == {}
+    assert response_format_constraint(explicit)["json_schema"]["additionalProperties"] is True
+    assert response_format_constraint({"type": "json_object"}) == {"json_object": True}
+    assert response_format_constraint({"type": "text"}) == {}
     with pytest.raises(InvalidRequest):
-        lowering.response_format_constraint({"type": "json_schema", "json_schema": {"name": "x"}})
+        response_format_constraint({"type": "json_schema", "json_schema": {"name": "x"}})
 
 
 def test_options_and_logit_bias():
-    assert lowering.sampling_options({"max_tokens": 5, "stop": "x", "logit_bias": {"7": -100}}, what="t") == {
+    assert sampling_options({"max_tokens": 5, "stop": "x", "logit_bias": {"7": -100}}, what="t") == {
         "max_new_tokens": 5, "stop": ["x"], "logit_bias": {7: -100.0}}
     for bad in ({"x": 1}, {"1": 101}, {"1": "a"}):
         with pytest.raises(InvalidRequest):
-            lowering.sampling_options({"logit_bias": bad}, what="t")
+            sampling_options({"logit_bias": bad}, what="t")
     with pytest.raises(InvalidRequest):
-        lowering.sampling_options({"frobnicate": 1}, what="t")
+        sampling_options({"frobnicate": 1}, what="t")
 
 
 def test_messages_lowering():
@@ -183,34 +186,34 @@ def test_messages_lowering():
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "3"},
     ]
-    assert lowering.engine_messages(msgs) == [
+    assert engine_messages(msgs) == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "add 1 2"},
         {"role": "assistant", "content": '{"name": "add", "arguments": {"a": 1}}'},
         {"role": "user", "content": "Result of tool add: 3"},
     ]
-    templ = lowering.engine_messages(msgs, template_tools=True)
+    templ = engine_messages(msgs, template_tools=True)
     assert templ[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
     assert templ[3] == {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "add"}
 
 
 def test_template_tool_format_detection(tiny_tokenizer):
-    assert lowering.template_call_syntax(tiny_tokenizer) is None  # no tool format: fallback prompt
+    assert template_call_syntax(tiny_tokenizer) is None  # no tool format: fallback prompt
     class Tok:
         chat_template = "{% if tools %}<tools>{{ tools }}</tools> ... <tool_call>{% endif %}"
-    assert lowering.template_call_syntax(Tok()) is lowering.TAGGED
-    plan = lowering.plan_tools(TOOLS, "auto")
-    prompt = lowering.tools_prompt(plan)
+    assert template_call_syntax(Tok()) is TAGGED
+    plan = plan_tools(TOOLS, "auto")
+    prompt = tools_prompt(plan)
     assert "add(a: integer, b: integer)" in prompt and "plain text" in prompt
     assert json.dumps(TOOLS[0].parameters) not in prompt  # signatures, not raw schemas
     # under "auto" the prompt opens with a call skeleton per tool, each a call the plan parses
     skeletons = prompt.split("\n\n")[0].splitlines()
     assert [c.name for line in skeletons for c in plan.parse(line)] == [t.name for t in TOOLS]
     # ... and goes before the caller's own system text
-    messages = lowering.with_tools_prompt([{"role": "system", "content": "Be brief."}], plan)
+    messages = with_tools_prompt([{"role": "system", "content": "Be brief."}], plan)
     assert messages[0]["content"].startswith(skeletons[0]) and messages[0]["content"].endswith("Be brief.")
-    forced = lowering.plan_tools(TOOLS, "required")
-    assert lowering.with_tools_prompt([{"role": "system", "content": "Be brief."}], forced)[0]["content"] \
+    forced = plan_tools(TOOLS, "required")
+    assert with_tools_prompt([{"role": "system", "content": "Be brief."}], forced)[0]["content"] \
         .startswith("Be brief.")
 
 
@@ -219,7 +222,7 @@ def test_auto_with_a_structured_answer(tiny_tokenizer):
     """tools + response_format (openai-agents' output_type): a call, or the answer under its schema."""
     answer = {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"],
               "additionalProperties": False}
-    plan = lowering.plan_tools(TOOLS, "auto", False, text_schema=answer)
+    plan = plan_tools(TOOLS, "auto", False, text_schema=answer)
     backend, g = _matcher(tiny_tokenizer, plan.constraint)
     assert _accepts(backend, g, '{"total": 5}') and _accepts(backend, g, CALL_ADD)
     assert not _accepts(backend, g, "five") and not _accepts(backend, g, '{"total": 5, "x": 1}')

@@ -66,9 +66,10 @@ def family(request, long_checkpoint, tiny_tokenizer):
 
 
 def test_the_template_renders_the_tools_and_the_model_writes_its_syntax(family):
-    from prefixrt.lowering import lower_chat, template_call_syntax
+    from prefixrt.lowering.chat import lower_chat
+    from prefixrt.lowering.tool_formats import parse
+    from prefixrt.lowering.tools import template_call_syntax
     from prefixrt.params import SamplingParams
-    from prefixrt.tool_formats import parse
 
     name, eng, _ = family
     syntax = template_call_syntax(eng.tokenizer)

@@ -1,6 +1,6 @@
 """The streaming fast paths of the OpenAI routes leave what a client reads unchanged.
 
-- convert.TextEvents builds the text-only chunk events from a per-response template: the same bytes as
+- openai_format.TextEvents builds the text-only chunk events from a per-response template: the same bytes as
   sse(completion_chunk(...)) / sse(chat_chunk(...)), the general path, for any text and model name.
 - Coalescing (astream_open(coalesce=True), outputs.coalesce_chunks): a stream that fell behind sends the waiting
   tokens of a sample as one multi-token event. Against the same request streamed one event per step, on a real
@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixrt.outputs import Chunk, coalesce_chunks
-from prefixrt.server import convert, openai_api
+from prefixrt.server import openai_api
+from prefixrt.server import openai_format as convert
 from prefixrt.server.sse import sse
 from tests.server.conftest import build_engine
 from tests.server.test_conformance import conforms

@@ -12,9 +12,9 @@ import pytest
 from pydantic import BaseModel
 
 from prefixrt.errors import InvalidRequest
+from prefixrt.lowering.text_checks import check_text
 from prefixrt.server.protocol import CompletionRequest, GenerateRequest
 from prefixrt.server.validate import MAX_NESTING, _top, check_body
-from prefixrt.text_checks import check_text
 
 
 def reference_check_body(body: BaseModel) -> None:

@@ -71,7 +71,7 @@ from prefixrt.engine.process.pipe_writer import PipeWriter
 from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream, StepOutput
 from prefixrt.errors import ENGINE_UNRESPONSIVE, EngineDeadError, InvalidRequest
-from prefixrt.json_schema import to_json_schema
+from prefixrt.lowering.json_schema import to_json_schema
 from prefixrt.multimodal.messages import has_images
 from prefixrt.outputs import Completion, EngineStats
 from prefixrt.params import SamplingParams

@@ -131,3 +131,24 @@ class ReasoningParser:
         r1, c1 = s.feed(text)
         r2, c2 = s.finish()
         return (r1 + r2 if s.saw_reasoning else None), c1 + c2
+
+
+def thinking_enabled(template_kwargs: dict | None) -> bool:
+    """False when a request switches thinking off in its chat_template_kwargs (`enable_thinking: false`, or
+    `thinking: false` as some templates name it)."""
+    kw = template_kwargs or {}
+    return kw.get("enable_thinking", True) is not False and kw.get("thinking", True) is not False
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """A request's reasoning parser and the end of its rendered prompt (which may open the reasoning block)."""
+
+    parser: ReasoningParser
+    prompt_tail: str = ""
+
+    def splitter(self) -> ReasoningSplitter:
+        return self.parser.splitter(self.prompt_tail)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return self.parser.split(text, self.prompt_tail)

@@ -1,36 +1,15 @@
-"""What the DSPy and LangChain adapters share: where the Provider comes from, and the request lowering they
-use — prefixrt/lowering.py, the translation layer `prefixrt serve` uses too (options, response formats, tool
-plans and their constraints, call parsing), re-exported here with the adapters' message helpers.
+"""Where the DSPy and LangChain adapters' Provider comes from: one in-process Engine per model and engine options
+for the whole process, or a RemoteEngine over `prefixrt serve`, built on first use (ProviderHandle).
 
-Nothing here imports DSPy or LangChain. Everything speaks the Provider protocol (prefixrt/provider.py), so an
-in-process Engine and a RemoteEngine over `prefixrt serve` are interchangeable.
+The adapters lower their requests with prefixrt/lowering/ (as `prefixrt serve` does). Nothing here imports DSPy
+or LangChain. Everything speaks the Provider protocol (prefixrt/provider.py), so an in-process Engine and a
+RemoteEngine over `prefixrt serve` are interchangeable.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
 from typing import Any
-
-from prefixrt.errors import InvalidRequest
-from prefixrt.json_schema import strict_schema  # noqa: F401
-from prefixrt.lowering import (  # noqa: F401  (re-exported for the adapters)
-    Tool,
-    ToolCall,
-    ToolPlan,
-    format_call,
-    format_tool_result,
-    lower_chat,
-    new_call_id,
-    plan_tools,
-    response_format_constraint,
-    sampling_options,
-    tools_prompt,
-    with_system_note,
-    with_tools_prompt,
-)
-
-# ---------------------------------------------------------------------------------------------- providers
 
 _shared_engines: dict[tuple, Any] = {}
 _shared_lock = threading.Lock()
@@ -128,29 +107,3 @@ class ProviderHandle:
 
     def __deepcopy__(self, memo):
         return self  # engines are shared runtime objects, never copied
-
-
-# ---------------------------------------------------------------------------------------------- parameters
-
-
-def sampling_params(options: dict[str, Any], *, what: str) -> dict[str, Any]:
-    """Framework options (OpenAI names) -> a SamplingParams dict with a fresh request_id
-    (prefixrt.lowering.sampling_options: unknown options are refused, naming `what`)."""
-    params = sampling_options(options, what=what)
-    params.setdefault("request_id", f"req-{uuid.uuid4().hex[:12]}")
-    return params
-
-
-# ---------------------------------------------------------------------------------------------- messages
-
-
-def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Chat messages as every chat template accepts them: system text merged into one leading message (the
-    rest kept as they are: prefixrt.lowering.lower_chat turns tool calls and results into text turns)."""
-    system = [m["content"] for m in messages if m["role"] == "system" and m["content"]]
-    rest = [m for m in messages if m["role"] != "system"]
-    out = [{"role": "system", "content": "\n\n".join(system)}] if system else []
-    out.extend(rest)
-    if not rest:
-        raise InvalidRequest("the conversation has no user message", param="messages")
-    return out
