@@ -109,6 +109,11 @@ class EngineConfig:
     # Tenant fairness: once the pool must evict, a cache_salt holding more than this fraction of the
     # pool loses its own LRU prefixes first. None: one LRU for everyone.
     max_cached_fraction_per_salt: float | None = None
+    # Kept prefixes (prompt caching's breakpoints and retention, cache/pins.py), as fractions of the tier that keeps
+    # them (the host tier when there is one, else the pool): all pins together, and one cache_salt's. A keep over
+    # either is refused (the response says so).
+    max_pinned_fraction: float = 0.5
+    max_pinned_fraction_per_salt: float = 0.25
     # Tensor parallelism (parallel/layers.py, parallel/tp_worker.py): the model split over tp_size ranks, one process
     # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
     # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"
@@ -184,6 +189,9 @@ class EngineConfig:
             bad("kv_disk_max_gb must be > 0")
         if self.max_cached_fraction_per_salt is not None and not 0 < self.max_cached_fraction_per_salt <= 1:
             bad("max_cached_fraction_per_salt must be in (0, 1]")
+        for name in ("max_pinned_fraction", "max_pinned_fraction_per_salt"):
+            if not 0 <= getattr(self, name) <= 1:
+                bad(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.tp_size < 1:
             bad("tp_size must be >= 1")
         if self.nnodes < 1 or self.tp_size % self.nnodes:

@@ -169,7 +169,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
     ranks.send_setup(num_slots, table.max_requests, table.max_context, max_running)
-    kv = KVManager(pool, allocator, table, cache, debug=config.debug)
+    kv = KVManager(pool, allocator, table, cache, debug=config.debug, max_pinned_fraction=config.max_pinned_fraction,
+                   max_pinned_fraction_per_salt=config.max_pinned_fraction_per_salt)
     scheduler = Scheduler(kv, SchedulerConfig(
         policy=config.schedule_policy,
         chunked_prefill_tokens=config.chunked_prefill_tokens,

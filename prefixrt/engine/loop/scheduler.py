@@ -89,6 +89,11 @@ class Scheduler:
     # ------------------------------------------------------------------ queue operations
     def add(self, req: Req) -> None:
         req.state = ReqState.WAITING
+        keep = req.params.prompt_cache.keep if req.params.prompt_cache is not None else ()
+        if keep and req.index == 0:  # (once per request: n > 1 samples share one prompt)
+            grant = self.kv.pins.grant(req.prompt_ids, req.salt, keep)
+            req.keep_report = grant.report()
+            req.keep_grant = grant if grant.kept else None
         self.waiting.append(req)
 
     def remove(self, req: Req) -> None:
@@ -101,7 +106,7 @@ class Scheduler:
             self.prefetching.remove(req)
         if req.finish_reason in ("stop", "length"):
             self.estimate.finished(req)
-        self.kv.release(req)
+        self.kv.release(req, final=True)
         self._match_cache.pop(id(req), None)
         req.state = ReqState.FINISHED
 
