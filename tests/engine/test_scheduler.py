@@ -150,6 +150,26 @@ def test_out_of_memory_retracts_lowest_priority_and_it_resumes_on_its_published_
     finish(s, b)
 
 
+def test_retracted_kv_evicted_for_the_others_is_computed_again_whole():
+    """The same three requests on 25 usable slots: a's and c's decode after the retraction needs 2 slots and
+    none is free, so b's published node (11 tokens, one leaf) is evicted and b resumes from nothing."""
+    s = make_scheduler(num_slots=26, chunked_prefill_tokens=64)
+    s.estimate.ratio = 0.0
+    a = req(range(100, 110), "a", arrival=1.0, priority=1)
+    b = req(range(200, 210), "b", arrival=2.0)
+    c = req(range(300, 302), "c", arrival=3.0, priority=1)
+    for r in (a, b, c):
+        s.add(r)
+    step(s)
+    step(s)
+    assert rows(step(s)) == [("a", 11, 1, True), ("c", 3, 1, True)] and s.waiting == [b]
+    assert s.kv.free_tokens == 9 and s.kv.evictable_tokens == 0  # b's 11 freed by eviction, 2 of them reused
+    finish(s, a)
+    finish(s, c)
+    assert rows(step(s)) == [("b", 0, 12, True)]  # its prompt and both outputs' K/V computed again
+    finish(s, b)
+
+
 def test_retraction_picks_the_request_that_costs_least_to_resume():
     """Equal priority: the victim is the one with the fewest tokens of its own. A prefix shared with another
     running request is not its own (it stays in the pool), so a long request on a shared prefix can be the

@@ -1,6 +1,8 @@
-"""Engine.generate with images on the tiny VLMs (Gemma-3, LLaVA): greedy equal to transformers generate, image tokens in
-the radix key by content (a second question about an image reuses its K/V and skips the vision tower; other
-images never share, even when their hashes collide), cache on vs off identical, bad images refused."""
+"""Engine.generate with images on the tiny VLMs (Gemma-3, LLaVA): greedy equal to transformers generate (Gemma-3: every
+generated token's logprobs too, on inputs where its bidirectional image attention matters; the repetition penalty as
+transformers applies it), image tokens in the radix key by content (a second question about an image reuses its K/V
+and skips the vision tower; other images never share, even when their hashes collide), cache on vs off identical, bad
+images refused."""
 
 from __future__ import annotations
 
@@ -231,7 +233,7 @@ def test_repetition_penalty_with_images_equals_transformers(make_vlm, vlm_checkp
     eng = make_vlm(name)
     images = [random_image(3)]
     messages = ask("Question: what is the capital?", *images)
-    params = {"max_new_tokens": 12, "temperature": 0.0}
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}  # (transformers: eos_token_id=None)
     got = eng.generate(messages, {**params, "repetition_penalty": 2.0})
     plain = eng.generate(messages, params)
     assert got.error is None and plain.error is None
