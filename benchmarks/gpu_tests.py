@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MARK = re.compile(r"pytest\.mark\.gpu\b")
+MARK = re.compile(r"^\s*@pytest\.mark\.gpu\b|^pytestmark\s*=.*\bpytest\.mark\.gpu\b", re.MULTILINE)  # decorator or module mark
 
 
 def gpu_test_files(root: Path = REPO / "tests") -> list[str]:
