@@ -4,7 +4,8 @@ before changing these tests and whenever the code of a mutation changes.
 
     PYTHONPATH=$PWD python -m tests.mutations [NAME ...] [--list] [--baseline] [--timeout S]
 
-Prints `caught` / `NOT caught` per mutation (a test of it failed / all passed). A mutation whose tests need CUDA is
+Prints `caught` / `NOT caught` per mutation (a test of it failed / all passed; `INCONCLUSIVE` when the run outlasted
+--timeout: the FP8 test alone takes tens of minutes on a busy 2-core machine). A mutation whose tests need CUDA is
 reported as not run on a machine without one. A mutation with `pending` names the change that will make its test
 catch it; until then `NOT caught` is its expected result. --baseline first runs each mutation's tests on the
 unmutated copy (they must pass, or a failure would prove nothing). Exit status 1 when a mutation that should be
@@ -160,7 +161,7 @@ def verdict(rc: int, summary: str) -> str:
     if rc == 2:
         return "caught (collection failed or the run was interrupted)"
     if rc == 124:
-        return "caught (its tests timed out)"
+        return "INCONCLUSIVE (its tests timed out: --timeout)"
     return f"ERROR (pytest exit {rc})"
 
 
