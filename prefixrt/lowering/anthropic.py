@@ -9,6 +9,7 @@ every door does) and its CachePlan (lowering/prompt_cache.py).
 - `tools` (name, description, input_schema) -> function tools; `tool_choice` auto / any / tool / none
   (-> auto / required / the named function / none; `disable_parallel_tool_use` -> parallel_tool_calls false);
 - `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k` (which older clients send) -> their OpenAI names;
+  prefixrt's extras as on chat: `cache_salt`, `ignore_eos`, `priority`, `min_p`, `repetition_penalty`;
 - `output_config.format` (a JSON schema) -> response_format json_schema (decoding held to it);
 - `metadata.user_id` -> the session key (requests of one user id are one session for scheduling);
 - `cache_control` on tools, system blocks, message blocks and the request itself -> breakpoints.
@@ -134,7 +135,8 @@ def lower_messages_request(request: dict[str, Any]) -> LoweredMessages:
     if parallel is not None:
         chat["parallel_tool_calls"] = parallel
     for ours, theirs in (("stop", "stop_sequences"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("top_k", "top_k"), ("cache_salt", "cache_salt")):
+                         ("top_k", "top_k"), ("cache_salt", "cache_salt"), ("ignore_eos", "ignore_eos"),
+                         ("priority", "priority"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty")):
         if request.get(theirs) is not None:
             chat[ours] = request[theirs]
     total = len(conv.messages)
