@@ -114,6 +114,9 @@ class EngineConfig:
     # either is refused (the response says so).
     max_pinned_fraction: float = 0.5
     max_pinned_fraction_per_salt: float = 0.25
+    # Waiting requests of keyed sessions (prompt_cache_key, metadata.user_id) go least attained service of their
+    # session first (engine/loop/sessions.py); False: each request on its own, as before.
+    session_scheduling: bool = True
     # Tensor parallelism (parallel/layers.py, parallel/tp_worker.py): the model split over tp_size ranks, one process
     # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
     # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"

@@ -14,7 +14,10 @@ admission (prefetch, overlapped with the running batch); under `wait_complete` a
 load is done, others going first meanwhile.
 With a host tier, a request that has produced nothing and has waited preempt_after_s for memory preempts running
 requests that have already streamed (retracted to the host, most remaining decode first, each at most
-max_preemptions times): first tokens come soon even when the pool holds a few sessions of many.
+max_preemptions times): first tokens come soon even when the pool holds a few sessions of many. The victims are
+held back until the request they made room for is admitted (else they would take the room back first).
+Keyed sessions (engine/loop/sessions.py): waiting requests go least attained service of their session first
+(after priority, before the policy's own key), so a session's turns share one priority.
 Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
 request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
 running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.engine.loop.admission import DecodeEstimate
 from prefixrt.engine.loop.schedule_policy import order_waiting
+from prefixrt.engine.loop.sessions import SessionService
 from prefixrt.request import Req, ReqState
 
 # Hold back a waiting request when it shares at least this many uncached tokens with a request that is
@@ -70,6 +74,8 @@ class SchedulerConfig:
     # running requests that have already streamed (they are retracted to the host and resume later). None: off.
     preempt_after_s: float | None = None
     max_preemptions: int = 2  # times one request may be preempted so (it is not a victim after that)
+    # Waiting requests of keyed sessions ordered by their session's attained service (engine/loop/sessions.py)
+    session_service: bool = True
 
 
 class Scheduler:
@@ -84,6 +90,8 @@ class Scheduler:
         self.preempted_total = 0
         self._preempt_for: tuple[Req, int] | None = None  # (waiting request, pages it needs): preempt next step
         self._admit_first: Req | None = None  # the request a preemption made room for
+        self._held_back: set[int] = set()  # its preemption's victims: not admitted before it is
+        self.sessions = SessionService()
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
@@ -183,6 +191,7 @@ class Scheduler:
         batch.slots.append(slots)
         batch.sample.append(kv_len + n == len(req.all_ids) + req.num_unresolved)  # reaches seq_len
         req.kv_len = kv_len + n
+        self.sessions.charge(req, n)
 
     def _admit(self, batch: ScheduledBatch, budget: int, prefilling: list[Req]) -> None:
         """Admit waiting requests in policy order while they fit (see the module docstring); with a host tier, start
@@ -198,11 +207,14 @@ class Scheduler:
                 self._match_cache[id(r)] = hit
             return hit[1]
 
-        order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s)
-        first, self._admit_first = self._admit_first, None
+        order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s,
+                              self.sessions.service if self.config.session_service else None)
+        first = self._admit_first
         if first is not None and first in order:  # running requests were preempted to make room for it
             order.remove(first)
             order.insert(0, first)
+        else:  # admitted (or gone): its preemption's victims may run again
+            self._admit_first, self._held_back = None, set()
         leaders = UncachedPrefixIndex(prefilling)
         admitted: set[int] = set()
         # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
@@ -214,6 +226,8 @@ class Scheduler:
         wait_complete = self.config.prefetch == "wait_complete"
         reserve_pages = len(self.running)  # keep one page per running request for its next decode step
         for req in order:
+            if self._held_back and id(req) in self._held_back:
+                continue  # preempted for the request first in line: it goes before them
             m = match(req)
             if not kv.disk_ready(req, m):  # its prefix is being read from the disk tier
                 continue
@@ -252,6 +266,8 @@ class Scheduler:
                     req.num_cached_tokens = None
                 break
             admitted.add(id(req))
+            if req is self._admit_first:
+                self._admit_first, self._held_back = None, set()
             self._match_cache.pop(id(req), None)
             if req in self.prefetching:
                 self.prefetching.remove(req)
@@ -310,6 +326,7 @@ class Scheduler:
             reserved -= kv.pages_to_finish(victim, est.remaining(victim))
             self._retract(victim, preempted=True)
             batch.retracted.append(victim)
+            self._held_back.add(id(victim))
         self._admit_first = req
 
     # ------------------------------------------------------------------ retraction
