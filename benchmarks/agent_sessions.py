@@ -96,7 +96,8 @@ def make_trace(shape, tokens_per_word: float, seed: int) -> Trace:
     return Trace(shared=words_text(rng, w(shared)),
                  own=[words_text(rng, w(own)) for _ in range(sessions)],
                  appends=[[words_text(rng, w(append)) for _ in range(turns - 1)] for _ in range(sessions)],
-                 tool_s=[[rng.expovariate(1 / tool_mean) for _ in range(turns - 1)] for _ in range(sessions)],
+                 tool_s=[[rng.expovariate(1 / tool_mean) if tool_mean > 0 else 0.0 for _ in range(turns - 1)]
+            for _ in range(sessions)],
                  start_s=starts)
 
 
@@ -278,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="agents16", choices=sorted(SHAPES))
     p.add_argument("--runs", default=DEFAULT_RUNS, help=f"pool fractions, +host for the host tier ({DEFAULT_RUNS})")
     p.add_argument("--tool-mean-s", type=float, default=None, help="mean time in tools between turns (exponential)")
+    p.add_argument("--stagger-s", type=float, default=None, help="seconds between the first sessions' starts")
     p.add_argument("--keep", action="store_true", help="every turn keeps its prompt (prompt-cache fields)")
     p.add_argument("--port", type=int, default=30170)
     p.add_argument("--seed", type=int, default=0)
@@ -288,6 +290,8 @@ def main(argv=None) -> int:
     shape = list(SHAPES[shape_name])
     if a.tool_mean_s is not None:
         shape[7] = a.tool_mean_s
+    if a.stagger_s is not None:
+        shape[8] = a.stagger_s
     shape = tuple(shape)
     model = a.smoke or a.model
     base = ["--model", model, "--log-level", "warning"]
