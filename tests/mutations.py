@@ -87,7 +87,7 @@ MUTATIONS = (
         gpu=True),
     Mutation(
         "auto-without-calls", 'tool_choice="auto" decodes text only (the grammar\'s calls branch dropped)',
-        "prefixrt/lowering.py", '            lines += ["start: TEXT | calls", f"TEXT: {text}"]',
+        "prefixrt/lowering/tools.py", '            lines += ["start: TEXT | calls", f"TEXT: {text}"]',
         '            lines += ["start: TEXT", f"TEXT: {text}"]',
         ("tests/server/test_native_tools.py::test_auto_gives_the_branch_the_model_picks",)),
     Mutation(
