@@ -14,10 +14,14 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 # first forward waits for it); wait_complete: prefetched, admitted once the load is done (others run meanwhile).
 PREFETCH_POLICIES = ("off", "best_effort", "wait_complete")
 QUANTIZATIONS = (None, "fp8")  # quantization: weights as the checkpoint stores them, or FP8 (e4m3) decoder linears
-# fp8_activation_scale (with FP8 weights): activations quantized with one e4m3 scale per group of 64 K values
-# of a token, or one per token (kernels/fp8_reference.py; the same names as its ACTIVATION_SCALES, which this
-# layer cannot import: tests/engine/test_fp8_engine.py holds the two equal).
-FP8_ACTIVATION_SCALES = ("group", "token")
+# fp8_activation_scale (with FP8 weights): inputs taller than a decode batch run weight-only ("none"), or quantize
+# their activations with one e4m3 scale per group of 64 K values of a token, or one per token
+# (kernels/fp8_reference.py; the same names as its ACTIVATION_SCALES, which this layer cannot import:
+# tests/engine/test_fp8_engine.py holds the two equal).
+FP8_ACTIVATION_SCALES = ("none", "group", "token")
+# fp8_speed_check (with FP8 weights on CUDA, model/fp8_speed_check.py; the same names as its SPEED_CHECKS): at start-up
+# the FP8 linears are timed against bf16; slower ones are served as bf16 ("fallback"), refused ("error") or kept ("off").
+FP8_SPEED_CHECKS = ("fallback", "error", "off")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kv_cache_dtype: the model's dtype, or e4m3 with per-layer/head scales
 # prefix_cache names: the radix tree (cache/radix.py), or the hash-block table of vLLM-style prefix caching
 # (cache/block.py, full blocks of 16 tokens: the baseline of the table-cache ablation).
@@ -33,10 +37,12 @@ class EngineConfig:
     # FP8 weights (model/quantize.py): None loads the checkpoint as it is (a pre-quantized FP8 checkpoint as FP8);
     # "fp8" quantizes a float checkpoint's decoder linears at load (e4m3, per-output-channel scales).
     quantization: str | None = None
-    # FP8 weights' activations, quantized at run time (one of FP8_ACTIVATION_SCALES): "group", one e4m3 scale per
-    # 64 K values of a token, within the 2% perplexity line on the embedded models; "token", one per token
-    # (cuBLAS's row-wise _scaled_mm can run it at large batches; +2.1-2.3% perplexity). docs/benchmarks.md, "FP8".
-    fp8_activation_scale: str = "group"
+    # FP8 weights' activations for inputs taller than a decode batch (decode batches always run weight-only;
+    # model/fp8_linear.py): "none", weight-only too (the default: the most accurate); "group", one e4m3 scale per
+    # 64 K values of a token (+1.7-1.8% perplexity on the embedded models); "token", one per token (cuBLAS's
+    # row-wise _scaled_mm: the fastest at large batches; +2.1-2.3% perplexity). docs/benchmarks.md, "FP8".
+    fp8_activation_scale: str = "none"
+    fp8_speed_check: str = "fallback"  # one of FP8_SPEED_CHECKS
     # K/V cache storage (cache/kv_pool.py): "auto" (the model's dtype) or "fp8_e4m3" (half the bytes of bf16 a token;
     # per-layer, per-kv-head scales from the checkpoint or calibrated at start-up, model/kv_calibration.py).
     kv_cache_dtype: str = "auto"
@@ -124,6 +130,8 @@ class EngineConfig:
             bad(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.fp8_activation_scale not in FP8_ACTIVATION_SCALES:
             bad(f"fp8_activation_scale must be one of {FP8_ACTIVATION_SCALES}, got {self.fp8_activation_scale!r}")
+        if self.fp8_speed_check not in FP8_SPEED_CHECKS:
+            bad(f"fp8_speed_check must be one of {FP8_SPEED_CHECKS}, got {self.fp8_speed_check!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.tp_size > 1 and (self.quantization or self.kv_cache_dtype != "auto"):

@@ -18,7 +18,8 @@ from typing import Any
 from prefixrt.default_models import CHAT_MODEL
 
 # The flags that become Engine keyword arguments as they are (EngineConfig fields of the same name).
-ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "fp8_activation_scale", "kv_cache_dtype",
+ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "fp8_activation_scale", "fp8_speed_check",
+                "kv_cache_dtype",
                 "attention_backend",
                 "kv_cache_tokens", "mem_fraction", "page_size", "prefix_cache", "schedule_policy",
                 "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
@@ -41,10 +42,14 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    help="fp8: FP8 (e4m3) weights for the decoder's linear layers, a float checkpoint quantized at "
                         "load (per-channel weight scales); default: the weights as the checkpoint stores them (a "
                         "pre-quantized FP8 checkpoint loads as FP8)")
-    p.add_argument("--fp8-activation-scale", choices=["group", "token"], default="group",
-                   help="with FP8 weights, the activations' e4m3 scales: one per 64 values of a token "
-                        "(group, the default: the more accurate) or one per token (token: cuBLAS's row-wise FP8 GEMM "
-                        "can run it at large batches)")
+    p.add_argument("--fp8-activation-scale", choices=["none", "group", "token"], default="none",
+                   help="with FP8 weights, inputs taller than a decode batch (which always runs weight-only): "
+                        "none (weight-only too, the default: the most accurate), group (activations quantized with "
+                        "one e4m3 scale per 64 values of a token) or token (one per token: cuBLAS's row-wise FP8 GEMM, "
+                        "the fastest at large batches)")
+    p.add_argument("--fp8-speed-check", choices=["fallback", "error", "off"], default="fallback",
+                   help="with FP8 weights on a GPU, time them against bf16 at start-up: fallback (the default: serve "
+                        "bf16 weights when FP8 would be slower, with a log line), error (refuse to start then) or off")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                    help="fp8_e4m3: store K/V in FP8 (half the bytes of bf16: about twice the cached tokens), one scale "
                         "per layer and kv head (from the checkpoint, else calibrated at start-up); default: the "

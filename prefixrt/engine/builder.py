@@ -112,6 +112,12 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     from prefixrt.model.quantize import set_fp8_activation_scale
 
     set_fp8_activation_scale(model, config.fp8_activation_scale)  # (before the kernel plans are made)
+    from prefixrt.model.fp8_speed_check import check_fp8_speed
+
+    speed = check_fp8_speed(model, dtype, config.fp8_speed_check, say)  # (before the pool is sized from free memory)
+    if speed is not None:
+        startup["fp8_speed_check"] = {"fp8_us": round(speed.fp8_us, 1), "bf16_us": round(speed.bf16_us, 1),
+                                      "served_as_fp8": not speed.fp8_slower}
     grammar = engine_grammar(config, model, tokenizer, resolved)
     if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
         grammar.start_warm()
@@ -133,7 +139,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         set_kv_scales(pool, model, tokenizer, say)
     allocator = PageAllocator(num_slots, config.page_size)
     if config.radix_cache and config.host_kv_cache_tokens:
-        cache = make_tiered_cache(config, pool, allocator, device, say, resolved)
+        cache = make_tiered_cache(config, pool, allocator, device, say, resolved,
+                                  fp8_weights=speed is None or not speed.fp8_slower)
     elif not config.radix_cache:
         cache = NoReuseCache(allocator)
     elif config.prefix_cache == "block":
@@ -372,11 +379,12 @@ def compile_report(folder: Path | None, say) -> dict:
     return report
 
 
-def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
+def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool | None = None) -> str:
     """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
     size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
     digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape; with FP8, the
-    K/V scales and the weights' quantization."""
+    K/V scales and the weights' quantization. fp8_weights: whether the model serves FP8 weights (False after the
+    start-up speed check fell back to bf16; None: as config.quantization says)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -388,16 +396,18 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
     fp8 = f"|scales:{pool.scales_digest()}" if pool.quantized else ""  # FP8 bytes mean K/V under these scales only
-    if config.quantization:  # FP8 weights compute other K/V
+    if config.quantization and fp8_weights is not False:  # FP8 weights compute other K/V
         fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}"
+    elif config.quantization:
+        fp8 += "|quantization:dequantized-fp8"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}{fp8}")
 
 
 def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say,
-                      resolved=None):
+                      resolved=None, fp8_weights: bool | None = None):
     """The radix tree over the pool and a host tier of host_kv_cache_tokens tokens (pinned on CUDA); with
-    kv_disk_dir, a disk tier below it."""
+    kv_disk_dir, a disk tier below it (fp8_weights: see kv_identity)."""
     from prefixrt.cache.host_pool import HostKVPool
     from prefixrt.cache.tiered_radix import TieredRadixCache
     from prefixrt.cache.transfer import KVTransfer
@@ -411,7 +421,7 @@ def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocat
         from prefixrt.cache.disk_radix import DiskTieredRadixCache
         from prefixrt.cache.disk_store import DiskKVStore
 
-        disk = DiskKVStore(config.kv_disk_dir, kv_identity(config, resolved, pool), int(config.kv_disk_max_gb * 2**30),
+        disk = DiskKVStore(config.kv_disk_dir, kv_identity(config, resolved, pool, fp8_weights), int(config.kv_disk_max_gb * 2**30),
                            pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, config.page_size)
         say(f"disk KV tier: {config.kv_disk_dir} (cap {config.kv_disk_max_gb:g} GiB), {disk.cached_tokens} tokens "
             f"in {disk.num_files} files found")

@@ -29,7 +29,6 @@ from prefixrt.model.fp8_linear import MEASURED_ROWS, expand_plan, fp8_linear, fp
 from prefixrt.model.fp8_static_linear import fp8_linear_static
 
 if TYPE_CHECKING:
-    from prefixrt.kernels.fp8_gemm import Fp8GemmConfig
     from prefixrt.kernels.gemv import GemvConfig
 
 MAX_GEMV_ROWS = 64  # = prefixrt.kernels.gemv.MAX_M
@@ -254,22 +253,22 @@ class Linear(nn.Linear):
     planned a configuration for that row count (`gemv_plan[rows]`); cuBLAS otherwise.
 
     With FP8 weights (model/quantize.py sets them): `weight` is e4m3 and `weight_scale` holds its scales (per output
-    channel [N], or [ceil(N / 128), ceil(K / 128)] blocks); model/fp8_linear.py computes, `fp8_plan` choosing the
-    kernel per row count and `fp8_activation_scale` ("group" or "token", model/quantize.set_fp8_activation_scale)
-    how the activations are quantized, unless the checkpoint fixed them a static scale (`input_scale`, one value;
-    model/fp8_static_linear.py computes)."""
+    channel [N], or [ceil(N / 128), ceil(K / 128)] blocks); model/fp8_linear.py computes, `fp8_plan` holding the
+    weight-only kernel's layout per row count and `fp8_activation_scale` ("none", "group" or "token",
+    model/quantize.set_fp8_activation_scale) how inputs taller than a decode batch run, unless the checkpoint fixed
+    the activations a static scale (`input_scale`, one value; model/fp8_static_linear.py computes)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv_plan: dict[int, GemvConfig] = {}  # rows -> config; a missing row count runs cuBLAS
         self.register_parameter("weight_scale", None)  # set with FP8 weights
         self.register_parameter("input_scale", None)  # set with FP8 weights whose checkpoint has static activations
-        self.fp8_plan: dict[int, Fp8GemmConfig] = {}  # rows -> Triton FP8 layout (fp8_linear.fp8_plan_for)
-        self.fp8_activation_scale = "group"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES
+        self.fp8_plan: dict[int, GemvConfig] = {}  # rows -> weight-only FP8 layout (fp8_linear.fp8_plan_for)
+        self.fp8_activation_scale = "none"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is not None:
-            return fp8_linear_static(x, self.weight, self.weight_scale, self.bias, self.input_scale)
+        if self.weight_scale is not None and self.input_scale is not None:  # (served dequantized: weight_scale None)
+            return fp8_linear_static(x, self.weight, self.weight_scale, self.bias, self.input_scale, self.fp8_plan)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_plan, self.fp8_activation_scale)
         config = self.gemv_plan.get(x.shape[0]) if x.dim() == 2 else None
@@ -473,7 +472,6 @@ def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table
                                     if enabled and act and bf16_down else {})
         if isinstance(module, Linear) and module.weight_scale is not None:
             module.gemv_plan = {}
-            module.fp8_plan = (fp8_plan_for(module.weight, module.weight_scale, gemv, module.fp8_activation_scale)
-                               if enabled else {})
+            module.fp8_plan = fp8_plan_for(module.weight, module.weight_scale, gemv) if enabled else {}
         elif isinstance(module, Linear):
             module.gemv_plan = gemv_plan_for(module.weight, gemv, prefer_gemv=pdl) if enabled else {}

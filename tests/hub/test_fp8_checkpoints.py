@@ -15,12 +15,15 @@ Oracles, from exact to stated tolerances:
 1. transformers' own dequantized weights (compressed-tensors' decompression; transformers' FP8 dequantize op on the
    CPU) equal our e4m3 bytes times our scales, bit for bit, shard by shard, and our bytes are the checkpoint's;
 2. each linear, given the same input: ours equals transformers' linear of that shard to float32 rounding
-   (EXACT_TOLERANCE), where transformers' linear quantizes its input as the checkpoint declares (compressed-tensors'
-   forward) and we run that scheme (static per tensor; per token), or quantizes it by our scheme (transformers'
-   dequantized linear with a forward pre-hook calling kernels/fp8_reference.py: the engine's default scheme, or
-   the checkpoint's static scales where transformers' CPU path leaves activations float);
-3. the whole model against transformers as in 2: within ROUNDING_TOLERANCE (summation order differs, which flips the
-   e4m3 rounding of an activation now and then, and attention carries the flip to later positions);
+   (EXACT_TOLERANCE). A decode batch (at most 64 rows) runs weight-only under every scheme, static scales included:
+   transformers' dequantized linear, activations left float. A taller input: transformers' linear quantizing it
+   as the checkpoint declares (compressed-tensors' forward) where we run that scheme (static per tensor; per
+   token), else transformers' dequantized linear with a forward pre-hook quantizing its input by our scheme
+   (kernels/fp8_reference.py: "group", "token", or the checkpoint's static scales where transformers' CPU path
+   leaves activations float; "none" leaves it float);
+3. the whole model over a prompt taller than a decode batch, against transformers as in 2: within
+   ROUNDING_TOLERANCE (summation order differs, which flips the e4m3 rounding of an activation now and then, and
+   attention carries the flip to later positions);
 4. our quantize-at-load of the same float weights (least-squares scales per channel, where the tools take amax):
    within AT_LOAD_TOLERANCE, and both within FLOAT_TOLERANCE of the float model."""
 
@@ -40,7 +43,9 @@ from tests.helpers.checkpoints import build_hf_model
 from tests.helpers.harness import PagedHarness
 
 FP8 = torch.float8_e4m3fn
-TOKENS = list(range(5, 29))
+TOKENS = list(range(5, 101))  # 96 tokens: a prefill taller than a decode batch runs the activation scheme
+SCHEMES = ("none", "group", "token")  # our run-time activation schemes (EngineConfig.fp8_activation_scale)
+DECODE_ROWS, TALL_ROWS = 7, 80  # inputs of at most 64 rows run weight-only (model/fp8_linear.WEIGHT_ONLY_MAX_ROWS)
 SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 BLOCK_SHAPE = {"hidden_size": 256, "intermediate_size": 384, "head_dim": 64}  # q/k/v, gate/up: whole 128-row blocks
 ENGINE_SCHEME = EngineConfig().fp8_activation_scale  # the activation scheme an engine runs by default
@@ -106,8 +111,11 @@ def decoder_linears(hf_model) -> dict[str, torch.nn.Linear]:
 
 
 def quantize_inputs(hf_model, scheme: str, static_scales: dict[str, torch.Tensor] | None = None) -> None:
-    """Make each decoder linear of a transformers model (float weights) quantize its input as our FP8 linears do:
-    per group or per token (kernels/fp8_reference.py), or with the given static scale per checkpoint module."""
+    """Make each decoder linear of a transformers model (float weights) quantize its input as our FP8 linears do for
+    inputs taller than a decode batch: per group or per token (kernels/fp8_reference.py), with the given static
+    scale per checkpoint module, or not at all ("none")."""
+    if scheme == "none":
+        return
 
     def hook(name):
         def quantize(module, args):
@@ -252,14 +260,14 @@ def transformers_model(path: Path, scheme_of_checkpoint: bool = True):
 # ------------------------------------------------------------------------------------------------------ the tests
 
 
-def check_linears(loaded, hf_model) -> None:
-    """Oracle 2: one input [1, 7, K] through each of our FP8 linears and through transformers' linear of each of its
-    shards (its rows of our output): equal to float32 rounding."""
-    gen = torch.Generator().manual_seed(0)
+def check_linears(loaded, hf_model, rows: int) -> None:
+    """Oracle 2: one input [1, rows, K] through each of our FP8 linears and through transformers' linear of each of
+    its shards (its rows of our output): equal to float32 rounding."""
+    gen = torch.Generator().manual_seed(rows)
     hf_linears = decoder_linears(hf_model)
     with torch.no_grad():
         for name, (module, offset, size) in shards_of(loaded).items():
-            x = torch.randn(1, 7, module.in_features, generator=gen) * 3
+            x = torch.randn(1, rows, module.in_features, generator=gen) * 3
             ours = module(x)[..., offset : offset + size]
             assert rel_err(ours, hf_linears[name](x)) < EXACT_TOLERANCE, name
 
@@ -282,9 +290,10 @@ def check_weights_as_written(loaded, path: Path, hf_model) -> None:
 @pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8", "FP8_BLOCK"])
 def test_compressed_tensors_checkpoints(preset, tmp_path):
     """compressed-tensors' FP8 presets load as written (oracle 1) and compute what transformers computes with the
-    checkpoint (oracles 2 and 3): static per-tensor activations as they are, whatever the run-time scheme; per-token
-    ones under fp8_activation_scale "token"; the engine's default scheme as transformers' dequantized model with our
-    activation quantization (the block preset's groups of 128 are no scheme of ours: our groups of 64 are finer)."""
+    checkpoint (oracles 2 and 3) under each of our activation schemes: decode batches weight-only; taller inputs with
+    static per-tensor activations as the checkpoint has them, whatever the scheme, per-token ones as compressed-tensors
+    quantizes them, the others as transformers' dequantized model with our activation quantization (the block
+    preset's groups of 128 are no scheme of ours: our groups of 64 are finer)."""
     shape = BLOCK_SHAPE if preset == "FP8_BLOCK" else {}
     path = tmp_path / "ckpt"
     write_compressed_tensors(path, preset, **shape)
@@ -298,23 +307,24 @@ def test_compressed_tensors_checkpoints(preset, tmp_path):
         else:
             assert module.input_scale is None
     as_declared = transformers_model(path)
-    for scheme in ("token", ENGINE_SCHEME):
+    for scheme in SCHEMES:
         set_fp8_activation_scale(loaded, scheme)
+        check_linears(loaded, transformers_model(path, False), DECODE_ROWS)
         if static or (scheme == "token" and preset == "FP8_DYNAMIC"):  # the checkpoint's own scheme
             reference = as_declared
         else:
             reference = transformers_model(path, False)
             quantize_inputs(reference, scheme)
-        check_linears(loaded, reference)
-        assert rel_err(logits_of(loaded), hf_logits(reference)) < ROUNDING_TOLERANCE
-    assert rel_err(logits_of(loaded), hf_logits(build_hf_model("llama", **shape))) < FLOAT_TOLERANCE
+        check_linears(loaded, reference, TALL_ROWS)
+        assert rel_err(logits_of(loaded), hf_logits(reference)) < ROUNDING_TOLERANCE, scheme
+        assert rel_err(logits_of(loaded), hf_logits(build_hf_model("llama", **shape))) < FLOAT_TOLERANCE
 
 
 @pytest.mark.parametrize("block,activation_scheme", [([128, 128], "dynamic"), (None, "dynamic"), (None, "static")])
 def test_transformers_fp8_checkpoints(block, activation_scheme, tmp_path):
     """transformers' `fp8` (128 x 128 blocks, DeepSeek-style; per tensor; per tensor with static activation scales)
     loads as written (oracle 1, against transformers' own dequantization on the CPU) and computes what transformers'
-    dequantized model computes with our activation quantization (oracles 2 and 3: the engine's default scheme, or the
+    dequantized model computes with our activation quantization (oracles 2 and 3: each of our schemes, or the
     checkpoint's static scales)."""
     shape = BLOCK_SHAPE if block else {}
     write_transformers_fp8(tmp_path / "ckpt", block, activation_scheme, **shape)
@@ -324,19 +334,21 @@ def test_transformers_fp8_checkpoints(block, activation_scheme, tmp_path):
     if block:
         qkv = loaded.model.layers[0].self_attn.qkv_proj
         assert qkv.weight_scale.shape == (4, 2)  # rows: q 256 + k 128 + v 128 = 4 blocks; columns: 256 = 2 blocks
-    set_fp8_activation_scale(loaded, ENGINE_SCHEME)
+    scales = {}
     if activation_scheme == "static":
         tensors = checkpoint_tensors(tmp_path / "ckpt")
         scales = {name: tensors[f"{name}.activation_scale"] for name in decoder_linears(reference)}
         for name, (module, _, _) in shards_of(loaded).items():
             assert torch.equal(module.input_scale, scales[name].float().reshape(1)), name
-        quantize_inputs(reference, "static", scales)
-    else:
-        quantize_inputs(reference, ENGINE_SCHEME)
-    check_linears(loaded, reference)
-    ours = logits_of(loaded)
-    assert rel_err(ours, hf_logits(reference)) < ROUNDING_TOLERANCE
-    assert rel_err(ours, hf_logits(build_hf_model("llama", **shape))) < FLOAT_TOLERANCE
+    for scheme in SCHEMES:
+        set_fp8_activation_scale(loaded, scheme)
+        check_linears(loaded, reference, DECODE_ROWS)  # (no hooks yet: transformers' CPU path is weight-only)
+        tall = transformers_model(tmp_path / "ckpt")
+        quantize_inputs(tall, "static" if scales else scheme, scales)
+        check_linears(loaded, tall, TALL_ROWS)
+        ours = logits_of(loaded)
+        assert rel_err(ours, hf_logits(tall)) < ROUNDING_TOLERANCE, scheme
+        assert rel_err(ours, hf_logits(build_hf_model("llama", **shape))) < FLOAT_TOLERANCE
 
 
 @pytest.mark.parametrize("writer", ["compressed-tensors FP8_DYNAMIC", "compressed-tensors FP8",
@@ -371,7 +383,8 @@ def test_checkpoints_match_quantize_at_load(writer, tmp_path):
 def test_fbgemm_checkpoint(tmp_path):
     """fbgemm_fp8 (transformers' FbgemmFp8Config; its quantizer runs on a GPU only): the documented layout, `weight`
     e4m3 and `weight_scale` [N, 1] per row (amax / 448, computed here), `input_scale_ub` (an activation bound we do
-    not use). Loads as written and computes what the dequantized float model with our activation scheme computes."""
+    not use). Loads as written and computes what the dequantized float model computes (weight-only decode batches;
+    taller inputs under the "group" scheme)."""
     from safetensors.torch import save_file
 
     model = build_hf_model("llama")
@@ -391,9 +404,10 @@ def test_fbgemm_checkpoint(tmp_path):
     model.config.save_pretrained(str(tmp_path / "ckpt"))
     loaded = load_model(tmp_path / "ckpt")
     check_weights_as_written(loaded, tmp_path / "ckpt", model)
-    set_fp8_activation_scale(loaded, ENGINE_SCHEME)
-    quantize_inputs(model, ENGINE_SCHEME)
-    check_linears(loaded, model)
+    check_linears(loaded, model, DECODE_ROWS)
+    quantize_inputs(model, "group")
+    set_fp8_activation_scale(loaded, "group")
+    check_linears(loaded, model, TALL_ROWS)
     assert rel_err(logits_of(loaded), hf_logits(model)) < ROUNDING_TOLERANCE
 
 
@@ -430,7 +444,7 @@ def test_checkpoint_kv_cache_scales_and_static_activations_reach_the_engine(tmp_
     k, v = model.kv_cache_scales
     layers = model.num_layers
     assert k.shape == (layers, 2) and torch.allclose(k[1], torch.tensor(0.02)) and torch.allclose(v[0], torch.tensor(0.011))
-    prompt = [1, 5, 6, 7, 8, 9]
+    prompt = TOKENS[:80]  # a prefill taller than a decode batch: the static scales at work
     harness = PagedHarness(model, kv_dtype=FP8, kv_scales=(k, v))
     expected = harness.generate_greedy([prompt], 6, stop_at_eos=False)[0]
     resolved = SimpleNamespace(name="tiny", revision="t", extra_eos_token_ids=(), path=str(tmp_path / "ckpt"))
