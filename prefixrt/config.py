@@ -38,10 +38,12 @@ class EngineConfig:
     # "fp8" quantizes a float checkpoint's decoder linears at load (e4m3, per-output-channel scales).
     quantization: str | None = None
     # FP8 weights' activations for inputs taller than a decode batch (decode batches always run weight-only;
-    # model/fp8_linear.py): "none", weight-only too (the default: the most accurate); "group", one e4m3 scale per
-    # 64 K values of a token (+1.7-1.8% perplexity on the embedded models); "token", one per token (cuBLAS's
-    # row-wise _scaled_mm: the fastest at large batches; +2.1-2.3% perplexity). docs/benchmarks.md, "FP8".
-    fp8_activation_scale: str = "none"
+    # model/fp8_linear.py): "token", one e4m3 scale per token (the default: cuBLAS's row-wise _scaled_mm, 1.3-1.4x
+    # faster than bf16 at 256-4096 rows on an H100; with fp8_smoothing +1.4-1.5% perplexity over bf16 on the
+    # embedded models, +1.8-2.6% without); "none", weight-only too (the Triton W8A16 GEMM: 2x slower than bf16 at
+    # tall inputs); "group", one scale per 64 K values of a token (the Triton w8a8 GEMM, as slow). docs/benchmarks.md,
+    # "FP8".
+    fp8_activation_scale: str = "token"
     # FP8 weights quantized at load (quantization="fp8" on a float checkpoint or dummy weights): the decoder linears'
     # inputs smoothed first, SmoothQuant's per-channel factors max|X|^a / max|W|^(1 - a) with this alpha a, calibrated
     # on a fixed text and folded exactly into the weights and norms (model/smoothing.py: no run-time cost). None or 0:

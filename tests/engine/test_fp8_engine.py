@@ -51,7 +51,7 @@ def test_fp8_weights_engine_quantizes_decoder_linears(make_engine):
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.out_features,)
     assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight_scale is None
     assert len(eng.generate([1, 5, 6], GREEDY).token_ids) == GREEDY["max_new_tokens"]
-    assert {m.fp8_activation_scale for m in model.modules() if getattr(m, "weight_scale", None) is not None} == {"none"}
+    assert {m.fp8_activation_scale for m in model.modules() if getattr(m, "weight_scale", None) is not None} == {"token"}
 
 
 def test_fp8_engine_smooths_before_quantizing(make_engine, tiny_checkpoints, tiny_tokenizer):
