@@ -1,7 +1,8 @@
 """FP8 weights on the CPU with and without smoothing (model/smoothing.py): the perplexity of tests/data/fp8_eval.txt
 (~2,000 tokens, one teacher-forced prefill) on an embedded model, bf16 against FP8 weights quantized at load
 (quantize.quantize_fp8_at_load: per-channel least-squares scales) under each activation scheme for tall inputs
-(`none` weight-only, `group` 1 x 64, `token` per token), for each smoothing alpha (0: off). The perplexity text is
+(`none` weight-only, `group` 1 x 64, `token` per token), for each smoothing alpha (0: off), with the teacher-forced
+top-1 agreement with bf16 and the KL divergence from bf16's next-token distribution (nats a token). The perplexity text is
 one prefill, so the scheme decides it; decode batches (at most 64 rows) always run weight-only, so the `none` rows
 are what smoothing does to decode. The reference path (kernels/fp8_reference.py) computes every variant.
 --kv adds FP8 K/V (scales calibrated on the model the row ran, as an engine does) to every FP8 row.
@@ -74,6 +75,7 @@ def main() -> None:
     base_logits = prefill_logits(fresh(), ids)
     base = perplexity(base_logits, ids)
     base_top1 = base_logits.argmax(-1)
+    base_logprobs = torch.log_softmax(base_logits, -1)
     log(f"{args.model}: {len(ids)} tokens, bf16 perplexity {base:.4f} ({time.perf_counter() - t0:.0f}s)")
     for alpha in (float(a) for a in args.alphas.split(",")):
         model = fresh()
@@ -87,14 +89,17 @@ def main() -> None:
             logits = prefill_logits(model, ids, scales)
             ppl = perplexity(logits, ids)
             key = f"alpha={alpha:g} scheme={scheme} kv={'fp8' if args.kv else 'bf16'}"
-            runs[key] = {"ppl": ppl, "over_bf16": ppl / base - 1,
+            kl = torch.nn.functional.kl_div(torch.log_softmax(logits, -1), base_logprobs, log_target=True,
+                                            reduction="batchmean").item()  # KL(bf16 || FP8), nats a token
+            runs[key] = {"ppl": ppl, "over_bf16": ppl / base - 1, "kl_to_bf16": kl,
                          "teacher_forced_top1": (logits.argmax(-1) == base_top1).float().mean().item()}
             log(f"{key}: perplexity {ppl:.4f} ({100 * (ppl / base - 1):+.2f}% over bf16 {base:.4f}), teacher-forced "
-                f"top-1 {runs[key]['teacher_forced_top1']:.1%} ({time.perf_counter() - t0:.0f}s)")
+                f"top-1 {runs[key]['teacher_forced_top1']:.1%}, KL {kl:.4f} ({time.perf_counter() - t0:.0f}s)")
     RESULTS_DIR.mkdir(exist_ok=True)
     out_file.write_text(json.dumps({"model": args.model, "tokens": len(ids), "bf16_ppl": base, "runs": runs},
                                    indent=1))
-    log_table([(key, f"{100 * r['over_bf16']:+.2f}%", f"{r['teacher_forced_top1']:.1%}")
+    log_table([(key, f"{100 * r['over_bf16']:+.2f}%", f"top-1 {r['teacher_forced_top1']:.1%}, KL "
+                f"{r.get('kl_to_bf16', math.nan):.4f}")
                for key, r in sorted(runs.items())], 8)
 
 

@@ -12,9 +12,9 @@ The scheme (the one every FP8 path here computes):
 - y = (x_q * x_scale) @ (W_q * w_scale)^T + bias, accumulated in float32, rounded once to x's dtype.
 
 Perplexity over bf16 on the embedded models (SmolLM2-135M / Gemma-3-270M, docs/benchmarks.md, "FP8", 2026-12-06):
-per-token activation scales cost +1.82% / +2.57% as the weights come, +1.47% / +1.40% after the smoothing that
-quantize-at-load applies (model/smoothing.py); weight-only costs +1.17% / +1.15%, smoothed +0.17% / +0.72%, and at
-decode sizes it is also the fastest (the step reads the weights; x is small).
+per-token activation scales cost +1.82% / +2.57% as the weights come, +0.73% / +1.11% after the smoothing that
+quantize-at-load applies (model/smoothing.py, alpha 0.75); weight-only costs +1.17% / +1.15%, smoothed +0.05% /
++0.75%, and at decode sizes it is also the fastest (the step reads the weights; x is small).
 """
 
 from __future__ import annotations

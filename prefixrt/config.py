@@ -39,7 +39,7 @@ class EngineConfig:
     quantization: str | None = None
     # FP8 weights' activations for inputs taller than a decode batch (decode batches always run weight-only;
     # model/fp8_linear.py): "token", one e4m3 scale per token (the default: cuBLAS's row-wise _scaled_mm, 1.3-1.4x
-    # faster than bf16 at 256-4096 rows on an H100; with fp8_smoothing +1.4-1.5% perplexity over bf16 on the
+    # faster than bf16 at 256-4096 rows on an H100; with fp8_smoothing +0.7-1.1% perplexity over bf16 on the
     # embedded models, +1.8-2.6% without); "none", weight-only too (the Triton W8A16 GEMM: 2x slower than bf16 at
     # tall inputs); "group", one scale per 64 K values of a token (the Triton w8a8 GEMM, as slow). docs/benchmarks.md,
     # "FP8".
@@ -47,8 +47,9 @@ class EngineConfig:
     # FP8 weights quantized at load (quantization="fp8" on a float checkpoint or dummy weights): the decoder linears'
     # inputs smoothed first, SmoothQuant's per-channel factors max|X|^a / max|W|^(1 - a) with this alpha a, calibrated
     # on a fixed text and folded exactly into the weights and norms (model/smoothing.py: no run-time cost). None or 0:
-    # off. Pre-quantized FP8 checkpoints are never smoothed. docs/benchmarks.md, "FP8".
-    fp8_smoothing: float | None = 0.5
+    # off. 0.75 measured best of 0.25-1 on both embedded models. Pre-quantized FP8 checkpoints are never smoothed.
+    # docs/benchmarks.md, "FP8".
+    fp8_smoothing: float | None = 0.75
     fp8_speed_check: str = "fallback"  # one of FP8_SPEED_CHECKS
     # K/V cache storage (cache/kv_pool.py): "auto" (the model's dtype) or "fp8_e4m3" (half the bytes of bf16 a token;
     # per-layer, per-kv-head scales from the checkpoint or calibrated at start-up, model/kv_calibration.py).
