@@ -18,8 +18,8 @@ import os
 import sys
 import time
 
+from prefixrt.config.flags import add_engine_args, engine_kwargs, progress_printer, start_engine
 from prefixrt.engine.progress import DEFAULT_STALL_TIMEOUT_S
-from prefixrt.engine_flags import add_engine_args, engine_kwargs, progress_printer, start_engine
 from prefixrt.lowering.reasoning import PARSERS as REASONING_PARSERS
 
 
@@ -103,7 +103,7 @@ def check_role_args(args: argparse.Namespace) -> None:
     if role == "prefill" and not 1 <= args.disagg_rank <= args.disagg_prefill_workers:
         raise ValueError(f"--role prefill needs --disagg-rank between 1 and --disagg-prefill-workers "
                          f"({args.disagg_prefill_workers}), got {args.disagg_rank}")
-    if args.no_radix_cache:
+    if not args.radix_cache:
         raise ValueError(f"--role {role} needs the radix cache (K/V is sent from and received into it)")
 
 
@@ -151,7 +151,7 @@ def serve(args: argparse.Namespace) -> int:
     from prefixrt.hub.generation import generation_defaults
 
     if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
-        from prefixrt.config import EngineConfig
+        from prefixrt.config.engine_config import EngineConfig
         from prefixrt.parallel.tp_worker import run_node
 
         config = EngineConfig(model=args.model, **engine_kwargs(args))

@@ -12,7 +12,7 @@ time at full speed instead of admitting, growing and retracting. The first reque
 With a host tier, waiting requests next in line get their host-resident prefix loaded into the pool ahead of
 admission (prefetch, overlapped with the running batch); under `wait_complete` a request is admitted once its
 load is done, others going first meanwhile.
-With a host tier, a request that has produced nothing and has waited preempt_after_s for memory preempts running
+With a host tier, a request that has produced nothing and has waited host_kv_preempt_after_s for memory preempts running
 requests that have already streamed (retracted to the host, most remaining decode first, each at most
 max_preemptions times): first tokens come soon even when the pool holds a few sessions of many.
 Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
+from prefixrt.config.engine_config import SchedulerSettings
 from prefixrt.engine.loop.admission import DecodeEstimate
 from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.request import Req, ReqState
@@ -57,25 +58,14 @@ class ScheduledBatch:
         return not self.reqs
 
 
-@dataclass
-class SchedulerConfig:
-    policy: str = "lpm"
-    chunked_prefill_tokens: int = 8192
-    max_running_requests: int = 256
-    aging_s: float = 5.0
-    dedup_shared_prefill: bool = True
-    prefetch: str = "wait_complete"  # config.PREFETCH_POLICIES (host tier only)
-    max_prefetching: int = 8  # waiting requests with a prefetched prefix at once
-    # Host tier only: a request that has produced nothing and has waited this long for memory takes the room of
-    # running requests that have already streamed (they are retracted to the host and resume later). None: off.
-    preempt_after_s: float | None = None
-    max_preemptions: int = 2  # times one request may be preempted so (it is not a victim after that)
-
-
 class Scheduler:
-    def __init__(self, kv: KVManager, config: SchedulerConfig):
+    """settings: the engine's SchedulerSettings (config/engine_config.py); max_running_requests: its resolved cap
+    (the settings' None means a default per device, which the builder resolves)."""
+
+    def __init__(self, kv: KVManager, settings: SchedulerSettings, max_running_requests: int):
         self.kv = kv
-        self.config = config
+        self.settings = settings
+        self.max_running_requests = max_running_requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.retracted_total = 0
@@ -112,7 +102,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [], [], [])
-        budget = self.config.chunked_prefill_tokens
+        budget = self.settings.chunked_prefill_tokens
         if self._preempt_for is not None:
             self._preempt(batch)
 
@@ -193,7 +183,7 @@ class Scheduler:
                 self._match_cache[id(r)] = hit
             return hit[1]
 
-        order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s)
+        order = order_waiting(self.waiting, self.settings.schedule_policy, match, now, self.settings.aging_s)
         first, self._admit_first = self._admit_first, None
         if first is not None and first in order:  # running requests were preempted to make room for it
             order.remove(first)
@@ -205,14 +195,14 @@ class Scheduler:
         reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
         prefetch_need = {id(r): kv.pages_to_admit(r, match(r), est.remaining(r)) for r in self.prefetching}
         reserved += sum(prefetch_need.values())
-        prefetch = kv.tiered is not None and self.config.prefetch != "off"
-        wait_complete = self.config.prefetch == "wait_complete"
+        prefetch = kv.tiered is not None and self.settings.host_kv_prefetch != "off"
+        wait_complete = self.settings.host_kv_prefetch == "wait_complete"
         reserve_pages = len(self.running)  # keep one page per running request for its next decode step
         for req in order:
             m = match(req)
             if not kv.disk_ready(req, m):  # its prefix is being read from the disk tier
                 continue
-            if self.config.dedup_shared_prefill and kv.cache.retains and leaders.shares(req, m.length):
+            if self.settings.dedup_shared_prefill and kv.cache.retains and leaders.shares(req, m.length):
                 continue
             if req.prefetch is not None and wait_complete and self.running and not kv.prefetch_ready(req):
                 continue  # still loading (its need is in reserved): others go first
@@ -223,11 +213,11 @@ class Scheduler:
                 if self._may_preempt_for(req, now):
                     self._preempt_for = (req, need)
                 break  # the pool cannot hold it beside what is running: it waits, and nothing overtakes it
-            can_run = (len(self.running) < self.config.max_running_requests and kv.table.free_rows > 0
+            can_run = (len(self.running) < self.max_running_requests and kv.table.free_rows > 0
                        and budget > 0)
             if not can_run or (prefetch and wait_complete and self.running and m.host_length):
                 # Next in line but not running this step: load its host part meanwhile, and keep its room.
-                if prefetch and m.host_length and len(self.prefetching) < self.config.max_prefetching \
+                if prefetch and m.host_length and len(self.prefetching) < self.settings.max_prefetching \
                         and kv.prefetch(req, m):
                     self.prefetching.append(req)
                     version = getattr(kv.cache, "version", 0)
@@ -281,12 +271,12 @@ class Scheduler:
         """Running requests that may make room for waiting req: they have streamed already, were preempted fewer
         than max_preemptions times, are not of a higher priority; most remaining decode first (they would hold
         their memory longest), then the latest arrival."""
-        cands = [r for r in self.running if r.output_ids and r.retractions < self.config.max_preemptions
+        cands = [r for r in self.running if r.output_ids and r.retractions < self.settings.max_preemptions
                  and r.params.priority <= req.params.priority]
         return sorted(cands, key=lambda r: (-r.remaining_new_tokens, -r.arrival))
 
     def _may_preempt_for(self, req: Req, now: float) -> bool:
-        after = self.config.preempt_after_s
+        after = self.settings.host_kv_preempt_after_s
         return (after is not None and self.kv.tiered is not None and not req.output_ids
                 and now - req.arrival >= after and bool(self._preemptible(req)))
 
