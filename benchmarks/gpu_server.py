@@ -178,9 +178,13 @@ class Server:
     def startup_lines(self) -> dict:
         """The engine's own start-up figure and the parallel builds' line, from the start-up log."""
         text, out = self.log(), {}
-        m = re.search(r"start-up: ([\d.]+)s \(weights ([\d.]+)s\)", text)
-        if m:
-            out.update(engine_startup_s=float(m.group(1)), weights_s=float(m.group(2)))
+        m = re.search(r"start-up: ([\d.]+)s: (.*) \(\d+% named\)", text)
+        if m:  # stages in the order they ran; the weights are loaded once "load weights" ends
+            stages = [(name, float(s)) for name, s in re.findall(r"([^,]+?) ([\d.]+)s(?:, |$)", m.group(2))]
+            names = [name for name, _ in stages]
+            upto = names.index("load weights") + 1 if "load weights" in names else 0
+            out.update(engine_startup_s=float(m.group(1)), startup_stages=dict(stages),
+                       weights_s=round(sum(s for _, s in stages[:upto]), 1))
         m = re.search(r"parallel Triton builds: (\d+) of (\d+) kernel variants built by (\d+) worker processes in "
                       r"([\d.]+)s", text)
         if m:

@@ -62,10 +62,12 @@ class Fp8GemmConfig:
     num_stages: int = 4
     quantize_input: bool = True  # x comes in its float dtype and is quantized inside the GEMM
     split_k: int = 1  # slices of K run by separate programs (a power of two; 1: no split, one launch)
+    block_m: int = 0  # rows per program (a power of two >= 16); 0: the rows' next power of two, at most MAX_M
 
     def __str__(self) -> str:
         return (f"n{self.block_n}k{self.block_k}w{self.num_warps}p{self.num_stages}"
-                f"{'q' if self.quantize_input else ''}{f's{self.split_k}' if self.split_k > 1 else ''}")
+                f"{'q' if self.quantize_input else ''}{f's{self.split_k}' if self.split_k > 1 else ''}"
+                f"{f'm{self.block_m}' if self.block_m else ''}")
 
 
 @triton.jit
@@ -135,6 +137,8 @@ def quantize_activations(x: torch.Tensor, activation_scale: str = "group", block
 def _group_size(k: int, activation_scale: str) -> int:
     """K values per activation scale: activation_group_size(K) for "group", 0 (the whole row) for "token"."""
     check_activation_scale(activation_scale)
+    if activation_scale == "none":
+        raise ValueError("the w8a8 kernels quantize activations: 'none' (weight-only) runs kernels/gemv.py")
     return activation_group_size(k) if activation_scale == "group" else 0
 
 
@@ -264,7 +268,7 @@ def fp8_gemm(
     y = torch.empty((num_rows, n), dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return y
-    bm = max(16, min(MAX_M, triton.next_power_of_2(num_rows)))
+    bm = c.block_m or max(16, min(MAX_M, triton.next_power_of_2(num_rows)))
     # each slice of K a whole number of BLOCK_K tiles (the last slice may be shorter, or empty: its partial is 0)
     k_per_split = triton.cdiv(triton.cdiv(k, c.split_k), c.block_k) * c.block_k
     split = c.split_k > 1

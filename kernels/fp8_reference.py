@@ -5,14 +5,15 @@ The scheme (the one every FP8 path here computes):
 - weights: e4m3 with one float32 scale per output channel (row of W, `w_scale` [N]; quantize_weight picks it) or
   per 128 x 128 block
   (`w_scale` [ceil(N / 128), ceil(K / 128)], DeepSeek-style checkpoints); W ~= W_q * scale;
-- activations: quantized at run time with one scale per group of G consecutive K values of a token (the default,
-  `activation_scale="group"`: x_scale [M, ceil(K / G)], G from `activation_group_size(K)`) or one per token
-  (`"token"`: x_scale [M]); scale = amax(|values it covers|) / 448;
+- activations: left as they are (`activation_scale="none"`, weight-only: y = x @ (W_q * w_scale)^T; what every input
+  of at most model/fp8_linear.WEIGHT_ONLY_MAX_ROWS rows runs, and the default for taller ones), or quantized at run
+  time with one scale per group of G consecutive K values of a token (`"group"`: x_scale [M, ceil(K / G)], G from
+  `activation_group_size(K)`) or one per token (`"token"`: x_scale [M]); scale = amax(|values it covers|) / 448;
 - y = (x_q * x_scale) @ (W_q * w_scale)^T + bias, accumulated in float32, rounded once to x's dtype.
 
-Why groups by default: on the embedded models per-token scales cost +2.13% / +2.34% perplexity over bf16 and 1 x 64
-groups +1.69% / +1.79% (docs/benchmarks.md, "FP8"); the acceptance line is 2%. A token's outlier channels then
-coarsen only their own group's rounding instead of the whole row's.
+Perplexity over bf16 on the embedded models (docs/benchmarks.md, "FP8"): per-token activation scales cost +2.13% /
++2.34%, 1 x 64 groups +1.69% / +1.79% (a token's outlier channels coarsen only their own group's rounding); weight-
+only costs least, and at decode sizes it is also the fastest (the step reads the weights; x is small).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 MIN_AMAX = 1e-12  # a row of zeros gets this amax (its scale stays finite, its values 0)
 SCALE_BLOCK = 128  # block-wise weight scales cover SCALE_BLOCK x SCALE_BLOCK tiles of W
-ACTIVATION_SCALES = ("group", "token")  # one e4m3 scale per group of a token's K values, or one per token
+ACTIVATION_SCALES = ("none", "group", "token")  # weight-only; one e4m3 scale per group of K values; one per token
 ACTIVATION_GROUP = 64  # K values per activation scale with "group" (activation_group_size)
 
 
@@ -80,6 +81,8 @@ def quantize_activations(x: torch.Tensor, activation_scale: str = "group") -> tu
     """x [M, K] -> (x_q e4m3, x_scale): [M, ceil(K / G)] for "group" (G = activation_group_size(K)), [M] for
     "token"."""
     check_activation_scale(activation_scale)
+    if activation_scale == "none":
+        raise ValueError("activation_scale 'none' (weight-only) quantizes no activations")
     if activation_scale == "group":
         return quantize_groups(x, activation_group_size(x.shape[-1]))
     return quantize_rows(x)
@@ -154,9 +157,22 @@ def dequantize_weight(w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
                activation_scale: str = "group") -> torch.Tensor:  # fmt: skip
     """x [M, K] -> [M, N] in x's dtype: x quantized (per group of K values, or per token), then dequantize-and-multiply
-    in float32."""
+    in float32; "none": weight_only_linear."""
+    if activation_scale == "none":
+        return weight_only_linear(x, w_q, w_scale, bias)
     x_q, x_scale = quantize_activations(x, activation_scale)
     return fp8_matmul_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+def weight_only_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> [M, N] in x's dtype: weight-only FP8, x as it is (no activation quantization) times the dequantized
+    weight, in float32. What the weight-only GEMV (kernels/gemv.py with w_scale) computes; with its gated activation
+    fused, x is fused_reference.act_mul(gate_up) (rounded to the model dtype, as the model's torch path rounds it)."""
+    y = x.float() @ dequantize_weight(w_q, w_scale).T  # [M, N] float32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def fp8_matmul_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

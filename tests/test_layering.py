@@ -1,9 +1,10 @@
 """The import graph obeys docs/architecture.md's layer table: no upward or sideways import, no cycle.
 
 The layer table is read from docs/architecture.md itself (the rows between the `layers:begin` and
-`layers:end` markers), and module names from pyproject's package-dir mapping (adapters/ -> prefixrt.adapters,
-kernels/ -> prefixrt.kernels), so the doc, the packaging and this check cannot drift apart. Every import
-counts, including imports inside functions (a lazy import is still a dependency).
+`layers:end` markers), and module names from the package tree as prefixrt/source_tree.py reads it from the folders
+(adapters/ -> prefixrt.adapters, kernels/ -> prefixrt.kernels; setup.py builds the distribution from the same
+walk), so the doc, the packaging and this check cannot drift apart. Every import counts, including imports inside
+functions (a lazy import is still a dependency).
 """
 
 from __future__ import annotations
@@ -12,28 +13,17 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
-tomllib = pytest.importorskip("tomllib")
+from prefixrt.source_tree import package_folders
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def package_dirs() -> dict[str, Path]:
-    """Top-level import name -> source folder, from [tool.setuptools] package-dir."""
-    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {name: REPO / folder for name, folder in cfg.items()}
-
-
 def module_files() -> dict[str, Path]:
+    """Every module of the distribution -> its file: the .py files of source_tree's package folders."""
     mods: dict[str, Path] = {}
-    for pkg, folder in package_dirs().items():
-        for path in folder.rglob("*.py"):
-            rel = path.relative_to(folder).with_suffix("")
-            if pkg == "prefixrt" and rel.parts[0] in {d.name for n, d in package_dirs().items() if n != "prefixrt"}:
-                continue
-            parts = [p for p in rel.parts if p != "__init__"]
-            mods[".".join([pkg, *parts])] = path
+    for package, folder in package_folders(str(REPO)).items():
+        for path in sorted((REPO / folder).glob("*.py")):
+            mods[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
     return mods
 
 
@@ -176,8 +166,27 @@ def test_checker_reports_upward_sideways_and_cycles():
     assert ["prefixrt.cache.kv_manager", "prefixrt.request"] in cycles(g)
 
 
+def test_layer_table_names_only_what_the_tree_has():
+    """Every module prefix of the layer table is a module or package of the tree: a row outliving its code, or a
+    misspelt name, fails here (a module with no row fails test_every_module_has_a_layer_and_imports_only_downward)."""
+    modules = set(module_files()) | set(package_folders(str(REPO)))
+    stale = sorted(p for _, _, prefixes in layer_table() for p in prefixes if p not in modules)
+    assert stale == [], f"docs/architecture.md's layer table names modules the tree does not have: {stale}"
+
+
+def test_every_folder_of_the_tree_is_a_package():
+    """The walk finds the folders no list names: each package folder of the tree, with or without __init__.py."""
+    folders = package_folders(str(REPO))
+    on_disk = {p.parent for root in ("prefixrt", "kernels", "adapters") for p in (REPO / root).rglob("*.py")
+               if "__pycache__" not in p.parts}
+    assert {REPO / f for f in folders.values()} >= on_disk
+    assert folders["prefixrt.multimodal"] == "prefixrt/multimodal"
+    assert folders["prefixrt.bench.programs"] == "prefixrt/bench/programs"
+    assert folders["prefixrt.kernels"] == "kernels" and folders["prefixrt.adapters"] == "adapters"
+
+
 def test_package_dir_mapping_is_what_the_layers_name():
-    """kernels/ and adapters/ are imported as prefixrt.kernels / prefixrt.adapters (pyproject's package-dir)."""
+    """kernels/ and adapters/ are imported as prefixrt.kernels / prefixrt.adapters (source_tree's package roots)."""
     files = module_files()
     assert files["prefixrt.kernels.decode_attention"] == REPO / "kernels" / "decode_attention.py"
     assert files["prefixrt.adapters.dspy"] == REPO / "adapters" / "dspy.py"

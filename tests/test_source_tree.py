@@ -1,7 +1,7 @@
 """The repo root on sys.path is harmless: our top-level folders never stand in for installed distributions.
 
 `python -m pytest` and `PYTHONPATH=<repo>` put the repo root first on sys.path. The repo's `kernels/` and
-`adapters/` are `prefixrt.kernels` / `prefixrt.adapters` (pyproject's package-dir); under their bare names
+`adapters/` are `prefixrt.kernels` / `prefixrt.adapters` (setup.py's package_dir); under their bare names
 they must resolve to the installed distributions (transformers imports the `kernels` package), or, with none
 installed, to nothing transformers would take for an install.
 Each check runs in a fresh interpreter so that this process's imports cannot hide a shadowing.

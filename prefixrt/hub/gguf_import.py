@@ -8,11 +8,21 @@ exactly, and the folder is the reference the engine is compared against.
 `transformers.AutoModelForCausalLM.from_pretrained(..., gguf_file=...)` insists on `accelerate` although it
 only needs the state dict; we call the loader it wraps (`load_gguf_checkpoint`) directly instead, which
 yields the same tensors without that dependency.
+
+A conversion is the first start's main cost, so it does no work twice: transformers' GGUF code parses the file's
+metadata once each for the config, the tokenizer's config and the tensors (three parses of a 49k-entry vocabulary,
+most of a SmolLM2 conversion), and builds the same GGUF-to-HF tensor-name map once per submodule (hundreds of
+times); `_each_read_once` makes both happen once per conversion. The model that receives the GGUF's weights is
+not randomly initialised first. Each stage is timed on the caller's StageClock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +30,7 @@ import numpy as np
 import torch
 
 from prefixrt.hub.chat_templates import store_chat_template_in_tokenizer_config
+from prefixrt.stage_clock import StageClock
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +79,11 @@ def load_gguf_model(gguf_path: Path, config: Any) -> torch.nn.Module:
     excepted) or a tensor has no parameter.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with no_init_weights():  # every parameter is overwritten below (a missing one raises)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     parsed = load_gguf_checkpoint(
         str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
     )
@@ -94,6 +107,29 @@ def load_gguf_tokenizer(gguf_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
+@contextlib.contextmanager
+def _each_read_once(gguf_path: Path) -> Iterator[None]:
+    """Within the block, transformers' GGUF loader gets one parsed `gguf.GGUFReader` of `gguf_path` however often it
+    asks (a reader is a read-only memory map: nothing the loader does changes it), and `gguf.get_tensor_name_map`
+    answers each (architecture, layer count) once. Both are looked up on the `gguf` module at each call, so they are
+    swapped there for the block and put back after it; other files get a reader of their own."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    reader = reader_class(str(gguf_path))
+
+    def read(path, *args, **kwargs):
+        if not args and not kwargs and os.path.samefile(path, gguf_path):
+            return reader
+        return reader_class(path, *args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 @torch.no_grad()
 def _logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     input_ids = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
@@ -106,6 +142,7 @@ def convert_gguf_to_hf(
     *,
     chat_template: str | None = None,
     generation_eos_token_ids: list[int] | None = None,
+    clock: StageClock | None = None,
 ) -> dict[str, Any]:
     """Write `out_dir` as a Hugging Face folder equivalent to the GGUF file at `gguf_path`.
 
@@ -114,42 +151,48 @@ def convert_gguf_to_hf(
     `eos_token_id` list (how transformers' `generate` learns about turn-end tokens).
     Then reloads the folder with transformers and checks that weights and logits on a fixed prompt are
     bit-identical to the GGUF-loaded model; raises RuntimeError if not.
-    Returns a summary: the config dict and the conversion's check results.
+    clock: where the stages' seconds go (import transformers, read GGUF, dequantize, tokenizer from GGUF, write
+    shards, verify). Returns a summary: the config dict and the conversion's check results.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    clock = clock or StageClock()
+    with clock.stage("import transformers"):
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
-    require_gguf()
+        require_gguf()
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = load_gguf_config(gguf_path)
-    model = load_gguf_model(gguf_path, config)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-
-    eos_ids = list(generation_eos_token_ids or [])
-    if config.eos_token_id is not None and config.eos_token_id not in eos_ids:
-        eos_ids.insert(0, config.eos_token_id)
-    generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=eos_ids or None,
-        pad_token_id=config.pad_token_id,
-    )
-    generation_config.save_pretrained(str(out_dir))
-
-    tokenizer = load_gguf_tokenizer(gguf_path)
+    with clock.stage("read GGUF"), _each_read_once(gguf_path):
+        config = load_gguf_config(gguf_path)
+        with clock.stage("dequantize"):
+            model = load_gguf_model(gguf_path, config)
+        with clock.stage("tokenizer from GGUF"):
+            tokenizer = load_gguf_tokenizer(gguf_path)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(str(out_dir))
-    store_chat_template_in_tokenizer_config(out_dir, chat_template)
 
-    # The folder must reproduce the GGUF-loaded model exactly.
-    reloaded = AutoModelForCausalLM.from_pretrained(
-        str(out_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True
-    ).eval()
-    expected_state = model.state_dict()
-    for name, tensor in reloaded.state_dict().items():
-        if not torch.equal(tensor, expected_state[name]):
-            raise RuntimeError(f"saved weight {name} differs from the GGUF-loaded one")
-    check_ids = tokenizer.encode(_CHECK_PROMPT)
-    if not torch.equal(_logits(model, check_ids), _logits(reloaded, check_ids)):
-        raise RuntimeError("logits of the saved folder differ from the GGUF-loaded model")
+    with clock.stage("write shards"):
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+        eos_ids = list(generation_eos_token_ids or [])
+        if config.eos_token_id is not None and config.eos_token_id not in eos_ids:
+            eos_ids.insert(0, config.eos_token_id)
+        generation_config = GenerationConfig(
+            bos_token_id=config.bos_token_id,
+            eos_token_id=eos_ids or None,
+            pad_token_id=config.pad_token_id,
+        )
+        generation_config.save_pretrained(str(out_dir))
+        tokenizer.save_pretrained(str(out_dir))
+        store_chat_template_in_tokenizer_config(out_dir, chat_template)
+
+    with clock.stage("verify"):  # the folder must reproduce the GGUF-loaded model exactly
+        reloaded = AutoModelForCausalLM.from_pretrained(
+            str(out_dir), dtype=torch.float32, attn_implementation="eager", local_files_only=True
+        ).eval()
+        expected_state = model.state_dict()
+        for name, tensor in reloaded.state_dict().items():
+            if not torch.equal(tensor, expected_state[name]):
+                raise RuntimeError(f"saved weight {name} differs from the GGUF-loaded one")
+        check_ids = tokenizer.encode(_CHECK_PROMPT)
+        if not torch.equal(_logits(model, check_ids), _logits(reloaded, check_ids)):
+            raise RuntimeError("logits of the saved folder differ from the GGUF-loaded model")
     logger.info("converted %s -> %s (weights and logits identical)", gguf_path, out_dir)
     return {"config": config.to_dict(), "checked_token_ids": check_ids}

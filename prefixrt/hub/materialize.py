@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from prefixrt.stage_clock import StageClock
+
 MARKER_FILE = "prefixrt_model.json"
 # Bump when a catalogue recipe changes what it writes; cached folders with another value are rebuilt.
 RECIPE_VERSION = 2
@@ -81,13 +83,15 @@ def folder_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def materialize(name: str, build: Callable[[Path], None], source: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+def materialize(name: str, build: Callable[[Path, StageClock], None], source: dict[str, Any],
+                clock: StageClock | None = None) -> tuple[Path, dict[str, Any]]:
     """Return the folder `cache_dir()/name` and its marker, building it first if missing or stale.
 
-    `build(tmp_dir)` writes the folder's files into an empty temporary sibling, which is renamed into
-    place; `source` is what the build reads besides its code (package versions, digests), kept in the
-    marker's recipe so a change rebuilds the folder.
+    `build(tmp_dir, clock)` writes the folder's files into an empty temporary sibling, which is renamed into
+    place, timing its stages on `clock`; `source` is what the build reads besides its code (package versions,
+    digests), kept in the marker's recipe so a change rebuilds the folder.
     """
+    clock = clock or StageClock()
     folder = entry_folder(name)
     recipe = recipe_id(name, source)
     if is_current(folder, recipe):
@@ -101,7 +105,7 @@ def materialize(name: str, build: Callable[[Path], None], source: dict[str, Any]
         build_dir = Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=folder.parent))
         try:
             started = time.monotonic()
-            build(build_dir)
+            build(build_dir, clock)
             marker = {
                 "recipe": recipe,
                 "revision": f"{name}@{folder_digest(build_dir)[:16]}",

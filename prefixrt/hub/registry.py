@@ -17,6 +17,7 @@ from prefixrt.errors import InvalidRequest
 from prefixrt.hub import materialize
 from prefixrt.hub.catalogue import ENTRIES, registry_names
 from prefixrt.hub.materialize import cache_dir
+from prefixrt.stage_clock import StageClock
 
 __all__ = ["ResolvedModel", "cache_dir", "list_models", "load_tokenizer", "registry_names", "resolve_model"]
 
@@ -65,7 +66,7 @@ def _local_folder(path: Path, name_or_path: str) -> ResolvedModel:
     )
 
 
-def resolve_model(name_or_path: str) -> ResolvedModel:
+def resolve_model(name_or_path: str, clock: StageClock | None = None) -> ResolvedModel:
     """Turn a registry name or a local HF folder path into a `ResolvedModel`.
 
     A registry name builds its folder under `materialize.cache_dir()` on first use (the Gemma conversion takes about a
@@ -73,6 +74,7 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
     its small files (config.json, tokenizer files) and the sizes of its weight files.
     Raises `InvalidRequest` (a ValueError) for an unknown name or a folder without config.json, and
     ImportError naming the pip command when a built-in model's optional package is missing.
+    clock: where a build's stages are timed (the engine's start-up report).
     """
     candidate = Path(name_or_path).expanduser()
     if candidate.is_dir():
@@ -89,7 +91,7 @@ def resolve_model(name_or_path: str) -> ResolvedModel:
     reason = entry.is_available()
     if reason is not None:
         raise ImportError(f"Model {entry.name!r} is unavailable: {reason}")
-    folder, marker = materialize.materialize(entry.name, entry.build, entry.source())
+    folder, marker = materialize.materialize(entry.name, entry.build, entry.source(), clock)
     return ResolvedModel(
         name=entry.name,
         path=folder,

@@ -28,7 +28,6 @@ from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.model.fp8_linear import MEASURED_ROWS, expand_plan, fp8_linear, fp8_plan_for
 
 if TYPE_CHECKING:
-    from prefixrt.kernels.fp8_gemm import Fp8GemmConfig
     from prefixrt.kernels.gemv import GemvConfig
 
 MAX_GEMV_ROWS = 64  # = prefixrt.kernels.gemv.MAX_M
@@ -253,16 +252,16 @@ class Linear(nn.Linear):
     planned a configuration for that row count (`gemv_plan[rows]`); cuBLAS otherwise.
 
     With FP8 weights (model/quantize.py sets them): `weight` is e4m3 and `weight_scale` holds its scales (per output
-    channel [N], or [ceil(N / 128), ceil(K / 128)] blocks); model/fp8_linear.py computes, `fp8_plan` choosing the
-    kernel per row count and `fp8_activation_scale` ("group" or "token", model/quantize.set_fp8_activation_scale)
-    how the activations are quantized."""
+    channel [N], or [ceil(N / 128), ceil(K / 128)] blocks); model/fp8_linear.py computes, `fp8_plan` holding the
+    weight-only kernel's layout per row count and `fp8_activation_scale` ("none", "group" or "token",
+    model/quantize.set_fp8_activation_scale) how inputs taller than a decode batch run."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv_plan: dict[int, GemvConfig] = {}  # rows -> config; a missing row count runs cuBLAS
         self.register_parameter("weight_scale", None)  # set with FP8 weights
-        self.fp8_plan: dict[int, Fp8GemmConfig] = {}  # rows -> Triton FP8 layout (fp8_linear.fp8_plan_for)
-        self.fp8_activation_scale = "group"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES
+        self.fp8_plan: dict[int, GemvConfig] = {}  # rows -> weight-only FP8 layout (fp8_linear.fp8_plan_for)
+        self.fp8_activation_scale = "none"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
@@ -468,7 +467,6 @@ def use_fused_kernels(model: nn.Module, enabled: bool = True, gemv: str = "table
                                     if enabled and act and bf16_down else {})
         if isinstance(module, Linear) and module.weight_scale is not None:
             module.gemv_plan = {}
-            module.fp8_plan = (fp8_plan_for(module.weight, module.weight_scale, gemv, module.fp8_activation_scale)
-                               if enabled else {})
+            module.fp8_plan = fp8_plan_for(module.weight, module.weight_scale, gemv) if enabled else {}
         elif isinstance(module, Linear):
             module.gemv_plan = gemv_plan_for(module.weight, gemv, prefer_gemv=pdl) if enabled else {}

@@ -51,12 +51,13 @@ def test_fp8_weights_engine_quantizes_decoder_linears(make_engine):
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.out_features,)
     assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight_scale is None
     assert len(eng.generate([1, 5, 6], GREEDY).token_ids) == GREEDY["max_new_tokens"]
-    assert {m.fp8_activation_scale for m in model.modules() if getattr(m, "weight_scale", None) is not None} == {"group"}
+    assert {m.fp8_activation_scale for m in model.modules() if getattr(m, "weight_scale", None) is not None} == {"none"}
 
 
 def test_fp8_activation_scale_reaches_the_linears(make_engine):
-    """fp8_activation_scale="token" reaches every FP8 linear of an engine, and a linear computes the scheme it holds:
-    per-token and per-group references differ on K = 256 (four groups of 64, an outlier in the first)."""
+    """fp8_activation_scale="token" reaches every FP8 linear of an engine, and a linear computes the scheme it holds
+    for inputs taller than WEIGHT_ONLY_MAX_ROWS (per-token, per-group and weight-only references differ on K = 256:
+    four groups of 64, an outlier in the first), and weight-only for a decode-sized input whatever the scheme."""
     from prefixrt.kernels import fp8_reference
     from torch import nn
 
@@ -70,12 +71,18 @@ def test_fp8_activation_scale_reaches_the_linears(make_engine):
     linear = Linear(256, 16, bias=False)
     w_q, w_scale = fp8_reference.quantize_weight(torch.randn(16, 256))
     linear.weight, linear.weight_scale = nn.Parameter(w_q, requires_grad=False), nn.Parameter(w_scale)
-    x = torch.randn(3, 256)
+    from prefixrt.model.fp8_linear import WEIGHT_ONLY_MAX_ROWS
+
+    x = torch.randn(WEIGHT_ONLY_MAX_ROWS + 3, 256)
     x[:, 7] *= 1e4  # an outlier in the first group
-    for scheme, other in (("token", "group"), ("group", "token")):
+    schemes = ("none", "group", "token")
+    for scheme in schemes:
         linear.fp8_activation_scale = scheme
         assert torch.equal(linear(x), fp8_reference.fp8_linear(x, w_q, w_scale, None, scheme))
-        assert not torch.equal(linear(x), fp8_reference.fp8_linear(x, w_q, w_scale, None, other))
+        for other in set(schemes) - {scheme}:
+            assert not torch.equal(linear(x), fp8_reference.fp8_linear(x, w_q, w_scale, None, other))
+        small = x[:WEIGHT_ONLY_MAX_ROWS]
+        assert torch.equal(linear(small), fp8_reference.weight_only_linear(small, w_q, w_scale))
 
 
 def test_fp8_pool_holds_twice_the_tokens_of_bf16(monkeypatch):
@@ -119,7 +126,7 @@ def test_fp8_command_line_flags():
                                      "--fp8-activation-scale", "token"]))
     assert kw["quantization"] == "fp8" and kw["kv_cache_dtype"] == "fp8_e4m3" and kw["fp8_activation_scale"] == "token"
     kw = engine_kwargs(p.parse_args([]))
-    assert kw["quantization"] is None and kw["kv_cache_dtype"] == "auto" and kw["fp8_activation_scale"] == "group"
+    assert kw["quantization"] is None and kw["kv_cache_dtype"] == "auto" and kw["fp8_activation_scale"] == "none"
     EngineConfig(**{k: v for k, v in kw.items()})  # the defaults are valid options
 
 

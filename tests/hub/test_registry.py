@@ -295,7 +295,7 @@ def _fake_entry(build) -> catalogue.Entry:
 def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXRT_CACHE_DIR", str(tmp_path))
 
-    def crashing_build(out_dir: Path) -> None:
+    def crashing_build(out_dir: Path, clock) -> None:
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed mid-conversion")
 
@@ -310,7 +310,7 @@ def test_stale_folder_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIXRT_CACHE_DIR", str(tmp_path))
     builds = []
 
-    def build(out_dir: Path) -> None:
+    def build(out_dir: Path, clock) -> None:
         builds.append(out_dir)
         (out_dir / "config.json").write_text(json.dumps({"build": len(builds)}))
 

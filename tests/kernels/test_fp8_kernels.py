@@ -1,6 +1,8 @@
 """FP8 kernels against their torch references, under TRITON_INTERPRET=1 on the CPU (see conftest.py):
 - the FP8 linear (kernels/fp8_gemm.py) against kernels/fp8_reference.py (dequantize, multiply in float32), with
   activation scales per group of K values and per token, and the reference's own quantizers;
+- the weight-only FP8 linear (kernels/gemv.py with e4m3 weights) against fp8_reference.weight_only_linear, in every
+  layout kind (K split, the weight as the first operand, row blocks for tall inputs, the gated activation fused);
 - the attention kernels (extend, decode, cascade, split merge) reading an e4m3 K/V pool with per-kv-head scales,
   against kernels/reference.py given the same scales, and that reference against attention over the dequantized
   float pool;
@@ -24,6 +26,7 @@ from prefixrt.kernels.cascade_plan import plan_cascade  # noqa: E402
 from prefixrt.kernels.decode_attention import decode_attention  # noqa: E402
 from prefixrt.kernels.extend_attention import block_m_for, block_map, extend_attention  # noqa: E402
 from prefixrt.kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm, quantize_activations, run_config  # noqa: E402
+from prefixrt.kernels.gemv import GemvConfig, gemv  # noqa: E402
 from prefixrt.kernels.rope import qk_norm_rope_store  # noqa: E402
 
 from tests.kernels.test_attention_kernels import (  # noqa: E402
@@ -175,6 +178,46 @@ def test_fp8_gemm_fp32_output_is_tight(split_k, activation_scale):
     y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE), config=config,
                  activation_scale=activation_scale)
     assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale, bias, activation_scale)) < 1e-6
+
+
+@pytest.mark.parametrize("m", [1, 5, 33, 70])
+@pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
+@pytest.mark.parametrize("act", [None, "silu"])
+@pytest.mark.parametrize("config", [GemvConfig(32, 64, 1, 4, 1), GemvConfig(16, 128, 2, 4, 1, block_m=32),
+                                    GemvConfig(64, 64, 1, 4, 1, swap_ab=True),
+                                    GemvConfig(32, 128, 1, 4, 1, block_m=16, swap_ab=True)], ids=str)
+def test_weight_only_gemv_matches_reference(m, block_scales, act, config):
+    """e4m3 weights widened in the kernel, bf16 activations as they are: the reference's dequantize-then-multiply
+    (float32 products of the same bf16 inputs, the same act(gate) * up rounding); N and K not multiples of the
+    tiles; the output is poisoned first, so every element must be written."""
+    if m > 64 and not config.block_m:
+        pytest.skip("a layout sized to the rows takes at most 64 (tall inputs need a block_m layout)")
+    gen = torch.Generator().manual_seed(m)
+    n, k = 90, 200
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    w_q, w_scale = fp8_ref.quantize_blocks(w) if block_scales else fp8_ref.quantize_weight(w)
+    x = (torch.randn(m, 2 * k if act else k, generator=gen) * 2).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    want = fp8_ref.weight_only_linear(fused_reference.act_mul(x, act) if act else x, w_q, w_scale, bias)
+    got = gemv(x, w_q, bias, config, act, w_scale=w_scale)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(want, fused_reference.linear(x, fp8_ref.dequantize_weight(w_q, w_scale).to(torch.bfloat16),
+                                                bias, act)) < 2e-2  # (the reference is the dequantized linear)
+
+
+def test_weight_only_gemv_rejects_bad_arguments():
+    w_q, w_scale = fp8_ref.quantize_weight(torch.randn(64, 128))
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="e4m3 weights need w_scale"):
+        gemv(x, w_q)
+    with pytest.raises(ValueError, match="fit neither"):
+        gemv(x, w_q, w_scale=w_scale[:10])
+    w_b, s_b = fp8_ref.quantize_blocks(torch.randn(64, 128))
+    with pytest.raises(ValueError, match="block_k dividing 128"):
+        gemv(x, w_b, config=GemvConfig(32, 256), w_scale=s_b)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        gemv(torch.randn(65, 128).to(torch.bfloat16), w_q, w_scale=w_scale)
 
 
 def test_fp8_gemm_rejects_bad_arguments():
