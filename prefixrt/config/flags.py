@@ -26,7 +26,7 @@ from prefixrt.config.settings import field_types
 from prefixrt.default_models import CHAT_MODEL
 
 
-def flag_fields(config_cls: type = EngineConfig) -> list[dataclasses.Field]:
+def flag_fields(config_cls: type = EngineConfig) -> list[dataclasses.Field]:  # (any settings dataclass)
     """The settings of config_cls that are command-line flags, in declaration order."""
     return [f for f in dataclasses.fields(config_cls) if f.metadata.get("flag")]
 
@@ -46,14 +46,20 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     picks the model (generate: CHAT_MODEL with --chat, else BASE_MODEL)."""
     p.add_argument("--model", default=default_model,
                    help=f"registry name or local HF folder (default: {default_model or 'see the command'})")
-    types_ = field_types(config_cls)
+    add_flags(p, config_cls, only)
+
+
+def add_flags(p, settings_cls: type, only: Iterable[str] | None = None) -> None:
+    """One argparse flag (on a parser or an argument group) per flag setting of settings_cls (or of those named
+    in `only`), with the setting's name, type, default, choices and help."""
+    types_ = field_types(settings_cls)
     wanted = None if only is None else set(only)
-    for f in flag_fields(config_cls):
+    for f in flag_fields(settings_cls):
         if wanted is None or f.name in wanted:
             _add_flag(p, f, types_[f.name])
 
 
-def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field, annotation: Any) -> None:
+def _add_flag(p, f: dataclasses.Field, annotation: Any) -> None:
     meta = f.metadata
     flag = meta["flag"]
     names = [flag] if isinstance(flag, str) else list(flag) if isinstance(flag, tuple) else \
@@ -67,8 +73,13 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field, annotation: Any)
         else:  # a switch away from the default
             p.add_argument(*names, dest=f.name, action="store_false" if f.default else "store_true", help=help_)
         return
-    kind = next(iter(kinds)) if len(kinds) == 1 else str
+    if typing.get_origin(annotation) is list or any(typing.get_origin(k) is list for k in kinds):
+        kind = str  # a list of strings, given with nargs
+    else:
+        kind = next(iter(kinds)) if len(kinds) == 1 else str
     default = f.default if meta.get("flag_default", MISSING) is MISSING else meta["flag_default"]
+    if meta.get("env") and os.environ.get(meta["env"]):
+        default = os.environ[meta["env"]]
     choices = meta.get("choices")
     kw: dict[str, Any] = dict(dest=f.name, default=default, help=help_)
     if choices is not None:
@@ -77,6 +88,8 @@ def _add_flag(p: argparse.ArgumentParser, f: dataclasses.Field, annotation: Any)
         kw["type"] = kind
     if meta.get("metavar"):
         kw["metavar"] = meta["metavar"]
+    if meta.get("nargs"):
+        kw["nargs"] = meta["nargs"]
     p.add_argument(*names, **kw)
 
 

@@ -20,16 +20,17 @@ from typing import Any
 
 def setting(default: Any, help: str, *, choices: tuple | None = None, minimum: float | None = None,
             flag: bool | str | tuple[str, ...] = False, metavar: str | None = None, flag_default: Any = MISSING,
-            flag_help: str | None = None) -> Any:
+            flag_help: str | None = None, env: str | None = None, nargs: str | None = None) -> Any:
     """A dataclass field declaring one setting.
 
     default / help: the setting's default and what it means. choices: the values it may take (checked).
     minimum: the smallest value it may take, None always allowed (checked). flag: True for a command-line flag
     named after the field, or the flag's name(s). metavar, flag_help: argparse's metavar and a help text for the
     flag where the flag reads differently from the setting. flag_default: the flag's default where it differs
-    from the setting's (the flag's value is then read back by the setting's `from_flag`, config/flags.py)."""
+    from the setting's (config/flags.py engine_kwargs reads a value below the minimum back as the default).
+    env: an environment variable whose value, when set, is the flag's default. nargs: argparse's, for a list."""
     meta = {"help": help, "choices": choices, "minimum": minimum, "flag": flag, "metavar": metavar,
-            "flag_default": flag_default, "flag_help": flag_help}
+            "flag_default": flag_default, "flag_help": flag_help, "env": env, "nargs": nargs}
     return field(default=default, metadata=meta)
 
 

@@ -87,3 +87,23 @@ def test_checks_name_the_setting():
         EngineConfig(kv_cache_tokens=3, page_size=2)
     with pytest.raises(ValueError, match="SchedulerSettings: max_running_requests must be >= 1"):
         SchedulerSettings(max_running_requests=0)
+
+
+def test_serve_flags_are_the_server_sections_declarations(monkeypatch):
+    """`prefixrt serve` adds its server and disaggregation sections' flags to the engine's, from their declarations
+    (server/settings.py): names, aliases, list values and environment defaults."""
+    from prefixrt.server.launch import add_serve_args
+    from prefixrt.server.settings import DisaggSettings, ServerSettings
+
+    monkeypatch.setenv("PREFIXRT_API_KEY", "k1")
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    args = p.parse_args(["--served-model-name", "a", "b", "--graceful-timeout", "5", "--role", "decode"])
+    assert args.served_model_name == ["a", "b"] and args.drain_timeout == 5.0 and args.role == "decode"
+    assert args.api_key == "k1" and args.admin_api_key is None and args.port == 30000
+    defaults = p.parse_args([])
+    for section in (ServerSettings, DisaggSettings):
+        for f in dataclasses.fields(section):
+            assert f.metadata["flag"] and f.metadata["help"] and hasattr(args, f.name), f.name
+            if f.name != "api_key":  # (its default is the environment's here)
+                assert getattr(defaults, f.name) == f.default, f.name
