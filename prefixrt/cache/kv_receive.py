@@ -70,7 +70,7 @@ class KVReceiver:
     def finish(self, inc: IncomingKV) -> int:
         """The receive is complete (every layer written): publish tokens[:n] to the prefix cache with the received
         slots, free the ones that duplicate what the cache gained meanwhile, unlock. Returns tokens now cached."""
-        assert inc.transfer.query(), "finish_receive before the transfer completed"
+        assert inc.transfer.query(), "KVReceiver.finish before the transfer completed"
         kv = self.kv
         del self.incoming[id(inc)]
         kv.untrack(inc.transfer, inc.pages)
