@@ -25,6 +25,9 @@ class Completion:
     # {"queue_s", "prefill_s", "decode_s"}: waiting to be admitted, admission to first token, first token to
     # finish (None where the request never got that far); None when the engine does not report it
     timing: dict[str, float | None] | None = field(default=None, compare=False)  # (never equal twice)
+    # With kept prefixes asked for (SamplingParams.prompt_cache.keep): {"kept_tokens", "refused_tokens", "reason"}
+    # (cache/pins.py KeepGrant.report); None otherwise
+    keep_report: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict. `outputs` holds the n samples when n > 1 (the first being this Completion itself,
@@ -65,6 +68,7 @@ class Chunk:
     matched_stop: str | int | None = None
     error: str | None = None  # on the last chunk of a request aborted by an internal error
     timing: dict[str, float | None] | None = field(default=None, compare=False)  # last chunk: as Completion.timing
+    keep_report: dict | None = None  # first chunk: as Completion.keep_report
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of the fields (shallow: the lists are this Chunk's own, not copies)."""
@@ -101,7 +105,8 @@ def coalesce_chunks(chunks: list[Chunk]) -> list[Chunk]:
             finish_reason=ch.finish_reason, index=ch.index,
             logprobs=None if a.logprobs is None and ch.logprobs is None else (a.logprobs or []) + (ch.logprobs or []),
             prompt_tokens=ch.prompt_tokens, cached_tokens=ch.cached_tokens, completion_tokens=ch.completion_tokens,
-            matched_stop=ch.matched_stop, error=ch.error, timing=ch.timing)
+            matched_stop=ch.matched_stop, error=ch.error, timing=ch.timing,
+            keep_report=a.keep_report if a.keep_report is not None else ch.keep_report)
         if ch.finish_reason is not None:
             del open_at[ch.index]
     return out
@@ -121,6 +126,7 @@ class EngineStats:
     kv_free: int = 0
     kv_evictable: int = 0
     kv_locked: int = 0
+    kv_pinned: int = 0  # pool tokens kept prefixes hold out of eviction (no host tier; idle: free + evictable + pinned == total)
     forward_passes_total: int = 0
     retracted_requests_total: int = 0
     preempted_requests_total: int = 0  # of the retracted: preempted for a waiting request's first token (host tier)
@@ -165,6 +171,14 @@ class EngineStats:
     disk_write_skipped_total: int = 0  # host evictions not written (the write queue was full)
     disk_evicted_bytes_total: int = 0  # files deleted by the size cap
     disk_rejected_files_total: int = 0  # files that failed a check (checksum, size, token ids): never used
+    # Kept prefixes (cache/pins.py): pins now, their tokens by tier (a node in both tiers counts in both), keeps
+    # granted / refused by the limits, pins whose lifetime ended
+    pins: int = 0
+    pinned_tokens_gpu: int = 0
+    pinned_tokens_host: int = 0
+    pins_granted_total: int = 0
+    pins_refused_total: int = 0
+    pins_expired_total: int = 0
     # Per cache_salt (bounded label -> counters; see cache/salt_stats.py): prompt_tokens_total,
     # cached_tokens_total (hits, all tiers), evicted_tokens_total (pool), kv_cached_tokens (now, pool).
     salts: dict = field(default_factory=dict)

@@ -10,6 +10,7 @@ from typing import Any
 
 from prefixrt.errors import InvalidRequest
 from prefixrt.lowering.text_checks import MAX_JSON_DEPTH, check_json_value, check_text
+from prefixrt.prompt_cache import PromptCache
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "grammar", "choices", "json_object")
 
@@ -75,6 +76,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = internal(True)  # False: outputs carry token ids only (token-level benchmarks)
     extra: dict = internal(default_factory=dict)
+    # The session key and kept prefixes of the prompt (prefixrt/prompt_cache.py), set by lowering; None: plain reuse
+    prompt_cache: PromptCache | None = internal(None)
 
     def __post_init__(self):
         self.validate()
@@ -166,6 +169,7 @@ class SamplingParams:
         need(isinstance(self.speculative, bool), "speculative must be a boolean", "speculative")
         need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt must be a string", "cache_salt")
         need(self.request_id is None or isinstance(self.request_id, str), "request_id must be a string", "request_id")
+        self.prompt_cache = PromptCache.coerce(self.prompt_cache)
         need(isinstance(self.json_object, bool), "json_object must be a boolean", "json_object")
         if isinstance(self.json_schema, str) and self.json_schema == "json_object":  # the earlier spelling
             self.json_schema, self.json_object = None, True

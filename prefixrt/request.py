@@ -92,6 +92,10 @@ class Req:
     future: Any = None  # (step, row): where the last unresolved token lives on the device
     chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache
     epoch: int = 0  # bumped when the host rewrites what follows (jump-forward): samples in flight go stale
+    # Kept prefixes (params.prompt_cache.keep): the decision on them (cache/pins.py KeepGrant), held until the last
+    # release pins them; keep_report is what the request's next output says about it (KeepGrant.report), sent once
+    keep_grant: Any = None
+    keep_report: dict | None = None
 
     def __post_init__(self):
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

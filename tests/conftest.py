@@ -28,6 +28,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked `gpu` needs CUDA: without it, it is skipped (benchmarks/gpu_tests.py runs every such test on a
+    GPU machine and writes the summary to docs/gpu-tests.md)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); benchmarks/gpu_tests.py runs it on one")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def underestimated_decode(monkeypatch):
     """Admission that reserves one decode token per request (its estimate far too low), so a small pool fills

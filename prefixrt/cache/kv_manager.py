@@ -19,6 +19,10 @@ touching it, and a page goes back to the allocator only once that Transfer is do
 then). A receive (`receiver.begin`) owns its pages until `receiver.finish` publishes them or `receiver.abandon`
 hands them to that hold: an aborted request's pages are never reused while the sender may still write them. The
 checker: freeing or reallocating a page whose Transfer is pending raises (and counts `lifetime_violations`).
+
+Kept prefixes (`pins`, cache/pins.py): a request's last release (`release(final=True)`) commits its granted keeps
+once its K/V is published; pins that hold pool pages (no host tier) count beside the cached ones:
+free + cached (evictable + locked + pinned) + private == total.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from prefixrt.cache.allocator import AllocatorSizes, PageAllocator, pages_to_slo
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.kv_receive import KVReceiver
+from prefixrt.cache.pins import PinTable
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.cache.salt_stats import SaltCounters
 from prefixrt.cache.tier_loads import TierLoads
@@ -55,6 +60,8 @@ class KVManager(AllocatorSizes):
         table: ReqToTokenTable,
         cache: PrefixCache,
         debug: bool = False,
+        max_pinned_fraction: float = 0.5,
+        max_pinned_fraction_per_salt: float = 0.25,
     ):
         self.pool = pool
         self.allocator = allocator
@@ -90,6 +97,9 @@ class KVManager(AllocatorSizes):
         # it (cache/kv_receive.py): their pages are accounted here.
         self.tiers = TierLoads(self)
         self.receiver = KVReceiver(self)
+        # Kept prefixes: limits in tokens of the tier that keeps them (the host tier if any, else the pool).
+        keeping = self.tiered.host_alloc.total_tokens if self.tiered is not None else allocator.total_tokens
+        self.pins = PinTable(cache, int(max_pinned_fraction * keeping), int(max_pinned_fraction_per_salt * keeping))
 
     # ------------------------------------------------------------------ sizes (tokens; total and free: AllocatorSizes)
     @property
@@ -252,6 +262,7 @@ class KVManager(AllocatorSizes):
         short = num_pages - self.allocator.free_pages
         if short <= 0:
             return True
+        self.pins.expire()  # kept prefixes whose time is up may go now
         if self._deferred:  # memory held for forwards in flight: take back what is done, then wait for the rest
             self.reclaim()
             if num_pages > self.allocator.free_pages:
@@ -347,27 +358,33 @@ class KVManager(AllocatorSizes):
         req.cache_handle = handle
         req.cached_len = n
 
-    def release(self, req: Req, to_host: bool = False) -> None:
+    def release(self, req: Req, to_host: bool = False, final: bool = False) -> None:
         """req stops running (finished, aborted or retracted): publish its computed K/V to the cache, free
         what the cache does not take, unlock, and give back the table row. req's KV fields are cleared at once
         (it may be admitted again); while a forward is in flight the rest waits for its fence (see reclaim).
         to_host (a retraction, with a host tier): every node of its published path gets a host copy whatever the
-        write policy, so its K/V survives the pool's eviction and loads back when it resumes."""
+        write policy, so its K/V survives the pool's eviction and loads back when it resumes.
+        final (the request is done: finished or aborted): its granted kept prefixes are pinned once published."""
         self.tiers.released(req)
+        grant = req.keep_grant if final else None
+        if grant is not None:
+            req.keep_grant = None
         if req.row is None:
+            if grant is not None:
+                self.pins.drop(grant)
             return
         self._forget_prefix_row(req.row)
         fence = self.write_fence
         if fence is not None and not fence.query():
             held = _HeldKV(all_ids=req.all_ids[: req.kv_len], salt=req.salt, row=req.row,
                            pages=req.pages, kv_len=req.kv_len, cached_len=req.cached_len,
-                           cache_handle=req.cache_handle, to_host=to_host)
+                           cache_handle=req.cache_handle, to_host=to_host, keep_grant=grant)
             self._running[req.row] = held
             self._deferred.append((fence, held))
             req.row, req.cache_handle, req.pages = None, None, []
             req.kv_len = req.cached_len = 0
             return
-        self._release_now(req, to_host)
+        self._release_now(req, to_host, grant)
 
     def reclaim(self, wait: bool = False) -> None:
         """Finish the releases and frees whose fence has passed (wait=True: wait for every fence first)."""
@@ -384,7 +401,7 @@ class KVManager(AllocatorSizes):
             self._reclaiming = True  # its fence has passed: nothing in flight can touch these pages
             try:
                 if isinstance(what, _HeldKV):
-                    self._release_now(what, what.to_host)
+                    self._release_now(what, what.to_host, what.keep_grant)
                 else:
                     self._deferred_pages -= len(what)
                     self.free_pages(what)
@@ -401,15 +418,20 @@ class KVManager(AllocatorSizes):
     def has_deferred(self) -> bool:
         return bool(self._deferred or self._copy_held)
 
-    def _release_now(self, req, to_host: bool = False) -> None:
+    def _release_now(self, req, to_host: bool = False, grant=None) -> None:
         ps = self.page_size
         if self.cache.retains:
             self.cache_unfinished(req)
+            if grant is not None:
+                self.pins.commit(grant, req.all_ids, req.cached_len)
+                grant = None
             private = req.pages[req.cached_len // ps :]
             if to_host and self.tiered is not None and req.cache_handle is not None:
                 self.retracted_to_host_tokens_total += self.tiered.backup_path(req.cache_handle)
         else:
             private = req.pages
+        if grant is not None:
+            self.pins.drop(grant)
         self._free_pages_after_fence(private)
         self.cache.unlock(req.cache_handle)
         del self._running[req.row]
@@ -446,14 +468,21 @@ class KVManager(AllocatorSizes):
         return self.salts.snapshot(usage() if usage is not None else {})
 
     def flush(self) -> int:
-        """Drop every unlocked cache entry; returns pool tokens freed. Pages whose backup to the host was still
-        copying are waited for here, so they are free on return (no step may follow to reclaim them)."""
+        """Drop every unlocked cache entry, kept prefixes included; returns pool tokens freed. Pages whose backup
+        to the host was still copying are waited for here, so they are free on return (no step may follow to
+        reclaim them)."""
+        self.pins.clear()
         freed = self.cache.flush()
         self.evicted_tokens_total += freed
         self._reclaim_copies(wait=True)
         return freed
 
     # ------------------------------------------------------------------ accounting
+    @property
+    def pinned_tokens(self) -> int:
+        """Pool tokens that kept prefixes hold out of eviction (0 with a host tier: pins move there)."""
+        return getattr(self.cache, "pinned_tokens", 0)
+
     @property
     def private_tokens(self) -> int:
         ps = self.page_size
@@ -465,10 +494,11 @@ class KVManager(AllocatorSizes):
         """free + cached (evictable + locked) + private == total, and no page owned twice."""
         self.cache.check_integrity()
         free = self.allocator.free_tokens
-        cached = self.cache.evictable_tokens + self.cache.locked_tokens
+        cached = self.cache.evictable_tokens + self.cache.locked_tokens + self.pinned_tokens
         private = self.private_tokens
         assert free + cached + private == self.total_tokens, (
-            f"KV leak: free {free} + cached {cached} + private {private} != total {self.total_tokens}"
+            f"KV leak: free {free} + cached {cached} (pinned {self.pinned_tokens}) + private {private} != total "
+            f"{self.total_tokens}"
         )
         ps = self.page_size
         owned = [p for r in self._running.values() for p in r.pages[r.cached_len // ps :]]
@@ -491,3 +521,4 @@ class _HeldKV:
     cached_len: int
     cache_handle: Any
     to_host: bool = False  # a retraction: its path gets host copies (release's to_host)
+    keep_grant: Any = None  # a last release: the kept prefixes to pin once published (cache/pins.py KeepGrant)

@@ -58,7 +58,9 @@ def make_kv_manager(settings: CacheSettings, pool: KVPool, table: ReqToTokenTabl
         cache.set_salt_quota(int(settings.max_cached_fraction_per_salt * allocator.total_tokens))
     if settings.debug and type(cache) in (RadixCache, BlockCache):  # (the tiered cache frees through KVManager)
         cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=pool.device))
-    return KVManager(pool, allocator, table, cache, debug=settings.debug)
+    return KVManager(pool, allocator, table, cache, debug=settings.debug,
+                     max_pinned_fraction=settings.max_pinned_fraction,
+                     max_pinned_fraction_per_salt=settings.max_pinned_fraction_per_salt)
 
 
 def make_tiered_cache(settings: CacheSettings, pool: KVPool, allocator: PageAllocator, say,

@@ -5,6 +5,11 @@ lock, insert and evict split nodes); every node on a matched path has its recenc
 are evicted (a long one may lose only its tail: EVICT_MIN_TOKENS), least recently used first, from an incremental heap (lazy deletion, compacted when stale
 entries outnumber live ones); each cache_salt has its own root.
 Keys are page-aligned: every node holds a whole number of pages.
+
+Pins (kept prefixes, cache/pins.py): `pin` marks a matched path kept until `unpin`; like locks, pins are closed
+upward (a pinned node's ancestors are pinned). Here, with the pool the only tier, a pinned unlocked node is never
+evicted: its tokens count as `pinned_tokens`, neither evictable nor locked, so free + evictable + locked + pinned
++ private == total. A tiered cache moves pinned nodes to its host tier instead (tiered_radix.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ EVICT_MIN_TOKENS = 512
 
 
 class _Node:
-    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "last_access", "id")
+    __slots__ = ("key", "slots", "children", "parent", "lock_ref", "pin_ref", "last_access", "id")
     _ids = itertools.count()
 
     def __init__(self, key: list[int], slots: list[int], parent: _Node | None, last_access: int):
@@ -33,6 +38,7 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.parent = parent
         self.lock_ref = 0
+        self.pin_ref = 0  # kept prefixes whose path holds this node (cache/pins.py)
         self.last_access = last_access
         self.id = next(_Node._ids)
 
@@ -69,6 +75,7 @@ class RadixCache(PrefixCache):
     retains = True
     supports_insert_below = True  # insert_below (a subclass whose insert does more sets this False)
     _node_class = _Node
+    pins_hold_pool = True  # a pinned node keeps its pool slots (a tiered cache moves it to the host instead)
 
     def __init__(self, allocator: PageAllocator, on_evict=None):
         self.allocator = allocator
@@ -79,6 +86,8 @@ class RadixCache(PrefixCache):
         self._num_nodes = 0
         self._evictable = 0
         self._locked = 0
+        self._pinned = 0  # pool tokens of unlocked pinned nodes (pins_hold_pool): not evictable
+        self._salt_pinned: dict = {}  # salt -> tokens of its pinned nodes, any tier (salts with none left out)
         self.version = 0
         self.on_evict = on_evict  # optional callback(slots) before slots are freed (debug poisoning)
         self.salt_quota: int | None = None  # set_salt_quota
@@ -95,8 +104,12 @@ class RadixCache(PrefixCache):
     def _is_root(self, node: _Node) -> bool:
         return node.parent is None
 
+    def _held_by_pin(self, node: _Node) -> bool:
+        """node's pool tokens are out of eviction because a pin holds them (not a lock)."""
+        return self.pins_hold_pool and node.pin_ref > 0
+
     def _push_if_evictable_leaf(self, node: _Node) -> None:
-        if not self._is_root(node) and node.lock_ref == 0 and not node.children:
+        if not self._is_root(node) and node.lock_ref == 0 and not node.children and not self._held_by_pin(node):
             heapq.heappush(self._heap, (node.last_access, node.id, node))
 
     def _touch(self, node: _Node, tick: int) -> None:
@@ -119,6 +132,7 @@ class RadixCache(PrefixCache):
         parent = node.parent
         upper = _Node(node.key[:offset], node.slots[:offset], parent, node.last_access)
         upper.lock_ref = node.lock_ref
+        upper.pin_ref = node.pin_ref
         parent.children[self._page_key(upper.key, 0)] = upper
         node.key = node.key[offset:]
         node.slots = node.slots[offset:]
@@ -215,7 +229,10 @@ class RadixCache(PrefixCache):
         handle = node
         while not self._is_root(node):
             if node.lock_ref == 0 and self._on_pool(node):
-                self._evictable -= len(node.key)
+                if self._held_by_pin(node):
+                    self._pinned -= len(node.key)
+                else:
+                    self._evictable -= len(node.key)
                 self._locked += len(node.key)
             node.lock_ref += 1
             node = node.parent
@@ -232,11 +249,85 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     def _released(self, node: _Node) -> None:
-        """node's last lock is gone: its pool tokens count as evictable again."""
+        """node's last lock is gone: its pool tokens count as evictable (or pinned) again."""
         if self._on_pool(node):
-            self._evictable += len(node.key)
+            if self._held_by_pin(node):
+                self._pinned += len(node.key)
+            else:
+                self._evictable += len(node.key)
             self._locked -= len(node.key)
             self._push_if_evictable_leaf(node)
+
+    # ------------------------------------------------------------------ pins (kept prefixes)
+    def pin(self, match: MatchResult):
+        """Keep the matched path (pool part and, in a tiered cache, host part) until unpin(handle). Like lock, it
+        may split a node; the match must be fresh. Returns the handle (None for an empty match)."""
+        node, offset = (match.host_handle, match.host_offset) if match.host_length else (match.handle, match.offset)
+        if node is None:
+            return None
+        if match.version != self.version:
+            raise RuntimeError("pin() on a stale match: the tree changed since match_prefix()")
+        if offset < len(node.key):
+            node = self._split(node, offset)
+        handle = node
+        while not self._is_root(node):
+            if node.pin_ref == 0:
+                self._count_pinned(node, len(node.key))
+                if node.lock_ref == 0 and self._on_pool(node) and self.pins_hold_pool:
+                    self._evictable -= len(node.key)
+                    self._pinned += len(node.key)
+            node.pin_ref += 1
+            node = node.parent
+        return handle
+
+    def unpin(self, handle) -> None:
+        """Undo one pin: the path's nodes go back to the LRU once no pin and no lock holds them."""
+        node = handle
+        while node is not None and not self._is_root(node):
+            if node.pin_ref <= 0:
+                raise RuntimeError("unpin of an unpinned radix node")
+            node.pin_ref -= 1
+            if node.pin_ref == 0:
+                self._count_pinned(node, -len(node.key))
+                if node.lock_ref == 0 and self._on_pool(node) and self.pins_hold_pool:
+                    self._pinned -= len(node.key)
+                    self._evictable += len(node.key)
+                self._unpinned(node)
+            node = node.parent
+
+    def _unpinned(self, node: _Node) -> None:
+        """node's last pin is gone (hook: a tiered cache puts it back on its host LRU)."""
+        self._push_if_evictable_leaf(node)
+
+    def _count_pinned(self, node: _Node, delta: int) -> None:
+        salt = self._salt_of(node)
+        left = self._salt_pinned.get(salt, 0) + delta
+        if left:
+            self._salt_pinned[salt] = left
+        else:
+            self._salt_pinned.pop(salt, None)
+
+    def pinned_by_salt(self) -> dict:
+        """Tokens of pinned nodes per salt, in any tier (salts with none left out). Read-only."""
+        return dict(self._salt_pinned)
+
+    def pinned_on_path(self, handle) -> int:
+        """Tokens of the path to handle that a pin already keeps (pins are closed upward). Read-only."""
+        node, total = handle, 0
+        while node is not None and not self._is_root(node):
+            if node.pin_ref > 0:
+                total += len(node.key)
+            node = node.parent
+        return total
+
+    def pinned_nodes(self) -> list:
+        """Every pinned node (for per-tier figures). Read-only."""
+        return [n for n in self._iter_nodes() if n.pin_ref > 0]
+
+    @property
+    def pinned_tokens(self) -> int:
+        """Pool tokens that pins hold out of eviction (unlocked pinned nodes; 0 where pins may move to a host tier)."""
+        return self._pinned
 
     def unlocked_on_path(self, match: MatchResult) -> int:
         # Unlocked nodes form the lower end of a path (a locked node's ancestors are locked); a partly matched
@@ -244,7 +335,7 @@ class RadixCache(PrefixCache):
         node, n = match.handle, match.offset
         total = 0
         while node is not None and not self._is_root(node) and node.lock_ref == 0 and node.slots is not None:
-            total += n
+            total += 0 if self._held_by_pin(node) else n
             node = node.parent
             n = len(node.key) if node is not None else 0
         return total
@@ -350,7 +441,8 @@ class RadixCache(PrefixCache):
         return freed
 
     def _evictable_entry(self, node: _Node, tick: int) -> bool:
-        return node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == tick
+        return (node.parent is not None and not node.children and node.lock_ref == 0 and node.last_access == tick
+                and not self._held_by_pin(node))
 
     def _evict_node(self, node: _Node) -> int:
         self._count_eviction(node, len(node.key))
@@ -421,7 +513,8 @@ class RadixCache(PrefixCache):
         return dict(self._salt_tokens)
 
     def _compact_heap(self) -> None:
-        live = [(n.last_access, n.id, n) for n in self._iter_nodes() if n.lock_ref == 0 and not n.children]
+        live = [(n.last_access, n.id, n) for n in self._iter_nodes()
+                if n.lock_ref == 0 and not n.children and not self._held_by_pin(n)]
         heapq.heapify(live)
         self._heap = live
 
@@ -480,7 +573,7 @@ class RadixCache(PrefixCache):
         return [s for n in self._iter_nodes() for s in n.slots]
 
     def check_integrity(self) -> None:
-        evictable = locked = count = 0
+        evictable = locked = pinned = count = 0
         seen: set[int] = set()
         for node in self._iter_nodes():
             count += 1
@@ -491,8 +584,11 @@ class RadixCache(PrefixCache):
                 seen.add(s)
             child_lock = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= child_lock, "a child is locked more than its parent"
+            assert all(node.pin_ref >= c.pin_ref for c in node.children.values()), "pins not closed upward"
             if node.lock_ref:
                 locked += len(node.key)
+            elif self._held_by_pin(node):
+                pinned += len(node.key)
             else:
                 evictable += len(node.key)
                 if not node.children:
@@ -501,3 +597,13 @@ class RadixCache(PrefixCache):
         self._check_salt_counts()
         assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
         assert locked == self._locked, f"locked {locked} != counter {self._locked}"
+        assert pinned == self._pinned, f"pinned {pinned} != counter {self._pinned}"
+        self._check_pinned_by_salt()
+
+    def _check_pinned_by_salt(self) -> None:
+        want: dict = {}
+        for salt, root in self._roots.items():
+            n = sum(len(x.key) for x in self._subtree(root) if x is not root and x.pin_ref > 0)
+            if n:
+                want[salt] = n
+        assert want == self._salt_pinned, f"pinned per salt {self._salt_pinned} != {want}"

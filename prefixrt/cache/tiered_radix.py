@@ -17,6 +17,9 @@ Invariants, on top of RadixCache's (docs/design.md):
   node has been hit `write_threshold` times (a node evicted before that is dropped); write_back, on eviction.
 - Copies go through KVTransfer (one FIFO: host slots are reusable at once, see transfer.py); pool slots being
   copied into or out of are handed to `tracker` (KVManager), which frees them only once the copy is done.
+- Pins (kept prefixes, cache/pins.py) do not hold the pool: a pinned node leaves the pool like any other, but
+  always for the host tier (copied there whatever the write policy; if the host tier cannot make room it stays
+  in the pool), and the host LRU never drops a pinned node's copy. So a kept prefix survives floods of both tiers.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class _TNode(_Node):
 class TieredRadixCache(RadixCache):
     supports_insert_below = False  # its insert also revives host-only nodes: KVManager uses insert + match
     _node_class = _TNode
+    pins_hold_pool = False  # pinned nodes move to the host tier; the host tier keeps them
 
     def __init__(self, allocator: PageAllocator, host: HostKVPool, transfer: KVTransfer,
                  policy: str = "write_through", write_threshold: int = 2, debug: bool = False):
@@ -61,6 +65,7 @@ class TieredRadixCache(RadixCache):
         self._host_heap: list[tuple[int, int, _TNode]] = []
         self._host_cached = 0
         self._dropping = False  # flush(): pool eviction deletes instead of moving to the host
+        self._stuck: list = []  # pinned pool leaves that found no host room this eviction (pushed back after it)
         self.host_hit_tokens_total = 0  # tokens loaded back at admission
         self.backed_up_tokens_total = 0
         self.host_evicted_tokens_total = 0
@@ -91,6 +96,7 @@ class TieredRadixCache(RadixCache):
         upper = _TNode(node.key[:offset], None if node.slots is None else node.slots[:offset], parent,
                        node.last_access, None if node.host_slots is None else node.host_slots[:offset])
         upper.lock_ref = node.lock_ref
+        upper.pin_ref = node.pin_ref
         upper.hits = node.hits
         upper.load = node.load
         parent.children[self._page_key(upper.key, 0)] = upper
@@ -230,8 +236,11 @@ class TieredRadixCache(RadixCache):
         """Pool eviction of one LRU pool leaf: it moves to the host tier (copied first if it has no host copy
         and the policy allows), or it is dropped with its host-only subtree."""
         n = len(node.key)
+        if node.pin_ref and node.host_slots is None and not self._backup(node):
+            self._stuck.append(node)  # kept, and no host room for it: it stays in the pool
+            return 0
         self._count_eviction(node, n)
-        keep = not self._dropping and (node.host_slots is not None or (
+        keep = (not self._dropping or node.pin_ref > 0) and (node.host_slots is not None or (
             (self.policy != "write_through_selective" or node.hits >= self.write_threshold)
             and self._backup(node)))
         if keep:
@@ -246,8 +255,20 @@ class TieredRadixCache(RadixCache):
             self._delete_subtree(node)
         return n
 
+    def evict(self, num_tokens: int) -> int:
+        try:
+            return super().evict(num_tokens)
+        finally:
+            stuck, self._stuck = self._stuck, []
+            for node in stuck:
+                self._push_if_evictable_leaf(node)
+
+    def _unpinned(self, node) -> None:
+        self._push_if_evictable_leaf(node)
+        self._push_host(node)
+
     def flush(self) -> int:
-        """Drop every unlocked entry of both tiers; returns pool tokens freed."""
+        """Drop every unlocked, unpinned entry of both tiers; returns pool tokens freed."""
         self._dropping = True
         try:
             freed = self.evict(self._evictable)
@@ -312,6 +333,8 @@ class TieredRadixCache(RadixCache):
             if node.parent is None or node.host_slots is None or node.last_access != tick:
                 continue
             n = len(node.key)
+            if node.pin_ref:
+                continue  # kept: pushed again once unpinned
             if node.slots is not None:  # pool-resident: only the host copy goes
                 host, node.host_slots = node.host_slots, None
                 self._host_copy_dropped(node, host)
@@ -335,7 +358,7 @@ class TieredRadixCache(RadixCache):
             order.append(n)
             stack.extend(n.children.values())
         for n in reversed(order):  # children first
-            assert n.lock_ref == 0, "deleting a locked radix node"
+            assert n.lock_ref == 0 and n.pin_ref == 0, "deleting a locked or pinned radix node"
             n.children = {}
             if n.slots is not None:
                 self._evictable -= len(n.key)
@@ -381,6 +404,7 @@ class TieredRadixCache(RadixCache):
             assert node.host_slots is None or len(node.host_slots) == k, "ragged host slots"
             child_lock = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= child_lock, "a child is locked more than its parent"
+            assert all(node.pin_ref >= c.pin_ref for c in node.children.values()), "pins not closed upward"
             if node.slots is not None:
                 assert node.parent.parent is None or node.parent.slots is not None, "pool residency not prefix-closed"
                 for s in node.slots:
@@ -398,7 +422,7 @@ class TieredRadixCache(RadixCache):
                 for s in node.host_slots:
                     assert s not in seen_host, f"host slot {s} owned twice in the tree"
                     seen_host.add(s)
-                if node.lock_ref == 0 and (node.slots is not None or not node.children):  # host-evictable now
+                if node.lock_ref == 0 and node.pin_ref == 0 and (node.slots is not None or not node.children):
                     assert any(e[2] is node and e[0] == node.last_access for e in self._host_heap), \
                         "host copy missing from the host heap"
         assert count == self._num_nodes, f"node count {count} != {self._num_nodes}"
@@ -406,6 +430,7 @@ class TieredRadixCache(RadixCache):
         assert evictable == self._evictable, f"evictable {evictable} != counter {self._evictable}"
         assert locked == self._locked, f"locked {locked} != counter {self._locked}"
         assert host == self._host_cached, f"host cached {host} != counter {self._host_cached}"
+        self._check_pinned_by_salt()
         held = self.host_held_tokens
         assert self.host_alloc.free_tokens + host + held == self.host_alloc.total_tokens, (
             f"host KV leak: free {self.host_alloc.free_tokens} + cached {host} + held {held} != total "

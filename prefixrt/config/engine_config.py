@@ -116,6 +116,13 @@ class CacheSettings(Settings):
     max_cached_fraction_per_salt: float | None = setting(
         None, "once the KV pool must evict, a cache_salt holding more than this fraction of it loses its own LRU "
         "prefixes first (tenant fairness); default off", flag=True)
+    max_pinned_fraction: float = setting(
+        0.5, "kept prefixes (prompt-cache breakpoints and retention, cache/pins.py) may hold at most this fraction of "
+        "the tier that keeps them: the host KV tier when on, else the GPU pool (default 0.5); a keep over it is "
+        "refused (the response says so)", flag=True)
+    max_pinned_fraction_per_salt: float = setting(
+        0.25, "one cache_salt's kept prefixes at most this fraction of that tier; a keep over it is refused and the "
+        "response says so (default 0.25)", flag=True)
     host_kv_cache_tokens: int | None = setting(
         None, "host tier of the KV cache, in tokens (pinned host memory on CUDA): prefixes evicted from the GPU "
         "pool move there and load back on a hit (docs/serving.md); default off", minimum=0, flag=True)
@@ -156,6 +163,9 @@ class CacheSettings(Settings):
             bad("kv_disk_max_gb must be > 0")
         if self.max_cached_fraction_per_salt is not None and not 0 < self.max_cached_fraction_per_salt <= 1:
             bad("max_cached_fraction_per_salt must be in (0, 1]")
+        for name in ("max_pinned_fraction", "max_pinned_fraction_per_salt"):
+            if not 0 <= getattr(self, name) <= 1:
+                bad(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,9 @@ class SchedulerSettings(Settings):
         "running requests that have already streamed (moved to the host, resumed later); negative (default): off")
     max_preemptions: int = setting(2, "times one request may be preempted (it is not a victim after that)",
                                    minimum=0)
+    session_scheduling: bool = setting(
+        True, "waiting requests of keyed sessions (prompt_cache_key, Anthropic metadata.user_id) go least attained "
+        "service of their session first (engine/loop/sessions.py; default on)", flag=True)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def _add_flag(p, f: dataclasses.Field, annotation: Any) -> None:
     kinds = set(typing.get_args(annotation)) - {type(None)} if _is_union(annotation) else {annotation}
     optional = _is_union(annotation) and type(None) in typing.get_args(annotation)
     if kinds == {bool}:
-        if optional:  # --x / --no-x, absent: None
+        if optional or (flag is True and f.default is True):  # --x / --no-x (absent: the default, None or True)
             p.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:  # a switch away from the default
             p.add_argument(*names, dest=f.name, action="store_false" if f.default else "store_true", help=help_)

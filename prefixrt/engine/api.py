@@ -282,6 +282,7 @@ class EngineAPI:
                 finish_reason=last.finish_reason, matched_stop=last.matched_stop, prompt_tokens=len(ids),
                 cached_tokens=last.cached_tokens, completion_tokens=len(toks), logprobs=lps,
                 choice_scores=last.choice_scores, error=last.error, timing=timing_dict(last.timing),
+                keep_report=next((e.keep_report for e in evs if e.keep_report is not None), None),
             ))
         first = outs[0]
         first.request_id = rid
@@ -438,7 +439,7 @@ class _ChunkState:
             request_id=rid, text=text, token_ids=list(ev.token_ids), finish_reason=ev.finish_reason, index=i,
             logprobs=ev.logprobs, prompt_tokens=len(self.ids), cached_tokens=ev.cached_tokens,
             completion_tokens=self.counts[i], matched_stop=ev.matched_stop, error=ev.error,
-            timing=timing_dict(ev.timing),
+            timing=timing_dict(ev.timing), keep_report=ev.keep_report,
         )
 
 
@@ -452,7 +453,7 @@ def timing_dict(timing: tuple | None) -> dict | None:
 def _completion_chunk(c: Completion) -> Chunk:
     return Chunk(request_id=c.request_id, text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason,
                  logprobs=c.logprobs, prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
-                 completion_tokens=c.completion_tokens, error=c.error, timing=c.timing)
+                 completion_tokens=c.completion_tokens, error=c.error, timing=c.timing, keep_report=c.keep_report)
 
 
 def _inline(prompt) -> bool:

@@ -60,6 +60,10 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "disk_write_skipped_total": ("prefixrt_disk_write_skipped",
                                  "Host KV tier evictions not written to disk (the write queue was full)."),
     "disk_evicted_bytes_total": ("prefixrt_disk_evicted_bytes", "Disk KV tier files deleted by its size cap."),
+    "pins_granted_total": ("prefixrt_kept_prefixes_granted", "Kept prefixes (prompt-cache breakpoints) granted."),
+    "pins_refused_total": ("prefixrt_kept_prefixes_refused",
+                           "Kept prefixes refused (over a tenant's share or the pin capacity); the response says so."),
+    "pins_expired_total": ("prefixrt_kept_prefixes_expired", "Kept prefixes whose lifetime ended."),
     "disk_rejected_files_total": ("prefixrt_disk_rejected_files",
                                   "Disk KV tier files that failed a check (checksum, size, token ids); never used."),
 }
@@ -80,6 +84,8 @@ _GAUGES = {
     "spec_acceptance_rate": ("prefixrt_spec_acceptance_rate", "Speculative decoding: accepted / drafted tokens."),
     "spec_tokens_per_forward": ("prefixrt_spec_tokens_per_forward",
                                 "Speculative decoding: tokens emitted per speculating row per forward."),
+    "kv_pinned": ("prefixrt_kv_pinned_tokens", "KV pool tokens kept prefixes hold out of eviction (no host tier)."),
+    "pins": ("prefixrt_kept_prefixes", "Kept prefixes now."),
     "kv_host_total": ("prefixrt_kv_host_total_tokens", "Host KV tier size in tokens (0: no host tier)."),
     "kv_host_free": ("prefixrt_kv_host_free_tokens", "Free host KV tier slots in tokens."),
     "kv_host_cached": ("prefixrt_kv_host_cached_tokens", "Tokens with a copy in the host KV tier."),
@@ -117,6 +123,11 @@ class _StatsCollector:
                                 labels=["tier"])
         for tier, rate in tier_hit_rates(s).items():
             fam.add_metric([tier], rate)
+        yield fam
+        fam = GaugeMetricFamily("prefixrt_pinned_tokens", "Tokens of kept prefixes per KV tier (a prefix in both "
+                                "tiers counts in both).", labels=["tier"])
+        fam.add_metric(["gpu"], s.pinned_tokens_gpu)
+        fam.add_metric(["host"], s.pinned_tokens_host)
         yield fam
         fam = GaugeMetricFamily("prefixrt_host_copy_gbps", "Host KV tier copy bandwidth so far, GB/s.",
                                 labels=["direction"])

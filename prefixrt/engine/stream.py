@@ -27,6 +27,7 @@ class StepOutput:
     final_text: str | None = None  # on the last event of a loop-tracked request: the whole (truncated) text
     input_logprobs: list[float] | None = None  # prompt logprobs asked for with Req.input_logprobs_from
     timing: tuple | None = None  # on the last event: (queue_s, prefill_s, decode_s), postprocess.request_timing
+    keep_report: dict | None = None  # on the first event: the decision on its kept prefixes (cache/pins.py)
 
     def __reduce__(self):
         # Pickled as a constructor call with the fields in order (an engine process sends one per request per
@@ -34,7 +35,8 @@ class StepOutput:
         # tests/engine/test_process_boundary.py checks that every field is here, in order.
         return (StepOutput, (self.index, self.token_ids, self.text, self.logprobs, self.finished, self.finish_reason,
                              self.matched_stop, self.prompt_tokens, self.cached_tokens, self.error,
-                             self.choice_scores, self.final_text, self.input_logprobs, self.timing))
+                             self.choice_scores, self.final_text, self.input_logprobs, self.timing,
+                             self.keep_report))
 
 
 class RequestStream:

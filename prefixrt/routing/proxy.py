@@ -17,6 +17,10 @@ Responses: `previous_response_id` and `GET`/`DELETE /v1/responses/{id}` go to th
 response (each worker keeps its own store); the router learns the id from the reply (the JSON body or the
 stream's response.created event) and keeps the last `max_tracked_responses`.
 
+Sessions: requests with one `prompt_cache_key` (OpenAI's session key) go to the worker the key's first request
+went to, while it is healthy (else the policy chooses again and the key follows); the last
+`max_tracked_responses` keys are kept.
+
 Other routes: `GET /v1/models[/{id}]` from any healthy worker; `GET /health` 200 while one worker is healthy
 (with each worker's state), else 503; `GET /router/stats`: the policy's per-worker load, routed count and tree
 size, and hit/miss counts.
@@ -63,6 +67,7 @@ class WorkerPool:
         self.client = client
         self.sized: set[str] = set()
         self.responses: OrderedDict[str, str] = OrderedDict()  # response id -> worker url
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # prompt_cache_key -> worker url
         self.max_tracked_responses = max_tracked_responses
         self.last_error: dict[str, str] = {}
         self.failures: dict[str, int] = {}  # consecutive failed probes
@@ -99,6 +104,12 @@ class WorkerPool:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(u) for u in self.urls))
+
+    def remember_session(self, key: str, url: str) -> None:
+        self.sessions[key] = url
+        self.sessions.move_to_end(key)
+        while len(self.sessions) > self.max_tracked_responses:
+            self.sessions.popitem(last=False)
 
     def remember(self, response_id: str, url: str) -> None:
         self.responses[response_id] = url
@@ -173,12 +184,16 @@ def create_router_app(worker_urls: Sequence[str], policy: RoutingPolicy, keys: R
         pinned = None
         if path == "/v1/responses" and isinstance(parsed, dict) and parsed.get("previous_response_id"):
             pinned = pool.responses.get(str(parsed["previous_response_id"]))
+        session = parsed.get("prompt_cache_key") if isinstance(parsed, dict) else None
+        session = session if isinstance(session, str) and session else None
         ids = await asyncio.to_thread(keys.of, path, parsed) if pinned is None else []
         tried: list[str] = []
         for _attempt in range(2):
             candidates = [u for u in pool.healthy() if u not in tried]
             if pinned is not None:
                 candidates = [pinned] if pinned in candidates else []
+            elif session is not None and pool.sessions.get(session) in candidates:
+                candidates = [pool.sessions[session]]  # the session's worker holds its K/V
             try:
                 decision = policy.choose(ids, candidates)
             except NoReplicaError:
@@ -187,6 +202,8 @@ def create_router_app(worker_urls: Sequence[str], policy: RoutingPolicy, keys: R
                                   "worker_unavailable")
                 return _error(503, "no healthy worker", "no_healthy_worker")
             url = decision.replica
+            if session is not None:
+                pool.remember_session(session, url)
             policy.routed(url, ids)
             decisions[decision.reason] += 1
             try:

@@ -2,7 +2,8 @@
 
 In order, for every HTTP request but `GET /health` (always open; it reports the lifecycle itself):
 1. Access control. With an API key configured (`--api-key` or PREFIXRT_API_KEY), every route needs
-   `Authorization: Bearer <key>`: a missing or wrong key is a 401. Administrative routes (ADMIN_ROUTES: they
+   `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's clients send it): a missing or wrong key
+   is a 401. Administrative routes (ADMIN_ROUTES: they
    act on or reveal every tenant's state) need the admin key (`--admin-api-key` or PREFIXRT_ADMIN_API_KEY):
    the user key gets 403, and with an API key but no admin key they are off (403). The admin key also works
    on every user route. With no key at all, everything is open (local use, as vLLM and SGLang default to).
@@ -10,12 +11,14 @@ In order, for every HTTP request but `GET /health` (always open; it reports the 
 3. Body size: a body above `max_body_bytes` is a 413, decided from Content-Length before reading or while
    reading a chunked body; nothing of it reaches a route.
 Requests let through are counted in `lifecycle.in_flight` until their response is complete.
+Refusals on the Anthropic routes (/v1/messages...) have Anthropic's error shape (anthropic_format.py).
 """
 
 from __future__ import annotations
 
 import hmac
 
+from prefixrt.server import anthropic_format
 from prefixrt.server.errors import error_response
 from prefixrt.server.lifecycle import Lifecycle
 
@@ -29,11 +32,28 @@ def is_admin_route(path: str) -> bool:
 
 
 def _bearer(scope) -> str | None:
+    """The request's key: `Authorization: Bearer <key>`, else `x-api-key: <key>`."""
+    api_key = None
     for k, v in scope.get("headers", []):
         if k == b"authorization":
             scheme, _, token = v.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
-    return None
+            if scheme.lower() == "bearer":
+                return token.strip()
+        elif k == b"x-api-key":
+            api_key = v.decode("latin-1").strip()
+    return api_key
+
+
+ANTHROPIC_ROUTES = ("/v1/messages",)
+
+
+def _refusal(scope, status: int, message: str, kind: str, code: str | None = None, headers: dict | None = None,
+             retry: bool = False):
+    """The error response of a refused request, in the shape of its route's API."""
+    path = scope["path"]
+    if any(path == r or path.startswith(r + "/") for r in ANTHROPIC_ROUTES):
+        return anthropic_format.error_response(status, message, headers=headers, retry=retry)
+    return error_response(status, message, kind, code=code, headers=headers, retry=retry)
 
 
 def _same(a: str | None, b: str | None) -> bool:
@@ -80,11 +100,11 @@ class Admission:
             kind = "authentication_error" if status == 401 else "permission_error"
             headers = {"www-authenticate": "Bearer"} if status == 401 else None
             code = "invalid_api_key" if status == 401 else "forbidden"
-            return await error_response(status, message, kind, code=code, headers=headers)(scope, receive, send)
+            return await _refusal(scope, status, message, kind, code=code, headers=headers)(scope, receive, send)
         refusal = self.lifecycle.refusal
         if refusal is not None:
             code = "engine_dead" if self.lifecycle.engine_death is not None else "server_shutting_down"
-            return await error_response(503, refusal, "server_error", code=code, retry=True)(scope, receive, send)
+            return await _refusal(scope, 503, refusal, "server_error", code=code, retry=True)(scope, receive, send)
         lc = self.lifecycle
         lc.in_flight += 1
         try:
@@ -93,8 +113,8 @@ class Admission:
                 if body is None:
                     limit = self.max_body_bytes
                     size = f"{limit / 2**20:g} MiB" if limit >= 2**20 else f"{limit} bytes"
-                    return await error_response(
-                        413, f"request body is larger than this server's limit of {size} (--max-request-bytes)",
+                    return await _refusal(
+                        scope, 413, f"request body is larger than this server's limit of {size} (--max-request-bytes)",
                         "invalid_request_error", code="request_too_large")(scope, receive, send)
                 receive = _replay(body, receive)
             await self.app(scope, receive, send)

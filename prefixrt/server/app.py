@@ -30,6 +30,7 @@ from prefixrt.hub import generation as hub_generation
 from prefixrt.lowering.reasoning import ReasoningParser
 from prefixrt.params import SamplingParams
 from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
+from prefixrt.server.anthropic_api import router as anthropic_router
 from prefixrt.server.body import BodyParser, OffloadedBodyRoute
 from prefixrt.server.dashboard import router as dashboard_router
 from prefixrt.server.errors import RequestFailed, error_response
@@ -170,6 +171,7 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
                        max_body_bytes=max_request_bytes)
     _install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(anthropic_router)  # /v1/messages (Anthropic's Messages API)
     app.include_router(dashboard_router)  # /dashboard and /dashboard/data: admin routes (admission.py)
 
     @app.get("/health")

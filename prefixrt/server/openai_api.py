@@ -23,10 +23,12 @@ from prefixrt.engine.process.messages import PackedIds
 from prefixrt.errors import InvalidRequest
 from prefixrt.lowering.chat import lower_chat_request, request_reasoning
 from prefixrt.lowering.completion import lower_completion_request
+from prefixrt.lowering.prompt_cache import openai_cache_plan
 from prefixrt.lowering.reasoning import Reasoning
 from prefixrt.lowering.tools import ToolPlan
 from prefixrt.server import images as server_images
 from prefixrt.server import openai_format as fmt
+from prefixrt.server import prompt_cache
 from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -109,8 +111,14 @@ async def get_model(model_id: str, request: Request):
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     eng, lc = _checked(body, request)
     body, image_urls = server_images.without_images(body)
-    chat = lower_chat_request(body.model_dump(exclude_none=True, by_alias=True), tokenizer=eng.tokenizer,
-                              max_context=eng.max_context, defaults=request.app.state.generation_defaults)
+    fields = body.model_dump(exclude_none=True, by_alias=True)
+
+    def lower(messages: list[dict]):
+        return lower_chat_request({**fields, "messages": messages}, tokenizer=eng.tokenizer,
+                                  max_context=eng.max_context, defaults=request.app.state.generation_defaults)
+
+    chat = lower(fields["messages"])
+    cache_plan = openai_cache_plan(fields)
     if image_urls:  # the prompt: the lowered messages with their images back (Engine.prepare renders them)
         if body.continue_final_message or chat.template_tools:
             raise InvalidRequest("images with continue_final_message or template tools are not supported",
@@ -123,22 +131,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         prompt = ids
     reasoning = await _reasoning(request, chat.template_kwargs, ids)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid)
+    kept = await prompt_cache.resolve(eng, None if image_urls else cache_plan, ids, lower)
+    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid, prompt_cache=kept)
     model, created = _model_name(request), int(time.time())
     if not body.stream:
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(prompt, params))
         observe(request, rid, [c])
         _raise_if_aborted(lc, [c])
-        return fmt.with_warnings(JSON(fmt.chat_response(c, rid, model, created, chat.tools, reasoning)),
-                                 chat.warnings)
+        return prompt_cache.with_keep_header(fmt.with_warnings(JSON(fmt.chat_response(
+            c, rid, model, created, chat.tools, reasoning)), chat.warnings), c.keep_report)
     # A bad request raises here, before any byte is sent. coalesce: a stream that falls behind sends what is
     # waiting as one event per sample (a multi-token delta, as OpenAI's clients accept), not one per token.
     chunks = observed(request, rid, await eng.astream_open(prompt, params, coalesce=True), n=params.n)
     lc.register(eng, [rid])
+    first = None
+    if kept is not None and kept.keep:  # the headers say what was kept: they wait for the first output
+        first, chunks = await prompt_cache.first_output(request, chunks, _stream_close(eng, lc, [rid]))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     gen = _guarded(_chat_events(chunks, rid, model, created, chat.tools, include_usage, lc, reasoning))
-    return fmt.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])), chat.warnings)
+    return prompt_cache.with_keep_header(fmt.with_warnings(EventStream(gen, on_close=_stream_close(eng, lc, [rid])),
+                                                           chat.warnings), getattr(first, "keep_report", None))
 
 
 async def _reasoning(request: Request, template_kwargs: dict | None, ids: list[int]) -> Reasoning | None:

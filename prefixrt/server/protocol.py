@@ -71,6 +71,7 @@ _Sampling = sampling_body()
 class TextPart(_Body):
     type: Literal["text"] = "text"
     text: str
+    prompt_cache_breakpoint: dict[str, Any] | None = None  # {"mode": "explicit"}: keep the prompt up to here
 
 
 class ToolCallFunction(_Body):
@@ -97,6 +98,7 @@ class ImageURL(_Body):
 class ImageUrlPart(_Body):
     type: Literal["image_url"] = "image_url"
     image_url: ImageURL
+    prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
 class ChatMessage(_Body):
@@ -158,6 +160,10 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     # vLLM / SGLang extra: variables for the chat template (e.g. {"enable_thinking": false} for Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's prompt caching (prefixrt/lowering/prompt_cache.py): the session key, kept prefixes and their lifetime
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

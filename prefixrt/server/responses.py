@@ -31,7 +31,9 @@ from starlette.exceptions import HTTPException
 from prefixrt.errors import InvalidRequest
 from prefixrt.lowering.chat import lower_chat_request, request_reasoning
 from prefixrt.lowering.messages import responses_input
+from prefixrt.lowering.prompt_cache import responses_cache_plan
 from prefixrt.lowering.tools import ToolCall, ToolPlan, new_call_id
+from prefixrt.server import prompt_cache
 from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model
 from prefixrt.server.openai_format import with_warnings
@@ -84,6 +86,10 @@ class ResponsesRequest(_Body):
     cache_salt: str | None = None
     tool_prompt: bool = True  # as on chat: False when the input already describes the tools
     chat_template_kwargs: dict[str, Any] | None = None  # as on chat (e.g. {"enable_thinking": false})
+    # OpenAI's prompt caching, as on chat (breakpoints on input content blocks: prefixrt/lowering/prompt_cache.py)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class ResponseStore:
@@ -246,11 +252,18 @@ async def create_response(body: ResponsesRequest, request: Request):
                                  param="previous_response_id")
         history = prev[0]
     conversation = history + responses_input(body.input)
-    chat_body = _chat_request(body, conversation)
-    check_body(chat_body)
-    chat_fields = {**chat_body.model_dump(exclude_none=True, by_alias=True), "max_output_tokens": body.max_output_tokens}
-    chat = lower_chat_request(chat_fields, tokenizer=eng.tokenizer, max_context=eng.max_context,
-                              defaults=request.app.state.generation_defaults)
+    cache_plan = responses_cache_plan(body.model_dump(exclude_none=True), body.input,
+                                      lambda items: history + responses_input(items))
+
+    def lower(conv: list[dict]):
+        chat_body = _chat_request(body, conv)
+        check_body(chat_body)
+        chat_fields = {**chat_body.model_dump(exclude_none=True, by_alias=True),
+                       "max_output_tokens": body.max_output_tokens}
+        return lower_chat_request(chat_fields, tokenizer=eng.tokenizer, max_context=eng.max_context,
+                                  defaults=request.app.state.generation_defaults)
+
+    chat = lower(conversation)
     if chat.options.params.get("n", 1) != 1:
         raise InvalidRequest("n must be 1 on /v1/responses", param="n")
     ids = await run_in_threadpool(eng.encode_chat, chat.messages, chat.template_tools, False, chat.template_kwargs)
@@ -259,7 +272,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         request_reasoning, parser, chat.template_kwargs, eng, ids)
     reasoning_id = f"rs_{uuid.uuid4().hex}"
     rid = f"resp_{uuid.uuid4().hex}"
-    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid)
+    kept = await prompt_cache.resolve(eng, cache_plan, ids, lower)
+    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid, prompt_cache=kept)
     shell = _Shell(body, request.app.state.model_name, rid, int(time.time()), params)
     lc = request.app.state.lifecycle
 
@@ -280,8 +294,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         observe(request, rid, [c])
         if c.finish_reason == "abort":
             raise RequestFailed.for_abort(lc, c.error)
-        return with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
-            c.prompt_tokens, c.completion_tokens, c.cached_tokens))), chat.warnings)
+        return prompt_cache.with_keep_header(with_warnings(JSON(finish(c.text, c.finish_reason, _usage(
+            c.prompt_tokens, c.completion_tokens, c.cached_tokens))), chat.warnings), c.keep_report)
     chunks = await eng.astream_open(ids, params, coalesce=True)  # a bad request raises before any byte is sent
     chunks = observed(request, rid, chunks)
     lc.register(eng, [rid])
@@ -290,9 +304,13 @@ async def create_response(body: ResponsesRequest, request: Request):
         eng.abort(rid)
         lc.release([rid])
 
+    first = None
+    if kept is not None and kept.keep:  # the headers say what was kept: they wait for the first output
+        first, chunks = await prompt_cache.first_output(request, chunks, close)
     split = reasoning.splitter() if reasoning is not None else None
     events = _events(chunks, shell, chat.tools, finish, lc, _ReasoningEvents(reasoning_id, split))
-    return with_warnings(EventStream(events, on_close=close), chat.warnings)
+    return prompt_cache.with_keep_header(with_warnings(EventStream(events, on_close=close), chat.warnings),
+                                         getattr(first, "keep_report", None))
 
 
 def _event(seq: list[int], kind: str, **fields) -> str:

@@ -82,7 +82,6 @@ def test_pack_unpack_roundtrip_and_sign_bit():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_torch_reference():
     gen = torch.Generator().manual_seed(1)
     for vocab, width in [(151936, 4748), (151936, 4740), (1000, 40)]:

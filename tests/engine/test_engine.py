@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
@@ -69,6 +70,58 @@ def test_cache_on_equals_cache_off_under_eviction_and_retraction(page_size, make
     # And one by one, where every later request can reuse earlier ones.
     got_seq = [small.generate(p, params).token_ids for p in prompts[:40]]
     assert got_seq == want[:40]
+
+
+def _run_held(eng, jobs: dict, monkeypatch) -> dict:
+    """jobs: {name: (prompt, params)}, submitted from threads while the loop thread is held, so that one step
+    admits them all; returns {name: Completion}."""
+    gate, handle = threading.Event(), eng._handle
+    monkeypatch.setattr(eng, "_handle", lambda msg: (gate.wait(30), handle(msg)))
+    out = {}
+    threads = [threading.Thread(target=lambda k=k, p=p, s=s: out.__setitem__(k, eng.generate(p, s)))
+               for k, (p, s) in jobs.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while eng._inbox.qsize() < len(jobs) - 1:  # (the first message is held in _handle)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join(60)
+    monkeypatch.setattr(eng, "_handle", handle)
+    return out
+
+
+def test_a_request_retracted_for_memory_resumes_on_its_own_kv(make_engine, underestimated_decode, monkeypatch):
+    """Three requests on a pool that runs out while they decode (an estimate of one token each): the lowest
+    priority one (b) is retracted, its computed K/V published; the other two finish on the free slots, and b
+    resumes with all its 11 computed tokens reused (one forward of one token), then ends with the tokens of a
+    run that never retracted. The forwards are recorded as (prefix lens, extend lens)."""
+    from prefixrt.model.runner import ModelRunner
+
+    prompts = {"a": list(range(100, 110)), "b": list(range(200, 210)), "c": list(range(300, 302))}
+    params = {"a": {"max_new_tokens": 3, "priority": 1, **GREEDY}, "b": {"max_new_tokens": 5, **GREEDY},
+              "c": {"max_new_tokens": 3, "priority": 1, **GREEDY}}
+    jobs = {k: (prompts[k], params[k]) for k in prompts}
+    want = {k: c.token_ids for k, c in _run_held(make_engine("llama"), jobs, monkeypatch).items()}
+
+    forwards = []
+    forward = ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, fb: (forwards.append((fb.prefix_lens_cpu, fb.extend_lens_cpu)), forward(self, fb))[1])
+    eng = make_engine("llama", kv_cache_tokens=27)  # 22 prompt tokens + 3 + 2 decode slots: no room for b's third
+    got = _run_held(eng, jobs, monkeypatch)
+    assert {k: c.token_ids for k, c in got.items()} == want
+    assert eng.stats().retracted_requests_total == 1
+    assert forwards == [
+        ([0, 0, 0], [10, 2, 10]),  # a, c (priority 1), b: prefill
+        ([10, 2, 10], [1, 1, 1]),  # decode
+        ([11, 3], [1, 1]),  # b retracted (11 tokens computed, published); a and c take their last tokens
+        ([11], [1]),  # b resumes: its 11 tokens' K/V from the tree, only its last sampled token computed
+        ([12], [1]),
+        ([13], [1]),
+    ]
 
 
 def test_32_threads_match_sequential(make_engine):

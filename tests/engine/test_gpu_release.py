@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 
 def test_three_engines_release_their_memory():

@@ -105,7 +105,7 @@ def test_the_pool_starts_only_for_an_empty_compile_cache_on_one_triton_rank(tmp_
         pool.close()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_the_dry_pass_skips_launches_and_the_workers_fill_the_disk_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))

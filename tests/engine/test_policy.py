@@ -50,3 +50,38 @@ def test_dfs_groups_requests_by_subtree():
 
     order = [r.rid for r in order_waiting(reqs, "dfs", match, 1.0, aging_s=10)]
     assert order == ["a1", "a2", "a3", "b1", "b2", "x"]  # heavier subtree first, unmatched last
+
+
+def test_keyed_sessions_go_least_attained_service_first():
+    from prefixrt.engine.loop.sessions import SessionService
+    from prefixrt.prompt_cache import PromptCache
+
+    def keyed(rid, session, arrival):
+        return Req(rid=rid, prompt_ids=[1, 2, 3], params=SamplingParams(prompt_cache=PromptCache(session)),
+                   sink=None, arrival=arrival)
+
+    c = _cache()
+
+    def match(r):
+        return c.match_prefix(r.prompt_ids, None, len(r.prompt_ids) - 1)
+
+    svc = SessionService(max_sessions=3)
+    long_turn, short_turn, plain = keyed("long", "agent-long", 0.0), keyed("short", "agent-short", 1.0), \
+        _req("plain", [4, 5, 6], 2.0)
+    svc.charge(keyed("l0", "agent-long", 0.0), 5000)  # the long agent's earlier turns
+    svc.charge(keyed("s0", "agent-short", 0.0), 300)
+    assert svc.service(long_turn) == 5000 and svc.service(plain) == 0
+    for policy in ("lpm", "fcfs"):
+        order = [r.rid for r in order_waiting([long_turn, short_turn, plain], policy, match, 3.0, 10, svc.service)]
+        assert order == ["plain", "short", "long"], policy
+        # without the service, arrival (fcfs) or the cached prefix (lpm, none here) decides
+        assert [r.rid for r in order_waiting([long_turn, short_turn, plain], policy, match, 3.0, 10)] == [
+            "long", "short", "plain"]
+    # priority still beats service, and aging beats both
+    urgent = Req(rid="urgent", prompt_ids=[1], sink=None, arrival=2.5,
+                 params=SamplingParams(priority=1, prompt_cache=PromptCache("agent-long")))
+    assert order_waiting([short_turn, urgent], "lpm", match, 3.0, 10, svc.service)[0].rid == "urgent"
+    assert order_waiting([short_turn, long_turn], "lpm", match, 3.0, 2.5, svc.service)[0].rid == "long"
+    for k in range(4):  # bounded: the least recently charged sessions are forgotten
+        svc.charge(keyed(f"n{k}", f"new-{k}", 0.0), 1)
+    assert len(svc) == 3 and svc.service(long_turn) == 0

@@ -124,8 +124,8 @@ def test_without_dedup_both_prefill_the_shared_prefix():
     finish(s, b)
 
 
-def test_out_of_memory_retracts_lowest_priority_and_it_resumes():
-    s = make_scheduler(num_slots=26, chunked_prefill_tokens=64)  # 25 usable slots
+def test_out_of_memory_retracts_lowest_priority_and_it_resumes_on_its_published_kv():
+    s = make_scheduler(num_slots=28, chunked_prefill_tokens=64)  # 27 usable slots
     s.estimate.ratio = 0.0  # an estimate that is too low (one token each): the pool runs out while they decode
     a = req(range(100, 110), "a", arrival=1.0, priority=1)
     b = req(range(200, 210), "b", arrival=2.0)
@@ -133,18 +133,42 @@ def test_out_of_memory_retracts_lowest_priority_and_it_resumes():
     for r in (a, b, c):
         s.add(r)
     b1 = step(s)
-    assert [r.rid for r in b1.reqs] == ["a", "c", "b"]  # priority first; 22 of 25 slots used, 1 reserved each
-    step(s)  # 3 decode tokens: 25 of 25
-    step(s)  # 3 more: 28 > 25, so one request must go
+    assert [r.rid for r in b1.reqs] == ["a", "c", "b"]  # priority first; 22 of 27 slots used, 1 reserved each
+    step(s)  # 3 decode tokens: 25 of 27
+    b_slots = s.kv.slots_of(b, 0, 11)  # b's K/V: 10 prompt tokens and its first output
+    assert rows(step(s)) == [("a", 11, 1, True), ("c", 3, 1, True)]  # 3 more would make 28 > 27: one must go
     victims = [r.rid for r in s.waiting]
     assert victims == ["b"]  # lowest priority first
     assert b.retractions == 1 and b.state is ReqState.WAITING and b.row is None
     assert s.retracted_total == 1 and s.estimate.ratio > 0  # the estimate steps up after a retraction
     assert b.output_ids == [SAMPLED, SAMPLED]  # keeps its output
+    # Its 11 computed tokens were published, not freed: a's and c's decode took the 2 free slots, none of them.
+    assert s.kv.free_tokens == 0 and s.kv.evictable_tokens == 11
     finish(s, a)
     finish(s, c)
-    resumed = step(s)  # its published K/V made room for a's and c's decode: it recomputes what was evicted
-    assert rows(resumed)[0][0] == "b" and rows(resumed)[0][1] + rows(resumed)[0][2] == 12
+    resumed = step(s)
+    assert rows(resumed) == [("b", 11, 1, True)]  # all 11 tokens' K/V reused: only its last output is computed
+    assert b.cached_len == 11 and s.kv.slots_of(b, 0, 11) == b_slots  # the very slots it computed
+    finish(s, b)
+
+
+def test_retracted_kv_evicted_for_the_others_is_computed_again_whole():
+    """The same three requests on 25 usable slots: a's and c's decode after the retraction needs 2 slots and
+    none is free, so b's published node (11 tokens, one leaf) is evicted and b resumes from nothing."""
+    s = make_scheduler(num_slots=26, chunked_prefill_tokens=64)
+    s.estimate.ratio = 0.0
+    a = req(range(100, 110), "a", arrival=1.0, priority=1)
+    b = req(range(200, 210), "b", arrival=2.0)
+    c = req(range(300, 302), "c", arrival=3.0, priority=1)
+    for r in (a, b, c):
+        s.add(r)
+    step(s)
+    step(s)
+    assert rows(step(s)) == [("a", 11, 1, True), ("c", 3, 1, True)] and s.waiting == [b]
+    assert s.kv.free_tokens == 9 and s.kv.evictable_tokens == 0  # b's 11 freed by eviction, 2 of them reused
+    finish(s, a)
+    finish(s, c)
+    assert rows(step(s)) == [("b", 0, 12, True)]  # its prompt and both outputs' K/V computed again
     finish(s, b)
 
 

@@ -1,6 +1,8 @@
-"""Engine.generate with images on the tiny VLMs (Gemma-3, LLaVA): greedy equal to transformers generate, image tokens in
-the radix key by content (a second question about an image reuses its K/V and skips the vision tower; other
-images never share, even when their hashes collide), cache on vs off identical, bad images refused."""
+"""Engine.generate with images on the tiny VLMs (Gemma-3, LLaVA): greedy equal to transformers generate (Gemma-3: every
+generated token's logprobs too, on inputs where its bidirectional image attention matters; the repetition penalty as
+transformers applies it), image tokens in the radix key by content (a second question about an image reuses its K/V
+and skips the vision tower; other images never share, even when their hashes collide), cache on vs off identical, bad
+images refused."""
 
 from __future__ import annotations
 
@@ -61,6 +63,57 @@ def test_generate_matches_transformers(make_vlm, vlm_checkpoints, name, backend)
                           **extra)
     assert got.token_ids == out[0, len(ids):].tolist()
     assert got.prompt_tokens == len(ids)
+
+
+def _hf_logprobs(hf, ids: list[int], pixels, bidirectional: bool = True) -> torch.Tensor:
+    """transformers' log-probabilities [len(ids), vocab] over `ids` (fp32, one forward); bidirectional=False: the
+    image tokens attend causally (no token_type_ids), the mask a model without image spans would use."""
+    x = torch.tensor([ids])
+    extra = {"token_type_ids": (x == VLM_IMAGE_TOKEN).long()} if bidirectional else {}
+    with torch.no_grad():
+        return torch.log_softmax(hf(input_ids=x, pixel_values=pixels, **extra).logits[0].float(), dim=-1)
+
+
+def _assert_logprobs_match(got, want: torch.Tensor, prompt_len: int, atol: float = 1e-4) -> None:
+    """Every generated token of `got` (with top-20 logprobs) against `want` = _hf_logprobs over prompt + output:
+    the same token chosen, the same 20 ids in order, each logprob within atol."""
+    assert len(got.logprobs) == len(got.token_ids) > 0
+    for step, entry in enumerate(got.logprobs):
+        row = want[prompt_len - 1 + step]
+        top = torch.topk(row, 20)
+        assert entry["token_id"] == got.token_ids[step] == int(row.argmax())
+        assert [t["token_id"] for t in entry["top_logprobs"]] == top.indices.tolist(), step
+        got_lp = torch.tensor([t["logprob"] for t in entry["top_logprobs"]])
+        assert torch.allclose(got_lp, top.values, atol=atol, rtol=0), (step, (got_lp - top.values).abs().max())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("cache", [False, True], ids=["cache_off", "cache_on"])
+def test_gemma3_logprobs_match_transformers_where_image_attention_matters(make_vlm, vlm_checkpoints, backend, cache):
+    """Gemma-3's image blocks attend both ways: every generated token's top-20 logprobs equal transformers' within
+    1e-4 (fp32), on the torch and the Triton backends, with the cache off and on. Cache on: a first question about
+    the same images leaves their K/V in the tree and the second question's prefill (in chunks of 4) reads them
+    from there. The inputs are ones where the image attention matters: transformers with causal image tokens
+    moves some logprob by more than 0.01 (guarded below), so an engine that drops the image spans fails."""
+    _, hf = vlm_checkpoints("gemma3_vlm")
+    kwargs = {"chunked_prefill_tokens": 4} if cache else {"radix_cache": False}
+    eng = make_vlm(attention_backend=backend, **kwargs)
+    images = [random_image(91), random_image(92, size=(24, 36))]
+    params = {**GREEDY, "logprobs": 20}
+    if cache:
+        eng.generate(ask("What is the capital?", *images), params)
+    messages = ask("Where?", *images)
+    got = eng.generate(messages, params)
+    ids = reference_ids(eng, messages)
+    if cache:
+        _, end = block_bounds(eng, messages)
+        assert got.cached_tokens >= end  # (the first image block and more came from the tree)
+    pixels = eng._built.image_processor.hf(images=images, return_tensors="pt")["pixel_values"]
+    full = ids + got.token_ids
+    want = _hf_logprobs(hf, full, pixels)
+    _assert_logprobs_match(got, want, len(ids))
+    causal = _hf_logprobs(hf, full, pixels, bidirectional=False)
+    assert (causal[len(ids) - 1:] - want[len(ids) - 1:]).abs().max() > 0.01  # the spans matter on these inputs
 
 
 def test_every_image_source_gives_the_same_answer(make_vlm, tmp_path):
@@ -171,11 +224,35 @@ def test_forced_collision_is_exercised(make_vlm, monkeypatch):
     assert got.cached_tokens > start + 1
 
 
-def test_repetition_penalty_with_images(make_vlm):
-    """The penalty reads the prompt: image positions count as the image token the model saw."""
-    eng = make_vlm()
-    got = eng.generate(ask("What?", random_image(3)), {**GREEDY, "repetition_penalty": 1.3})
-    assert got.error is None and len(got.token_ids) == 6
+@pytest.mark.parametrize("name", VLM_NAMES)
+def test_repetition_penalty_with_images_equals_transformers(make_vlm, vlm_checkpoints, name):
+    """The penalty reads the prompt, image positions as the image token the model saw (as transformers'
+    RepetitionPenaltyLogitsProcessor reads input_ids): greedy tokens under repetition_penalty=2 equal
+    transformers generate with the same penalty, and differ from the run without it (the penalty acted)."""
+    _, hf = vlm_checkpoints(name)
+    eng = make_vlm(name)
+    images = [random_image(3)]
+    messages = ask("Question: what is the capital?", *images)
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}  # (transformers: eos_token_id=None)
+    got = eng.generate(messages, {**params, "repetition_penalty": 2.0})
+    plain = eng.generate(messages, params)
+    assert got.error is None and plain.error is None
+
+    ids = reference_ids(eng, messages)
+    pixels = eng._built.image_processor.hf(images=images, return_tensors="pt")["pixel_values"]
+    x = torch.tensor([ids])
+    extra = {"token_type_ids": (x == VLM_IMAGE_TOKEN).long()} if name == "gemma3_vlm" else {}
+
+    def hf_greedy(**penalty):
+        with torch.no_grad():
+            out = hf.generate(input_ids=x, pixel_values=pixels, max_new_tokens=12, do_sample=False,
+                              pad_token_id=0, eos_token_id=None, **extra, **penalty)
+        return out[0, len(ids):].tolist()
+
+    want, want_plain = hf_greedy(repetition_penalty=2.0), hf_greedy()
+    assert want != want_plain  # on these inputs the penalty changes the greedy tokens
+    assert got.token_ids == want
+    assert plain.token_ids == want_plain
 
 
 def test_bad_images_are_refused(make_vlm, tmp_path):

@@ -34,7 +34,7 @@ def assert_idle_and_clean(engine) -> None:
     engine.wait_idle()
     s = engine.stats()
     assert s.requests_running == 0 and s.requests_waiting == 0
-    assert s.kv_free + s.kv_evictable == s.kv_total, s
+    assert s.kv_free + s.kv_evictable + s.kv_pinned == s.kv_total, s  # (kv_pinned: kept prefixes, pool alone)
     assert s.kv_locked == 0, s
     assert s.cache_audit_mismatches_total == 0, s  # cache_audit_rate > 0: recomputed K/V equals the cache
     assert s.kv_host_free + s.kv_host_cached == s.kv_host_total, s  # the host tier's idle invariant

@@ -322,7 +322,7 @@ def test_cascade_decode_equals_plain_decode(
     assert rel_err(out, expected) < TOL[dtype]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the concurrent stages need a CUDA side stream")
+@pytest.mark.gpu  # the concurrent stages need a CUDA side stream
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cascade_concurrent_stages_equal_sequential_and_graph_replay(dtype):
     """The prefix stage on a side stream writes the same partials as when it runs first, eagerly and captured

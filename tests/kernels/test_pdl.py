@@ -70,7 +70,8 @@ def _chain(x, res, w_norm, w_qkv, w_o, w_gate_up, w_down, cos, sin, loc, kbuf, v
     return gemv(act_mul(gu), w_down, None, GemvConfig(32, 256, 2, 4, 3)), summed2
 
 
-@pytest.mark.skipif(not HOPPER, reason="PDL needs a Hopper (or later) GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.is_available() and not HOPPER, reason="PDL needs a Hopper (or later) GPU")
 @pytest.mark.parametrize("rows", [1, 16])
 def test_decode_chain_pdl_on_equals_off_eager_and_graph(rows):
     g = torch.Generator(device="cuda").manual_seed(rows)

@@ -64,17 +64,17 @@ def test_decision_and_fallback(tmp_path, monkeypatch, fp8_us, bf16_us, slower):
 
 
 @pytest.mark.gpu
-def test_bad_fp8_table_falls_back_to_bf16_on_the_gpu(tmp_path, monkeypatch):
+def test_bad_fp8_table_falls_back_to_bf16_on_the_gpu(tmp_path, monkeypatch, tiny_tokenizer):
     """On a GPU: a model whose FP8 layouts are bad (one warp, 16 x 16 tiles, no pipelining, for every row count) is
     timed slower than bf16 and served as bf16 by an engine started with FP8 weights; "error" refuses to start."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (the check times kernels on it)")
+    from types import SimpleNamespace
+
     from prefixrt.kernels.gemv import GemvConfig
 
-    import prefixrt
+    from prefixrt.engine.engine import Engine
     from prefixrt.model import fp8_linear
 
-    save_tiny_checkpoint("llama", tmp_path)  # (its tokenizer and config; the weights are dummies of this shape)
+    save_tiny_checkpoint("llama", tmp_path)  # (its config, widened below; the weights are dummies of that shape)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg.update(hidden_size=2048, intermediate_size=8192, num_attention_heads=16, num_key_value_heads=8,
                head_dim=128, num_hidden_layers=2)
@@ -82,7 +82,15 @@ def test_bad_fp8_table_falls_back_to_bf16_on_the_gpu(tmp_path, monkeypatch):
     bad = GemvConfig(16, 16, 1, 1, 1)
     monkeypatch.setattr(fp8_linear, "default_config", lambda rows, block_scales: bad)
     monkeypatch.setattr(fp8_linear, "_table_choice", lambda *a: None)
-    eng = prefixrt.Engine(str(tmp_path), load_format="dummy", quantization="fp8", kv_cache_tokens=4096)
+    resolved = SimpleNamespace(name="tiny-wide-llama", revision="test", extra_eos_token_ids=(), path=str(tmp_path))
+
+    def engine(**kwargs):
+        model = load_model(str(tmp_path), load_format="dummy", dtype=torch.bfloat16, device="cuda",
+                           quantization="fp8")
+        return Engine("tiny-wide-llama", _parts=(model, tiny_tokenizer, resolved), device="cuda",
+                      quantization="fp8", kv_cache_tokens=4096, **kwargs)
+
+    eng = engine()
     try:
         report = eng._built.startup["fp8_speed_check"]
         assert report["fp8_us"] > report["bf16_us"] and not report["served_as_fp8"]
@@ -91,5 +99,4 @@ def test_bad_fp8_table_falls_back_to_bf16_on_the_gpu(tmp_path, monkeypatch):
     finally:
         eng.shutdown()
     with pytest.raises(RuntimeError, match="slower than bf16"):
-        prefixrt.Engine(str(tmp_path), load_format="dummy", quantization="fp8", kv_cache_tokens=4096,
-                        fp8_speed_check="error")
+        engine(fp8_speed_check="error")

@@ -166,6 +166,19 @@ def test_responses_follow_up_goes_to_the_worker_that_stored_it(cluster):
     assert httpx.get(url + "/v1/responses/resp_unknown").status_code == 404
 
 
+def test_a_session_key_keeps_its_requests_on_one_worker(cluster):
+    """prompt_cache_key: every turn of a session goes where its first went, though their prompts differ wholly."""
+    workers, routers = cluster
+    url = routers["cache_aware"].url
+    owners = set()
+    for turn in range(4):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            **CHAT, "prompt_cache_key": "agent-7", "messages": [{"role": "user", "content": f"turn {turn} " * 8}]})
+        assert r.status_code == 200, r.text
+        owners.add(r.headers["x-prefixrt-worker"])
+    assert len(owners) == 1
+
+
 def test_a_dead_worker_is_taken_out_of_rotation(cluster):
     """Last in the module: it kills a worker."""
     workers, routers = cluster

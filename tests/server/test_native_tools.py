@@ -87,22 +87,14 @@ def test_the_template_renders_the_tools_and_the_model_writes_its_syntax(family):
     assert parse(name, text, {"get_weather"})[0][0] == "get_weather"
 
 
-@pytest.mark.parametrize("door", ["http", "shim"])
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}, "auto"])
-def test_calls_come_back_whole_and_streamed(family, door, choice):
-    _, _, clients = family
-    c = clients[door]
-    kw = dict(model="tiny-llama", messages=MSGS, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=60)
-    msg = c.chat.completions.create(**kw).choices[0]
+def _whole_and_streamed(client, **kw):
+    """(the whole reply's choice, its calls as (name, arguments)); the streamed reply must carry the same calls
+    and the same content."""
+    msg = client.chat.completions.create(**kw).choices[0]
     calls = [(t.function.name, json.loads(t.function.arguments)) for t in msg.message.tool_calls or []]
-    if choice != "auto":
-        assert msg.finish_reason == "tool_calls" and [n for n, _ in calls] == ["get_weather"]
-        assert isinstance(calls[0][1]["city"], str)
-    else:  # the tiny model's choice: a call of the declared tool, or prose that does not start like one
-        assert calls or (msg.message.content and msg.message.content.lstrip()[:1] not in "[{")
     streamed: dict[int, list] = {}
     content = []
-    for ch in c.chat.completions.create(stream=True, **kw):
+    for ch in client.chat.completions.create(stream=True, **kw):
         d = ch.choices[0].delta
         content.append(d.content or "")
         for t in d.tool_calls or []:
@@ -111,3 +103,38 @@ def test_calls_come_back_whole_and_streamed(family, door, choice):
            for _, ts in sorted(streamed.items())]
     assert got == calls
     assert "".join(content) == (msg.message.content or "")
+    return msg, calls
+
+
+@pytest.mark.parametrize("door", ["http", "shim"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_calls_come_back_whole_and_streamed(family, door, choice):
+    _, _, clients = family
+    msg, calls = _whole_and_streamed(clients[door], model="tiny-llama", messages=MSGS, tools=TOOLS,
+                                     tool_choice=choice, temperature=0, max_tokens=60)
+    assert msg.finish_reason == "tool_calls" and [n for n, _ in calls] == ["get_weather"]
+    assert isinstance(calls[0][1]["city"], str)
+
+
+@pytest.mark.parametrize("door", ["http", "shim"])
+@pytest.mark.parametrize("branch", ["call", "text"])
+def test_auto_gives_the_branch_the_model_picks(family, door, branch):
+    """tool_choice="auto": the grammar lets the reply be text or calls, and the reply is read back as what was
+    written. The tiny model's pick is forced by logit_bias, so the answer is known exactly. call: the family's
+    lead character (llama3 "{", mistral "[") at +100 opens a call, and in the call's one free field, the city
+    string (maxLength 8), it is written 8 times; a lone '"' at +60 opens that string (rather than a token that
+    also writes its first character); end of sequence at +50 closes the reply after the call (where the grammar
+    allows it: neither of the others is allowed there). text: "A" at +100 opens plain text and fills it."""
+    name, eng, clients = family
+    token = eng.tokenizer.convert_tokens_to_ids
+    lead = "{" if name == "llama3" else "["
+    bias = ({str(token(lead)): 100, str(token('"')): 60, str(eng.tokenizer.eos_token_id): 50} if branch == "call"
+            else {str(token("A")): 100})
+    msg, calls = _whole_and_streamed(clients[door], model="tiny-llama", messages=MSGS, tools=TOOLS,
+                                     tool_choice="auto", temperature=0, max_tokens=60, logit_bias=bias)
+    if branch == "call":
+        assert msg.finish_reason == "tool_calls" and not msg.message.content
+        assert calls == [("get_weather", {"city": lead * 8})]
+    else:
+        assert msg.finish_reason == "length" and calls == []
+        assert msg.message.content == "A" * 60

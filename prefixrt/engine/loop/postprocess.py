@@ -105,7 +105,7 @@ def step_output(r: Req, adv: Advance, logprobs: list[dict] | None) -> StepOutput
         index=r.index, token_ids=adv.new_tokens, text=None, logprobs=logprobs,
         finished=finished, finish_reason=adv.finish_reason, matched_stop=adv.matched_stop,
         prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0,
-        timing=request_timing(r) if finished else None,
+        timing=request_timing(r) if finished else None, keep_report=_take_keep_report(r),
     )
 
 
@@ -115,5 +115,11 @@ def final_output(r: Req, reason: str, error: str | None = None) -> StepOutput:
         index=r.index, token_ids=[], text=None, finished=True, finish_reason=reason,
         prompt_tokens=len(r.prompt_ids), cached_tokens=r.num_cached_tokens or 0, error=error,
         input_logprobs=r.input_logprobs if r.input_logprobs_from is not None else None,
-        timing=request_timing(r),
+        timing=request_timing(r), keep_report=_take_keep_report(r),
     )
+
+
+def _take_keep_report(r: Req) -> dict | None:
+    """r's kept-prefix decision, for its first output only (it is sent once)."""
+    report, r.keep_report = r.keep_report, None
+    return report

@@ -6,7 +6,8 @@
 - dfs: depth-first over the radix tree, heaviest subtrees (most waiting requests) first, so requests
   sharing a prefix run back to back (SGLang's DFS-weight).
 All policies put aged requests (waiting longer than aging_s) first, in arrival order, so nothing waits
-unboundedly, and respect `priority` (higher first) before the policy key.
+unboundedly, and respect `priority` (higher first) before the policy key. With `service` (lpm and fcfs), the
+session's attained service (engine/loop/sessions.py) comes next: least attained service first.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ def order_waiting(
     match: Callable[[Req], MatchResult],
     now: float,
     aging_s: float,
+    service: Callable[[Req], int] | None = None,
 ) -> list[Req]:
     aged = [r for r in waiting if now - r.arrival >= aging_s]
     fresh = [r for r in waiting if now - r.arrival < aging_s]
     aged.sort(key=lambda r: r.arrival)
+    attained = (lambda r: 0) if service is None else service  # noqa: E731
     if policy == "fcfs":
-        fresh.sort(key=lambda r: (-r.params.priority, r.arrival))
+        fresh.sort(key=lambda r: (-r.params.priority, attained(r), r.arrival))
     elif policy == "lpm":
         lengths = {id(r): _cached_len(match(r)) for r in fresh}
-        fresh.sort(key=lambda r: (-r.params.priority, -lengths[id(r)], r.arrival))
+        fresh.sort(key=lambda r: (-r.params.priority, attained(r), -lengths[id(r)], r.arrival))
     elif policy == "dfs":
         fresh = _dfs_order(fresh, match)
     else:

@@ -14,7 +14,10 @@ admission (prefetch, overlapped with the running batch); under `wait_complete` a
 load is done, others going first meanwhile.
 With a host tier, a request that has produced nothing and has waited host_kv_preempt_after_s for memory preempts running
 requests that have already streamed (retracted to the host, most remaining decode first, each at most
-max_preemptions times): first tokens come soon even when the pool holds a few sessions of many.
+max_preemptions times): first tokens come soon even when the pool holds a few sessions of many. The victims are
+held back until the request they made room for is admitted (else they would take the room back first).
+Keyed sessions (engine/loop/sessions.py): waiting requests go least attained service of their session first
+(after priority, before the policy's own key), so a session's turns share one priority.
 Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
 request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
 running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
@@ -35,6 +38,7 @@ from prefixrt.engine.loop.admission import DecodeEstimate
 from prefixrt.engine.loop.preemption import FirstTokenPreemption
 from prefixrt.engine.loop.prefetch import HostPrefetch
 from prefixrt.engine.loop.schedule_policy import order_waiting
+from prefixrt.engine.loop.sessions import SessionService
 from prefixrt.request import Req, ReqState
 
 # Hold back a waiting request when it shares at least this many uncached tokens with a request that is
@@ -74,11 +78,17 @@ class Scheduler:
         self.estimate = DecodeEstimate()
         self.prefetch = HostPrefetch(kv, settings)  # waiting requests whose host-tier prefix loads ahead
         self.preemption = FirstTokenPreemption(kv, settings)
+        self.sessions = SessionService()
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
     def add(self, req: Req) -> None:
         req.state = ReqState.WAITING
+        keep = req.params.prompt_cache.keep if req.params.prompt_cache is not None else ()
+        if keep and req.index == 0:  # (once per request: n > 1 samples share one prompt)
+            grant = self.kv.pins.grant(req.prompt_ids, req.salt, keep)
+            req.keep_report = grant.report()
+            req.keep_grant = grant if grant.kept else None
         self.waiting.append(req)
 
     def remove(self, req: Req) -> None:
@@ -90,7 +100,7 @@ class Scheduler:
         self.prefetch.removed(req)
         if req.finish_reason in ("stop", "length"):
             self.estimate.finished(req)
-        self.kv.release(req)
+        self.kv.release(req, final=True)
         self.kv.tiers.forget(req)
         self._match_cache.pop(id(req), None)
         req.state = ReqState.FINISHED
@@ -166,6 +176,7 @@ class Scheduler:
         batch.slots.append(slots)
         batch.sample.append(kv_len + n == len(req.all_ids) + req.num_unresolved)  # reaches seq_len
         req.kv_len = kv_len + n
+        self.sessions.charge(req, n)
 
     def _admit(self, batch: ScheduledBatch, budget: int, prefilling: list[Req]) -> None:
         """Admit waiting requests in policy order while they fit (see the module docstring). What is not memory
@@ -183,11 +194,14 @@ class Scheduler:
                 self._match_cache[id(r)] = hit
             return hit[1]
 
-        order = order_waiting(self.waiting, self.settings.schedule_policy, match, now, self.settings.aging_s)
-        first = self.preemption.take_first()
+        order = order_waiting(self.waiting, self.settings.schedule_policy, match, now, self.settings.aging_s,
+                              self.sessions.service if self.settings.session_scheduling else None)
+        first = self.preemption.first
         if first is not None and first in order:  # running requests were preempted to make room for it
             order.remove(first)
             order.insert(0, first)
+        else:  # admitted (or gone): its preemption's victims may run again
+            self.preemption.done()
         leaders = UncachedPrefixIndex(prefilling)
         admitted: set[int] = set()
         # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
@@ -197,6 +211,8 @@ class Scheduler:
         reserved += sum(prefetch_need.values())
         reserve_pages = len(self.running)  # keep one page per running request for its next decode step
         for req in order:
+            if self.preemption.holds_back(req):
+                continue  # preempted for the request first in line: it goes before them
             m = match(req)
             if not kv.tiers.disk_ready(req, m):  # its prefix is being read from the disk tier
                 continue
@@ -230,6 +246,8 @@ class Scheduler:
                     req.num_cached_tokens = None
                 break
             admitted.add(id(req))
+            if req is self.preemption.first:
+                self.preemption.done()
             self._match_cache.pop(id(req), None)
             prefetch.admitted(req)
             req.state = ReqState.RUNNING
@@ -276,6 +294,7 @@ class Scheduler:
             reserved -= kv.pages_to_finish(victim, est.remaining(victim))
             self._retract(victim, preempted=True)
             batch.retracted.append(victim)
+            preemption.held_back.add(id(victim))
         preemption.first = req
 
     @property

@@ -21,7 +21,14 @@ def snapshot(counters: EngineStats, kv, scheduler, auditor=None) -> EngineStats:
     s.kv_total = kv.total_tokens
     s.kv_free = kv.free_tokens
     s.kv_evictable = kv.evictable_tokens
-    s.kv_locked = s.kv_total - s.kv_free - s.kv_evictable
+    pins = kv.pins
+    pins.expire()
+    s.kv_pinned = kv.pinned_tokens
+    s.kv_locked = s.kv_total - s.kv_free - s.kv_evictable - s.kv_pinned
+    s.pins = pins.num_pins
+    s.pinned_tokens_gpu, s.pinned_tokens_host = pins.tier_tokens()
+    s.pins_granted_total, s.pins_refused_total, s.pins_expired_total = (
+        pins.granted_total, pins.refused_total, pins.expired_total)
     tiered = kv.tiered
     if tiered is not None:
         s.kv_host_total = tiered.host_alloc.total_tokens
