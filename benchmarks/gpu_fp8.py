@@ -12,7 +12,10 @@
 (3) logits: FP8 weights, FP8 K/V and both against bf16 on the same dummy weights (relative error, top-1 agreement);
 (4) engines bf16 | FP8 weights | FP8 weights + FP8 K/V: batch-1 decode at 4k context, the RAG workload in-process
     (64 x (3500 shared + 80 unique), 200 out, streamed with text), decode throughput at batch 256, and the KV pool's
-    tokens at the same memory fraction.
+    tokens at the same memory fraction. --configs labels: bf16; fp8 (the engine's defaults: per-token activation
+    scales for tall inputs, smoothed at load); fp8+kv; kv (FP8 K/V alone); fp8t, fp8t+kv (per-token scales named);
+    fp8n (weight-only tall inputs, fp8_activation_scale="none"); fp8u (per-token scales without smoothing: the
+    start-up cost of smoothing's calibration forward is fp8's start-up less fp8u's).
 Prints a short table last and writes JSON to benchmarks/results/gpu_fp8-<sections>.json (and $OUT when set).
 Sections that would start past --budget-s are skipped (said so in the table). Section 2 saves its choices to
 benchmarks/results/gpu_fp8_group_layouts.json; section 4 run later on the same GPU model loads them, so the two can run as
@@ -472,7 +475,9 @@ def main() -> None:
         configs = {"bf16": {}, "fp8": {"quantization": "fp8"},
                    "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
                    "kv": {"kv_cache_dtype": "fp8_e4m3"}, "fp8t": {"quantization": "fp8", **token},
-                   "fp8t+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", **token}}
+                   "fp8t+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", **token},
+                   "fp8n": {"quantization": "fp8", "fp8_activation_scale": "none"},
+                   "fp8u": {"quantization": "fp8", "fp8_smoothing": 0, **token}}
         if cuda:
             load_layouts(dev)
         engines = {}

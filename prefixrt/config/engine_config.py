@@ -59,17 +59,35 @@ class ModelSettings(Settings):
         "(per-channel weight scales); default: the weights as the checkpoint stores them (a pre-quantized FP8 "
         "checkpoint loads as FP8)", choices=(None, "fp8"), flag=True)
     fp8_activation_scale: str = setting(
-        "none", "with FP8 weights, inputs taller than a decode batch (which always runs weight-only; "
-        "model/fp8_linear.py): none (weight-only too, the default: the most accurate), group (activations quantized "
-        "with one e4m3 scale per 64 values of a token: +1.7-1.8% perplexity on the embedded models) or token (one "
-        "per token: cuBLAS's row-wise FP8 GEMM, the fastest at large batches; +2.1-2.3%); docs/benchmarks.md, FP8",
-        choices=FP8_ACTIVATION_SCALES, flag=True)
+        "token", "with FP8 weights, inputs taller than a decode batch (which always runs weight-only; "
+        "model/fp8_linear.py): token (the default: one e4m3 scale per token, cuBLAS's row-wise FP8 GEMM, 1.3-1.4x "
+        "faster than bf16 at 256-4096 rows on an H100; with fp8_smoothing +0.7-1.1% perplexity over bf16 on the "
+        "embedded models, +1.8-2.6% without), none (weight-only too: the Triton W8A16 GEMM, 2x slower than bf16 at "
+        "tall inputs) or group (activations quantized with one scale per 64 values of a token: the Triton w8a8 GEMM, "
+        "as slow); docs/benchmarks.md, FP8", choices=FP8_ACTIVATION_SCALES, flag=True)
+    fp8_smoothing: float | None = setting(
+        0.75, "with quantization fp8 on a float checkpoint (or dummy weights): smooth the decoder linears' inputs "
+        "before quantizing, SmoothQuant's per-channel factors max|X|^ALPHA / max|W|^(1-ALPHA), calibrated on a fixed "
+        "text and folded exactly into the weights and norms (model/smoothing.py: no run-time cost); None or 0: off; "
+        "0.75 (the default) measured best of 0.25-1 on both embedded models; pre-quantized FP8 checkpoints are never "
+        "smoothed; docs/benchmarks.md, FP8", flag=True, metavar="ALPHA")
     fp8_speed_check: str = setting(
         "fallback", "with FP8 weights on a GPU, time them against bf16 at start-up: fallback (the default: serve "
         "bf16 weights when FP8 would be slower, with a log line), error (refuse to start then) or off",
         choices=FP8_SPEED_CHECKS, flag=True)
     max_context: int | None = setting(None, "cap on the model's context in tokens (None: the model's own)")
     seed: int = setting(0, "seed of dummy weights and of sampling without a request seed", flag=True)
+
+    def _check(self, bad):
+        alpha = self.fp8_smoothing
+        if alpha is not None and not (isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+                                      and 0 <= alpha <= 1):
+            bad(f"fp8_smoothing must be None or an alpha in [0, 1] (0: off), got {alpha!r}")
+
+    @property
+    def fp8_smoothing_alpha(self) -> float | None:
+        """The smoothing alpha quantize-at-load applies (fp8_smoothing), None when off (None or 0)."""
+        return float(self.fp8_smoothing) if self.fp8_smoothing else None
 
 
 @dataclass(frozen=True)

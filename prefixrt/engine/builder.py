@@ -23,6 +23,7 @@ from prefixrt.cache.kv_setup import make_kv_manager, pool_slots
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.config.engine_config import CacheSettings, EngineConfig, SchedulerSettings
 from prefixrt.engine.detokenizer import DetokenizerWorker
+from prefixrt.engine.fp8_weights import fp8_calibration_ids, prepare_weights
 from prefixrt.engine.grammar import EngineGrammar
 from prefixrt.engine.loop.core import EngineCore
 from prefixrt.engine.loop.hooks import LoopHooks
@@ -88,7 +89,7 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
             + (f" (rank 0 of {ranks.size})" if ranks.size > 1 else ""))
         with clock.stage("load weights"):
-            model = ranks.load_model(resolved.path, config, dtype)
+            model = ranks.load_model(resolved.path, config, dtype, fp8_calibration_ids(config, tokenizer))
         load_s = clock.total()
         with clock.stage("assemble"):
             built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks,
@@ -115,7 +116,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     say = say or (lambda msg: log.info(msg))
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
-    fp8_weights = prepare_weights(config, model, dtype, startup, clock, say)
+    fp8_weights = prepare_weights(config, model, tokenizer, dtype, startup, clock, say)
     grammar = engine_grammar(config, model, tokenizer, resolved)
     if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
         grammar.start_warm()
@@ -152,28 +153,6 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks,
                  image_processor=processor)
-
-
-def prepare_weights(config: EngineConfig, model, dtype, startup: dict, clock: StageClock, say) -> bool | None:
-    """FP8 weights and their activation scheme, before any kernel plan is made (build's loader already quantized
-    a float checkpoint; an injected model is quantized here), then on CUDA the FP8 speed check (before the pool
-    is sized from free memory). Returns whether the model serves FP8 weights (False after the speed check fell
-    back to bf16; None: as config.quantization says), which the disk tier's K/V identity records."""
-    if config.quantization == "fp8":
-        from prefixrt.model.quantize import quantize_fp8_weights
-
-        quantize_fp8_weights(model)
-    from prefixrt.model.fp8_speed_check import check_fp8_speed
-    from prefixrt.model.quantize import set_fp8_activation_scale
-
-    set_fp8_activation_scale(model, config.fp8_activation_scale)
-    with clock.stage("FP8 speed check"):
-        speed = check_fp8_speed(model, dtype, config.fp8_speed_check, say)
-    if speed is None:
-        return None
-    startup["fp8_speed_check"] = {"fp8_us": round(speed.fp8_us, 1), "bf16_us": round(speed.bf16_us, 1),
-                                  "served_as_fp8": not speed.fp8_slower}
-    return not speed.fp8_slower
 
 
 def make_pool(config: EngineConfig, model, draft, tokenizer, device, dtype, ranks, clock: StageClock,
@@ -423,8 +402,8 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool 
     """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
     size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
     digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape; with FP8, the
-    K/V scales and the weights' quantization. fp8_weights: whether the model serves FP8 weights (False after the
-    start-up speed check fell back to bf16; None: as config.quantization says)."""
+    K/V scales and the weights' quantization and smoothing. fp8_weights: whether the model serves FP8 weights (False
+    after the start-up speed check fell back to bf16; None: as config.quantization says)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -436,10 +415,11 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool 
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
     fp8 = f"|scales:{pool.scales_digest()}" if pool.quantized else ""  # FP8 bytes mean K/V under these scales only
+    smoothing = f":smoothing-{config.fp8_smoothing_alpha}" if config.fp8_smoothing_alpha else ""  # other weights
     if config.quantization and fp8_weights is not False:  # FP8 weights compute other K/V
-        fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}"
+        fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}{smoothing}"
     elif config.quantization:
-        fp8 += "|quantization:dequantized-fp8"
+        fp8 += f"|quantization:dequantized-fp8{smoothing}"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}{fp8}")
 
