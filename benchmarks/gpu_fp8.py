@@ -50,7 +50,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LAYOUTS_FILE = RESULTS_DIR / "gpu_fp8_group_layouts.json"  # (choices with group activation scales)
 T_START = time.perf_counter()
 MODEL = "llama-3-8b"
-TARGETS = {"b1_tok_s": 400, "rag_out_tok_s": 12000, "b256_speedup": 1.6, "kv_tokens_ratio": 1.9}
+# the FP8 acceptance lines, each a ratio to bf16 in the same run (docs/benchmarks.md, "FP8")
+TARGETS = {"b1": 1.8, "rag": 1.25, "b256": 1.5, "startup": 1.2}
 
 
 def over_budget(what: str) -> bool:
@@ -521,11 +522,18 @@ def summarize_engines(engines: dict, cuda: bool) -> None:
     if cuda and base:
         fp8 = engines.get("fp8", {})
         both = engines.get("fp8+kv", {})
+        rag = {label: r.get("rag", {}).get("out_tok_s") for label, r in engines.items()}
         checks = {
-            "b1 FP8 weights >= 400 tok/s": fp8.get("b1_tok_s", 0) >= TARGETS["b1_tok_s"],
-            "RAG FP8 w+kv >= 12,000 out tok/s": both.get("rag", {}).get("out_tok_s", 0) >= TARGETS["rag_out_tok_s"],
-            "b256 FP8 w+kv >= 1.6x bf16": ratio(both.get("b256_tok_s"), base.get("b256_tok_s")) >= 1.6,
-            "KV tokens FP8 w+kv >= 1.9x bf16": ratio(both.get("kv_pool_tokens"), base.get("kv_pool_tokens")) >= 1.9,
+            f"b1 FP8 weights >= {TARGETS['b1']}x bf16": ratio(fp8.get("b1_tok_s"), base.get("b1_tok_s")) >= TARGETS["b1"],
+            f"RAG FP8 w+kv >= {TARGETS['rag']}x bf16": ratio(rag.get("fp8+kv"), rag.get("bf16")) >= TARGETS["rag"],
+            f"b256 FP8 w+kv >= {TARGETS['b256']}x bf16":
+                ratio(both.get("b256_tok_s"), base.get("b256_tok_s")) >= TARGETS["b256"],
+            f"start-up FP8 w+kv <= {TARGETS['startup']}x bf16":
+                0 < ratio(both.get("startup_s"), base.get("startup_s")) <= TARGETS["startup"],
+            "no FP8 configuration slower than bf16": all(
+                ratio(r.get(k), base.get(k)) >= 1 for label, r in engines.items() if label != "bf16"
+                for k in ("b1_tok_s", "b256_tok_s") if r.get(k)) and all(
+                ratio(v, rag["bf16"]) >= 1 for label, v in rag.items() if label != "bf16" and v),
         }
         for what, ok in checks.items():
             SUMMARY.append((what, "met" if ok else "NOT met", ""))
