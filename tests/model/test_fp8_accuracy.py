@@ -155,7 +155,7 @@ def test_summary_reports_greedy_beside_its_noise_floor():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fp8_weights_and_kv_cache_keep_accuracy(name, record_property):
-    from prefixrt.config import EngineConfig
+    from prefixrt.config.engine_config import EngineConfig
     from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import load_tokenizer, resolve_model
     from prefixrt.model.kv_calibration import calibrate_kv_scales, calibration_tokens
