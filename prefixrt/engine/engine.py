@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from prefixrt.config.engine_config import EngineConfig
@@ -26,6 +27,7 @@ from prefixrt.default_models import BASE_MODEL
 from prefixrt.engine.api import EngineAPI
 from prefixrt.engine.loop.busy_gc import BusyGC
 from prefixrt.engine.loop.postprocess import jump_forward
+from prefixrt.engine.probes import EngineProbes
 from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
 from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream
@@ -109,6 +111,11 @@ class Engine(EngineAPI):
     @property
     def page_size(self) -> int:
         return self.config.page_size
+
+    @cached_property
+    def probes(self) -> EngineProbes:
+        """What benchmarks observe and switch (engine/probes.py; docs/api.md "Probes")."""
+        return EngineProbes(self)
 
     # ------------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
