@@ -177,9 +177,10 @@ def stream_text(eng, prompts: list[list[int]], max_new: int, concurrency: int) -
 
 
 def set_cascade(eng, on: bool) -> None:
-    """Switch shared-prefix (cascade) decode groups off or back on, between steps. The engine must have been built
-    with cascade decode."""
-    eng.probes.set_cascade(on)
+    """Switch shared-prefix (cascade) decode groups off or back on, between steps; nothing to switch on an engine
+    built without them (a CPU smoke run), whose runs then compare plain decode with itself."""
+    if eng.probes.facts()["cascade_built"]:
+        eng.probes.set_cascade(on)
 
 
 def unpack_heads(block_maps_only: bool) -> None:

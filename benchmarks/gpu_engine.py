@@ -56,7 +56,7 @@ def rag_text(eng, w, concurrency: int = 64) -> dict:
 
 def replay_ms(eng, bs: int, iters: int = 20) -> float:
     """The captured decode graph of bucket bs replayed alone (its static batch as the last step left it)."""
-    return C.replay_ms(eng.probes.decode_graph(bs), iters)
+    return eng.probes.graph_replay_ms("decode", bs, iters)
 
 
 def in_loop_replay_ms(eng, prompts: list[list[int]], steps: int) -> float:

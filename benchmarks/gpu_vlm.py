@@ -89,7 +89,7 @@ def workload(pictures, questions: int, seed: int) -> list[list[dict]]:
 
 
 def run_once(eng, prompts, max_new: int) -> dict:
-    model = eng._built.model
+    model = eng.probes.model
     runs0 = model.vision_runs
     t0 = time.perf_counter()
     outs = eng.generate(prompts, {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True})
@@ -109,7 +109,7 @@ def bench(folder: Path, cached: bool, args, device_kw: dict) -> dict:
 
     eng = prefixrt.Engine(str(folder), load_format="dummy", radix_cache=cached, **device_kw)
     try:
-        size = eng._built.model.vision_tower.config.image_size
+        size = eng.probes.model.vision_tower.config.image_size
         warm = workload(images(2, size, seed=99), 2, seed=1)
         run_once(eng, warm, args.max_new_tokens)  # kernels compiled, graphs warm
         runs = []

@@ -1,28 +1,28 @@
 """EngineProbes: what a benchmark may observe of a running Engine, and the few switches it may flip, as one small
 public surface (`Engine.probes`; docs/api.md "Probes"). Benchmarks use this and nothing below it.
 
+Observe (contexts: instruments installed on entry, removed on exit; their results complete once exited)
+    time_units(...)         seconds spent in each loop unit (wall or thread CPU), in fence waits; optionally one
+                            record per call: host start/end, device times, the batch's composition
+    log_forwards()          one row per forward: how it ran, tokens, sequences, host and device times
+    time_masks(...)         seconds spent filling grammar masks, and rows filled
+    profile_loop()          cProfile of the loop thread
+    hold_loop()             the loop held between steps, so requests submitted meanwhile start together
+Read
     forward_counts()        forwards so far by how they ran: decode / cascade / extend / verify graph, or eager
-    time_units(...)         a context: wall (or thread CPU) seconds spent in each loop unit, and in fence waits
-    log_forwards()          a context: one row per forward (how it ran, tokens, sequences, device and wall ms)
-    time_masks(...)         a context: seconds spent filling grammar masks (on the mask worker, and finishing them
-                            at the draw), and rows filled
-    hold_loop()             a context: the loop held between steps, so requests submitted meanwhile start together
-    profile_loop()          a context: cProfile of the loop thread
-    replace_forward(fn)     the model's forward replaced by fn(ForwardBatch) -> logits (host-work benchmarks);
-                            restore_forward() undoes it
-    set_overlap(on)         the overlapped or the synchronous loop, switched between steps
-    set_cascade(on)         shared-prefix (cascade) decode groups off or back on (an engine built with them)
-    set_mask_threads(n)     the grammar backend's threads for filling masks
-    set_mask_parts(n)       the parts a step's masks are submitted in while the step before is post-processed
     facts()                 device, dtype, KV dtype, CUDA graphs and cascade on or not, the start-up report
-    model                   the loaded model (read its shape; do not change it)
-    decode_graph(bs)        the captured CUDA decode graph of batch bucket bs (replay it alone to time the device)
+    model, drafter          the loaded model; the speculative drafter (or None)
+    graph_replay_ms(...)    a captured CUDA graph replayed alone: the device time of one step of its shape
+    time_forward_ms(...)    the model's forward alone on a synthetic batch (decode, or verify-shaped rows)
+Switch (between steps; none changes what a greedy request produces, except replace_forward)
+    set_overlap(on), set_cascade(on), set_cuda_graphs(on), set_mask_threads(n), set_mask_parts(n),
+    set_draft_tokens(k), replace_forward(fn) / restore_forward()
 
-Everything that touches the loop's objects runs on the loop thread, between steps; the contexts install their
-instruments on entry and remove them on exit, so an engine with no probe open runs exactly its normal code. The
-instruments shadow a loop unit with a timed wrapper (the loop looks its units up on every call): cheap, but not
-free, so figures taken inside time_units() or log_forwards() include a few microseconds per unit. Nothing here
-changes what the engine computes: greedy outputs are the same with any probe open and either switch position.
+Everything that touches the loop's objects runs on the loop thread, between steps, so an engine with no probe open
+runs exactly its normal code. An instrument shadows a loop unit with a timed wrapper (the loop looks its units up
+on every call): cheap, not free, so figures taken inside one include a few microseconds per wrapped call.
+Device times: CUDA events around the call, read as milliseconds since the context opened (`device_start_ms`,
+`device_end_ms`) and as durations (`device_ms`); None on the CPU.
 """
 
 from __future__ import annotations
@@ -37,17 +37,51 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from prefixrt.engine.engine import Engine
 
-# The loop units of engine/loop/core.py that time_units() can time: the synchronous loop runs schedule, forward
-# (= build + launch), sample (= prepare_sample + draw) and process; the overlapped loop runs the parts.
+# The units of engine/loop/core.py: the synchronous loop runs schedule, forward (= build + launch), sample
+# (= prepare_sample + draw) and process; the overlapped loop runs the parts.
 LOOP_UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
+# What time_units() can time: the loop units, a whole loop iteration (`step`), the hand-over of a step's outputs
+# (`flush_outputs`), and the detokenizer worker's delivery to the streams (`deliver`; on its own thread).
+TIMEABLE = LOOP_UNITS + ("step", "flush_outputs", "deliver")
+
+
+class _DeviceClock:
+    """CUDA events on a common origin (an event recorded when the clock is made); inert on the CPU."""
+
+    def __init__(self, cuda: bool):
+        import torch
+
+        self._torch = torch if cuda else None
+        self._origin = self.mark()
+
+    def mark(self):
+        if self._torch is None:
+            return None
+        ev = self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def fill(self, row: dict) -> None:
+        """Replace row's `_events` (start, end) by device_start_ms / device_end_ms / device_ms (after a sync)."""
+        a, b = row.pop("_events")
+        if a is None:
+            row["device_start_ms"] = row["device_end_ms"] = row["device_ms"] = None
+            return
+        row["device_start_ms"] = self._origin.elapsed_time(a)
+        row["device_end_ms"] = self._origin.elapsed_time(b)
+        row["device_ms"] = a.elapsed_time(b)
+
+    def sync(self) -> None:
+        if self._torch is not None:
+            self._torch.cuda.synchronize()
 
 
 class UnitTimes:
-    """Seconds spent in each loop unit while its time_units() context was open (`seconds[unit]`, `calls[unit]`),
-    plus `wait`: the time the host waited for the device at step fences (inside process), when asked for. With
-    record_calls, `records` holds one dict per call: `unit`, `wall_s`, `cpu_s` (the loop thread's CPU time),
-    `extend_rows` and `decode_rows` (the batch's rows feeding more than one token / one token; 0 and 0 when the
-    call had no batch)."""
+    """What time_units() saw: `seconds[unit]` and `calls[unit]` per unit, `seconds["wait"]` (the host's waits at
+    step fences, inside process) when asked for, and with record_calls `records`: one dict per call, in call order,
+    `unit`, `start`/`end` (time.perf_counter), `wall_s`, `cpu_s` (the calling thread's CPU time), `extend_rows` /
+    `decode_rows` (the batch's rows feeding more than one token / one token; 0 when the call had no batch) and,
+    with device_events, `device_start_ms`, `device_end_ms`, `device_ms`."""
 
     def __init__(self, units: tuple[str, ...], fence_wait: bool, record_calls: bool):
         self.units = units
@@ -73,8 +107,8 @@ class MaskTimes:
 
 class ForwardLog:
     """One row per forward while its log_forwards() context was open: `kind` (how it ran: decode / cascade / extend
-    / verify graph, or eager), `tokens`, `seqs`, `device_ms` (CUDA events around the forward; 0 on the CPU) and
-    `wall_ms` (launch to the next launch; None for the last). Rows are complete once the context has exited."""
+    / verify graph, or eager), `tokens`, `seqs`, `start` (time.perf_counter at launch), `wall_ms` (launch to the
+    next launch; None for the last) and `device_start_ms`, `device_end_ms`, `device_ms` (None on the CPU)."""
 
     def __init__(self):
         self.rows: list[dict] = []
@@ -91,20 +125,9 @@ class ForwardLog:
             out.append({"kind": kind, "tokens_le": b, "count": len(rs),
                         "mean_tokens": round(sum(r["tokens"] for r in rs) / len(rs), 1),
                         "mean_seqs": round(sum(r["seqs"] for r in rs) / len(rs), 1),
-                        "device_ms": round(sum(r["device_ms"] for r in rs) / len(rs), 3),
+                        "device_ms": round(sum(r["device_ms"] or 0.0 for r in rs) / len(rs), 3),
                         "wall_ms": round(sum(walls) / len(walls), 3) if walls else None})
         return out
-
-
-def _rows(out, args) -> dict:
-    """The composition of the batch a unit call returned or was given (a ScheduledBatch, or a Step holding one)."""
-    for x in (out, *args):
-        batch = getattr(x, "batch", x)
-        num_tokens = getattr(batch, "num_tokens", None)
-        if num_tokens is not None:
-            extend = sum(1 for n in num_tokens if n > 1)
-            return {"extend_rows": extend, "decode_rows": len(num_tokens) - extend}
-    return {"extend_rows": 0, "decode_rows": 0}
 
 
 class HeldLoop:
@@ -124,12 +147,24 @@ class HeldLoop:
         return True
 
 
+def _rows(out, args) -> dict:
+    """The composition of the batch a unit call returned or was given (a ScheduledBatch, or a Step holding one)."""
+    for x in (out, *args):
+        batch = getattr(x, "batch", x)
+        num_tokens = getattr(batch, "num_tokens", None)
+        if num_tokens is not None:
+            extend = sum(1 for n in num_tokens if n > 1)
+            return {"extend_rows": extend, "decode_rows": len(num_tokens) - extend}
+    return {"extend_rows": 0, "decode_rows": 0}
+
+
 class EngineProbes:
-    """See the module docstring. Built by Engine.probes; holds the engine, nothing else."""
+    """See the module docstring. Built once per engine by Engine.probes."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
         self._saved_grouper = None  # set_cascade(False) keeps the grouper here until set_cascade(True)
+        self._saved_graphs = None  # set_cuda_graphs(False) keeps the runner's graph banks here
 
     def _on_loop(self, fn, timeout: float | None = 60.0):
         return self._engine._run_on_loop(fn, timeout)
@@ -138,6 +173,9 @@ class EngineProbes:
     def _core(self):
         return self._engine.core
 
+    def _cuda(self) -> bool:
+        return self._core.device.type == "cuda"
+
     # ------------------------------------------------------------------ reading
     def forward_counts(self) -> dict[str, int]:
         """Forwards since start-up by how they ran ({"decode", "cascade", "extend", "verify", "eager"}: a copy)."""
@@ -145,11 +183,13 @@ class EngineProbes:
 
     def facts(self) -> dict:
         """What the engine was built as: `device`, `dtype` (the model's), `kv_dtype` (the pool's), `cuda_graphs`
-        (decode graphs captured), `cascade` (cascade decode groups on now), `startup` (the start-up report:
-        seconds per phase, graph capture lines; a copy)."""
+        (decode graphs in use now), `cascade` (cascade decode groups in use now), `cascade_built` (the engine has
+        them, on or switched off), `startup` (the start-up report:
+        seconds per phase, graph capture lines, whatever the build recorded; a copy)."""
         core, built = self._core, self._engine._built
         return {"device": str(core.device), "dtype": str(built.dtype), "kv_dtype": str(core.kv.pool.dtype),
                 "cuda_graphs": core.runner.graphs is not None, "cascade": core.prefix_grouper is not None,
+                "cascade_built": core.prefix_grouper is not None or self._saved_grouper is not None,
                 "startup": dict(built.startup)}
 
     @property
@@ -157,31 +197,108 @@ class EngineProbes:
         """The loaded model (nn.Module): read its shape and weights; changing it changes the engine's outputs."""
         return self._engine._built.model
 
-    def decode_graph(self, batch_size: int):
-        """The captured CUDA graph (torch.cuda.CUDAGraph) of the decode bucket `batch_size`, its static inputs as
-        the last replay left them: replaying it alone times the device work of one decode step of that size.
-        Raises ValueError when the engine captured no graph for that bucket."""
-        graphs = self._core.runner.graphs
-        entry = graphs.graphs.get(batch_size) if graphs is not None else None
-        if entry is None or entry[0] is None:
-            raise ValueError(f"no captured decode graph for batch size {batch_size}")
-        return entry[0]
+    @property
+    def drafter(self):
+        """The speculative decoding drafter (speculative/: NgramDrafter, a draft model, ...) of an engine built with
+        `speculative`, else None. Read its counters (e.g. a draft model's `draft_forwards`)."""
+        spec = self._core.spec
+        return spec.drafter if spec is not None else None
 
-    # ------------------------------------------------------------------ timing
+    def graph_replay_ms(self, kind: str, key, iters: int = 20) -> float:
+        """A captured CUDA graph replayed alone, back to back (3 warm replays first): device milliseconds per
+        replay. kind "decode" (key: the batch size bucket) or "extend" (key: (tokens, batch size)). Its K/V writes
+        go to the padding slot first, so the stale static inputs touch no live slot. Raises ValueError when the
+        engine has no such graph."""
+        import torch
+
+        runner = self._core.runner
+        bank = {"decode": runner.graphs, "extend": runner.extend_graphs}.get(kind)
+        entry = bank.graphs.get(key) if bank is not None else None
+        if entry is None or entry[0] is None:
+            raise ValueError(f"no captured {kind} graph for {key!r}")
+        graph = entry[0]
+
+        def replay() -> float:
+            with torch.inference_mode():  # the static buffers are inference tensors
+                bank.out_cache_loc.zero_()
+                for _ in range(3):
+                    graph.replay()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(iters):
+                    graph.replay()
+                b.record()
+                torch.cuda.synchronize()
+                return a.elapsed_time(b) / iters
+
+        return self._on_loop(replay)
+
+    def time_forward_ms(self, batch: int, context: int, tokens_per_row: int = 1, iters: int = 20) -> float:
+        """Milliseconds per model forward (the runner's: a graph where one fits, else eager) of `batch` rows, each
+        `context` tokens cached and feeding `tokens_per_row` new ones (1: a decode step; k + 1: a speculative verify
+        of k drafts), logits at every fed position; 3 warm forwards first, then `iters` timed back to back. Runs
+        on the loop thread on rows and slots of its own (K/V left as garbage: only time is measured): call it on an
+        idle engine whose pool is free (after flush_cache). Raises ValueError when the pool is too small."""
+        import torch
+
+        from prefixrt.model.forward_batch import ForwardBatch
+
+        core = self._core
+        kv, runner = core.kv, core.runner
+        span = context + tokens_per_row
+        if batch * span >= kv.total_tokens:
+            raise ValueError(f"{batch} rows of {span} tokens do not fit the pool ({kv.total_tokens} tokens)")
+
+        def sync():
+            if core.device.type == "cuda":
+                torch.cuda.synchronize()
+
+        def run() -> float:
+            rows = [kv.table.alloc_row() for _ in range(batch)]
+            try:
+                for i, row in enumerate(rows):  # each row its own slots (slot 0 is the padding slot)
+                    kv.table.write(row, 0, list(range(1 + i * span, 1 + (i + 1) * span)))
+                kv.table.flush()
+                slots = [1 + i * span + context for i in range(batch)]
+                fb = ForwardBatch.build(
+                    req_pool_indices=rows, prefix_lens=[context] * batch, extend_tokens=[[7] * tokens_per_row] * batch,
+                    out_cache_loc=[s + j for s in slots for j in range(tokens_per_row)], req_to_token=kv.table.table,
+                    logits_indices=list(range(batch * tokens_per_row)), device=core.device)
+                for _ in range(3):
+                    runner.forward(fb)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    runner.forward(fb)
+                sync()
+                return (time.perf_counter() - t0) / iters * 1000
+            finally:
+                for row in rows:
+                    kv.table.free_row(row)
+
+        return self._on_loop(run, timeout=600)
+
+    # ------------------------------------------------------------------ observing
     @contextlib.contextmanager
     def time_units(self, units: tuple[str, ...] = LOOP_UNITS, clock: Callable[[], float] = time.perf_counter,
-                   fence_wait: bool = True, record_calls: bool = False) -> Iterator[UnitTimes]:
-        """Time the loop units named in `units` (LOOP_UNITS) with `clock` (time.perf_counter: wall seconds;
-        time.thread_time: the loop thread's CPU seconds) while the context is open; fence_wait: also the host's
-        waits at step fences (time.perf_counter always); record_calls: also one record per call, with its batch's
-        composition (UnitTimes.records). Yields the UnitTimes, filled as steps run."""
-        unknown = set(units) - set(LOOP_UNITS)
+                   fence_wait: bool = True, record_calls: bool = False,
+                   device_events: bool = False) -> Iterator[UnitTimes]:
+        """Time the units named in `units` (TIMEABLE) with `clock` (time.perf_counter: wall seconds;
+        time.thread_time: the calling thread's CPU seconds) while the context is open. fence_wait: also the host's
+        waits at step fences (time.perf_counter); record_calls: one record per call (UnitTimes.records);
+        device_events: CUDA events around each recorded call (on a CUDA engine). Yields the UnitTimes."""
+        unknown = set(units) - set(TIMEABLE)
         if unknown:
-            raise ValueError(f"unknown loop units {sorted(unknown)}: choose from {LOOP_UNITS}")
+            raise ValueError(f"unknown units {sorted(unknown)}: choose from {TIMEABLE}")
         from prefixrt.engine.loop.step import StepFence
 
         times, core = UnitTimes(tuple(units), fence_wait, record_calls), self._core
+        dev = _DeviceClock(device_events and record_calls and self._cuda())
         original_wait = StepFence.wait
+        owners = {name: (core.detokenizer if name == "deliver" else core) for name in units}
+        if owners.get("deliver", core) is None:
+            raise ValueError("this engine has no detokenizer worker: nothing to time as 'deliver'")
+        saved = {name: owners[name].__dict__.get(name) for name in units}  # instance attributes (deliver) or None
 
         def timed_wait(fence):
             t = time.perf_counter()
@@ -191,11 +308,12 @@ class EngineProbes:
                 times.seconds["wait"] += time.perf_counter() - t
 
         def wrap(name):
-            f = getattr(core, name)
+            f = getattr(owners[name], name)
 
             def timed(*a, **k):
-                if times.records is not None:
-                    w, c = time.perf_counter(), time.thread_time()
+                rec = times.records is not None
+                if rec:
+                    start, cpu, ev = time.perf_counter(), time.thread_time(), dev.mark()
                 t = clock()
                 out = None
                 try:
@@ -204,20 +322,25 @@ class EngineProbes:
                 finally:
                     times.seconds[name] += clock() - t
                     times.calls[name] += 1
-                    if times.records is not None:
-                        times.records.append({"unit": name, "wall_s": time.perf_counter() - w,
-                                              "cpu_s": time.thread_time() - c, **_rows(out, a)})
+                    if rec:
+                        end = time.perf_counter()
+                        times.records.append({"unit": name, "start": start, "end": end, "wall_s": end - start,
+                                              "cpu_s": time.thread_time() - cpu, "_events": (ev, dev.mark()),
+                                              **_rows(out, a)})
             return timed
 
         def install():
             for name in units:
-                core.__dict__[name] = wrap(name)  # shadows the method until removed
+                owners[name].__dict__[name] = wrap(name)  # shadows the method (or replaces the callable)
             if fence_wait:
                 StepFence.wait = timed_wait
 
         def remove():
             for name in units:
-                core.__dict__.pop(name, None)
+                if saved[name] is None:
+                    owners[name].__dict__.pop(name, None)
+                else:
+                    owners[name].__dict__[name] = saved[name]
             if fence_wait:
                 StepFence.wait = original_wait
 
@@ -226,28 +349,27 @@ class EngineProbes:
             yield times
         finally:
             self._on_loop(remove)
+            if times.records is not None:
+                dev.sync()
+                for r in times.records:
+                    dev.fill(r)
 
     @contextlib.contextmanager
     def log_forwards(self) -> Iterator[ForwardLog]:
-        """Log every forward while the context is open (ForwardLog); device times are read on exit."""
-        import torch
-
+        """Log every forward while the context is open (ForwardLog)."""
         runner, log = self._core.runner, ForwardLog()
         original = runner.forward
-        cuda = self._core.device.type == "cuda"
+        dev = _DeviceClock(self._cuda())
 
         def logged(fb):
             before = dict(runner.replays)
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-            if ev:
-                ev[0].record()
+            a = dev.mark()
             t = time.perf_counter()
             out = original(fb)
-            if ev:
-                ev[1].record()
+            b = dev.mark()
             kind = next((k for k, v in runner.replays.items() if v != before.get(k)), "?")
             log.rows.append({"kind": kind, "tokens": int(fb.input_ids.shape[0]), "seqs": int(fb.batch_size),
-                             "t": t, "ev": ev})
+                             "start": t, "_events": (a, b)})
             return out
 
         self._on_loop(lambda: runner.__dict__.__setitem__("forward", logged))
@@ -255,18 +377,16 @@ class EngineProbes:
             yield log
         finally:
             self._on_loop(lambda: runner.__dict__.pop("forward", None))
-            if cuda:
-                torch.cuda.synchronize()
+            dev.sync()
             rows = log.rows
             for i, r in enumerate(rows):
-                ev = r.pop("ev")
-                r["device_ms"] = ev[0].elapsed_time(ev[1]) if ev else 0.0
-                r["wall_ms"] = (rows[i + 1]["t"] - r["t"]) * 1000 if i + 1 < len(rows) else None
+                dev.fill(r)
+                r["wall_ms"] = (rows[i + 1]["start"] - r["start"]) * 1000 if i + 1 < len(rows) else None
 
     @contextlib.contextmanager
     def time_masks(self, clock: Callable[[], float] = time.perf_counter) -> Iterator[MaskTimes]:
         """Time the grammar masks with `clock` while the context is open (time.thread_time: CPU seconds of the
-        thread that fills, which with set_mask_threads(0) is all of it). Yields the MaskTimes, filled as steps run."""
+        thread that fills, which with set_mask_threads(0) is all of it). Yields the MaskTimes."""
         masks, times = self._core.masks, MaskTimes()
         fill_rows, finish = masks.fill_rows, masks.finish
 
@@ -300,6 +420,18 @@ class EngineProbes:
             self._on_loop(remove)
 
     @contextlib.contextmanager
+    def profile_loop(self):
+        """cProfile of the loop thread while the context is open; yields the cProfile.Profile (read it after)."""
+        import cProfile
+
+        prof = cProfile.Profile()
+        self._on_loop(prof.enable)
+        try:
+            yield prof
+        finally:
+            self._on_loop(prof.disable)
+
+    @contextlib.contextmanager
     def hold_loop(self, timeout: float = 60.0) -> Iterator[HeldLoop]:
         """Hold the loop between steps while the context is open (at most `timeout` seconds), so that requests
         submitted from other threads meanwhile are all taken in before its next step (as when they arrive during a
@@ -316,18 +448,6 @@ class EngineProbes:
             yield HeldLoop(self._engine)
         finally:
             gate.set()
-
-    @contextlib.contextmanager
-    def profile_loop(self):
-        """cProfile of the loop thread while the context is open; yields the cProfile.Profile (read it after)."""
-        import cProfile
-
-        prof = cProfile.Profile()
-        self._on_loop(prof.enable)
-        try:
-            yield prof
-        finally:
-            self._on_loop(prof.disable)
 
     # ------------------------------------------------------------------ switches
     def replace_forward(self, fn: Callable) -> None:
@@ -349,16 +469,32 @@ class EngineProbes:
         """Shared-prefix (cascade) decode groups off, or back on. Raises ValueError on an engine built without them
         (cascade_decode)."""
         core = self._core
+        if self._saved_grouper is None and core.prefix_grouper is None:
+            raise ValueError("this engine has no cascade decode groups (built with cascade_decode off)")
 
         def flip():
             if on:
                 if core.prefix_grouper is None:
-                    core.prefix_grouper = self._saved_grouper
+                    core.prefix_grouper, self._saved_grouper = self._saved_grouper, None
             elif core.prefix_grouper is not None:
                 self._saved_grouper, core.prefix_grouper = core.prefix_grouper, None
 
-        if self._saved_grouper is None and core.prefix_grouper is None:
-            raise ValueError("this engine has no cascade decode groups (built with cascade_decode off)")
+        self._on_loop(flip)
+
+    def set_cuda_graphs(self, on: bool) -> None:
+        """The captured CUDA graphs (decode, extend, verify) off: every forward eager; or back on. A no-op on an
+        engine that captured none."""
+        runner = self._core.runner
+
+        def flip():
+            if on:
+                if self._saved_graphs is not None:
+                    (runner.graphs, runner.extend_graphs, runner.verify_graphs), self._saved_graphs = \
+                        self._saved_graphs, None
+            elif self._saved_graphs is None:
+                self._saved_graphs = (runner.graphs, runner.extend_graphs, runner.verify_graphs)
+                runner.graphs = runner.extend_graphs = runner.verify_graphs = None
+
         self._on_loop(flip)
 
     def set_mask_threads(self, threads: int) -> None:
@@ -375,3 +511,14 @@ class EngineProbes:
             raise ValueError(f"mask parts must be >= 1, got {parts}")
         masks = self._core.masks
         self._on_loop(lambda: setattr(masks, "parts", parts))
+
+    def set_draft_tokens(self, k: int) -> None:
+        """Speculative decoding drafts at most k tokens a step from now on (1 <= k <= the engine's
+        speculative_num_tokens, which sized its verify graphs). Raises ValueError on an engine without speculation
+        or for k out of that range."""
+        spec, built_k = self._core.spec, self._engine.config.speculative_num_tokens
+        if spec is None:
+            raise ValueError("this engine has no speculative decoding (built with speculative=None)")
+        if not 1 <= k <= built_k:
+            raise ValueError(f"draft tokens must be in [1, {built_k}] (speculative_num_tokens), got {k}")
+        self._on_loop(lambda: setattr(spec.lengths, "max_tokens", k))
