@@ -8,6 +8,7 @@ One module per concept; import the module you need (this package re-exports noth
   options.py         option names -> SamplingParams fields, each checked once; the output budget (max_new_tokens)
   chat.py            a chat request: messages, tools and response format (lower_chat); the whole OpenAI request
   completion.py      a legacy completions request: its prompts and options
+  sglang.py          SGLang's native /generate request: its prompts, sampling names and logprob fields
   messages.py        chat messages -> what a chat template renders; the Responses API's input items
   tools.py           tools / tool_choice -> a ToolPlan (constraint, call syntax) and the calls read back
   constraints.py     response formats -> a constraint; one constraint per request

@@ -33,7 +33,7 @@ from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
-from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
+from prefixrt.server.sse import JSON, SSE_DONE, EventStream, merge_streams, sse, until_disconnect
 from prefixrt.server.tracing import observe, observed, traced
 from prefixrt.server.validate import check_body
 
@@ -303,7 +303,7 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
     # echoed prompt), as the whole response counts them, so offsets do not depend on how tokens were chunked.
     next_offset: dict[int, int] = {}
     text_events = fmt.TextEvents(rid, model, created, "text_completion")
-    async for k, ch in _merge(streams):
+    async for k, ch in merge_streams(streams):
         if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
             yield RequestFailed.for_abort(lc, ch.error).event()
             yield SSE_DONE
@@ -327,33 +327,3 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
     if include_usage:
         yield sse(fmt.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))
     yield SSE_DONE
-
-
-async def _merge(streams: list) -> AsyncIterator[tuple[int, object]]:
-    """(stream index, item) from several async iterators as items arrive."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(k, it):
-        try:
-            async for item in it:
-                await queue.put((k, item))
-        finally:
-            await queue.put((k, done))
-
-    tasks = [asyncio.ensure_future(pump(k, it)) for k, it in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            k, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            else:
-                yield k, item
-    finally:
-        for t in tasks:
-            t.cancel()
