@@ -232,7 +232,10 @@ async def _prompt_logprobs(eng, ids: list[int], ask: LogprobRequest | None) -> l
     logprob None: nothing predicts it), scored by the engine; None when none are asked for."""
     if ask is None or ask.input_from is None:
         return None
-    start = min(ask.input_from, len(ids))
+    if ask.input_from > len(ids):
+        raise InvalidRequest(f"logprob_start_len {ask.input_from} is past the prompt's {len(ids)} tokens",
+                             param="logprob_start_len")
+    start = ask.input_from
     scored_from = max(start, 1)
     lps: list = []
     if scored_from < len(ids):
