@@ -14,10 +14,11 @@ One module per concept; import the module you need (this package re-exports noth
   constraints.py     response formats -> a constraint; one constraint per request
   json_schema.py     schemas as users give them (dict, JSON text, pydantic class) -> the schema; the strict rule
   tool_formats.py    model families' own tool-call syntax: detect a template's, parse a reply's calls
+  tool_stream.py     tool calls read while they stream: each call's name, then its arguments' text as it grows
   reasoning.py       reasoning parsers: a reply's thinking and its answer, whole or streamed
   choice_scoring.py  scoring `choices` from their tokens' logprobs
   text_checks.py     checks on user text and JSON values (valid Unicode, no NUL, bounded nesting)
 
 json_schema, text_checks and choice_scoring are records-level (params.py and the engine use them);
-tool_formats and reasoning are pure text; the rest lower whole requests.
+tool_formats, tool_stream and reasoning are pure text; the rest lower whole requests.
 """
