@@ -90,7 +90,7 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
             + (f" (rank 0 of {ranks.size})" if ranks.size > 1 else ""))
         with clock.stage("load weights"):
-            model = ranks.load_model(resolved.path, config, dtype)
+            model = ranks.load_model(resolved.path, config, dtype, fp8_calibration_ids(config, tokenizer))
         load_s = clock.total()
         with clock.stage("assemble"):
             built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks,
@@ -119,9 +119,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
     if config.quantization == "fp8":  # (build's loader already did it; an injected model gets it here)
-        from prefixrt.model.quantize import quantize_fp8_weights
+        from prefixrt.model.quantize import quantize_fp8_at_load
 
-        quantize_fp8_weights(model)
+        quantize_fp8_at_load(model, config.fp8_smoothing_alpha, fp8_calibration_ids(config, tokenizer))
     from prefixrt.model.quantize import set_fp8_activation_scale
 
     set_fp8_activation_scale(model, config.fp8_activation_scale)  # (before the kernel plans are made)
@@ -341,6 +341,15 @@ def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path |
     return folder
 
 
+def fp8_calibration_ids(config: EngineConfig, tokenizer) -> list[int] | None:
+    """The calibration text as token ids when quantize-at-load smooths (model/smoothing.py), else None."""
+    if config.quantization != "fp8" or config.fp8_smoothing_alpha is None:
+        return None
+    from prefixrt.model.kv_calibration import calibration_tokens
+
+    return calibration_tokens(tokenizer)
+
+
 def tokenizer_while_the_device_starts(resolved, device: torch.device, say):
     """load_tokenizer(resolved) on a thread while this one starts the CUDA context (each takes seconds on a GPU
     host). Only the context: anything that imports transformers here could race the thread's import of it."""
@@ -403,8 +412,8 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool 
     """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
     size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
     digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape; with FP8, the
-    K/V scales and the weights' quantization. fp8_weights: whether the model serves FP8 weights (False after the
-    start-up speed check fell back to bf16; None: as config.quantization says)."""
+    K/V scales and the weights' quantization and smoothing. fp8_weights: whether the model serves FP8 weights (False
+    after the start-up speed check fell back to bf16; None: as config.quantization says)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -416,10 +425,11 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool 
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
     fp8 = f"|scales:{pool.scales_digest()}" if pool.quantized else ""  # FP8 bytes mean K/V under these scales only
+    smoothing = f":smoothing-{config.fp8_smoothing_alpha}" if config.fp8_smoothing_alpha else ""  # other weights
     if config.quantization and fp8_weights is not False:  # FP8 weights compute other K/V
-        fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}"
+        fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}{smoothing}"
     elif config.quantization:
-        fp8 += "|quantization:dequantized-fp8"
+        fp8 += f"|quantization:dequantized-fp8{smoothing}"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}{fp8}")
 
