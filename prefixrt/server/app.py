@@ -198,7 +198,9 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
         body = await run_in_threadpool(app.state.render_metrics)
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use both
+    # SGLang's clients use both methods; one route per method, so that each has its own OpenAPI operation id
+    @app.get("/flush_cache")
+    @app.post("/flush_cache")
     async def flush_cache():
         await run_in_threadpool(engine.flush_cache)
         return JSON({"status": "ok"})
