@@ -93,8 +93,8 @@ MUTATIONS = (
         ("tests/server/test_native_tools.py::test_auto_gives_the_branch_the_model_picks",)),
     Mutation(
         "serve-refuses-large-images", "`prefixrt serve` limits request bodies to 256 KiB by default (large images: 413)",
-        "prefixrt/server/launch.py", 'p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,',
-        'p.add_argument("--max-request-bytes", type=int, default=256 * 1024,',
+        "prefixrt/server/settings.py", "max_request_bytes: int = setting(DEFAULT_MAX_BODY_BYTES,",
+        "max_request_bytes: int = setting(256 * 1024,",
         ("tests/server/test_images.py::test_image_over_a_socket_to_prefixrt_serve",)),
     Mutation(
         "fp8-checkpoint-per-tensor-refused", "compressed-tensors checkpoints with per-tensor weight scales refused",
