@@ -298,7 +298,7 @@ def section_a(eng, rag, summary) -> None:
     steps.uninstall()
     eng.flush_cache()
     RESULTS["rag_steps"] = {"run": logged, "by_kind": steps.summary(),
-                            "device_ms_total": round(sum(r["device_ms"] for r in steps.rows), 1),
+                            "device_ms_total": round(sum(r["device_ms"] or 0.0 for r in steps.rows), 1),
                             "forwards": len(steps.rows)}
     log("RAG steps", RESULTS["rag_steps"])
     # The GIL switch interval: the loop thread, the detokenizer worker and the 64 streaming consumers share
@@ -453,7 +453,7 @@ def section_e(eng, vocab, smoke, big, kw, summary) -> None:
                        "hot_in_order_ms": [round(x * 1000, 3) for x in hot_in_order],
                        "again_ms": [round(x * 1000, 3) for x in gc_hot], "gc_pauses_ms": pauses,
                        "switch_0p5ms_ms": [round(x * 1000, 3) for x in fast_switch],
-                       "hot_forwards": [(r["kind"], r["tokens"], round(r["device_ms"], 3)) for r in steps.rows]}
+                       "hot_forwards": [(r["kind"], r["tokens"], round(r["device_ms"] or 0.0, 3)) for r in steps.rows]}
     log("ttft", RESULTS["ttft"])
     for label, xs in (("  again (gc pauses timed)", gc_hot), ("  again, GIL switch interval 0.5 ms", fast_switch)):
         summary.append((label, f"{statistics.median(xs) * 1000:.2f} / {max(xs) * 1000:.2f} ms",
