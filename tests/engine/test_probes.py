@@ -172,3 +172,14 @@ def test_radix_insert_below_setting_keeps_outputs(make_engine):
         eng.generate(prompts, GREEDY)
         outs[below] = [(c.token_ids, c.cached_tokens) for c in eng.generate(prompts, GREEDY)]
     assert outs[True] == outs[False]
+
+
+def test_profile_loop_sees_the_loop_thread(make_engine):
+    import pstats
+
+    eng = make_engine("llama")
+    with eng.probes.profile_loop() as prof:
+        eng.generate(_prompts(2, seed=7), GREEDY)
+    functions = {f"{file}:{name}" for file, _, name in pstats.Stats(prof).stats}
+    assert any(f.endswith("loop/core.py:schedule") for f in functions), sorted(functions)[:20]
+    eng.probes.set_mask_parts(1)  # accepted: one fill once every row is post-processed
