@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 from prefixrt.kernels._common import dot_args, interpreting, mma
+from prefixrt.kernels.lora_plan import EXPAND_BLOCK_N as BLOCK_N
 from prefixrt.kernels.lora_plan import expand_tiles
-
-BLOCK_N = 64  # output columns per expand program (kernels/lora_plan.expand_tiles)
 
 
 @triton.jit

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+EXPAND_BLOCK_N = 64  # output columns per expand program (expand_tiles; kernels/lora.py's BLOCK_N)
+
 
 def max_blocks(num_tokens: int, num_segments: int, block_m: int) -> int:
     """An upper bound on the blocks of any plan of num_tokens rows in at most num_segments runs of one slot."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from prefixrt.default_models import BASE_MODEL
@@ -26,6 +27,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kv_cache_dtype: the model's dtype, or 
 # prefix_cache names: the radix tree (cache/radix.py), or the hash-block table of vLLM-style prefix caching
 # (cache/block.py, full blocks of 16 tokens: the baseline of the table-cache ablation).
 PREFIX_CACHES = ("radix", "block")
+# PEFT target module names a LoRA adapter may adapt (model/lora.py lands each in its fused projection)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,20 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # LoRA adapters (prefixrt/lora/): name -> PEFT adapter folder, loaded at start-up; enable_lora without any gives
+    # the slots for adapters loaded at run time (Engine.load_lora_adapter, POST /v1/load_lora_adapter). A request
+    # picks one by SamplingParams.lora (model=<name> on the server).
+    lora_adapters: dict[str, str] | None = None
+    enable_lora: bool = False
+    max_loras: int = 8  # adapters resident in GPU slots at once (an LRU over the loaded ones, which stay on the host)
+    # The slots' rank: adapters of a higher rank are refused. None: the largest start-up adapter's, at least 16.
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES  # projections given slots (others refused)
+    lora_debug_load_delay_s: float = 0.0  # race mode: every adapter load first waits this long (CPU; tests)
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_adapters) or self.enable_lora
 
     def __post_init__(self):
         def bad(msg):
@@ -209,6 +226,20 @@ class EngineConfig:
             bad("the host KV tier is not supported with tp_size > 1")
         if self.grammar_backend not in ("llguidance", "xgrammar"):
             bad("grammar_backend must be 'llguidance' or 'xgrammar'")
+        if self.lora_adapters is not None and not (isinstance(self.lora_adapters, dict) and all(
+                isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in self.lora_adapters.items())):
+            bad("lora_adapters must map adapter names to PEFT adapter folders")
+        if self.max_loras < 1:
+            bad("max_loras must be >= 1")
+        if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 512:
+            bad(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank!r}")
+        unknown = sorted(set(self.lora_target_modules) - set(LORA_TARGET_MODULES))
+        if unknown or not self.lora_target_modules:
+            bad(f"lora_target_modules must be a non-empty subset of {LORA_TARGET_MODULES}, got {unknown or '()'}")
+        if self.lora_enabled and self.tp_size > 1:
+            bad("LoRA adapters are not supported with tp_size > 1")
+        if not self.lora_debug_load_delay_s >= 0:
+            bad("lora_debug_load_delay_s must be >= 0")
 
 
 def _is_host_port(addr: str) -> bool:

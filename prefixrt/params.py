@@ -60,6 +60,8 @@ class SamplingParams:
     extra: dict = field(default_factory=dict)
     # The session key and kept prefixes of the prompt (prefixrt/prompt_cache.py); None: plain reuse only
     prompt_cache: PromptCache | None = None
+    # The LoRA adapter to run under, by its loaded name (None: the base model); last, so positions above stay put
+    lora: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -150,6 +152,8 @@ class SamplingParams:
         need(is_int(self.priority), "priority must be an integer", "priority")
         need(isinstance(self.speculative, bool), "speculative must be a boolean", "speculative")
         need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt must be a string", "cache_salt")
+        need(self.lora is None or (isinstance(self.lora, str) and self.lora != ""),
+             "lora must be the name of a loaded LoRA adapter", "lora")
         need(self.request_id is None or isinstance(self.request_id, str), "request_id must be a string", "request_id")
         self.prompt_cache = PromptCache.coerce(self.prompt_cache)
         need(isinstance(self.json_object, bool), "json_object must be a boolean", "json_object")

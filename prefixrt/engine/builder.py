@@ -32,7 +32,8 @@ from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
 from prefixrt.engine.parallel_builds import BuildPool, default_workers, prebuild
 from prefixrt.engine.ranks import SingleDevice, start_ranks
 from prefixrt.engine.stream import RequestStream
-from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, head_layouts, warm_up_batches
+from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, head_layouts, verify_graph_tokens, warm_up_batches
+from prefixrt.lora.build import build_lora
 from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.model.rank_setup import kv_pool_slots, resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
@@ -132,6 +133,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     if speed is not None:
         startup["fp8_speed_check"] = {"fp8_us": round(speed.fp8_us, 1), "bf16_us": round(speed.bf16_us, 1),
                                       "served_as_fp8": not speed.fp8_slower}
+    with clock.stage("LoRA adapters"):  # their GPU slots take device memory: before the pool is sized
+        lora, lora_graphs = build_lora(config, model, device, dtype, say)
     grammar = engine_grammar(config, model, tokenizer, resolved)
     if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
         grammar.start_warm()
@@ -179,7 +182,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         prefetch=config.host_kv_prefetch,
         preempt_after_s=config.host_kv_preempt_after_s,
         session_service=config.session_scheduling,
-    ))
+    ), adapters=lora)
     runner = ranks.make_runner(config, model, pool, max_running, startup, say, table)
     attention = runner.attn_backend
     triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
@@ -191,7 +194,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
             capture = (dict(req_to_token=table.table, pad_row=pad_row, max_batch_size=max_running,
                             max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
                             cascade=cascade_spec(attention, config),
-                            max_verify_tokens=verify_graph_tokens(config, max_running)) if config.cuda_graph else None)
+                            max_verify_tokens=verify_graph_tokens(config, max_running), lora=lora_graphs)
+                       if config.cuda_graph else None)
             with clock.stage("build kernels"):
                 report = prebuild(build_pool, runner, batches, capture)
             startup["parallel_builds"] = dataclasses.asdict(report)
@@ -211,7 +215,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
                 try:
                     startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
                                                               max_extend_tokens=extend_tokens, cascade=cascade,
-                                                              max_verify_tokens=verify if extend_tokens else 0)
+                                                              max_verify_tokens=verify if extend_tokens else 0,
+                                                              lora=lora_graphs)
                     break
                 except Exception as e:  # keep serving, eagerly, and say so loudly
                     ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
@@ -256,16 +261,6 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks,
                  image_processor=processor)
-
-
-def verify_graph_tokens(config: EngineConfig, max_running: int) -> int:
-    """Tokens up to which speculative decoding's verify forwards replay CUDA graphs (model/cuda_graphs.py
-    VerifyGraphs): the largest speculating batch times its last token + drafts, at most EXTEND_GRAPH_TOKENS;
-    0 without speculation."""
-    if config.speculative is None:
-        return 0
-    rows = min(max_running, config.speculative_max_batch)
-    return min(EXTEND_GRAPH_TOKENS, rows * (config.speculative_num_tokens + 1))
 
 
 def load_draft_model(config: EngineConfig, target, device, dtype, say):

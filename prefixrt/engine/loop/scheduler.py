@@ -79,9 +79,12 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, config: SchedulerConfig):
+    def __init__(self, kv: KVManager, config: SchedulerConfig, adapters=None):
+        """adapters: the LoRA adapters' gate (lora/manager.py LoraManager: a request runs once its adapter is resident
+        in a GPU slot, which it holds while admitted), or None (the base model only)."""
         self.kv = kv
         self.config = config
+        self.adapters = adapters
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.retracted_total = 0
@@ -95,7 +98,11 @@ class Scheduler:
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
-    def add(self, req: Req) -> None:
+    def add(self, req: Req) -> str | None:
+        """req waits to run. Returns why it cannot instead (its LoRA adapter was unloaded after it was prepared), and
+        then does not take it."""
+        if self.adapters is not None and (refused := self.adapters.on_add(req)) is not None:
+            return refused
         req.state = ReqState.WAITING
         keep = req.params.prompt_cache.keep if req.params.prompt_cache is not None else ()
         if keep and req.index == 0:  # (once per request: n > 1 samples share one prompt)
@@ -103,6 +110,7 @@ class Scheduler:
             req.keep_report = grant.report()
             req.keep_grant = grant if grant.kept else None
         self.waiting.append(req)
+        return None
 
     def remove(self, req: Req) -> None:
         """Take req out of the scheduler (finish or abort) and release its memory."""
@@ -115,12 +123,20 @@ class Scheduler:
         if req.finish_reason in ("stop", "length"):
             self.estimate.finished(req)
         self.kv.release(req, final=True)
+        if self.adapters is not None:
+            self.adapters.release(req)
+            self.adapters.on_finish(req)
         self._match_cache.pop(id(req), None)
         req.state = ReqState.FINISHED
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def lora_batch(self, batch: ScheduledBatch, row_lens: list[int]):
+        """The forward's LoRA plan (model/lora.py LoraBatch: each row's adapter slot), or None (the base model alone;
+        no adapters served). row_lens: the tokens each row feeds."""
+        return None if self.adapters is None else self.adapters.batch_for(batch.reqs, row_lens)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
@@ -217,6 +233,9 @@ class Scheduler:
             self._admit_first, self._held_back = None, set()
         leaders = UncachedPrefixIndex(prefilling)
         admitted: set[int] = set()
+        adapters = self.adapters
+        if adapters is not None:  # loads of the adapters waiting requests need start now, beside the running batch
+            adapters.prefetch(order)
         # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
         # prefetching ones will need once admitted.
         reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
@@ -228,6 +247,8 @@ class Scheduler:
         for req in order:
             if self._held_back and id(req) in self._held_back:
                 continue  # preempted for the request first in line: it goes before them
+            if adapters is not None and not adapters.admissible(req):
+                continue  # its LoRA adapter is loading (or waits for a slot): others go first
             m = match(req)
             if not kv.disk_ready(req, m):  # its prefix is being read from the disk tier
                 continue
@@ -272,6 +293,8 @@ class Scheduler:
             if req in self.prefetching:
                 self.prefetching.remove(req)
             req.state = ReqState.RUNNING
+            if adapters is not None:
+                adapters.acquire(req)
             self.running.append(req)
             self._add_to_batch(batch, req, n)
             reserved = others + kv.pages_to_finish(req, growth)
@@ -342,6 +365,8 @@ class Scheduler:
         self._match_cache.pop(id(req), None)  # it runs on: its tokens, and so its match, change
         self.running.remove(req)
         self.kv.release(req, to_host=True)
+        if self.adapters is not None:
+            self.adapters.release(req)
         req.state = ReqState.WAITING
         req.retractions += 1
         self.retracted_total += 1
