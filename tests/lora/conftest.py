@@ -38,7 +38,7 @@ def peft_adapters(tiny_checkpoints, tmp_path_factory):
     cache = {}
 
     def get(arch: str, key: str, targets=TARGET_SETS["all"], rank: int = 8, seed: int = 0, **kwargs):
-        ident = (arch, key, tuple(targets), rank, seed, tuple(sorted(kwargs.items())))
+        ident = (arch, key, tuple(targets), rank, seed, repr(sorted(kwargs.items())))
         if ident not in cache:
             folder = tmp_path_factory.mktemp(f"lora-{arch}-{key}")
             cache[ident] = (folder, write_peft_adapter(tiny_checkpoints(arch)[0], folder, targets, rank, seed=seed,
