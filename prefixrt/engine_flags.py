@@ -27,7 +27,7 @@ ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "fp8_activatio
                 "host_kv_prefetch", "host_kv_preempt_after_s",
                 "max_cached_fraction_per_salt", "max_pinned_fraction", "max_pinned_fraction_per_salt", "session_scheduling", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
                 "dist_init_addr", "cascade_decode", "compile_cache_dir", "compile_workers", "speculative",
-                "speculative_num_tokens")
+                "speculative_num_tokens", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT_MODEL) -> None:
@@ -125,6 +125,17 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                         "runs the synchronous loop; default off")
     p.add_argument("--speculative-num-tokens", type=int, default=4,
                    help="tokens drafted per step at most (adaptive below it)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) to serve, each "
+                        "as a model of its own name (`model=NAME`; /v1/models lists it with the base as parent)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter) even with no "
+                        "--lora-modules")
+    p.add_argument("--max-loras", type=int, default=8,
+                   help="LoRA adapters resident on the device at once (an LRU over the loaded ones); default 8")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="the adapter slots' rank (higher-rank adapters are refused); default: the largest "
+                        "--lora-modules rank, at least 16")
     p.add_argument("--cache-audit-rate", type=float, default=0.0,
                    help="fraction of cache hits whose K/V is recomputed off the critical path and compared "
                         "(mismatches: prefixrt_cache_audit_mismatch_total); e.g. 0.001")
@@ -141,6 +152,7 @@ def check_engine_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--device {device}: {why}; use --device cpu (or auto)")
     elif device not in ("auto", "cpu"):
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    lora_modules(args)  # NAME=PATH pairs naming adapter folders
     model = getattr(args, "model", None)
     if model and not os.path.isdir(os.path.expanduser(model)):
         from prefixrt.hub.catalogue import ENTRIES
@@ -158,9 +170,30 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed flags as Engine keyword arguments."""
     kw = {name: getattr(args, name) for name in ENGINE_FLAGS}
     kw["radix_cache"] = not args.no_radix_cache
+    kw["lora_adapters"] = lora_modules(args)
     if kw["host_kv_preempt_after_s"] is not None and kw["host_kv_preempt_after_s"] < 0:
         kw["host_kv_preempt_after_s"] = None
     return kw
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str] | None:
+    """--lora-modules NAME=PATH ... as {name: folder} (None without the flag); ValueError naming a malformed pair, a
+    name given twice or a folder without adapter_config.json."""
+    pairs = getattr(args, "lora_modules", None)
+    if not pairs:
+        return None
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH pairs, got {pair!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        path = os.path.expanduser(path)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"--lora-modules {name}={path}: not a PEFT adapter folder (no adapter_config.json)")
+        out[name] = path
+    return out
 
 
 def progress_printer() -> Callable[[str], None]:

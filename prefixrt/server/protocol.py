@@ -179,6 +179,7 @@ class GenerateRequest(_Body):
 class CachePrefixRequest(_Body):
     prompt: str | TokenIds | list[dict[str, Any]]
     cache_salt: str | None = None
+    lora: str | None = None  # a loaded LoRA adapter's name: the prefix cached under it
 
 
 class AbortRequest(_Body):
