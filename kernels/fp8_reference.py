@@ -9,6 +9,8 @@ The scheme (the one every FP8 path here computes):
   of at most model/fp8_linear.WEIGHT_ONLY_MAX_ROWS rows runs, and the default for taller ones), or quantized at run
   time with one scale per group of G consecutive K values of a token (`"group"`: x_scale [M, ceil(K / G)], G from
   `activation_group_size(K)`) or one per token (`"token"`: x_scale [M]); scale = amax(|values it covers|) / 448;
+  or, for a checkpoint that carries them, with one static scale per linear fixed ahead (its calibrated
+  `input_scale`: quantize_static, x_scale [M] all equal, values past 448 x scale saturate);
 - y = (x_q * x_scale) @ (W_q * w_scale)^T + bias, accumulated in float32, rounded once to x's dtype.
 
 Perplexity over bf16 on the embedded models (docs/benchmarks.md, "FP8"): per-token activation scales cost +2.13% /
@@ -88,6 +90,17 @@ def quantize_activations(x: torch.Tensor, activation_scale: str = "group") -> tu
     return quantize_rows(x)
 
 
+def quantize_static(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized with one static scale (input_scale: one float value, a checkpoint's calibrated activation
+    scale, x ~= x_q * input_scale): (x_q [M, K] e4m3, x_scale [M] float32, every entry input_scale), the per-token
+    layout every FP8 product here takes. Values past 448 x input_scale saturate at +-448."""
+    if input_scale.numel() != 1:
+        raise ValueError(f"a static activation scale is one value per linear, got shape {tuple(input_scale.shape)}")
+    scale = input_scale.float().reshape(1)
+    x_q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return x_q, scale.expand(x.shape[0]).contiguous()
+
+
 def dequantize_activations(x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
     """x_q [M, K] e4m3 with scales [M] (per token) or [M, ceil(K / G)] (per group, G = activation_group_size(K))
     -> x [M, K] float32."""
@@ -161,6 +174,14 @@ def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: 
     if activation_scale == "none":
         return weight_only_linear(x, w_q, w_scale, bias)
     x_q, x_scale = quantize_activations(x, activation_scale)
+    return fp8_matmul_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+def fp8_linear_static(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, K] -> [M, N] in x's dtype: x quantized with a static activation scale (quantize_static), then
+    dequantize-and-multiply in float32."""
+    x_q, x_scale = quantize_static(x, input_scale)
     return fp8_matmul_quantized(x_q, x_scale, w_q, w_scale, bias, x.dtype)
 
 

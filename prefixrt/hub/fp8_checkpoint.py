@@ -1,17 +1,24 @@
 """Pre-quantized FP8 checkpoints: which formats load, how their tensors map onto our FP8 linears (model/quantize.py)
-and where their K/V cache scales go.
+and where their activation and K/V cache scales go.
 
-Formats (config.json's `quantization_config`):
-- `compressed-tensors` FP8 (llm-compressor's FP8 / FP8-Dynamic / FP8-block): `weight` e4m3, `weight_scale` per
-  channel [N, 1], per tensor [1] or per 128 x 128 block; static `input_scale`s are not used (activations are
-  quantized per token at run time, at least as fine); an optional `kv_cache_scheme` stores per-tensor (or per-head)
-  `self_attn.k_scale` / `v_scale`;
-- `fbgemm_fp8` (transformers' FbgemmFp8Config): `weight` e4m3, `weight_scale` [N, 1];
-- `fp8` (transformers' FineGrainedFP8Config): `weight` e4m3 and `weight_scale_inv`, per 128 x 128 block
-  (`weight_block_size`, DeepSeek-style) or one per tensor (`weight_block_size` null); the "inv" scale multiplies.
-Every scale becomes `weight_scale` (float32): per channel [N] (a per-tensor scale is spread over its rows, which
-gives the same numbers), or the block grid [ceil(N / 128), ceil(K / 128)]. The bytes of the e4m3 weights are used
-as they are.
+Formats (config.json's `quantization_config`), as the quantizing tools write them:
+- `compressed-tensors` FP8, format `float-quantized` (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK): `weight` e4m3,
+  `weight_scale` per channel [N, 1], per tensor [1] or per 128 x 128 block; input activations either dynamic (per
+  token, or per group of 128 values) or static per tensor (`dynamic: false`, a calibrated `input_scale` [1] per
+  linear); an optional `kv_cache_scheme` stores per-tensor (or per-head) `self_attn.k_scale` / `v_scale`;
+- `fbgemm_fp8` (transformers' FbgemmFp8Config): `weight` e4m3, `weight_scale` [N, 1], dynamic activations (its
+  `input_scale_ub` bound is not used);
+- `fp8` (transformers' FineGrainedFP8Config, and the older per-tensor `fp8` checkpoints): `weight` e4m3 and
+  `weight_scale_inv` (or `weight_scale`) per 128 x 128 block (`weight_block_size`, DeepSeek-style) or one per tensor
+  (`weight_block_size` null, a [] or [1, 1] scale); the "inv" scale multiplies. `activation_scheme: "static"` carries
+  one `activation_scale` (or `input_scale`) per linear.
+Every weight scale becomes `weight_scale` (float32): per channel [N] (a per-tensor scale is spread over its rows,
+which gives the same numbers), or the block grid [ceil(N / 128), ceil(K / 128)]. The bytes of the e4m3 weights are
+used as they are.
+Activations: static scales are used as the checkpoint fixed them (model/fp8_static_linear.py); the q/k/v or
+gate/up shards of a merged linear share its input, so it takes the largest of their scales (a calibration gives
+them one and the same value). Dynamic schemes run with the engine's `fp8_activation_scale` (one scale per 64
+values of a token by default: at least as fine as per token or per 128 values).
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from pathlib import Path
 import torch
 
 SUPPORTED_METHODS = ("compressed-tensors", "fbgemm_fp8", "fp8")
-_DROPPED = ("input_scale", "activation_scale", "input_scale_ub", "output_scale")  # static activation scales: unused
+_ACTIVATION_SCALES = ("input_scale", "activation_scale")  # a linear's static activation scale (format-dependent name)
+_DROPPED = ("input_scale_ub", "output_scale")  # fbgemm's activation bound; output scales other than K/V's: unused
 _KV_SCALE = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.self_attn)\.(?:(?P<kv>[kv])_scale|"
                        r"(?P<proj>[kv])_proj\.output_scale)$")
 
@@ -35,6 +43,7 @@ class Fp8CheckpointFormat:
     method: str  # one of SUPPORTED_METHODS
     block_scales: bool  # 128 x 128 block scales (else per channel or per tensor)
     kv_cache_scales: bool  # the checkpoint carries K/V cache scales
+    static_activation_scales: bool = False  # activations quantized with one calibrated scale per linear it carries
 
 
 def _bad(method: str, what: str) -> NotImplementedError:
@@ -55,7 +64,7 @@ def _compressed_tensors(qc: dict) -> Fp8CheckpointFormat:
     groups = qc.get("config_groups") or {}
     if not groups:
         raise _bad(method, "a quantization_config without config_groups")
-    blocks = set()
+    blocks, static = set(), set()
     for group in groups.values():
         w = group.get("weights") or {}
         if w.get("type") != "float" or int(w.get("num_bits", 0)) != 8 or w.get("symmetric") is False:
@@ -67,12 +76,17 @@ def _compressed_tensors(qc: dict) -> Fp8CheckpointFormat:
         a = group.get("input_activations")
         if a is not None and (a.get("type") != "float" or int(a.get("num_bits", 0)) != 8):
             raise _bad(method, f"input activations {a.get('type')}{a.get('num_bits')}")
+        static.add(a is not None and a.get("dynamic", True) is False)
+        if a is not None and a.get("dynamic", True) is False and a.get("strategy") != "tensor":
+            raise _bad(method, f"static input activations with strategy {a.get('strategy')!r} (static per tensor is)")
     if len(blocks) != 1:
         raise _bad(method, "block-wise and per-channel groups in one checkpoint")
+    if len(static) != 1:
+        raise _bad(method, "static and dynamic input activations in one checkpoint")
     kv = qc.get("kv_cache_scheme")
     if kv is not None and (kv.get("type") != "float" or int(kv.get("num_bits", 0)) != 8):
         raise _bad(method, f"a K/V cache scheme {kv.get('type')}{kv.get('num_bits')}")
-    return Fp8CheckpointFormat(method, blocks.pop(), kv is not None)
+    return Fp8CheckpointFormat(method, blocks.pop(), kv is not None, static.pop())
 
 
 def read_fp8_format(path: str | Path) -> Fp8CheckpointFormat | None:
@@ -88,9 +102,10 @@ def read_fp8_format(path: str | Path) -> Fp8CheckpointFormat | None:
     if method == "fbgemm_fp8":
         return Fp8CheckpointFormat(method, False, False)
     if method == "fp8":
-        if str(qc.get("activation_scheme", "dynamic")).lower() not in ("dynamic", "static"):
+        scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+        if scheme not in ("dynamic", "static"):
             raise _bad(method, f"activation scheme {qc.get('activation_scheme')!r}")
-        return Fp8CheckpointFormat(method, _check_block(method, qc.get("weight_block_size")), False)
+        return Fp8CheckpointFormat(method, _check_block(method, qc.get("weight_block_size")), False, scheme == "static")
     raise NotImplementedError(f"quantization method {method!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_METHODS)} (FP8), or an unquantized checkpoint")
 
@@ -143,14 +158,41 @@ class KVScaleCollector:
         return out[0], out[1]
 
 
-def translate(weights: Iterable[tuple[str, torch.Tensor]], kv_scales: KVScaleCollector
-              ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+class ActivationScaleCollector:
+    """Receives a checkpoint's static activation scales (`input_scale` / `activation_scale`, one value per linear)
+    and keeps one per module of ours: a MergedLinear's shards share its input, so it keeps the largest of theirs."""
+
+    def __init__(self, checkpoint_to_module: dict[str, str]):
+        """checkpoint_to_module: a MergedLinear shard's checkpoint module name -> the merged module
+        (model/quantize.merged_module_of)."""
+        self._to_module = checkpoint_to_module
+        self.scales: dict[str, torch.Tensor] = {}  # our module name -> float32 [1]
+
+    def take(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep the scale of the tensor named `<checkpoint module>.input_scale` (or `.activation_scale`). Raises
+        ValueError when it is not one value (a static scale per token or per channel is not supported)."""
+        if tensor.numel() != 1:
+            raise ValueError(f"{name} has {tensor.numel()} values: static activation scales are supported per "
+                             f"tensor (one value per linear)")
+        checkpoint_module = name.rsplit(".", 1)[0]
+        module = self._to_module.get(checkpoint_module, checkpoint_module)
+        value = tensor.float().reshape(1)
+        self.scales[module] = value if module not in self.scales else torch.maximum(self.scales[module], value)
+
+
+def translate(weights: Iterable[tuple[str, torch.Tensor]], kv_scales: KVScaleCollector,
+              activation_scales: ActivationScaleCollector | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """A checkpoint's tensors (our names) -> what load_weights takes: `weight_scale_inv` renamed `weight_scale`,
-    static activation scales dropped, K/V cache scales handed to kv_scales."""
+    K/V cache scales handed to kv_scales, static activation scales handed to activation_scales (dropped without
+    one: a checkpoint whose activations are dynamic), fbgemm's activation bound dropped."""
     for name, tensor in weights:
         if kv_scales.take(name, tensor):
             continue
         kind = name.rsplit(".", 1)[-1]
+        if kind in _ACTIVATION_SCALES:
+            if activation_scales is not None:
+                activation_scales.take(name, tensor)
+            continue
         if kind in _DROPPED:
             continue
         if kind == "weight_scale_inv":

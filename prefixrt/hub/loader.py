@@ -352,7 +352,8 @@ def load_model(
     read through transformers). quantization: None loads the weights as the checkpoint stores them (a pre-quantized
     FP8 checkpoint, hub/fp8_checkpoint.py, as FP8); "fp8" gives the decoder linears FP8 weights either way (a float
     checkpoint, or dummy weights, quantized at load per output channel: model/quantize.py). K/V cache scales an FP8
-    checkpoint carries end up in `model.kv_cache_scales`. Returns the model in eval mode.
+    checkpoint carries end up in `model.kv_cache_scales`, its static activation scales on its linears
+    (`input_scale`). Returns the model in eval mode.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -374,14 +375,21 @@ def load_model(
         if fp8_format is not None:
             from prefixrt.model.quantize import merged_module_of, prepare_fp8_linears
 
-            names = fp8_checkpoint.fp8_module_names(checkpoint_tensor_names(files), merged_module_of(model))
+            merged = merged_module_of(model)
+            names = fp8_checkpoint.fp8_module_names(checkpoint_tensor_names(files), merged)
             prepare_fp8_linears(model, names, fp8_format.block_scales)
             kv_scales = fp8_checkpoint.KVScaleCollector()
-            weights = fp8_checkpoint.translate(weights, kv_scales)
+            activation_scales = fp8_checkpoint.ActivationScaleCollector(merged)
+            weights = fp8_checkpoint.translate(weights, kv_scales,
+                                               activation_scales if fp8_format.static_activation_scales else None)
         with torch.no_grad():
             model.load_weights(weights)
         if fp8_format is not None:
             model.kv_cache_scales = kv_scales.stacked(model.num_layers, model.num_kv_heads)
+            if fp8_format.static_activation_scales:
+                from prefixrt.model.quantize import set_static_activation_scales
+
+                set_static_activation_scales(model, activation_scales.scales)
     if quantization == "fp8":
         from prefixrt.model.quantize import quantize_fp8_weights
 

@@ -26,6 +26,7 @@ from torch import nn
 from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.model.fp8_linear import MEASURED_ROWS, expand_plan, fp8_linear, fp8_plan_for
+from prefixrt.model.fp8_static_linear import fp8_linear_static
 from prefixrt.model.lora import LoraBatch, with_lora
 
 if TYPE_CHECKING:
@@ -255,17 +256,21 @@ class Linear(nn.Linear):
     With FP8 weights (model/quantize.py sets them): `weight` is e4m3 and `weight_scale` holds its scales (per output
     channel [N], or [ceil(N / 128), ceil(K / 128)] blocks); model/fp8_linear.py computes, `fp8_plan` holding the
     weight-only kernel's layout per row count and `fp8_activation_scale` ("none", "group" or "token",
-    model/quantize.set_fp8_activation_scale) how inputs taller than a decode batch run."""
+    model/quantize.set_fp8_activation_scale) how inputs taller than a decode batch run, unless the checkpoint fixed
+    the activations a static scale (`input_scale`, one value; model/fp8_static_linear.py computes)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__(in_features, out_features, bias=bias)
         self.gemv_plan: dict[int, GemvConfig] = {}  # rows -> config; a missing row count runs cuBLAS
         self.register_parameter("weight_scale", None)  # set with FP8 weights
+        self.register_parameter("input_scale", None)  # set with FP8 weights whose checkpoint has static activations
         self.fp8_plan: dict[int, GemvConfig] = {}  # rows -> weight-only FP8 layout (fp8_linear.fp8_plan_for)
         self.fp8_activation_scale = "none"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES
         self.lora = None  # LoraWeights (model/lora.py) when the engine serves LoRA adapters through this projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None and self.input_scale is not None:  # (served dequantized: weight_scale None)
+            return fp8_linear_static(x, self.weight, self.weight_scale, self.bias, self.input_scale, self.fp8_plan)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.fp8_plan, self.fp8_activation_scale)
         config = self.gemv_plan.get(x.shape[0]) if x.dim() == 2 else None

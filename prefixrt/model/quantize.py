@@ -7,6 +7,9 @@
 - `prepare_fp8_linears(model, names, block_scales)`: before loading a pre-quantized checkpoint, give the linears the
   checkpoint holds in FP8 their e4m3 weight and scale parameters, so `load_weights` fills them directly
   (hub/fp8_checkpoint.py reads the checkpoint formats).
+- `set_static_activation_scales(model, scales)`: after loading such a checkpoint with static activation scales, give
+  each FP8 linear its `input_scale` (one value), which it then quantizes its activations with
+  (model/fp8_static_linear.py) instead of the run-time scheme.
 
 Which linears: those of the decoder layers (q/k/v, o, gate/up, down). The LM head stays in the model dtype (it is
 tied to the embedding in many models, and checkpoints keep it unquantized). Embeddings and norms are untouched.
@@ -81,6 +84,26 @@ def prepare_fp8_linears(model: nn.Module, names: set[str], block_scales: bool) -
         module.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_WEIGHT_DTYPE, device=device), requires_grad=False)
         shape = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK)) if block_scales else (n,)
         module.weight_scale = nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device), requires_grad=False)
+
+
+@torch.no_grad()
+def set_static_activation_scales(model: nn.Module, scales: dict[str, torch.Tensor]) -> None:
+    """Give every linear with FP8 weights its static activation scale: scales maps our module name (e.g.
+    'model.layers.0.self_attn.qkv_proj') to one positive float value; each becomes the Linear's `input_scale`
+    (float32 [1] on its weights' device). Raises ValueError naming the modules when an FP8 linear has no scale, a
+    scale names no FP8 linear, or a value is not one positive finite number. Mutates the modules."""
+    fp8 = {name: module for name, module in fp8_linears(model).items() if module.weight_scale is not None}
+    missing, unknown = sorted(set(fp8) - set(scales)), sorted(set(scales) - set(fp8))
+    if missing or unknown:
+        raise ValueError("static activation scales (input_scale) must cover exactly the FP8 linears: "
+                         f"missing for {missing[:5]}, given for non-FP8 modules {unknown[:5]}")
+    for name, scale in scales.items():
+        value = scale.float().reshape(-1)
+        if value.numel() != 1 or not torch.isfinite(value).all() or not (value > 0).all():
+            raise ValueError(f"{name}: a static activation scale (input_scale) must be one positive finite value, "
+                             f"got {scale.tolist()}")
+        module = fp8[name]
+        module.input_scale = nn.Parameter(value.to(module.weight.device), requires_grad=False)
 
 
 def merged_module_of(model: nn.Module) -> dict[str, str]:

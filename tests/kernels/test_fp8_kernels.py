@@ -89,6 +89,29 @@ def gemm_case(m: int, k: int, block_scales: bool, quantize_input: bool, split_k:
     return y.cpu(), expected, x.float() @ w.T + bias.float()
 
 
+@pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
+def test_static_activation_scale_gemm_matches_reference(block_scales):
+    """A checkpoint's static activation scale (model/fp8_static_linear.py): the input quantized with it, past-448
+    values saturating, then the kernel a GPU runs where cuBLAS's row-wise _scaled_mm cannot (here the Triton GEMM,
+    given the equal per-row scales) computes what the reference computes."""
+    from prefixrt.model.fp8_static_linear import gemm_quantized
+
+    gen = torch.Generator().manual_seed(3)
+    n, k = (200, 300) if block_scales else (48, 96)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    w_q, w_scale = (fp8_ref.quantize_blocks if block_scales else fp8_ref.quantize_rows)(w)
+    x = (torch.randn(9, k, generator=gen) * 2).to(torch.bfloat16)
+    input_scale = torch.tensor([x.float().abs().amax().item() / 448 / 1.5])  # the largest values saturate
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x_q, x_scale = fp8_ref.quantize_static(x, input_scale)
+    assert torch.all(x_scale == input_scale) and (x_q.float().abs() == 448).any()
+    y = gemm_quantized(x_q.to(DEVICE), x_scale.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE),
+                       torch.bfloat16)
+    expected = fp8_ref.fp8_linear_static(x, w_q, w_scale, input_scale, bias)
+    assert y.dtype == torch.bfloat16 and rel_err(y.cpu(), expected) < 1e-2
+    assert rel_err(expected, x.float() @ w.T + bias.float()) < 0.1  # (saturation costs a little)
+
+
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 70])
 @pytest.mark.parametrize("block_scales", [False, True], ids=["per-channel", "block-128"])
 @pytest.mark.parametrize("quantize_input", [True, False], ids=["quantize-in-gemm", "quantized-before"])

@@ -1,20 +1,23 @@
-"""Accuracy of FP8 on the embedded real models (CPU, the torch reference paths), measured against the bf16 model, as the
-acceptance states it (issue #34: "over bf16"):
+"""Accuracy of FP8 on the embedded real models (CPU, the torch reference paths the engine runs there), measured
+against the bf16 model, as the acceptance states it (issue #48: "over bf16"). Enforced, not reported as xfail:
 
-- perplexity of a fixed ~2,000-token English text (tests/data/fp8_eval.txt) with FP8 weights (quantize at load, bf16
-  activations quantized at run time with the default scheme: one scale per group of 64 K values of a token)
-  and separately with the FP8 K/V cache (calibrated scales): the target is at most
-  2% above bf16 (a miss is reported as an xfail with the figures; more than 4% fails the test);
-- greedy continuations of 20 prompts (decoded together over the paged pool, as the engine runs them): the fraction of
-  the first 32 tokens equal to bf16's, position by position (free-running: one flipped argmax changes the rest of a
-  continuation). The target is 90%; where it is missed the test reports an xfail with the figures.
-Beside them, labelled as such: the same greedy agreement of bf16 against float32 (the noise floor: what rounding
-alone, far finer than e4m3's, does to this metric on the same model) and the teacher-forced top-1 agreement (the
-argmax of every position of the 2,000-token text, each given the true prefix), which does not compound.
-The engine paths (`quantization="fp8"`, `kv_cache_dtype="fp8_e4m3"`) apply the same transforms: quantize_fp8_weights at
-load, the pool's scales from calibrate_kv_scales on the calibration text (tests/engine/test_fp8_engine.py).
+- perplexity of a fixed ~2,000-token English text (tests/data/fp8_eval.txt) with FP8 weights (quantized at load, run
+  as the engine runs them by default: EngineConfig.fp8_activation_scale decides how the 2,000-token prefill treats
+  its activations, decode batches of at most 64 rows are weight-only under every scheme; model/fp8_linear.py), with
+  the FP8 K/V cache (calibrated scales), and with both (what `quantization="fp8", kv_cache_dtype="fp8_e4m3"` runs):
+  each at most MAX_PPL_INCREASE (2%) above bf16, or the test fails;
+- teacher-forced top-1 agreement (the argmax of every position of the 2,000-token text, each given the true prefix,
+  against bf16's): at least MIN_TEACHER_FORCED_TOP1 (90%) for each of the three, or the test fails.
+Reported beside them, not gating: greedy agreement (the fraction of the first 32 tokens of 20 prompts' free-running
+continuations, decoded together over the paged pool, equal to bf16's position by position) with its noise floor, the
+same agreement of float32 against bf16 (what rounding alone, far finer than e4m3's, does to this metric on the same
+model: one flipped near-tie changes the rest of a continuation, so bf16 against float32 already misses 90%).
+The figures are printed (run with -s) and recorded as the test's junit properties (record_property).
 
-The figures are printed (run with -s) and recorded in docs/benchmarks.md, section "FP8"."""
+The engine paths (`quantization="fp8"`, `kv_cache_dtype="fp8_e4m3"`) apply the same transforms (engine/builder.py:
+quantize_fp8_weights at load, set_fp8_activation_scale with the config's scheme, then the pool's scales from
+calibrate_kv_scales on the calibration text of the model as it will run). docs/benchmarks.md, section "FP8", keeps
+the figures."""
 
 from __future__ import annotations
 
@@ -25,13 +28,12 @@ from pathlib import Path
 import pytest
 import torch
 
-# minutes a model on a 2-core machine (three 2,000-token forwards, three greedy runs); over 10 when it is shared
+# minutes a model on a 2-core machine (four 2,000-token forwards and four greedy runs; the module docstring)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 TEXT = Path(__file__).parent.parent / "data" / "fp8_eval.txt"
-MAX_PPL_INCREASE = 0.02  # the acceptance's target
-GUARD_PPL_INCREASE = 0.04  # asserted: a regression past this fails the test
-MIN_AGREEMENT = 0.90
+MAX_PPL_INCREASE = 0.02  # the acceptance's line: perplexity at most 2% above bf16
+MIN_TEACHER_FORCED_TOP1 = 0.90  # the acceptance's line: top-1 agreement with bf16, each position given the true prefix
 NEW_TOKENS = 32
 PROMPTS = [
     "The capital of France is",
@@ -94,11 +96,36 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / (len(a) * NEW_TOKENS)
 
 
-def describe(run: dict, base: dict) -> str:
-    """'<ppl> (+x.xx%), greedy agreement g%, teacher-forced top-1 t%' of a run against the base run."""
-    teacher = (run["top1"] == base["top1"]).float().mean().item()
-    return (f"perplexity {run['ppl']:.3f} ({100 * (run['ppl'] / base['ppl'] - 1):+.2f}%), greedy agreement "
-            f"{agreement(run['greedy'], base['greedy']):.1%}, teacher-forced top-1 {teacher:.1%}")
+def compare(run: dict, base: dict) -> dict:
+    """A run's figures against the base run: perplexity increase (a fraction), teacher-forced top-1 agreement,
+    greedy agreement."""
+    return {"ppl_increase": run["ppl"] / base["ppl"] - 1,
+            "teacher_forced_top1": (run["top1"] == base["top1"]).float().mean().item(),
+            "greedy_agreement": agreement(run["greedy"], base["greedy"])}
+
+
+def shortfalls(label: str, figures: dict) -> list[str]:
+    """What of the acceptance a run's figures (compare) miss, in words; [] when it meets both lines."""
+    out = []
+    if figures["ppl_increase"] > MAX_PPL_INCREASE:
+        out.append(f"{label}: perplexity {figures['ppl_increase']:+.2%} over bf16 > {MAX_PPL_INCREASE:.0%}")
+    if figures["teacher_forced_top1"] < MIN_TEACHER_FORCED_TOP1:
+        out.append(f"{label}: teacher-forced top-1 {figures['teacher_forced_top1']:.1%} < {MIN_TEACHER_FORCED_TOP1:.0%}")
+    return out
+
+
+def summary(runs: dict[str, dict], base: dict, fp32: dict) -> tuple[dict, dict, str]:
+    """(each run's figures against bf16 (compare), float32's, the lines that report them): perplexity, teacher-forced
+    top-1 and greedy agreement, the last beside its noise floor (float32 against bf16)."""
+    figures = {label: compare(run, base) for label, run in runs.items()}
+    floor = compare(fp32, base)
+    lines = [f"bf16: perplexity {base['ppl']:.3f}"]
+    lines += [f"{label}: perplexity {runs[label]['ppl']:.3f} ({f['ppl_increase']:+.2%}), teacher-forced top-1 "
+              f"{f['teacher_forced_top1']:.1%}, greedy agreement {f['greedy_agreement']:.1%} (reported; its noise "
+              f"floor, float32 against bf16: {floor['greedy_agreement']:.1%})" for label, f in figures.items()]
+    lines.append(f"float32 (not FP8): perplexity {fp32['ppl']:.3f} ({floor['ppl_increase']:+.2%}), teacher-forced "
+                 f"top-1 {floor['teacher_forced_top1']:.1%}")
+    return figures, floor, "\n".join("  " + line for line in lines)
 
 
 def test_agreement_counts_positions():
@@ -106,12 +133,33 @@ def test_agreement_counts_positions():
     assert agreement([[7] * NEW_TOKENS], [[7] * NEW_TOKENS + [1]]) == 1.0
 
 
+def test_shortfalls_name_each_missed_line():
+    assert shortfalls("w", {"ppl_increase": 0.0199, "teacher_forced_top1": 0.90}) == []
+    missed = shortfalls("w", {"ppl_increase": 0.0229, "teacher_forced_top1": 0.899})
+    assert missed == ["w: perplexity +2.29% over bf16 > 2%", "w: teacher-forced top-1 89.9% < 90%"]
+
+
+def test_summary_reports_greedy_beside_its_noise_floor():
+    def run(ppl, top1, greedy):
+        return {"ppl": ppl, "top1": torch.tensor(top1), "greedy": greedy}
+
+    base = run(10.0, [1, 2, 3, 4], [[5] * NEW_TOKENS])
+    figures, floor, text = summary({"FP8 weights": run(10.2, [1, 2, 3, 9], [[5] * 8 + [6] * 24])}, base,
+                                   run(10.01, [1, 2, 3, 4], [[5] * 16 + [7] * 16]))
+    assert figures["FP8 weights"] == {"ppl_increase": pytest.approx(0.02), "teacher_forced_top1": 0.75,
+                                      "greedy_agreement": 0.25}
+    assert floor["greedy_agreement"] == 0.5
+    assert "FP8 weights: perplexity 10.200 (+2.00%), teacher-forced top-1 75.0%, greedy agreement 25.0% " \
+           "(reported; its noise floor, float32 against bf16: 50.0%)" in text
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_fp8_weights_and_kv_cache_keep_accuracy(name):
+def test_fp8_weights_and_kv_cache_keep_accuracy(name, record_property):
+    from prefixrt.config import EngineConfig
     from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import load_tokenizer, resolve_model
     from prefixrt.model.kv_calibration import calibrate_kv_scales, calibration_tokens
-    from prefixrt.model.quantize import quantize_fp8_weights
+    from prefixrt.model.quantize import quantize_fp8_weights, set_fp8_activation_scale
 
     if not _available(name):
         pytest.skip(f"{name} is unavailable")
@@ -120,33 +168,30 @@ def test_fp8_weights_and_kv_cache_keep_accuracy(name):
     tokenizer = load_tokenizer(resolved)
     ids = tokenizer.encode(TEXT.read_text())
     assert 1800 <= len(ids) <= 2300
-
     prompts = [tokenizer.encode(p) for p in PROMPTS]
+    calibration = calibration_tokens(tokenizer)
+
     fp32 = perplexity_and_greedy(load_model(resolved.path, dtype="float32", device="cpu"), ids, prompts)
     model = load_model(resolved.path, dtype="bfloat16", device="cpu")
     base = perplexity_and_greedy(model, ids, prompts)
-    # the FP8 K/V cache with the scales an engine calibrates (engine/builder.py -> set_kv_scales)
-    scales = calibrate_kv_scales(model, calibration_tokens(tokenizer), "cpu")
-    fp8_kv = perplexity_and_greedy(model, ids, prompts, scales)
-    quantize_fp8_weights(model)  # what quantization="fp8" does at load
-    fp8_weights = perplexity_and_greedy(model, ids, prompts)
-    agree_weights, agree_kv = agreement(fp8_weights["greedy"], base["greedy"]), agreement(fp8_kv["greedy"], base["greedy"])
-    print(f"\n{name}: {len(ids)} tokens, bf16 perplexity {base['ppl']:.3f}, against bf16 over {len(PROMPTS)} x "
-          f"{NEW_TOKENS} greedy tokens:\n  FP8 weights: {describe(fp8_weights, base)}\n  FP8 K/V: "
-          f"{describe(fp8_kv, base)}\n  noise floor, float32 (not FP8): {describe(fp32, base)}")
-    # a regression guard on the perplexity (well past today's figures); the 2% target is checked below
-    assert fp8_weights["ppl"] <= base["ppl"] * (1 + GUARD_PPL_INCREASE)
-    assert fp8_kv["ppl"] <= base["ppl"] * (1 + GUARD_PPL_INCREASE)
+    runs = {"FP8 K/V": perplexity_and_greedy(model, ids, prompts, calibrate_kv_scales(model, calibration, "cpu"))}
+    # what the engine does with quantization="fp8" (engine/builder.py: quantize, then the config's activation scheme)
+    scheme = EngineConfig().fp8_activation_scale
+    assert quantize_fp8_weights(model) > 0 and set_fp8_activation_scale(model, scheme) > 0
+    runs["FP8 weights"] = perplexity_and_greedy(model, ids, prompts)
+    # and with kv_cache_dtype="fp8_e4m3" too: the pool's scales calibrated on the model as it runs, FP8 weights
+    runs["FP8 weights + FP8 K/V"] = perplexity_and_greedy(model, ids, prompts,
+                                                         calibrate_kv_scales(model, calibration, "cpu"))
+
+    figures, floor, text = summary(runs, base, fp32)
+    print(f"\n{name}: {len(ids)} tokens, FP8 activations {scheme!r}, against bf16 over {len(PROMPTS)} x "
+          f"{NEW_TOKENS} greedy tokens:\n{text}")
+    record_property("bf16_perplexity", base["ppl"])
+    record_property("fp8_activation_scale", scheme)
+    record_property("float32_vs_bf16", floor)
+    for label, f in figures.items():
+        record_property(label, f)
     # (the quantized runs are not the unquantized one under another name)
-    assert fp8_weights["ppl"] != base["ppl"] and fp8_kv["ppl"] != base["ppl"]
-    shortfalls = [f"{what} perplexity {100 * (run['ppl'] / base['ppl'] - 1):+.2f}% > {MAX_PPL_INCREASE:.0%}"
-                  for what, run in (("FP8 weights", fp8_weights), ("FP8 K/V", fp8_kv))
-                  if run["ppl"] > base["ppl"] * (1 + MAX_PPL_INCREASE)]
-    if min(agree_weights, agree_kv) < MIN_AGREEMENT:
-        # on these small models one flipped argmax early in a continuation changes the rest of it; float32 against
-        # bf16 (the noise floor above) misses 90% too
-        shortfalls.append(f"greedy agreement with bf16 {agree_weights:.1%} (FP8 weights), {agree_kv:.1%} (FP8 K/V) "
-                          f"< {MIN_AGREEMENT:.0%}; float32 {agreement(fp32['greedy'], base['greedy']):.1%}")
-    if shortfalls:
-        # Known shortfalls against the acceptance, reported with their figures (docs/benchmarks.md, FP8), not passed
-        pytest.xfail("; ".join(shortfalls))
+    assert all(run["ppl"] != base["ppl"] for run in runs.values())
+    missed = [line for label, f in figures.items() for line in shortfalls(label, f)]
+    assert not missed, f"{name}: " + "; ".join(missed)
