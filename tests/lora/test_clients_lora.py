@@ -180,3 +180,20 @@ def test_frontend_programs_run_under_an_adapter(server, engine):
     assert state["out"] == want
     with pytest.raises(ValueError):
         ProviderBackend(engine, model="nope")
+
+
+def test_metrics_per_adapter(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    for _ in range(2):
+        client.chat.completions.create(model="b", messages=MESSAGES, max_tokens=2, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+             if line.startswith("prefixrt_lora")}
+    assert lines['prefixrt_lora_requests_total{adapter="b"}'] >= 2
+    assert lines['prefixrt_lora_hit_tokens_total{adapter="b"}'] > 0
+    assert 0 < lines['prefixrt_lora_cache_hit_rate{adapter="b"}'] < 1
+    assert lines['prefixrt_lora_loads_total{adapter="b"}'] >= 1
+    assert lines["prefixrt_lora_slots"] == 2 and 1 <= lines["prefixrt_lora_resident_adapters"] <= 2
+    assert lines["prefixrt_lora_slot_loads_total"] >= 2 and lines["prefixrt_lora_slot_load_seconds_total"] > 0
