@@ -264,3 +264,34 @@ def test_constrained_decoding_under_an_adapter(make_engine, peft_adapters):
     picked = eng.generate([1, 40, 41, 42], {"max_new_tokens": 4, "temperature": 0, "choices": ["yes", "no"],
                                             "lora": "a"})
     assert picked.text in ("yes", "no")
+
+
+def test_the_disk_tier_keeps_adapters_apart(make_engine, peft_adapters, tmp_path, monkeypatch):
+    """A restarted engine finds an adapter's prefix on disk under that adapter only: not under another adapter, the
+    base model, nor a cache_salt spelling the adapter's namespace, even with every file key hashing alike (only the
+    files' headers tell them apart)."""
+    from prefixrt.cache import disk_store
+
+    (fa, pa), (fb, pb) = peft_adapters("llama", "iso-a", seed=21), peft_adapters("llama", "iso-b", seed=22)
+    opts = dict(lora_adapters={"a": str(fa), "b": str(fb)}, kv_cache_tokens=96, host_kv_cache_tokens=64,
+                kv_disk_dir=str(tmp_path / "kv"), chunked_prefill_tokens=32)
+    rng = random.Random(13)
+    prompts = [[1] + [rng.randrange(3, 320) for _ in range(40)] for _ in range(3)]
+    first = make_engine("llama", **opts)
+    for p in prompts:
+        first.generate(p, {**GREEDY, "lora": "a"})
+    digest = first.core.scheduler.adapters.lookup("a").digest
+    first.wait_idle()
+    first.check_integrity()
+    first.shutdown()
+    monkeypatch.setattr(disk_store, "_digest", lambda h: "0" * 32)
+    eng = make_engine("llama", **opts)
+    spelled = json.dumps(AdapterNamespace(digest, None).to_json())
+    for lora, salt, model in (("b", None, pb), (None, None, None), (None, spelled, None), ("b", spelled, pb)):
+        for p in prompts[:2]:
+            c = eng.generate(p + [5], {**GREEDY, "lora": lora, "cache_salt": salt})
+            assert c.token_ids == (hf_greedy(model, p + [5], NEW) if model else _base_greedy(pa, [p + [5]])[0])
+    assert eng.stats().disk_hit_tokens_total == 0
+    c = eng.generate(prompts[2] + [5], {**GREEDY, "lora": "a"})
+    assert c.token_ids == hf_greedy(pa, prompts[2] + [5], NEW)
+    assert c.cached_tokens > 1 and eng.stats().disk_hit_tokens_total > 0
