@@ -329,9 +329,10 @@ class Engine(EngineAPI):
         return self._adapter_of(SamplingParams(max_new_tokens=0, cache_salt=cache_salt, lora=lora))[1]
 
     # ------------------------------------------------------------------ LoRA adapters
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        """Load a PEFT LoRA adapter folder under `name` (it becomes resident on the device when a request needs it).
-        ValueError if the engine serves no adapters, the name is taken, or the adapter does not fit the model."""
+    def load_lora_adapter(self, name: str, path) -> None:
+        """Load a PEFT LoRA adapter folder under `name` (it becomes resident on the device when a request needs it);
+        `path` may also be a lora/peft_format.py LoraAdapter made in memory (benchmarks). ValueError if the engine
+        serves no adapters, the name is taken, or the adapter does not fit the model."""
         if self.core.scheduler.adapters is None:
             raise ValueError("this engine serves no LoRA adapters (start it with enable_lora=True / --enable-lora)")
         self.core.scheduler.adapters.register(name, path)

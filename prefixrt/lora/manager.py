@@ -191,7 +191,7 @@ class LoraManager:
             c["cache_hit_rate"] = c["cached_tokens_total"] / c["prompt_tokens_total"] if c["prompt_tokens_total"] \
                 else 0.0
             c["resident"] = packed.digest in resident
-            c["rank"] = packed.adapter.rank
+            c["rank"] = packed.rank
             adapters[name] = c
         return {"adapters": adapters, "slots": self.num_slots, "resident": len(resident),
                 "loads_total": self.slots.loads_total, "load_seconds_total": self.slots.load_seconds_total}

@@ -149,16 +149,24 @@ def read_adapter(name: str, folder: str | Path, dtype: torch.dtype = torch.float
 
 
 def random_adapter(name: str, num_layers: int, dims: dict[str, tuple[int, int]], rank: int, seed: int,
-                   dtype: torch.dtype = torch.float32, std: float = 0.02, alpha: float | None = None,
-                   device="cpu") -> LoraAdapter:  # fmt: skip
+                   dtype: torch.dtype = torch.float32, std: float = 0.02, alpha: float | None = None
+                   ) -> LoraAdapter:  # fmt: skip
     """An adapter of random weights for benchmarks (load_format="dummy"): dims maps each target module to its
-    (in, out) features. Its digest is derived from (name, seed, rank), so distinct names never share K/V."""
+    (in, out) features (registry.target_dims). Its digest is derived from (name, seed, rank)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     modules = {}
     for layer in range(num_layers):
         for target, (fan_in, fan_out) in dims.items():
             a = (torch.randn(rank, fan_in, generator=gen) * std).to(dtype)
             b = (torch.randn(fan_out, rank, generator=gen) * std).to(dtype)
-            modules[(layer, target)] = ModuleWeights(a.to(device), b.to(device), (alpha or 2 * rank) / rank)
+            modules[(layer, target)] = ModuleWeights(a, b, (alpha or 2 * rank) / rank)
     digest = hashlib.sha256(f"random-lora:{name}:{seed}:{rank}".encode()).hexdigest()
+    return LoraAdapter(name, digest, modules)
+
+
+def scaled_adapter(base: LoraAdapter, name: str, factor: float) -> LoraAdapter:
+    """Another adapter made from `base` with every lora_A scaled by factor (B shared): distinct weights and digest at
+    the cost of one A copy, for benchmarks that need hundreds of adapters."""
+    modules = {key: ModuleWeights(m.a * factor, m.b, m.scale) for key, m in base.modules.items()}
+    digest = hashlib.sha256(f"scaled-lora:{base.digest}:{name}:{factor!r}".encode()).hexdigest()
     return LoraAdapter(name, digest, modules)

@@ -21,18 +21,14 @@ NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789
 @dataclass
 class PackedAdapter:
     """An adapter's host copy laid out as one slot of every projection it may touch: per (layer, fused linear),
-    (A [num_shards * R, in], B [out, R], scale [num_shards]); projections it does not target hold zeros."""
+    (A [num_shards * R, in], B [out, R], scale [num_shards]); projections it does not target hold zeros. (The
+    adapter's own per-module tensors are not kept: this is its one host copy.)"""
 
-    adapter: LoraAdapter
+    name: str
+    digest: str  # its identity in cache keys (peft_format.py)
+    rank: int
+    path: str | None
     parts: list[tuple[LoraWeights, torch.Tensor, torch.Tensor, torch.Tensor]]
-
-    @property
-    def digest(self) -> str:
-        return self.adapter.digest
-
-    @property
-    def name(self) -> str:
-        return self.adapter.name
 
     def copy_into(self, slot: int) -> None:
         """Write this adapter into `slot` of every projection (on the current stream / thread; non-blocking from
@@ -41,6 +37,15 @@ class PackedAdapter:
             weights.a[slot].copy_(a, non_blocking=True)
             weights.b[slot].copy_(b, non_blocking=True)
             weights.scale[slot].copy_(scale, non_blocking=True)
+
+
+def target_dims(linears: dict[tuple[int, str], LoraWeights]) -> dict[str, tuple[int, int]]:
+    """target module -> (in, out) features of the model's slotted projections (what an adapter for it must have)."""
+    out = {}
+    for weights in linears.values():
+        for shard, size in zip(weights.shard_names, weights.shard_sizes):
+            out[shard] = (weights.a.shape[2], size)
+    return out
 
 
 def check_name(name: str) -> str:
@@ -85,7 +90,7 @@ def pack(adapter: LoraAdapter, linears: dict[tuple[int, str], LoraWeights], rank
         if pin:
             a, b, scale = a.pin_memory(), b.pin_memory(), scale.pin_memory()
         parts.append((weights, a, b, scale))
-    return PackedAdapter(adapter, parts)
+    return PackedAdapter(adapter.name, adapter.digest, adapter.rank, adapter.path, parts)
 
 
 class AdapterRegistry:

@@ -16,6 +16,7 @@ All methods run on the loop thread.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import time
@@ -48,6 +49,8 @@ class AdapterSlots:
         self.loads_total = 0
         self.load_seconds_total = 0.0
         self.load_seconds: dict[str, float] = {}  # digest -> seconds of its loads so far
+        # (start, seen complete) of recent loads, time.perf_counter(): how much of a run had a load in flight
+        self.load_intervals: collections.deque = collections.deque(maxlen=1 << 16)
         self.on_loaded = None  # callback(digest, seconds) when a load completes (the manager's stats)
 
     # ------------------------------------------------------------------ queries
@@ -77,7 +80,9 @@ class AdapterSlots:
         if not isinstance(load, torch.cuda.Event):
             load.result()  # a failed copy raises here, on the loop thread
         slot.load = None
-        spent = time.perf_counter() - slot.load_started
+        now = time.perf_counter()
+        spent = now - slot.load_started
+        self.load_intervals.append((slot.load_started, now))
         self.loads_total += 1
         self.load_seconds_total += spent
         self.load_seconds[slot.digest] = self.load_seconds.get(slot.digest, 0.0) + spent

@@ -215,6 +215,36 @@ def test_runtime_load_and_unload(make_engine, peft_adapters):
     assert c.cached_tokens == 0 and c.token_ids == hf_greedy(pb, p, NEW)
 
 
+def test_adapters_made_in_memory(make_engine):
+    """Benchmarks register adapters built in memory (random weights shaped by the engine's projections, and copies
+    with lora_A scaled): a zero-scaled copy computes the base model exactly, an unscaled copy the same tokens as
+    its source under a digest of its own (no K/V shared), and every load leaves its interval for the load share."""
+    from prefixrt.lora.peft_format import random_adapter, scaled_adapter
+    from prefixrt.lora.registry import target_dims
+
+    eng = make_engine("llama", enable_lora=True, max_lora_rank=8, max_loras=2)
+    manager = eng.core.scheduler.adapters
+    dims = target_dims(manager.linears)
+    assert set(dims) == set(TARGET_SETS["all"])
+    num_layers = 1 + max(layer for layer, _ in manager.linears)
+    src = random_adapter("r", num_layers, dims, rank=8, seed=3, std=0.5)
+    same, zero = scaled_adapter(src, "r1", 1.0), scaled_adapter(src, "r0", 0.0)
+    assert len({src.digest, same.digest, zero.digest}) == 3
+    for adapter in (src, same, zero):
+        eng.load_lora_adapter(adapter.name, adapter)
+    p = _prompts(12)[0]
+    base = eng.generate(p, GREEDY)
+    first = eng.generate(p, {**GREEDY, "lora": "r"})
+    assert first.token_ids != base.token_ids
+    copy = eng.generate(p, {**GREEDY, "lora": "r1"})
+    assert copy.cached_tokens == 0 and copy.token_ids == first.token_ids
+    assert eng.generate(p, {**GREEDY, "lora": "r0"}).token_ids == base.token_ids
+    s = eng.stats()
+    assert s.lora_adapters["r1"]["rank"] == 8 and s.lora_loads_total == 3
+    intervals = list(manager.slots.load_intervals)
+    assert len(intervals) == 3 and all(start <= end for start, end in intervals)
+
+
 def test_an_engine_without_lora_refuses_adapter_requests(make_engine):
     eng = make_engine("llama")
     with pytest.raises(InvalidRequest, match="serves no LoRA adapters"):
