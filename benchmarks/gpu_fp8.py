@@ -12,7 +12,10 @@
 (3) logits: FP8 weights, FP8 K/V and both against bf16 on the same dummy weights (relative error, top-1 agreement);
 (4) engines bf16 | FP8 weights | FP8 weights + FP8 K/V: batch-1 decode at 4k context, the RAG workload in-process
     (64 x (3500 shared + 80 unique), 200 out, streamed with text), decode throughput at batch 256, and the KV pool's
-    tokens at the same memory fraction.
+    tokens at the same memory fraction. --configs labels: bf16; fp8 (the engine's defaults: per-token activation
+    scales for tall inputs, smoothed at load); fp8+kv; kv (FP8 K/V alone); fp8t, fp8t+kv (per-token scales named);
+    fp8n (weight-only tall inputs, fp8_activation_scale="none"); fp8u (per-token scales without smoothing: the
+    start-up cost of smoothing's calibration forward is fp8's start-up less fp8u's).
 Prints a short table last and writes JSON to benchmarks/results/gpu_fp8-<sections>.json (and $OUT when set).
 Sections that would start past --budget-s are skipped (said so in the table). Section 2 saves its choices to
 benchmarks/results/gpu_fp8_group_layouts.json; section 4 run later on the same GPU model loads them, so the two can run as
@@ -47,7 +50,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LAYOUTS_FILE = RESULTS_DIR / "gpu_fp8_group_layouts.json"  # (choices with group activation scales)
 T_START = time.perf_counter()
 MODEL = "llama-3-8b"
-TARGETS = {"b1_tok_s": 400, "rag_out_tok_s": 12000, "b256_speedup": 1.6, "kv_tokens_ratio": 1.9}
+# the FP8 acceptance lines, each a ratio to bf16 in the same run (docs/benchmarks.md, "FP8")
+TARGETS = {"b1": 1.8, "rag": 1.25, "b256": 1.5, "startup": 1.2}
 
 
 def over_budget(what: str) -> bool:
@@ -472,7 +476,9 @@ def main() -> None:
         configs = {"bf16": {}, "fp8": {"quantization": "fp8"},
                    "fp8+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"},
                    "kv": {"kv_cache_dtype": "fp8_e4m3"}, "fp8t": {"quantization": "fp8", **token},
-                   "fp8t+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", **token}}
+                   "fp8t+kv": {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", **token},
+                   "fp8n": {"quantization": "fp8", "fp8_activation_scale": "none"},
+                   "fp8u": {"quantization": "fp8", "fp8_smoothing": 0, **token}}
         if cuda:
             load_layouts(dev)
         engines = {}
@@ -516,11 +522,18 @@ def summarize_engines(engines: dict, cuda: bool) -> None:
     if cuda and base:
         fp8 = engines.get("fp8", {})
         both = engines.get("fp8+kv", {})
+        rag = {label: r.get("rag", {}).get("out_tok_s") for label, r in engines.items()}
         checks = {
-            "b1 FP8 weights >= 400 tok/s": fp8.get("b1_tok_s", 0) >= TARGETS["b1_tok_s"],
-            "RAG FP8 w+kv >= 12,000 out tok/s": both.get("rag", {}).get("out_tok_s", 0) >= TARGETS["rag_out_tok_s"],
-            "b256 FP8 w+kv >= 1.6x bf16": ratio(both.get("b256_tok_s"), base.get("b256_tok_s")) >= 1.6,
-            "KV tokens FP8 w+kv >= 1.9x bf16": ratio(both.get("kv_pool_tokens"), base.get("kv_pool_tokens")) >= 1.9,
+            f"b1 FP8 weights >= {TARGETS['b1']}x bf16": ratio(fp8.get("b1_tok_s"), base.get("b1_tok_s")) >= TARGETS["b1"],
+            f"RAG FP8 w+kv >= {TARGETS['rag']}x bf16": ratio(rag.get("fp8+kv"), rag.get("bf16")) >= TARGETS["rag"],
+            f"b256 FP8 w+kv >= {TARGETS['b256']}x bf16":
+                ratio(both.get("b256_tok_s"), base.get("b256_tok_s")) >= TARGETS["b256"],
+            f"start-up FP8 w+kv <= {TARGETS['startup']}x bf16":
+                0 < ratio(both.get("startup_s"), base.get("startup_s")) <= TARGETS["startup"],
+            "no FP8 configuration slower than bf16": all(
+                ratio(r.get(k), base.get(k)) >= 1 for label, r in engines.items() if label != "bf16"
+                for k in ("b1_tok_s", "b256_tok_s") if r.get(k)) and all(
+                ratio(v, rag["bf16"]) >= 1 for label, v in rag.items() if label != "bf16" and v),
         }
         for what, ok in checks.items():
             SUMMARY.append((what, "met" if ok else "NOT met", ""))

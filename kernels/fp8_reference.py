@@ -6,16 +6,17 @@ The scheme (the one every FP8 path here computes):
   per 128 x 128 block
   (`w_scale` [ceil(N / 128), ceil(K / 128)], DeepSeek-style checkpoints); W ~= W_q * scale;
 - activations: left as they are (`activation_scale="none"`, weight-only: y = x @ (W_q * w_scale)^T; what every input
-  of at most model/fp8_linear.WEIGHT_ONLY_MAX_ROWS rows runs, and the default for taller ones), or quantized at run
-  time with one scale per group of G consecutive K values of a token (`"group"`: x_scale [M, ceil(K / G)], G from
-  `activation_group_size(K)`) or one per token (`"token"`: x_scale [M]); scale = amax(|values it covers|) / 448;
+  of at most model/fp8_linear.WEIGHT_ONLY_MAX_ROWS rows runs), or quantized at run time with one scale per group of
+  G consecutive K values of a token (`"group"`: x_scale [M, ceil(K / G)], G from `activation_group_size(K)`) or one
+  per token (`"token"`: x_scale [M], the engine's default for taller inputs); scale = amax(|values it covers|) / 448;
   or, for a checkpoint that carries them, with one static scale per linear fixed ahead (its calibrated
   `input_scale`: quantize_static, x_scale [M] all equal, values past 448 x scale saturate);
 - y = (x_q * x_scale) @ (W_q * w_scale)^T + bias, accumulated in float32, rounded once to x's dtype.
 
-Perplexity over bf16 on the embedded models (docs/benchmarks.md, "FP8"): per-token activation scales cost +2.13% /
-+2.34%, 1 x 64 groups +1.69% / +1.79% (a token's outlier channels coarsen only their own group's rounding); weight-
-only costs least, and at decode sizes it is also the fastest (the step reads the weights; x is small).
+Perplexity over bf16 on the embedded models (SmolLM2-135M / Gemma-3-270M, docs/benchmarks.md, "FP8", 2026-12-06):
+per-token activation scales cost +1.82% / +2.57% as the weights come, +0.73% / +1.11% after the smoothing that
+quantize-at-load applies (model/smoothing.py, alpha 0.75); weight-only costs +1.17% / +1.15%, smoothed +0.05% /
++0.75%, and at decode sizes it is also the fastest (the step reads the weights; x is small).
 """
 
 from __future__ import annotations

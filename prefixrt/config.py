@@ -41,10 +41,18 @@ class EngineConfig:
     # "fp8" quantizes a float checkpoint's decoder linears at load (e4m3, per-output-channel scales).
     quantization: str | None = None
     # FP8 weights' activations for inputs taller than a decode batch (decode batches always run weight-only;
-    # model/fp8_linear.py): "none", weight-only too (the default: the most accurate); "group", one e4m3 scale per
-    # 64 K values of a token (+1.7-1.8% perplexity on the embedded models); "token", one per token (cuBLAS's
-    # row-wise _scaled_mm: the fastest at large batches; +2.1-2.3% perplexity). docs/benchmarks.md, "FP8".
-    fp8_activation_scale: str = "none"
+    # model/fp8_linear.py): "token", one e4m3 scale per token (the default: cuBLAS's row-wise _scaled_mm, 1.3-1.4x
+    # faster than bf16 at 256-4096 rows on an H100; with fp8_smoothing +0.7-1.1% perplexity over bf16 on the
+    # embedded models, +1.8-2.6% without); "none", weight-only too (the Triton W8A16 GEMM: 2x slower than bf16 at
+    # tall inputs); "group", one scale per 64 K values of a token (the Triton w8a8 GEMM, as slow). docs/benchmarks.md,
+    # "FP8".
+    fp8_activation_scale: str = "token"
+    # FP8 weights quantized at load (quantization="fp8" on a float checkpoint or dummy weights): the decoder linears'
+    # inputs smoothed first, SmoothQuant's per-channel factors max|X|^a / max|W|^(1 - a) with this alpha a, calibrated
+    # on a fixed text and folded exactly into the weights and norms (model/smoothing.py: no run-time cost). None or 0:
+    # off. 0.75 measured best of 0.25-1 on both embedded models. Pre-quantized FP8 checkpoints are never smoothed.
+    # docs/benchmarks.md, "FP8".
+    fp8_smoothing: float | None = 0.75
     fp8_speed_check: str = "fallback"  # one of FP8_SPEED_CHECKS
     # K/V cache storage (cache/kv_pool.py): "auto" (the model's dtype) or "fp8_e4m3" (half the bytes of bf16 a token;
     # per-layer, per-kv-head scales from the checkpoint or calibrated at start-up, model/kv_calibration.py).
@@ -155,6 +163,10 @@ class EngineConfig:
             bad(f"quantization must be None or 'fp8', got {self.quantization!r}")
         if self.fp8_activation_scale not in FP8_ACTIVATION_SCALES:
             bad(f"fp8_activation_scale must be one of {FP8_ACTIVATION_SCALES}, got {self.fp8_activation_scale!r}")
+        if self.fp8_smoothing is not None and not (
+                isinstance(self.fp8_smoothing, (int, float)) and not isinstance(self.fp8_smoothing, bool)
+                and 0 <= self.fp8_smoothing <= 1):
+            bad(f"fp8_smoothing must be None or an alpha in [0, 1] (0: off), got {self.fp8_smoothing!r}")
         if self.fp8_speed_check not in FP8_SPEED_CHECKS:
             bad(f"fp8_speed_check must be one of {FP8_SPEED_CHECKS}, got {self.fp8_speed_check!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -238,8 +250,18 @@ class EngineConfig:
             bad(f"lora_target_modules must be a non-empty subset of {LORA_TARGET_MODULES}, got {unknown or '()'}")
         if self.lora_enabled and self.tp_size > 1:
             bad("LoRA adapters are not supported with tp_size > 1")
+        if self.lora_enabled and self.quantization == "fp8" and self.fp8_smoothing_alpha is not None:
+            # smoothing divides the projections' inputs and v_proj / up_proj's rows by its factors (model/smoothing.py);
+            # an adapter's A and B were trained on the unsmoothed ones, so its update would be wrong
+            bad("LoRA adapters over FP8 weights need fp8_smoothing=0 (--fp8-smoothing 0): smoothing rescales the "
+                "inputs the adapters were trained on")
         if not self.lora_debug_load_delay_s >= 0:
             bad("lora_debug_load_delay_s must be >= 0")
+
+    @property
+    def fp8_smoothing_alpha(self) -> float | None:
+        """The smoothing alpha quantize-at-load applies (fp8_smoothing), None when off (None or 0)."""
+        return float(self.fp8_smoothing) if self.fp8_smoothing else None
 
 
 def _is_host_port(addr: str) -> bool:

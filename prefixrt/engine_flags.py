@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from prefixrt.config import EngineConfig
 from prefixrt.default_models import CHAT_MODEL
 
 # The flags that become Engine keyword arguments as they are (EngineConfig fields of the same name).
-ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "fp8_activation_scale", "fp8_speed_check",
+ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "fp8_activation_scale", "fp8_smoothing",
+                "fp8_speed_check",
                 "kv_cache_dtype",
                 "attention_backend",
                 "kv_cache_tokens", "mem_fraction", "page_size", "prefix_cache", "schedule_policy",
@@ -42,11 +44,17 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
                    help="fp8: FP8 (e4m3) weights for the decoder's linear layers, a float checkpoint quantized at "
                         "load (per-channel weight scales); default: the weights as the checkpoint stores them (a "
                         "pre-quantized FP8 checkpoint loads as FP8)")
-    p.add_argument("--fp8-activation-scale", choices=["none", "group", "token"], default="none",
+    p.add_argument("--fp8-activation-scale", choices=["none", "group", "token"],
+                   default=EngineConfig.fp8_activation_scale,
                    help="with FP8 weights, inputs taller than a decode batch (which always runs weight-only): "
-                        "none (weight-only too, the default: the most accurate), group (activations quantized with "
-                        "one e4m3 scale per 64 values of a token) or token (one per token: cuBLAS's row-wise FP8 GEMM, "
-                        "the fastest at large batches)")
+                        "none (weight-only too: the Triton W8A16 GEMM, slower than bf16 at large batches), group "
+                        "(activations quantized with one e4m3 scale per 64 values of a token) or token (one per "
+                        f"token: cuBLAS's row-wise FP8 GEMM, the fastest; default {EngineConfig.fp8_activation_scale})")
+    p.add_argument("--fp8-smoothing", type=float, default=EngineConfig.fp8_smoothing, metavar="ALPHA",
+                   help="with --quantization fp8 on a float checkpoint: smooth the decoder linears' inputs before "
+                        "quantizing (SmoothQuant factors max|X|^ALPHA / max|W|^(1-ALPHA), calibrated on a fixed "
+                        "text and folded exactly into the weights: no run-time cost); 0: off "
+                        f"(default {EngineConfig.fp8_smoothing})")
     p.add_argument("--fp8-speed-check", choices=["fallback", "error", "off"], default="fallback",
                    help="with FP8 weights on a GPU, time them against bf16 at start-up: fallback (the default: serve "
                         "bf16 weights when FP8 would be slower, with a log line), error (refuse to start then) or off")

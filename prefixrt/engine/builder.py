@@ -91,7 +91,7 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
         say(f"loading weights ({config.load_format}) from {resolved.path} as {dtype} on {ranks.device}"
             + (f" (rank 0 of {ranks.size})" if ranks.size > 1 else ""))
         with clock.stage("load weights"):
-            model = ranks.load_model(resolved.path, config, dtype)
+            model = ranks.load_model(resolved.path, config, dtype, fp8_calibration_ids(config, tokenizer))
         load_s = clock.total()
         with clock.stage("assemble"):
             built = assemble(config, model, tokenizer, resolved, ranks.device, dtype, say, ranks=ranks,
@@ -120,9 +120,9 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
     if config.quantization == "fp8":  # (build's loader already did it; an injected model gets it here)
-        from prefixrt.model.quantize import quantize_fp8_weights
+        from prefixrt.model.quantize import quantize_fp8_at_load
 
-        quantize_fp8_weights(model)
+        quantize_fp8_at_load(model, config.fp8_smoothing_alpha, fp8_calibration_ids(config, tokenizer))
     from prefixrt.model.quantize import set_fp8_activation_scale
 
     set_fp8_activation_scale(model, config.fp8_activation_scale)  # (before the kernel plans are made)
@@ -336,6 +336,15 @@ def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path |
     return folder
 
 
+def fp8_calibration_ids(config: EngineConfig, tokenizer) -> list[int] | None:
+    """The calibration text as token ids when quantize-at-load smooths (model/smoothing.py), else None."""
+    if config.quantization != "fp8" or config.fp8_smoothing_alpha is None:
+        return None
+    from prefixrt.model.kv_calibration import calibration_tokens
+
+    return calibration_tokens(tokenizer)
+
+
 def tokenizer_while_the_device_starts(resolved, device: torch.device, say):
     """load_tokenizer(resolved) on a thread while this one starts the CUDA context (each takes seconds on a GPU
     host). Only the context: anything that imports transformers here could race the thread's import of it."""
@@ -398,8 +407,8 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool 
     """What K/V on disk must have been computed with to be reused: the model revision, the weight files (name,
     size and modification time: a checkpoint re-saved in place has a new revision here, even where the folder
     digest, which counts weights by size, would not change), dummy weights' seed, dtype and K/V shape; with FP8, the
-    K/V scales and the weights' quantization. fp8_weights: whether the model serves FP8 weights (False after the
-    start-up speed check fell back to bf16; None: as config.quantization says)."""
+    K/V scales and the weights' quantization and smoothing. fp8_weights: whether the model serves FP8 weights (False
+    after the start-up speed check fell back to bf16; None: as config.quantization says)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -411,10 +420,11 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool 
                 h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     weights = f"dummy-seed-{config.seed}" if config.load_format == "dummy" else h.hexdigest()[:16]
     fp8 = f"|scales:{pool.scales_digest()}" if pool.quantized else ""  # FP8 bytes mean K/V under these scales only
+    smoothing = f":smoothing-{config.fp8_smoothing_alpha}" if config.fp8_smoothing_alpha else ""  # other weights
     if config.quantization and fp8_weights is not False:  # FP8 weights compute other K/V
-        fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}"
+        fp8 += f"|quantization:{config.quantization}:{config.fp8_activation_scale}{smoothing}"
     elif config.quantization:
-        fp8 += "|quantization:dequantized-fp8"
+        fp8 += f"|quantization:dequantized-fp8{smoothing}"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}{fp8}")
 
@@ -456,40 +466,3 @@ def cascade_spec(attention, config: EngineConfig) -> CascadeSpec | None:
         return None
     return CascadeSpec(queries_per_tile=attention.cascade_queries_per_tile, min_prefix_len=CASCADE_MIN_PREFIX,
                        min_group_size=attention.cascade_min_group_size)
-
-
-def stop_ranks(built: Built) -> None:
-    """Tensor parallelism: end the other ranks and leave the group (after the loop has stopped). No-op otherwise."""
-    built.ranks.stop(built.core.runner if built.core is not None else None)
-
-
-def release(built: Built) -> None:
-    """Free every device allocation the engine made (graphs and their pool, KV pool, request table,
-    workspaces, and the weights when the builder loaded them). The engine is unusable afterwards; call only
-    once its loop has stopped. CPU engines are left alone (their memory goes with the objects)."""
-    if built.core is None or built.device.type == "cpu":
-        return
-    free_device_memory(built)
-    if built.device.type == "cuda":
-        torch.cuda.synchronize(built.device)
-        clear_blas_workspaces()
-        torch.cuda.empty_cache()
-
-
-def free_device_memory(built: Built) -> None:
-    """Each owner frees its own: the runner its CUDA graphs and attention workspaces, the KV pool and the
-    request table their tensors (the builder made them), the model its weights when the builder loaded them (an
-    injected model is not ours to free)."""
-    core = built.core
-    core.runner.close()
-    core.kv.pool.close()
-    core.kv.table.close()
-    if built.owns_model:
-        built.model.release_weights()
-
-
-def clear_blas_workspaces() -> None:
-    """cuBLAS keeps a workspace per stream it ran on (graph capture uses its own stream): drop them."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()

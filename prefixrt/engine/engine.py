@@ -478,10 +478,10 @@ class Engine(EngineAPI):
             self.core.scheduler.adapters.close()  # the adapter load worker, if any
         self._stopped = True
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
-            from prefixrt.engine import builder
+            from prefixrt.engine import release
 
-            builder.stop_ranks(self._built)  # tensor parallelism: the other ranks return (after the loop: in step)
-            builder.release(self._built)
+            release.stop_ranks(self._built)  # tensor parallelism: the other ranks return (after the loop: in step)
+            release.release(self._built)
 
     def __enter__(self):
         return self

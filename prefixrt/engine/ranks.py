@@ -6,7 +6,8 @@
 Both have the same methods, which builder.py calls in this order (each is a no-op or the plain step on one
 device):
     start(config, model_path, say)   the device(s); tensor parallelism: the other ranks started, the rendezvous
-    load_model(path, config, dtype)  this rank's weights (its shard with tensor parallelism)
+    load_model(path, config, dtype, calibration_ids)  this rank's weights (its shard with tensor parallelism);
+                                     calibration_ids: FP8 smoothing's calibration text as token ids
     agree_num_slots(n)               the KV pool size every rank can hold
     send_setup(slots, rows, cols, max_running)    what the other ranks build their pool and table from
     make_runner(config, model, pool, max_running, startup, say, table)     rank 0's model runner
@@ -34,11 +35,12 @@ class SingleDevice:
     def start(cls, config: EngineConfig, model_path=None, say=None) -> SingleDevice:
         return cls(rank_setup.resolve_device(config.device))
 
-    def load_model(self, path, config: EngineConfig, dtype: torch.dtype):
+    def load_model(self, path, config: EngineConfig, dtype: torch.dtype, calibration_ids=None):
         from prefixrt.hub.loader import load_model
 
         return load_model(path, load_format=config.load_format, dtype=dtype, device=self.device,
-                          quantization=config.quantization)
+                          quantization=config.quantization, fp8_smoothing=config.fp8_smoothing_alpha,
+                          calibration_ids=calibration_ids)
 
     def agree_num_slots(self, num_slots: int) -> int:
         return num_slots

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -343,6 +343,8 @@ def load_model(
     tp: TPGroup | None = None,
     spec: ModelSpec | None = None,
     quantization: str | None = None,
+    fp8_smoothing: float | None = None,
+    calibration_ids: Sequence[int] | None = None,
 ) -> CausalLM:
     """Load a model from a local transformers folder.
 
@@ -353,7 +355,10 @@ def load_model(
     FP8 checkpoint, hub/fp8_checkpoint.py, as FP8); "fp8" gives the decoder linears FP8 weights either way (a float
     checkpoint, or dummy weights, quantized at load per output channel: model/quantize.py). K/V cache scales an FP8
     checkpoint carries end up in `model.kv_cache_scales`, its static activation scales on its linears
-    (`input_scale`). Returns the model in eval mode.
+    (`input_scale`). fp8_smoothing: with quantization "fp8" on float weights, the alpha of the smoothing applied
+    before quantizing (model/smoothing.py; None or 0: off), calibrated on calibration_ids
+    (kv_calibration.calibration_tokens of the model's tokenizer; dummy weights may leave it None); a pre-quantized
+    checkpoint is never smoothed. Returns the model in eval mode.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -391,9 +396,13 @@ def load_model(
 
                 set_static_activation_scales(model, activation_scales.scales)
     if quantization == "fp8":
-        from prefixrt.model.quantize import quantize_fp8_weights
+        from prefixrt.model.quantize import quantize_fp8_at_load
 
-        quantize_fp8_weights(model)  # (a pre-quantized checkpoint's linears are left as loaded)
+        smoothing = fp8_smoothing if fp8_format is None else None  # (FP8 weights cannot be rescaled exactly)
+        if smoothing and calibration_ids is None and load_format != "dummy":
+            raise ValueError("FP8 smoothing of a checkpoint's weights needs calibration_ids (the tokenizer's "
+                             "kv_calibration.calibration_tokens)")
+        quantize_fp8_at_load(model, smoothing, calibration_ids)  # (a pre-quantized checkpoint's linears: as loaded)
     return model
 
 

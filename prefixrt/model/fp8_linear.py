@@ -7,10 +7,10 @@ The scheme (kernels/fp8_reference.py states it; every path below computes it, on
 - an input of at most WEIGHT_ONLY_MAX_ROWS rows (a decode batch) runs weight-only: x as it is (bf16) times the
   dequantized weight. Decode is bound by reading the weights, so half their bytes is the whole gain, and leaving
   the activations unquantized is also the more accurate choice;
-- a taller input (prefill, large decode batches) follows the Linear's `fp8_activation_scale`: "none" (weight-only
-  as well, the default), "group" (activations quantized per group of 64 K values of a token) or "token" (one scale
-  per token, what cuBLAS's FP8 GEMM takes: the fastest at large batches, the least accurate;
-  docs/benchmarks.md, "FP8").
+- a taller input (prefill, large decode batches) follows the Linear's `fp8_activation_scale`: "token" (one scale
+  per token, what cuBLAS's FP8 GEMM takes: the fastest at large batches, and the default; the least accurate
+  without the smoothing quantize-at-load applies first, model/smoothing.py), "none" (weight-only as well) or
+  "group" (activations quantized per group of 64 K values of a token); docs/benchmarks.md, "FP8".
 
 The kernels:
 - weight-only on CUDA: kernels/gemv.py with `w_scale` (e4m3 tiles widened in registers), its layout per row count

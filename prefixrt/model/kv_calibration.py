@@ -12,6 +12,9 @@ K can reach its pair's norm at some position the calibration text never reached.
 largest pair norm, which the rotation leaves unchanged; V's as its largest absolute value. HEADROOM leaves room for
 tokens larger than any in the text (e4m3 keeps 3 mantissa bits wherever a value lands above 2^-6 of the scale's
 range, so the headroom costs little precision); larger values saturate at 448 x scale.
+
+The same text and forward (`calibration_tokens`, `calibration_forward`) calibrate the smoothing of FP8 weights
+(model/smoothing.py).
 """
 
 from __future__ import annotations
@@ -67,14 +70,14 @@ def calibration_tokens(tokenizer, max_tokens: int = MAX_CALIBRATION_TOKENS) -> l
 
 
 @torch.no_grad()
-def calibrate_kv_scales(model: CausalLM, token_ids: list[int], device: torch.device | str,
-                        headroom: float = HEADROOM) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(k_scales, v_scales) [num_layers, num_kv_heads] float32 on `device` from one forward of token_ids (see the
-    module docstring). The model and every pool are left as they were; token ids at or past the vocabulary are
-    dropped."""
+def calibration_forward(model: CausalLM, token_ids: list[int], device: torch.device | str) -> KVPool:
+    """One prefill of token_ids through the model's torch path into a temporary float32 pool on `device`, which it
+    returns (slot p + 1 holds position p's K/V; slot 0 is padding). Token ids at or past the vocabulary are dropped,
+    and at most the model's context is used. The model is left as it was; hooks on its modules see the forward
+    (model/smoothing.py collects its linears' inputs this way)."""
     ids = [t for t in token_ids if 0 <= t < model.vocab_size][: model.max_context]
     if not ids:
-        raise ValueError("K/V scale calibration needs at least one token id inside the vocabulary")
+        raise ValueError("calibration needs at least one token id inside the vocabulary")
     n = len(ids)
     pool = KVPool(n + 1, model.num_layers, model.num_kv_heads, model.head_dim, torch.float32, device)
     table = torch.arange(n + 1, dtype=torch.int32, device=device)[None, :]  # one row: position p -> slot p + 1
@@ -84,6 +87,15 @@ def calibrate_kv_scales(model: CausalLM, token_ids: list[int], device: torch.dev
     attn = TorchAttentionBackend(pool)
     attn.prepare(batch)
     model(batch, attn)
+    return pool
+
+
+@torch.no_grad()
+def calibrate_kv_scales(model: CausalLM, token_ids: list[int], device: torch.device | str,
+                        headroom: float = HEADROOM) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(k_scales, v_scales) [num_layers, num_kv_heads] float32 on `device` from one forward of token_ids
+    (calibration_forward; see the module docstring). The model and every other pool are left as they were."""
+    pool = calibration_forward(model, token_ids, device)
     k = pool.k_all[:, 1:]  # [L, n, KVH, D]
     v = pool.v_all[:, 1:]
     half = model.head_dim // 2

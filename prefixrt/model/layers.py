@@ -255,7 +255,7 @@ class Linear(nn.Linear):
 
     With FP8 weights (model/quantize.py sets them): `weight` is e4m3 and `weight_scale` holds its scales (per output
     channel [N], or [ceil(N / 128), ceil(K / 128)] blocks); model/fp8_linear.py computes, `fp8_plan` holding the
-    weight-only kernel's layout per row count and `fp8_activation_scale` ("none", "group" or "token",
+    weight-only kernel's layout per row count and `fp8_activation_scale` ("token", the default, "none" or "group",
     model/quantize.set_fp8_activation_scale) how inputs taller than a decode batch run, unless the checkpoint fixed
     the activations a static scale (`input_scale`, one value; model/fp8_static_linear.py computes)."""
 
@@ -265,7 +265,7 @@ class Linear(nn.Linear):
         self.register_parameter("weight_scale", None)  # set with FP8 weights
         self.register_parameter("input_scale", None)  # set with FP8 weights whose checkpoint has static activations
         self.fp8_plan: dict[int, GemvConfig] = {}  # rows -> weight-only FP8 layout (fp8_linear.fp8_plan_for)
-        self.fp8_activation_scale = "none"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES
+        self.fp8_activation_scale = "token"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES (EngineConfig's default)
         self.lora = None  # LoraWeights (model/lora.py) when the engine serves LoRA adapters through this projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """FP8 weights as a transform of a built model (the model classes know nothing about quantization).
 
-- `quantize_fp8_weights(model)`: a loaded float model -> e4m3 weights with one scale per output channel, in place
-  (`quantization="fp8"` on a bf16/fp32 checkpoint, or dummy weights).
-- `set_fp8_activation_scale(model, scheme)`: how the FP8 linears quantize their activations at run time ("group",
-  the default, or "token"; kernels/fp8_reference.py).
+- `quantize_fp8_weights(model)`: a loaded float model -> e4m3 weights with one scale per output channel, in place.
+- `quantize_fp8_at_load(model, smoothing, calibration_ids)`: what `quantization="fp8"` does to a bf16/fp32 checkpoint
+  or dummy weights: the linears' inputs smoothed first (model/smoothing.py, exact on the float model), then
+  quantize_fp8_weights.
+- `set_fp8_activation_scale(model, scheme)`: how the FP8 linears run inputs taller than a decode batch ("none",
+  "group" or "token"; model/fp8_linear.py, kernels/fp8_reference.py).
 - `prepare_fp8_linears(model, names, block_scales)`: before loading a pre-quantized checkpoint, give the linears the
   checkpoint holds in FP8 their e4m3 weight and scale parameters, so `load_weights` fills them directly
   (hub/fp8_checkpoint.py reads the checkpoint formats).
@@ -16,6 +18,8 @@ tied to the embedding in many models, and checkpoints keep it unquantized). Embe
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -52,6 +56,21 @@ def quantize_fp8_weights(model: nn.Module) -> int:
         # memory held by the caching allocator does not count (an 8B model: ~7.5 GB more for K/V)
         torch.cuda.empty_cache()
     return count
+
+
+def quantize_fp8_at_load(model: nn.Module, smoothing: float | None, calibration_ids: Sequence[int] | None) -> int:
+    """Quantize-at-load (`quantization="fp8"`): with `smoothing` (the alpha of model/smoothing.py; None or 0: off)
+    the inputs of the decoder linears are smoothed first, from one calibration forward of calibration_ids
+    (kv_calibration.calibration_tokens of the model's tokenizer; None: its pseudo-random ids, for dummy weights),
+    unless some linear already holds FP8 weights (a pre-quantized checkpoint, or a model quantized before): those
+    are never rescaled. Then quantize_fp8_weights. Returns the number of linears quantized."""
+    if smoothing and not any(m.weight_scale is not None for m in fp8_linears(model).values()):
+        from prefixrt.model.kv_calibration import calibration_tokens
+        from prefixrt.model.smoothing import smooth_fp8_inputs
+
+        ids = calibration_ids if calibration_ids is not None else calibration_tokens(None)
+        smooth_fp8_inputs(model, smoothing, ids)
+    return quantize_fp8_weights(model)
 
 
 def set_fp8_activation_scale(model: nn.Module, activation_scale: str) -> int:

@@ -68,8 +68,9 @@ class TensorParallelRanks:
         tp, device, workers = start_group(config, str(model_path), spec)
         return cls(tp, device, spec, workers)
 
-    def load_model(self, path, config: EngineConfig, dtype: torch.dtype):
-        """This rank's shard (each checkpoint tensor sliced as it is read)."""
+    def load_model(self, path, config: EngineConfig, dtype: torch.dtype, calibration_ids=None):
+        """This rank's shard (each checkpoint tensor sliced as it is read). calibration_ids is not used: FP8 weights,
+        which it calibrates, are refused with tensor parallelism (EngineConfig)."""
         from prefixrt.hub.loader import load_model
 
         return load_model(path, load_format=config.load_format, dtype=dtype, device=self.device, tp=self.tp,

@@ -51,7 +51,39 @@ def test_fp8_weights_engine_quantizes_decoder_linears(make_engine):
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale.shape == (qkv.out_features,)
     assert model.lm_head.weight.dtype == torch.float32 and model.lm_head.weight_scale is None
     assert len(eng.generate([1, 5, 6], GREEDY).token_ids) == GREEDY["max_new_tokens"]
-    assert {m.fp8_activation_scale for m in model.modules() if getattr(m, "weight_scale", None) is not None} == {"none"}
+    assert {m.fp8_activation_scale for m in model.modules() if getattr(m, "weight_scale", None) is not None} == {"token"}
+
+
+def test_fp8_engine_smooths_before_quantizing(make_engine, tiny_checkpoints, tiny_tokenizer):
+    """quantization="fp8" smooths the float model's linear inputs first (fp8_smoothing, model/smoothing.py): the
+    engine's weights are those of smoothing on the calibration text's token ids, then quantizing; fp8_smoothing=0
+    quantizes the float weights as they are; the disk tier's K/V identity tells the two apart."""
+    from types import SimpleNamespace
+
+    from prefixrt.engine.builder import kv_identity
+    from prefixrt.hub.loader import load_model
+    from prefixrt.model.kv_calibration import calibration_tokens
+    from prefixrt.model.quantize import quantize_fp8_weights
+    from prefixrt.model.smoothing import smooth_fp8_inputs
+
+    alpha = EngineConfig.fp8_smoothing
+    assert alpha, "smoothing is on by default"
+    smoothed = make_engine("llama", quantization="fp8")
+    plain = make_engine("llama", quantization="fp8", fp8_smoothing=0)
+    by_hand = load_model(tiny_checkpoints("llama")[0], dtype="float32", device="cpu")
+    smooth_fp8_inputs(by_hand, alpha, calibration_tokens(tiny_tokenizer))
+    quantize_fp8_weights(by_hand)
+    want = by_hand.state_dict()
+    for name, t in smoothed._built.model.state_dict().items():
+        assert torch.equal(t.float(), want[name].float()), name
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert not torch.equal(plain._built.model.state_dict()[qkv].float(), want[qkv].float())
+    for eng in (smoothed, plain):
+        assert len(eng.generate([1, 5, 6], GREEDY).token_ids) == GREEDY["max_new_tokens"]
+    resolved = SimpleNamespace(revision="test", path="")
+    identities = {kv_identity(EngineConfig(quantization="fp8", fp8_smoothing=a), resolved, smoothed.core.kv.pool)
+                  for a in (alpha, 0, None, 0.25)}
+    assert len(identities) == 3  # (0 and None are both off)
 
 
 def test_fp8_activation_scale_reaches_the_linears(make_engine):
@@ -109,6 +141,11 @@ def test_fp8_options_are_checked():
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="fp8_activation_scale"):
         EngineConfig(quantization="fp8", fp8_activation_scale="tensor")
+    for alpha in (-0.1, 1.5, "0.5", True):
+        with pytest.raises(ValueError, match="fp8_smoothing"):
+            EngineConfig(quantization="fp8", fp8_smoothing=alpha)
+    assert [EngineConfig(fp8_smoothing=a).fp8_smoothing_alpha for a in (None, 0, 0.0, 1, 0.25)] == [
+        None, None, None, 1.0, 0.25]
     # the config's names are the kernels' scheme names (config.py cannot import kernels/)
     assert FP8_ACTIVATION_SCALES == ACTIVATION_SCALES
     with pytest.raises(ValueError, match="tp_size"):
@@ -123,11 +160,18 @@ def test_fp8_command_line_flags():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     kw = engine_kwargs(p.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3",
-                                     "--fp8-activation-scale", "token"]))
-    assert kw["quantization"] == "fp8" and kw["kv_cache_dtype"] == "fp8_e4m3" and kw["fp8_activation_scale"] == "token"
+                                     "--fp8-activation-scale", "group", "--fp8-smoothing", "0.25"]))
+    assert kw["quantization"] == "fp8" and kw["kv_cache_dtype"] == "fp8_e4m3" and kw["fp8_activation_scale"] == "group"
+    assert kw["fp8_smoothing"] == 0.25 and EngineConfig(**kw).fp8_smoothing_alpha == 0.25
+    assert EngineConfig(**engine_kwargs(p.parse_args(["--fp8-smoothing", "0"]))).fp8_smoothing_alpha is None
     kw = engine_kwargs(p.parse_args([]))
-    assert kw["quantization"] is None and kw["kv_cache_dtype"] == "auto" and kw["fp8_activation_scale"] == "none"
+    assert kw["quantization"] is None and kw["kv_cache_dtype"] == "auto"
+    # the flags' defaults are the config's
+    assert (kw["fp8_activation_scale"], kw["fp8_smoothing"]) == (EngineConfig.fp8_activation_scale,
+                                                                 EngineConfig.fp8_smoothing)
     EngineConfig(**{k: v for k, v in kw.items()})  # the defaults are valid options
+    with pytest.raises(ValueError, match="fp8_smoothing"):
+        EngineConfig(**engine_kwargs(p.parse_args(["--fp8-smoothing", "2"])))
 
 
 def test_fp8_host_tier_stores_e4m3_as_is(make_engine):

@@ -72,5 +72,9 @@ def test_second_start_reuses_the_folder_and_converts_nothing(tiny_entry):
     startup = start(messages)
     _, stages, share = parse(messages)
     assert not set(CONVERSION) & set(stages), stages
-    assert set(ENGINE) <= set(stages) and share >= 90, messages
+    assert set(ENGINE) <= set(stages), messages
+    # A second start of a tiny model takes tens of milliseconds, where a few milliseconds of interpreter noise are
+    # a tenth: the unnamed rest is held to 10% or 20 ms, whichever is larger.
+    unnamed = startup["total_s"] - sum(startup["stages"].values())
+    assert share >= 90 or unnamed <= 0.02, (messages, unnamed)
     assert set(startup["stages"]) == set(stages) - {"other"}

@@ -245,6 +245,18 @@ def test_adapters_made_in_memory(make_engine):
     assert len(intervals) == 3 and all(start <= end for start, end in intervals)
 
 
+def test_lora_over_fp8_refuses_smoothing():
+    """FP8 smoothing rescales the projections' inputs (model/smoothing.py), which an adapter was not trained on."""
+    from prefixrt.config import EngineConfig
+
+    with pytest.raises(ValueError, match="fp8_smoothing=0"):
+        EngineConfig(quantization="fp8", enable_lora=True)
+    with pytest.raises(ValueError, match="fp8_smoothing=0"):
+        EngineConfig(quantization="fp8", fp8_smoothing=0.5, lora_adapters={"a": "/x"})
+    EngineConfig(quantization="fp8", fp8_smoothing=0, enable_lora=True)
+    EngineConfig(enable_lora=True)  # smoothing applies only to quantize-at-load
+
+
 def test_an_engine_without_lora_refuses_adapter_requests(make_engine):
     eng = make_engine("llama")
     with pytest.raises(InvalidRequest, match="serves no LoRA adapters"):
