@@ -115,6 +115,16 @@ def test_the_messages_api_reaches_an_adapter(server, engine):
     assert base.content[0].text == _want(engine, None) != msg.content[0].text
 
 
+def test_the_responses_api_reaches_an_adapter(server, engine):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    r = client.responses.create(model="a", input=MESSAGES, max_output_tokens=NEW, temperature=0)
+    assert r.model == "a" and r.output_text == _want(engine, "a")
+    base = client.responses.create(model=BASE, input=MESSAGES, max_output_tokens=NEW, temperature=0)
+    assert base.output_text == _want(engine, None) != r.output_text
+
+
 def test_load_and_unload_routes(server, engine, adapters):
     import openai
 
