@@ -24,7 +24,7 @@ from benchmarks import common as C
 from benchmarks.common import log, rel_err, script_parser, set_cascade
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
-from prefixrt.engine import release
+from prefixrt.engine import builder
 
 RESULTS: dict = {}
 ROWS: list[tuple[str, str, str]] = []  # (what, figure, target) for the closing table
@@ -181,7 +181,7 @@ def main():
         x = torch.randn(64, 64, device="cuda")
         (x @ x).sum().item()  # CUDA context and cuBLAS workspace exist before the memory baseline
         del x
-        release.clear_blas_workspaces()  # shutdown() drops them too
+        builder.clear_blas_workspaces()  # shutdown() drops them too
     baseline = mem()
 
     # ---------------------------------------------------------------- start-up, then the first RAG batch

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
 from prefixrt.default_models import BASE_MODEL
 from prefixrt.engine.api import EngineAPI
@@ -478,10 +478,10 @@ class Engine(EngineAPI):
             self.core.scheduler.adapters.close()  # the adapter load worker, if any
         self._stopped = True
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
-            from prefixrt.engine import release
+            from prefixrt.engine import builder
 
-            release.stop_ranks(self._built)  # tensor parallelism: the other ranks return (after the loop: in step)
-            release.release(self._built)
+            builder.stop_ranks(self._built)  # tensor parallelism: the other ranks return (after the loop: in step)
+            builder.release(self._built)
 
     def __enter__(self):
         return self

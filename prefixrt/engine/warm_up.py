@@ -1,26 +1,14 @@
 """The start-up warm-up's shapes: the eager EXTEND batches whose kernel variants compile (and whose activation
 memory is reserved) at start-up rather than inside a user's request. engine/builder.py runs them before the CUDA
 graphs are captured; tests/engine/test_warm_up_coverage.py checks they cover every variant a served workload
-reaches outside the graphs. Also how many tokens the EXTEND and verify graphs take.
+reaches outside the graphs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prefixrt.config import EngineConfig
-
 EXTEND_GRAPH_TOKENS = 1024  # EXTEND batches up to this many tokens replay CUDA graphs (model/cuda_graphs.py)
-
-
-def verify_graph_tokens(config: EngineConfig, max_running: int) -> int:
-    """Tokens up to which speculative decoding's verify forwards replay CUDA graphs (model/cuda_graphs.py
-    VerifyGraphs): the largest speculating batch times its last token + drafts, at most EXTEND_GRAPH_TOKENS;
-    0 without speculation."""
-    if config.speculative is None:
-        return 0
-    rows = min(max_running, config.speculative_max_batch)
-    return min(EXTEND_GRAPH_TOKENS, rows * (config.speculative_num_tokens + 1))
 
 
 def head_layouts(model) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixrt.config import LORA_TARGET_MODULES
+from prefixrt.config.engine_config import LORA_TARGET_MODULES
 from prefixrt.kernels.lora_plan import EXPAND_BLOCK_N, LoraPlanLists, block_m_for, expand_tiles, plan_lists
 from prefixrt.kernels.lora_reference import lora_apply as lora_apply_reference
 

@@ -15,7 +15,7 @@ def test_three_engines_release_their_memory():
     x = torch.randn(64, 64, device="cuda")
     (x @ x).sum().item()  # cuBLAS workspace and CUDA context exist before the baseline
     del x
-    from prefixrt.engine.release import clear_blas_workspaces
+    from prefixrt.engine.builder import clear_blas_workspaces
 
     clear_blas_workspaces()  # shutdown() drops them too
     start = torch.cuda.memory_allocated()

@@ -1,4 +1,4 @@
-"""release.free_device_memory: every owner frees its own device memory (runner: CUDA graphs and attention
+"""builder.free_device_memory: every owner frees its own device memory (runner: CUDA graphs and attention
 workspaces; KV pool; request table; weights), so nothing the engine allocated stays reachable from it.
 
 On the CPU, where nothing else can measure it, the engine runs with the Triton backend under the interpreter and
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from prefixrt.engine import release
+from prefixrt.engine import builder
 
 KEPT = ("_inv_freq_cpu", "_inv_freq")  # RotaryEmbedding's host table (and its device copy, dropped to it)
 
@@ -70,5 +70,5 @@ def test_owners_free_every_tensor_the_engine_allocated(tiny_checkpoints, tiny_to
     assert any(".attn_backend._workspaces" in p for p in before) and any(".graphs." in p for p in before)
     assert any("._parameters" in p for p in before) and any(".k_buffers" in p for p in before)
     built.owns_model = True  # loaded here: ours to free
-    release.free_device_memory(built)
+    builder.free_device_memory(built)
     assert _reachable_tensors(built) == []

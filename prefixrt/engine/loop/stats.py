@@ -37,16 +37,16 @@ def snapshot(counters: EngineStats, kv, scheduler, auditor=None, lora=None) -> E
         s.kv_host_cached = tiered.host_cached_tokens
         s.host_hit_tokens_total = tiered.host_hit_tokens_total
         s.host_evicted_tokens_total = tiered.host_evicted_tokens_total
-        s.host_load_failures_total = kv.load_failures_total
-        s.host_prefetch_tokens_total = kv.prefetch_tokens_total
-        s.host_prefetch_hits_total = kv.prefetch_hits_total
-        s.host_prefetch_misses_total = kv.prefetch_misses_total
+        s.host_load_failures_total = kv.tiers.load_failures_total
+        s.host_prefetch_tokens_total = kv.tiers.prefetch_tokens_total
+        s.host_prefetch_hits_total = kv.tiers.prefetch_hits_total
+        s.host_prefetch_misses_total = kv.tiers.prefetch_misses_total
         s.retracted_to_host_tokens_total = kv.retracted_to_host_tokens_total
         t = tiered.transfer.stats()
         bpt = tiered.host.bytes_per_token
         s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]
         s.host_backup_bytes_total, s.host_backup_seconds_total = t["backup"][1] * bpt, t["backup"][2]
-    disk = kv.disk
+    disk = kv.tiers.disk
     if disk is not None:
         s.kv_disk_total_bytes, s.kv_disk_used_bytes = disk.max_bytes, disk.used_bytes
         s.kv_disk_cached_tokens, s.kv_disk_files = disk.cached_tokens, disk.num_files
