@@ -18,7 +18,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 from prefixrt.config.engine_config import EngineConfig
@@ -75,6 +74,7 @@ class Engine(EngineAPI):
         self._built = built
         self.core = built.core
         self.progress = ProgressWatch()  # health(): is the loop stepping while it has work
+        self.probes = EngineProbes(self)  # what benchmarks observe and switch (engine/probes.py, docs/api.md "Probes")
         self._tokenizer = built.tokenizer
         self._tok_lock = built.tokenizer_lock
         self.device = built.device
@@ -102,9 +102,7 @@ class Engine(EngineAPI):
             # cyclic collector, whose full passes over it would otherwise stall the loop thread at random steps.
             gc.collect()
             gc.freeze()
-        if self.device.type == "cuda":
             from prefixrt.engine.compile_cache import COMPILES
-
             COMPILES.mark_serving()  # kernel builds from here on are counted as serving's (should be none)
         self._thread = threading.Thread(target=self._loop, name="prefixrt-scheduler", daemon=True)
         self._thread.start()
@@ -113,11 +111,6 @@ class Engine(EngineAPI):
     @property
     def page_size(self) -> int:
         return self.config.page_size
-
-    @cached_property
-    def probes(self) -> EngineProbes:
-        """What benchmarks observe and switch (engine/probes.py; docs/api.md "Probes")."""
-        return EngineProbes(self)
 
     # ------------------------------------------------------------------ the loop thread
     def _loop(self) -> None:
