@@ -257,14 +257,10 @@ class Scheduler:
                     prefetch_need[id(req)] = need
                 reserved = others + need
                 continue
-            first_admission = req.num_cached_tokens is None
-            kv.admit(req, m)
-            n = _chunk_end(req, min(req.num_pending, budget))
-            pages = kv.pages_for(req, n)
-            if not kv.ensure_pages(pages + reserve_pages):
-                kv.release(req)
-                if first_admission:  # it did not run: its reused-prompt count is taken when it does
-                    req.num_cached_tokens = None
+            n = self._try_admit(req, m, budget, reserve_pages)
+            if n is None and prefetch.cancel_behind(req, order):  # memory held for those behind it goes first
+                n = self._try_admit(req, match(req), budget, reserve_pages)
+            if n is None:
                 break
             admitted.add(id(req))
             if req is self.preemption.first:
@@ -282,6 +278,20 @@ class Scheduler:
             version = getattr(kv.cache, "version", 0)
         if admitted:  # one pass (list.remove per request would compare Reqs field by field)
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
+
+    def _try_admit(self, req: Req, m, budget: int, reserve_pages: int) -> int | None:
+        """Admit req on its match m (KVManager.admit) and get the pages of its first chunk plus reserve_pages.
+        Returns the chunk's tokens, or None when the pool cannot make room (req is released again, as before)."""
+        kv = self.kv
+        first_admission = req.num_cached_tokens is None
+        kv.admit(req, m)
+        n = _chunk_end(req, min(req.num_pending, budget))
+        if kv.ensure_pages(kv.pages_for(req, n) + reserve_pages):
+            return n
+        kv.release(req)
+        if first_admission:  # it did not run: its reused-prompt count is taken when it does
+            req.num_cached_tokens = None
+        return None
 
     @staticmethod
     def _shares_uncached_prefix(req: Req, matched: int, leaders: list[Req]) -> bool:
