@@ -154,6 +154,13 @@ class TierLoads:
         self._fetches.append(fetch)
         return False
 
+    @property
+    def in_flight(self) -> bool:
+        """A disk read not attached yet (in flight, or done; its request's or one whose request left) or a
+        host<->pool copy under way: what admission can do may change when it ends."""
+        return (bool(self._fetches) or any(not isinstance(look, int) for look in self._disk_lookups.values())
+                or (self.tiered is not None and self.tiered.transfer.busy()))
+
     def wait_disk(self, timeout_s: float) -> None:
         """Nothing else to run: wait (up to timeout_s) for a disk read in flight, instead of spinning."""
         self._fetches = [f for f in self._fetches if not f.done.is_set()]

@@ -70,8 +70,8 @@ def run_all(s: Scheduler, *reqs: Req) -> None:
         step(s)
 
 
-def test_a_prefetch_behind_the_request_preempted_for_gives_its_pages_up():
-    s = make_scheduler()
+def preempt_beside_a_prefetch(s: Scheduler) -> tuple[Req, Req, Req]:
+    """Play the trace up to F's preemption of R (recorded, carried out on the next step). Returns (F, R, P2)."""
     kv, cache = s.kv, s.kv.cache
     p1 = req(range(100, 111), "p1")  # 11 prompt tokens
     run_all(s, p1)
@@ -92,6 +92,13 @@ def test_a_prefetch_behind_the_request_preempted_for_gives_its_pages_up():
     s.add(f)
     step(s)
     assert s.preemption.pending is not None and s.preemption.pending[0] is f
+    return f, r, p2
+
+
+def test_a_prefetch_behind_the_request_preempted_for_gives_its_pages_up():
+    s = make_scheduler()
+    kv, cache = s.kv, s.kv.cache
+    f, r, p2 = preempt_beside_a_prefetch(s)
     b = step(s)  # R preempted (held back until F is admitted); nothing runs
     assert b.retracted == [r] and r in s.waiting and p2 in s.waiting
     # F, first in line, gets its pages: P2's prefetch (behind it) let its path go.
@@ -107,3 +114,22 @@ def test_a_prefetch_behind_the_request_preempted_for_gives_its_pages_up():
     assert [len(x.output_ids) for x in (f, r, p2)] == [2, 8, 2]
     assert r.retractions == 1 and s.preempted_total == 1
     assert kv.allocator.free_tokens + cache.evictable_tokens == kv.allocator.total_tokens  # nothing stays locked
+
+
+def test_debug_mode_aborts_requests_no_step_could_admit(monkeypatch):
+    """The same trace with the prefetch kept (the bug undone): debug mode names the stuck requests and hands them
+    back to be aborted instead of planning nothing forever."""
+    from prefixrt.engine.loop.prefetch import HostPrefetch
+
+    monkeypatch.setattr(HostPrefetch, "cancel_behind", lambda self, req, order: False)
+    s = make_scheduler()
+    f, r, p2 = preempt_beside_a_prefetch(s)
+    b = s.schedule()
+    assert b.reqs == [] and b.retracted == [r] and s.running == [] and b.stuck is None  # (R's copy to the host runs)
+    s.kv.tiered.transfer.wait_all()
+    b = s.schedule()
+    assert b.reqs == []
+    assert {x.rid for x in b.finished_early} == {"f", "r", "p2"}
+    assert b.stuck.startswith("scheduler stuck: nothing runs or is in flight")
+    for what in ("f (0 tokens out, preempted for", "r (3 tokens out, held back", "p2 (0 tokens out, prefetching"):
+        assert what in b.stuck, b.stuck

@@ -230,7 +230,7 @@ class EngineCore:
         self.kv.reclaim()
         batch = self.scheduler.schedule()
         for r in batch.finished_early:
-            self._finish(r, "length")
+            self._finish(r, "length" if batch.stuck is None else "abort", error=batch.stuck)
         self.stats.retracted_requests_total = self.scheduler.retracted_total
         self.stats.preempted_requests_total = self.scheduler.preempted_total
         return None if batch.is_empty else batch

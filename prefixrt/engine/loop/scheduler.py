@@ -29,6 +29,7 @@ The scheduler knows requests and token counts; KVManager knows memory; neither k
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,8 @@ from prefixrt.engine.loop.prefetch import HostPrefetch
 from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.engine.loop.sessions import SessionService
 from prefixrt.request import Req, ReqState
+
+log = logging.getLogger(__name__)
 
 # Hold back a waiting request when it shares at least this many uncached tokens with a request that is
 # prefilling them now: cheaper to wait a step than to compute them twice.
@@ -54,7 +57,10 @@ class ScheduledBatch:
     slots: list[list[int]]  # pool slots receiving the new tokens' K/V
     sample: list[bool]  # True where the forward reaches the end of all_ids, so a token is sampled
     retracted: list[Req] = field(default_factory=list)
-    finished_early: list[Req] = field(default_factory=list)  # could not get memory even alone: stop them
+    finished_early: list[Req] = field(default_factory=list)  # could not get memory even alone: stop them ("length")
+    # debug mode: why no later step could run anything (Scheduler._report_stuck); finished_early then holds every
+    # waiting request, aborted with this error instead of the loop spinning on empty plans
+    stuck: str | None = None
     # speculative decoding (engine/loop/speculate.py): batch index -> tokens drafted after that row's last token
     # (their slots follow the row's in `slots`; num_tokens does not count them)
     drafts: dict[int, list[int]] = field(default_factory=dict)
@@ -178,10 +184,36 @@ class Scheduler:
 
         # 2. Admit waiting requests.
         if self.waiting:
+            settled = self.kv.debug and not self.running and not batch.retracted and self._settled()
             self._admit(batch, budget, prefilling)
             if batch.is_empty and not self.running:
                 self.kv.tiers.wait_disk(0.002)
+                if settled and not batch.finished_early and self._settled():
+                    self._report_stuck(batch)
         return batch
+
+    def _settled(self) -> bool:
+        """Nothing in flight that may change what an admission pass can do when it ends (a disk read or host copy,
+        a release or free behind a fence, an adapter load), nor a kept prefix whose expiry may."""
+        kv = self.kv
+        return not (kv.tiers.in_flight or kv.has_deferred or kv.pins.num_pins
+                    or (self.adapters is not None and any(r.adapter is not None for r in self.waiting)))
+
+    def _report_stuck(self, batch: ScheduledBatch) -> None:
+        """Debug mode: an admission pass admitted nothing with nothing running, and was settled (_settled) before it
+        and after it. Then the next pass sees the same state and admits nothing again, and every one after it: the
+        waiting requests are stuck. They are handed back to be aborted (batch.finished_early) with batch.stuck
+        naming each and what holds it, instead of the loop spinning on empty plans."""
+        kv, p = self.kv, self.preemption
+        held = [f"{r.rid} ({len(r.output_ids)} tokens out"
+                + (", held back" if p.holds_back(r) else "") + (", preempted for" if r is p.first else "")
+                + (", prefetching" if r in self.prefetch.requests else "")
+                + f", needs {kv.pages_to_admit(r, kv.match(r), self.estimate.remaining(r))} pages)"
+                for r in self.waiting]
+        batch.stuck = (f"scheduler stuck: nothing runs or is in flight, and no waiting request can be admitted "
+                       f"({kv.allocator.free_pages} pages free, {kv.available_pages} available): " + "; ".join(held))
+        log.error("%s", batch.stuck)
+        batch.finished_early.extend(self.waiting)
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         slots = self.kv.extend(req, n)
