@@ -125,6 +125,10 @@ class EngineConfig:
     # Waiting requests of keyed sessions (prompt_cache_key, metadata.user_id) go least attained service of their
     # session first (engine/loop/sessions.py); False: each request on its own, as before.
     session_scheduling: bool = True
+    # With the host tier: a finished turn of a keyed session (or one with kept prefixes) has its prefix loaded back
+    # from the host tier into free pool pages ahead of its next request, when nothing waits (cache/session_prefetch.py);
+    # False: loaded when the next request is admitted, as before.
+    session_prefetch: bool = True
     # Tensor parallelism (parallel/layers.py, parallel/tp_worker.py): the model split over tp_size ranks, one process
     # each, started with torch.multiprocessing; rank 0 runs the scheduler and the radix tree and drives the
     # others. nnodes > 1: tp_size / nnodes ranks per machine, node 0 holding rank 0; dist_init_addr "host:port"

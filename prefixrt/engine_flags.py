@@ -27,7 +27,8 @@ ENGINE_FLAGS = ("load_format", "device", "dtype", "quantization", "fp8_activatio
                 "chunked_prefill_tokens", "max_running_requests", "seed", "debug",
                 "cache_audit_rate", "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_write_threshold",
                 "host_kv_prefetch", "host_kv_preempt_after_s",
-                "max_cached_fraction_per_salt", "max_pinned_fraction", "max_pinned_fraction_per_salt", "session_scheduling", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
+                "max_cached_fraction_per_salt", "max_pinned_fraction", "max_pinned_fraction_per_salt", "session_scheduling",
+                "session_prefetch", "kv_disk_dir", "kv_disk_max_gb", "tp_size", "nnodes", "node_rank",
                 "dist_init_addr", "cascade_decode", "compile_cache_dir", "compile_workers", "speculative",
                 "speculative_num_tokens")
 
@@ -114,6 +115,11 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: str | None = CHAT
     p.add_argument("--session-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="waiting requests of keyed sessions (prompt_cache_key, Anthropic metadata.user_id) go least "
                         "attained service of their session first (default on)")
+    p.add_argument("--session-prefetch", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.session_prefetch,
+                   help="with --host-kv-cache-tokens: when a keyed session's turn ends (or it keeps a prefix), load "
+                        "its prefix back from the host tier into free GPU pool pages ahead of its next request "
+                        f"(docs/serving.md; default {'on' if EngineConfig.session_prefetch else 'off'})")
     p.add_argument("--cascade-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="shared-prefix (cascade) decode in the CUDA decode graphs: requests sharing a cached prefix "
                         "read its K/V once (default: on with CUDA graphs and the Triton backend)")

@@ -299,6 +299,32 @@ class KVManager(AllocatorSizes):
             self.tiered.unlock(req.prefetch)
             req.prefetch = None
 
+    def load_ahead(self, ids: list[int], salt: Any, max_pages: int) -> tuple[Transfer, int] | None:
+        """Load the host-only part of the cached prefix of `ids` into free pool pages before any request asks for
+        it (session prefetch, cache/session_prefetch.py): at most max_pages and the allocator's free pages, the
+        head of that part if not all of it fits. Evicts nothing, and the path keeps its recency (a lookahead is
+        not a use), so the loaded nodes are the first the pool gives up when it needs room. They are unlocked at
+        once (evictable; a page leaving the tree waits for its load, see free_cached). Returns (the load, tokens
+        loaded), or None: nothing on the host for ids, or no room. Mutates: the tree, the allocator."""
+        cache, ps = self.tiered, self.page_size
+        room = min(max_pages, self.allocator.free_pages)
+        if cache is None or room <= 0:
+            return None
+        m = cache.match_prefix(ids, salt, touch=False)
+        if not m.host_length:
+            return None
+        if m.host_length > room * ps:
+            m = cache.match_prefix(ids, salt, max_len=m.length + room * ps, touch=False)
+        handle = cache.lock_host(m)
+        pages = self.allocator.alloc(cache.host_tokens_on_path(handle) // ps)
+        if self.debug:
+            self._check_no_copy_pending(pages)
+        slots = pages_to_slots(pages, ps)
+        load = cache.load_back(handle, slots, ahead=True)
+        self.track(load, slots)
+        cache.unlock(handle)
+        return load, len(slots)
+
     # ------------------------------------------------------------------ host tier: copies and their pages
     def track(self, transfer: Transfer, slots: list[int]) -> None:
         """A copy into or out of these pool slots is in flight: their pages stay allocated until it is done."""

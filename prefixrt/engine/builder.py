@@ -178,7 +178,7 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         aging_s=config.aging_s,
         prefetch=config.host_kv_prefetch,
         preempt_after_s=config.host_kv_preempt_after_s,
-        session_service=config.session_scheduling,
+        session_service=config.session_scheduling, session_prefetch=config.session_prefetch,
     ))
     runner = ranks.make_runner(config, model, pool, max_running, startup, say, table)
     attention = runner.attn_backend

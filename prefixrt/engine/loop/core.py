@@ -156,6 +156,7 @@ class EngineCore:
                 # a request sent after an output still waits for it (the next step starts after it).
                 self.flush_outputs()
                 self.kv.reclaim(wait=True)  # every fence has passed, nothing stays held
+                self.scheduler.prefetch_sessions()  # the room the finished requests left: sessions' prefixes back
                 if self.debug:
                     self.kv.check_integrity()
             return ran

@@ -17,7 +17,10 @@ requests that have already streamed (retracted to the host, most remaining decod
 max_preemptions times): first tokens come soon even when the pool holds a few sessions of many. The victims are
 held back until the request they made room for is admitted (else they would take the room back first).
 Keyed sessions (engine/loop/sessions.py): waiting requests go least attained service of their session first
-(after priority, before the policy's own key), so a session's turns share one priority.
+(after priority, before the policy's own key), so a session's turns share one priority. With a host tier and
+session_prefetch, a finished turn of a keyed session (or one with kept prefixes) is remembered, and when nothing waits
+its prefix is loaded back from the host tier into free pool pages that the running requests' remaining need leaves
+(cache/session_prefetch.py; prefetch_sessions), so the session's next request finds it resident.
 Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
 request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
 running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
@@ -33,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
+from prefixrt.cache.session_prefetch import SessionPrefetch
 from prefixrt.engine.loop.admission import DecodeEstimate
 from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.engine.loop.sessions import SessionService
@@ -76,6 +80,8 @@ class SchedulerConfig:
     max_preemptions: int = 2  # times one request may be preempted so (it is not a victim after that)
     # Waiting requests of keyed sessions ordered by their session's attained service (engine/loop/sessions.py)
     session_service: bool = True
+    # Host tier only: finished keyed sessions' prefixes loaded back into free pool pages ahead of their next request
+    session_prefetch: bool = True
 
 
 class Scheduler:
@@ -92,6 +98,7 @@ class Scheduler:
         self._admit_first: Req | None = None  # the request a preemption made room for
         self._held_back: set[int] = set()  # its preemption's victims: not admitted before it is
         self.sessions = SessionService()
+        self.session_prefetch = SessionPrefetch(kv) if config.session_prefetch and kv.tiered is not None else None
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
@@ -102,6 +109,8 @@ class Scheduler:
             grant = self.kv.pins.grant(req.prompt_ids, req.salt, keep)
             req.keep_report = grant.report()
             req.keep_grant = grant if grant.kept else None
+        if self.session_prefetch is not None and req.index == 0:
+            self.session_prefetch.arrived(req)
         self.waiting.append(req)
 
     def remove(self, req: Req) -> None:
@@ -114,6 +123,8 @@ class Scheduler:
             self.prefetching.remove(req)
         if req.finish_reason in ("stop", "length"):
             self.estimate.finished(req)
+            if self.session_prefetch is not None and req.index == 0:
+                self.session_prefetch.turn_ended(req)
         self.kv.release(req, final=True)
         self._match_cache.pop(id(req), None)
         req.state = ReqState.FINISHED
@@ -180,7 +191,21 @@ class Scheduler:
             self._admit(batch, budget, prefilling)
             if batch.is_empty and not self.running:
                 self.kv.wait_disk(0.002)
+        # 3. Nothing waits: load finished sessions' prefixes into the room left.
+        self.prefetch_sessions()
         return batch
+
+    def prefetch_sessions(self) -> None:
+        """When no request waits, let SessionPrefetch load remembered prefixes into the free pool pages that the
+        running requests' remaining need (the rest of their prompts, their expected decode, a page each for the
+        next step) leaves. Called each step and by the loop when it goes idle."""
+        sp = self.session_prefetch
+        if sp is None or self.waiting or not sp.due():
+            return
+        kv, est = self.kv, self.estimate
+        free = kv.allocator.free_pages
+        reserved = len(self.running) + sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
+        sp.run(free - reserved)
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         slots = self.kv.extend(req, n)
