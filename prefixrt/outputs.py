@@ -158,8 +158,8 @@ class EngineStats:
     host_prefetch_misses_total: int = 0  # admissions that started their host-part load themselves
     # Session prefetch (session_prefetch; cache/session_prefetch.py): finished sessions' prefixes loaded from the host
     # tier ahead of their next request. Tokens loaded; of those, tokens an admission used and tokens the pool gave up
-    # before any admission used them (wasted); arrivals that found their session's prefix loaded and resident, and
-    # the sum of their lead times (arrival minus the load's completion).
+    # before any admission used them (wasted); arrivals after their session's load completed that found loaded tokens
+    # in the pool, and the sum of their lead times (arrival minus the load's completion).
     session_prefetch_tokens_total: int = 0
     session_prefetch_used_tokens_total: int = 0
     session_prefetch_wasted_tokens_total: int = 0

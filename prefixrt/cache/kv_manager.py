@@ -299,13 +299,14 @@ class KVManager(AllocatorSizes):
             self.tiered.unlock(req.prefetch)
             req.prefetch = None
 
-    def load_ahead(self, ids: list[int], salt: Any, max_pages: int) -> tuple[Transfer, int] | None:
+    def load_ahead(self, ids: list[int], salt: Any, max_pages: int) -> tuple[Transfer, int, int] | None:
         """Load the host-only part of the cached prefix of `ids` into free pool pages before any request asks for
         it (session prefetch, cache/session_prefetch.py): at most max_pages and the allocator's free pages, the
         head of that part if not all of it fits. Evicts nothing, and the path keeps its recency (a lookahead is
         not a use), so the loaded nodes are the first the pool gives up when it needs room. They are unlocked at
-        once (evictable; a page leaving the tree waits for its load, see free_cached). Returns (the load, tokens
-        loaded), or None: nothing on the host for ids, or no room. Mutates: the tree, the allocator."""
+        once (evictable; a page leaving the tree waits for its load, see free_cached). Returns (the load, start, n):
+        positions [start, start + n) of ids were loaded; or None: nothing on the host for ids, or no room.
+        Mutates: the tree, the allocator."""
         cache, ps = self.tiered, self.page_size
         room = min(max_pages, self.allocator.free_pages)
         if cache is None or room <= 0:
@@ -323,7 +324,7 @@ class KVManager(AllocatorSizes):
         load = cache.load_back(handle, slots, ahead=True)
         self.track(load, slots)
         cache.unlock(handle)
-        return load, len(slots)
+        return load, m.length, len(slots)
 
     # ------------------------------------------------------------------ host tier: copies and their pages
     def track(self, transfer: Transfer, slots: list[int]) -> None:

@@ -7,7 +7,8 @@ request finds them resident instead of waiting for a load at admission.
 
 - Which sessions: a request that finished (stop or length) with a session key (PromptCache.session: OpenAI's
   prompt_cache_key, Anthropic's metadata.user_id) leaves its whole sequence (prompt and reply) as the session's
-  prefix; one with granted kept prefixes (cache/pins.py) leaves each kept prefix. A later turn of the same session
+  prefix (a chat client's next prompt holds the reply re-rendered: where its tokens differ, the reply's loaded K/V
+  goes unused and counts as wasted once the pool gives it up); one with granted kept prefixes (cache/pins.py) leaves each kept prefix. A later turn of the same session
   (or a request keeping the same prefix) replaces the entry; at most `max_sessions` are remembered (oldest turn
   end forgotten first).
 - When: `run(room_pages)`, called by the scheduler only when no request waits, with the free pages that the running
@@ -18,8 +19,8 @@ request finds them resident instead of waiting for a load at admission.
   request's K/V, which is locked, nor any cached prefix), the path's recency untouched (a prefetched prefix is as
   old as its last use, so it is the first to go if the pool needs room again).
 - What it reports: tokens loaded ahead (`prefetched_tokens_total`); for each request arriving on a session whose
-  load has completed and is still resident, the lead time (arrival minus the load's completion: its start plus its
-  copy time);
+  load has completed and whose prompt finds loaded tokens still in the pool, the lead time (arrival minus the
+  load's completion: its start plus its copy time);
   the tree counts the tokens loaded ahead that an admission used or that left the pool unused (wasted).
 Runs on the loop thread, like KVManager.
 """
@@ -42,6 +43,7 @@ class _Entry:
     ids: list[int]  # the prefix to have in the pool
     load: Transfer | None = None  # its latest load ahead
     issued_at: float = 0.0  # when that load was started
+    start: int = 0  # the tokens of ids in the pool before it (it loaded the ones after)
     loaded_at: float | None = None  # when it completed (see _poll), once seen done
 
 
@@ -90,8 +92,9 @@ class SessionPrefetch:
         self._free_seen = -1
 
     def arrived(self, req: Req) -> None:
-        """A request arrived: if its session's prefix was loaded ahead, is done and is still in the pool, count the
-        lead time (its arrival minus the load's completion). The entry stays until the turn ends again."""
+        """A request arrived: if its session's prefix was loaded ahead, the load is done and the request's prompt
+        finds some of the loaded tokens in the pool, count the lead time (its arrival minus the load's completion).
+        The entry stays until the turn ends again."""
         keep = req.params.prompt_cache.keep if req.params.prompt_cache is not None else ()
         for key in _keys(req, [k.num_tokens for k in keep]):
             e = self._entries.get(key)
@@ -101,7 +104,7 @@ class SessionPrefetch:
             if e.loaded_at is None:
                 continue  # still loading: its first forward waits for it (counted as neither)
             e.load = None
-            if self.kv.tiered.match_prefix(e.ids, e.salt, touch=False).host_length == 0:
+            if self.kv.tiered.match_prefix(req.prompt_ids, req.salt, touch=False).length > e.start:
                 self.used_total += 1
                 self.lead_seconds_total += max(0.0, req.arrival - e.loaded_at)
             e.loaded_at = None
@@ -133,7 +136,7 @@ class SessionPrefetch:
             got = self.kv.load_ahead(e.ids, e.salt, room_pages)
             if got is None:
                 continue
-            e.load, n = got
+            e.load, e.start, n = got
             e.issued_at, e.loaded_at = self.clock(), None
             self._in_flight.append(e)
             room_pages -= n // ps

@@ -59,8 +59,8 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
                                              "Session-prefetched tokens the pool gave up before any request used "
                                              "them (wasted loads)."),
     "session_prefetch_arrivals_total": ("prefixrt_session_prefetch_arrivals",
-                                        "Requests that arrived to find their session's prefix prefetched and "
-                                        "resident."),
+                                        "Requests that arrived after their session's prefetch completed and found "
+                                        "prefetched tokens in the pool."),
     "session_prefetch_lead_seconds_total": ("prefixrt_session_prefetch_lead_seconds",
                                             "Sum over those arrivals of the lead time: arrival minus the completion "
                                             "of the prefetch (divide by prefixrt_session_prefetch_arrivals_total)."),

@@ -169,8 +169,8 @@ def test_prefetch_takes_free_pages_only_never_a_running_request_or_a_cached_pref
     assert s.session_prefetch.prefetched_tokens_total == 0
     r_pages, evicted = list(r.pages), kv.evicted_tokens_total
     # Asked for more than is free, a load ahead takes the free page alone (A's head) and evicts nothing.
-    load, n = kv.load_ahead(a.all_ids, None, max_pages=8)
-    assert n == PS and kv.allocator.free_pages == 0 and kv.evicted_tokens_total == evicted
+    load, start, n = kv.load_ahead(a.all_ids, None, max_pages=8)
+    assert (start, n) == (0, PS) and kv.allocator.free_pages == 0 and kv.evicted_tokens_total == evicted
     m = cache.match_prefix(a.all_ids, touch=False)
     assert (m.length, m.host_length) == (4, 4)
     assert r.pages == r_pages and cache.match_prefix(b.all_ids, touch=False).length == 8
