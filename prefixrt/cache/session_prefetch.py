@@ -14,7 +14,8 @@ request finds them resident instead of waiting for a load at admission.
 - When: `run(room_pages)`, called by the scheduler only when no request waits, with the free pages that the running
   requests' remaining need leaves (so prefetch never takes room an admission or a running request needs), and only
   when the pool's free pages have grown since the last pass (room freed) or a turn has ended since; at most
-  `max_checks` remembered prefixes are looked up per pass.
+  `max_checks` remembered prefixes are looked up and `max_pass_tokens` loaded per pass, and no pass starts while
+  the last one's loads are in flight (host loads share one FIFO with admissions' loads).
 - How: KVManager.load_ahead, most recent turn end first: free pages only (nothing is evicted: neither a running
   request's K/V, which is locked, nor any cached prefix), the path's recency untouched (a prefetched prefix is as
   old as its last use, so it is the first to go if the pool needs room again).
@@ -56,13 +57,18 @@ def _keys(req: Req, keep_lengths) -> list[tuple]:
 
 
 class SessionPrefetch:
-    def __init__(self, kv: KVManager, max_sessions: int = 4096, max_checks: int = 64, clock=time.monotonic):
-        """max_checks: remembered prefixes looked up per pass at most (a pass costs a tree walk per lookup)."""
+    def __init__(self, kv: KVManager, max_sessions: int = 4096, max_checks: int = 64, max_pass_tokens: int = 8192,
+                 clock=time.monotonic):
+        """max_checks: remembered prefixes looked up per pass at most (a pass costs a tree walk per lookup).
+        max_pass_tokens: tokens one pass loads at most; no pass starts while the last one's loads are in flight.
+        Host loads run in one FIFO (transfer.py), so a request's own load waits behind at most this much."""
         if kv.tiered is None:
             raise ValueError("session prefetch needs the host tier (host_kv_cache_tokens > 0)")
         self.kv = kv
         self.max_sessions = max_sessions
         self.max_checks = max_checks
+        self.max_pass_tokens = max_pass_tokens
+        self._capped = False  # the last pass stopped at max_pass_tokens: another is due once its loads are done
         self.clock = clock
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # most recent turn end last
         self._in_flight: list[_Entry] = []  # entries whose load ahead is not seen done yet
@@ -111,14 +117,17 @@ class SessionPrefetch:
 
     # ------------------------------------------------------------------ the pass
     def due(self) -> bool:
-        """Whether a pass may load anything: the pool's free pages grew since the last pass, or a turn ended. Also
-        notes the loads ahead seen done by now (their completion time, for the lead time). Cheap: no tree walk."""
+        """Whether a pass may load anything: the last pass's loads are done, and the pool's free pages grew since
+        it, or a turn ended, or it stopped at max_pass_tokens. Also notes the loads ahead seen done by now (their
+        completion time, for the lead time). Cheap: no tree walk."""
         if self._in_flight:
             for e in self._in_flight:
                 self._poll(e)
             self._in_flight = [e for e in self._in_flight if e.loaded_at is None and e.load is not None]
+            if self._in_flight:
+                return False
         free = self.kv.allocator.free_pages
-        if free > self._free_seen:
+        if free > self._free_seen or self._capped:
             return True
         self._free_seen = free  # room taken since: the next growth counts from here
         return False
@@ -127,6 +136,9 @@ class SessionPrefetch:
         """Load remembered prefixes into at most room_pages free pool pages, most recent turn end first (call when
         due()). Returns the tokens loaded. Mutates: the tree and allocator (KVManager.load_ahead), this table."""
         loaded, ps = 0, self.kv.page_size
+        cap = self.max_pass_tokens // ps
+        self._capped = room_pages > cap
+        room_pages = min(room_pages, cap)
         if room_pages <= 0:
             self._free_seen = self.kv.allocator.free_pages
             return 0
@@ -142,6 +154,7 @@ class SessionPrefetch:
             room_pages -= n // ps
             loaded += n
             self.prefetches_total += 1
+        self._capped = self._capped and room_pages == 0
         self.prefetched_tokens_total += loaded
         self._free_seen = self.kv.allocator.free_pages
         return loaded

@@ -19,11 +19,12 @@ from prefixrt.cache.host_pool import HostKVPool
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.req_table import ReqToTokenTable
+from prefixrt.cache.session_prefetch import SessionPrefetch
 from prefixrt.cache.tiered_radix import TieredRadixCache
 from prefixrt.cache.transfer import KVTransfer
 from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
 from prefixrt.params import SamplingParams
-from prefixrt.prompt_cache import PromptCache
+from prefixrt.prompt_cache import KeepPrefix, PromptCache
 from prefixrt.request import Req
 
 PS = 4  # page size
@@ -152,6 +153,38 @@ def test_a_prefetch_given_up_before_use_is_counted_as_wasted():
     a2 = next_turn(a)
     run_all(s, a2)
     assert a2.num_cached_tokens == 8 and cache.ahead_used_tokens_total == 8 and cache.ahead_wasted_tokens_total == 8
+
+
+def test_a_kept_prefix_without_a_session_key_is_prefetched_too():
+    s = make_scheduler()
+    cache = s.kv.cache
+    k = Req(rid="k", prompt_ids=A_PROMPT, sink=None,
+            params=SamplingParams(max_new_tokens=2, prompt_cache=PromptCache(None, (KeepPrefix(8, 600.0),))))
+    run_all(s, k)
+    assert s.kv.pins.num_pins == 1
+    flood(s, "f")
+    assert cache.match_prefix(A_PROMPT, touch=False).host_length == 8  # kept: moved to the host, not dropped
+    step(s)
+    assert s.session_prefetch.prefetched_tokens_total == 8
+    k2 = Req(rid="k2", prompt_ids=A_PROMPT + [50, 51], sink=None,
+             params=SamplingParams(max_new_tokens=1, prompt_cache=PromptCache(None, (KeepPrefix(8, 600.0),))))
+    run_all(s, k2)
+    assert k2.num_cached_tokens == 8 and cache.host_hit_tokens_total == 0 and s.session_prefetch.used_total == 1
+
+
+def test_a_pass_loads_at_most_max_pass_tokens_the_next_one_the_rest():
+    s = make_scheduler()
+    s.session_prefetch = SessionPrefetch(s.kv, max_pass_tokens=PS)
+    cache = s.kv.cache
+    a = a_turn(s)
+    flood(s, "f")
+    step(s)
+    assert s.session_prefetch.prefetched_tokens_total == 4
+    m = cache.match_prefix(a.all_ids, touch=False)
+    assert (m.length, m.host_length) == (4, 4)
+    step(s)  # the next pass, its predecessor's load done
+    assert s.session_prefetch.prefetched_tokens_total == 8
+    assert cache.match_prefix(a.all_ids, touch=False).length == 8
 
 
 def test_prefetch_takes_free_pages_only_never_a_running_request_or_a_cached_prefix():
