@@ -242,13 +242,13 @@ def test_prefetch_keeps_the_prefix_recency():
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def _engine_trace(make_engine, prefetch: bool):
+def _engine_trace(make_engine, prefetch: bool, delay_s: float = 0.0, wait_loads: bool = True):
     """On a tiny checkpoint, page size 4, a pool of 12 pages with the host tier: A's turn (32 prompt tokens, keyed),
     a flood (one request of 8 samples, 2 prompt tokens and 1 output each: a page each while running, nothing
-    published), then A's next turn once the loads in flight are done. Returns (A's next Completion, stats before
-    it, stats after it)."""
+    published), then A's next turn once the loads in flight are done (wait_loads; else at once). delay_s: race
+    mode, every layer of every host copy delayed. Returns (A's next Completion, stats before it, stats after it)."""
     eng = make_engine("llama", kv_cache_tokens=48, page_size=4, host_kv_cache_tokens=256, chunked_prefill_tokens=64,
-                      session_prefetch=prefetch)
+                      session_prefetch=prefetch, host_kv_debug_delay_s=delay_s)
     a_prompt = [5 + (7 * i) % 290 for i in range(32)]
     key = {"prompt_cache": PromptCache("A")}
     a1 = eng.generate(a_prompt, {"max_new_tokens": 2, **GREEDY, **key})
@@ -260,7 +260,8 @@ def _engine_trace(make_engine, prefetch: bool):
         if w is not None:
             w.wait_all()
 
-    eng._run_on_loop(loads_done)  # (the agent's time in tools: the prefetch, if any, has finished)
+    if wait_loads:
+        eng._run_on_loop(loads_done)  # (the agent's time in tools: the prefetch, if any, has finished)
     before = eng.stats()
     a2 = eng.generate(a_prompt + a1.token_ids + [9, 10, 11, 12], {"max_new_tokens": 3, **GREEDY, **key})
     eng.wait_idle()
@@ -286,3 +287,14 @@ def test_engine_without_session_prefetch_loads_at_admission_with_the_same_output
     assert after.host_hit_tokens_total == 32 and after.host_prefetch_misses_total == 1  # loaded at admission
     assert after.session_prefetch_used_tokens_total == 0
     assert off.token_ids == on.token_ids  # exact reuse either way
+
+
+def test_engine_next_turn_during_the_prefetch_waits_for_its_load(make_engine):
+    """Race mode (each layer of each copy delayed, freed slots poisoned with NaN by debug mode): A's next turn
+    arrives while its prefix is still loading; its forward waits for the load, so its output is unchanged."""
+    want, _, _ = _engine_trace(make_engine, prefetch=False)
+    # (a quarter second per layer: the next turn is submitted well before the load is done; the check holds either way)
+    got, before, after = _engine_trace(make_engine, prefetch=True, delay_s=0.25, wait_loads=False)
+    assert before.session_prefetch_tokens_total == 32 and got.cached_tokens == 32
+    assert after.host_prefetch_misses_total == 0 and after.session_prefetch_used_tokens_total == 32
+    assert got.token_ids == want.token_ids
