@@ -24,10 +24,28 @@ MAX_REPETITION_PENALTY = 100.0
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64, what torch.Generator.manual_seed accepts
 
 
+def internal(default: Any = dataclasses.MISSING, **kw) -> Any:
+    """A SamplingParams field that is no request option (requests cannot set it by name; lowering/options.py)."""
+    return field(default=default, metadata={"option": None}, **kw)
+
+
+def option_names(params_cls: type | None = None) -> dict[str, str]:
+    """Request option name -> SamplingParams field: every field but the internal ones, under its own name or the
+    name its metadata gives (`option`). One declaration of a field is all a new option needs: lowering
+    (lowering/options.py) and the server's request bodies (server/protocol.py) read this."""
+    out = {}
+    for f in dataclasses.fields(params_cls or SamplingParams):
+        name = f.metadata.get("option", f.name)
+        if name is not None:
+            out[name] = f.name
+    return out
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
-    min_new_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    # EOS and stop_token_ids are masked until this many tokens were generated (requests say min_tokens, as vLLM)
+    min_new_tokens: int = field(default=0, metadata={"option": "min_tokens"})
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -49,17 +67,17 @@ class SamplingParams:
     json_object: bool = False  # any JSON object (OpenAI response_format json_object)
     cache_salt: str | None = None
     priority: int = 0
-    request_id: str | None = None
+    request_id: str | None = internal(None)
     speculative: bool = True  # False: this request never speculates (an engine with speculative decoding on)
     # Internal knobs (not in the public contract, but harmless to set):
-    jump_forward: bool = True  # emit grammar-forced tokens in one forward
+    jump_forward: bool = internal(True)  # emit grammar-forced tokens in one forward
     # choices scoring: "token_length_normalized" (mean logprob, default) | "sum" | "unconditional_normalized"
-    choices_method: str = "token_length_normalized"
+    choices_method: str = internal("token_length_normalized")
     skip_special_tokens: bool = True
-    detokenize: bool = True  # False: outputs carry token ids only (token-level benchmarks)
-    extra: dict = field(default_factory=dict)
-    # The session key and kept prefixes of the prompt (prefixrt/prompt_cache.py); None: plain reuse only
-    prompt_cache: PromptCache | None = None
+    detokenize: bool = internal(True)  # False: outputs carry token ids only (token-level benchmarks)
+    extra: dict = internal(default_factory=dict)
+    # The session key and kept prefixes of the prompt (prefixrt/prompt_cache.py), set by lowering; None: plain reuse
+    prompt_cache: PromptCache | None = internal(None)
 
     def __post_init__(self):
         self.validate()

@@ -2,7 +2,9 @@
 
 A shared record on the bottom floor (beside params.py and outputs.py): the engine creates and advances it,
 cache/kv_manager.py owns its KV fields, sampling/sampler.py reads its params and sampling state. It imports
-nothing but SamplingParams, so all of them depend downward on it. ImageKey, the token of an image position in a
+nothing but SamplingParams, so all of them depend downward on it. What another component keeps about a request
+(its host-tier loads and disk reads: cache/tier_loads.py; its speculation state: speculative/; its text state:
+engine/detokenizer.py) is held by that component, keyed by the request: a Req hashes and compares by identity. ImageKey, the token of an image position in a
 keyed prompt, lives here for the same reason: multimodal/ makes it, cache/ stores it.
 
 Token layout: all_ids = prompt_ids + output_ids, every token the host knows. With overlap scheduling the
@@ -48,14 +50,14 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
     sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
-    salt: Any = None  # the request's cache_salt: requests with different salts never share KV
+    salt: str | None = None  # the request's cache_salt: requests with different salts never share KV
     # Images (multimodal/inputs.py ReqImages) or None: prompt_ids then holds (ImageKey, offset) at their placeholders
     images: Any = None
     arrival: float = field(default_factory=time.monotonic)
@@ -68,9 +70,6 @@ class Req:
     kv_len: int = 0  # tokens of all_ids with K/V in the pool
     cached_len: int = 0  # leading tokens whose pages belong to the radix tree (locked via cache_handle)
     cache_handle: Any = None
-    disk_lookup: Any = None  # disk tier: the read in flight for its prefix, or the match end last looked up
-    prefetch: Any = None  # host tier: the lock handle of its path, loaded into the pool while it waits
-    kv_load: Any = None  # host tier: the latest load into its path that its next forward must wait for
     # Reporting
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission (None: not admitted yet)
     prompt_counted: bool = False  # its prompt/cached tokens are in EngineStats (counted once, at first forward)
@@ -84,8 +83,6 @@ class Req:
     # Sampling state
     generator: Any = None  # torch.Generator when params.seed is set
     matcher: Any = None  # grammar matcher when a constraint is set
-    # Text state, owned by the detokenizer worker (the loop creates it and passes it along, never reads it)
-    detok: Any = None  # DetokState (engine/detokenizer.py)
     # Prompt logprobs (select scoring): report log p(all_ids[k]) for k >= input_logprobs_from
     input_logprobs_from: int | None = None
     input_logprobs: list[float] = field(default_factory=list)
@@ -95,7 +92,6 @@ class Req:
     future: Any = None  # (step, row): where the last unresolved token lives on the device
     chunk_step: Any = None  # the step whose prefill chunk is launched and not yet published to the cache
     epoch: int = 0  # bumped when the host rewrites what follows (jump-forward): samples in flight go stale
-    spec: Any = None  # speculative decoding's per-request state (speculative/drafter.py SpecState)
     # Kept prefixes (params.prompt_cache.keep): the decision on them (cache/pins.py KeepGrant), held until the last
     # release pins them; keep_report is what the request's next output says about it (KeepGrant.report), sent once
     keep_grant: Any = None

@@ -163,7 +163,7 @@ def test_checker_reports_upward_sideways_and_cycles():
                b.endswith("upward") for b in bad), bad
     assert any(b.startswith("prefixrt.sampling.sampler") and b.endswith("sideways") for b in bad), bad
     g["prefixrt.request"] = g["prefixrt.request"] | {"prefixrt.cache.kv_manager"}
-    assert ["prefixrt.cache.kv_manager", "prefixrt.request"] in cycles(g)
+    assert any({"prefixrt.cache.kv_manager", "prefixrt.request"} <= set(c) for c in cycles(g))
 
 
 def test_layer_table_names_only_what_the_tree_has():

@@ -32,7 +32,13 @@ import sys
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 from prefixrt.bench.compute_floor import H200_BF16_DENSE_TFLOPS, ModelShape, floor_report, format_floor
+from prefixrt.config.flags import add_engine_args, engine_kwargs
 from prefixrt.default_models import BASE_MODEL
+
+# The engine's flags a benchmark run takes (config/engine_config.py declares them; --radix-cache is a baseline here).
+ENGINE_FLAGS = ("load_format", "device", "dtype", "seed", "attention_backend", "kv_cache_tokens", "page_size",
+                "schedule_policy", "prefix_cache", "chunked_prefill_tokens", "max_running_requests",
+                "host_kv_cache_tokens", "host_kv_write_policy", "host_kv_prefetch")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,15 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the served model's name)")
     ap.add_argument("--workload", choices=["shared-prefix", "rag", "random", "multi-turn", "long-context", "agent"],
                     default="shared-prefix")
-    ap.add_argument("--model", default=BASE_MODEL, help="registry name or local folder")
+    add_engine_args(ap, default_model=BASE_MODEL, only=ENGINE_FLAGS)  # --model and the engine's flags
     ap.add_argument("--model-config", dest="model", help="alias of --model (e.g. llama-3-8b with dummy weights)")
-    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--url", default=None, help="benchmark a running `prefixrt serve` instead")
     ap.add_argument("--baselines", default="radix,no-radix",
                     help="comma list of: radix, no-radix, hf (transformers generate)")
     ap.add_argument("--concurrency", type=int, default=1024, help="requests in flight at most")
     ap.add_argument("--hf-batch-size", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--plot", default=None, metavar="OUT.png",
                     help="also draw throughput and cold/hot TTFT distributions here (needs matplotlib)")
@@ -82,20 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--own-len", type=int, default=8192, help="agent: each session's own first context")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS,
                     help="dense bf16 peak for the compute floor (long-context)")
-    # engine flags
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--kv-cache-tokens", type=int, default=None)
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--schedule-policy", default="lpm")
-    ap.add_argument("--prefix-cache", default="radix", choices=["radix", "block"])
-    ap.add_argument("--chunked-prefill-tokens", type=int, default=8192)
-    ap.add_argument("--max-running-requests", type=int, default=None)
-    ap.add_argument("--host-kv-cache-tokens", type=int, default=None, help="host tier of the KV cache (tokens)")
-    ap.add_argument("--host-kv-write-policy", default="write_through",
-                    choices=["write_through", "write_through_selective", "write_back"])
-    ap.add_argument("--host-kv-prefetch", default="wait_complete", choices=["wait_complete", "best_effort", "off"])
     return ap
 
 
@@ -142,14 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from prefixrt.engine.engine import Engine
 
-        engine_kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
-                             attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,
-                             page_size=args.page_size, schedule_policy=args.schedule_policy,
-                             prefix_cache=args.prefix_cache,
-                             chunked_prefill_tokens=args.chunked_prefill_tokens,
-                             max_running_requests=args.max_running_requests, seed=args.seed,
-                             host_kv_cache_tokens=args.host_kv_cache_tokens,
-                             host_kv_write_policy=args.host_kv_write_policy, host_kv_prefetch=args.host_kv_prefetch)
+        kwargs = engine_kwargs(args)
         baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
         w = None
         path = dtype = device = None
@@ -158,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"unknown baseline {b!r}")
             if b == "hf":
                 continue
-            eng = Engine(args.model, radix_cache=(b == "radix"), **engine_kwargs)
+            eng = Engine(args.model, radix_cache=(b == "radix"), **kwargs)
             if w is None:
                 w = make_workload(args, eng.vocab_size)
             meta.update(device=str(eng.device), model=eng.model_name, dtype=str(eng._built.dtype),

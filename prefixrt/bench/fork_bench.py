@@ -11,6 +11,7 @@ arriving together: there the hint is what keeps the branches from prefilling the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -46,7 +47,8 @@ def _expand(s, leaves: list, levels: int, branches: int, max_tokens: int, path: 
 
 def run_once(engine, prefix_hints: bool, levels: int, branches: int, max_tokens: int, dedup: bool = True,
              context_repeat: int = 1) -> dict:
-    engine.core.scheduler.config.dedup_shared_prefill = dedup  # benchmark-only switch of an engine internal
+    scheduler = engine.core.scheduler  # benchmark-only switch of an engine setting on a running engine
+    scheduler.settings = dataclasses.replace(scheduler.settings, dedup_shared_prefill=dedup)
     engine.flush_cache()
     before = engine.stats()
     backend = ProviderBackend(engine, prefix_hints=prefix_hints)

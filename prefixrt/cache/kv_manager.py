@@ -1,4 +1,6 @@
-"""KVManager: the one owner of KV memory for requests — allocator, request table and prefix cache together.
+"""KVManager: the one owner of KV memory for requests — allocator, request table and prefix cache together: the
+pool's accounting. Two concerns beside it use its pages: the host and disk tiers' loads into the pool
+(`tiers`, cache/tier_loads.py) and K/V another engine writes into it (`receiver`, cache/kv_receive.py).
 
 Every slot is in exactly one of: free (allocator), cached (radix tree, locked or evictable), or private to a
 running request (its pages past cached_len). check_integrity() verifies free + cached + private == total.
@@ -14,8 +16,8 @@ the loop is idle nothing is held (it calls reclaim(wait=True)).
 Pending writes from outside the forward (the host tier's loads and backups, K/V received from a prefill engine
 under disaggregation) are Transfers (cache/transfer.py): `track` maps each pool page to the latest Transfer
 touching it, and a page goes back to the allocator only once that Transfer is done (`free_cached` holds it until
-then). A receive (`begin_receive`) owns its pages until `finish_receive` publishes them or `abandon_receive` hands
-them to that hold: an aborted request's pages are never reused while the sender may still write them. The
+then). A receive (`receiver.begin`) owns its pages until `receiver.finish` publishes them or `receiver.abandon`
+hands them to that hold: an aborted request's pages are never reused while the sender may still write them. The
 checker: freeing or reallocating a page whose Transfer is pending raises (and counts `lifetime_violations`).
 
 Kept prefixes (`pins`, cache/pins.py): a request's last release (`release(final=True)`) commits its granted keeps
@@ -27,17 +29,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prefixrt.cache.allocator import AllocatorSizes, PageAllocator, pages_to_slots
 from prefixrt.cache.base import MatchResult, PrefixCache
 from prefixrt.cache.kv_pool import KVPool
+from prefixrt.cache.kv_receive import KVReceiver
 from prefixrt.cache.pins import PinTable
 from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.cache.salt_stats import SaltCounters
+from prefixrt.cache.tier_loads import TierLoads
 from prefixrt.cache.tiered_radix import TieredRadixCache
-from prefixrt.cache.transfer import LoadWaiter, Transfer
+from prefixrt.cache.transfer import Transfer
 from prefixrt.request import Req
 
 
@@ -82,21 +86,17 @@ class KVManager(AllocatorSizes):
         self.tiered = cache if isinstance(cache, TieredRadixCache) else None
         self._copying: dict[int, Transfer] = {}
         self._copy_held: list[tuple[Transfer, list[int]]] = []
-        self.load_failures_total = 0  # admissions whose host part could not get pool pages (recomputed)
-        self.prefetch_tokens_total = 0  # host-tier tokens loaded for waiting requests (prefetch)
-        self.prefetch_hits_total = 0  # admissions of requests whose host part a prefetch had loaded
-        self.prefetch_misses_total = 0  # admissions that started loading their host part themselves
         self.retracted_to_host_tokens_total = 0  # retracted requests' tokens copied to the host tier at retraction
-        self._incoming: dict[int, IncomingKV] = {}  # id -> a receive whose pages it owns (not yet published)
         self.lifetime_violations = 0  # the checker's count: pages freed or reused while a write was pending
         if self.tiered is not None:
             self.tiered.tracker = self
         self.salts = SaltCounters()  # per cache_salt: prompt, hit and evicted tokens (bounded labels)
         if hasattr(cache, "salt_counters"):
             cache.salt_counters = self.salts
-        # Disk tier (disk_radix.py): reads in flight for waiting requests.
-        self.disk = getattr(self.tiered, "disk", None)
-        self._fetches: list = []
+        # The host and disk tiers' loads into the pool (cache/tier_loads.py), and K/V another engine writes into
+        # it (cache/kv_receive.py): their pages are accounted here.
+        self.tiers = TierLoads(self)
+        self.receiver = KVReceiver(self)
         # Kept prefixes: limits in tokens of the tier that keeps them (the host tier if any, else the pool).
         keeping = self.tiered.host_alloc.total_tokens if self.tiered is not None else allocator.total_tokens
         self.pins = PinTable(cache, int(max_pinned_fraction * keeping), int(max_pinned_fraction_per_salt * keeping))
@@ -138,7 +138,9 @@ class KVManager(AllocatorSizes):
 
     # ------------------------------------------------------------------ admission
     @staticmethod
-    def _reuse_cap(req: Req) -> int:
+    def reuse_cap(req: Req) -> int:
+        """The longest prefix of req that may be reused: all of it but the last token (and, when its prompt
+        tokens are scored, the token before the first scored one)."""
         cap = req.seq_len - 1  # at least the last token is recomputed
         if req.input_logprobs_from is not None:  # the logits of the token before the first scored one
             cap = min(cap, req.input_logprobs_from - 1)
@@ -146,42 +148,7 @@ class KVManager(AllocatorSizes):
 
     def match(self, req: Req) -> MatchResult:
         """Read-only lookup of req's reusable prefix. At least the last token is always recomputed."""
-        return self.cache.match_prefix(req.all_ids, req.salt, max_len=self._reuse_cap(req))
-
-    def disk_ready(self, req: Req, m: MatchResult) -> bool:
-        """Admission check of the disk tier (True without one). If the disk holds the continuation of req's match
-        m, start reading it off the loop and return False (req keeps waiting); once read, attach it to the tree
-        as host-only nodes and return True (admit() then loads it like any host hit)."""
-        if self.disk is None:
-            return True
-        look = req.disk_lookup
-        if look is not None and not isinstance(look, int):  # a read in flight
-            if not look.done.is_set():
-                return False
-            self.disk.finish_fetch(look)
-            self.tiered.attach_from_disk(req.salt, req.all_ids, look)
-            m = self.match(req)
-            req.disk_lookup = m.length + m.host_length  # (a segment only partly read: the rest is recomputed)
-            return True
-        end = m.length + m.host_length
-        if look == end:
-            return True
-        entries = self.disk.lookup(req.salt, req.all_ids, end, self._reuse_cap(req))
-        if not entries:
-            req.disk_lookup = end
-            return True
-        for f in self._fetches:  # another request reads the same file for the same position: wait for it to attach
-            if f.salt == req.salt and f.start == end and f.entries[0].name == entries[0].name:
-                return False
-        req.disk_lookup = self.disk.fetch(req.salt, req.all_ids, end, self._reuse_cap(req), entries)
-        self._fetches.append(req.disk_lookup)
-        return False
-
-    def wait_disk(self, timeout_s: float) -> None:
-        """Nothing else to run: wait (up to timeout_s) for a disk read in flight, instead of spinning."""
-        self._fetches = [f for f in self._fetches if not f.done.is_set()]
-        if self._fetches:
-            self._fetches[0].done.wait(timeout_s)
+        return self.cache.match_prefix(req.all_ids, req.salt, max_len=self.reuse_cap(req))
 
     def admit(self, req: Req, m: MatchResult | None = None) -> None:
         """Give req a table row and lock its cached prefix. m: req's match (self.match(req)) if the caller has
@@ -190,13 +157,8 @@ class KVManager(AllocatorSizes):
         (its forward waits for it)."""
         if m is None or m.version != getattr(self.cache, "version", None):
             m = self.match(req)
-        if self.tiered is not None:
-            m, req.cache_handle = self._admit_tiered(req, m)
-            req.kv_load = self.tiered.load_on_path(req.cache_handle)  # what its first forward waits for
-            if req.prefetch is not None:  # the prefetch's lock is now covered by the admission's
-                self.tiered.unlock(req.prefetch)
-                req.prefetch = None
-                self.prefetch_hits_total += 1
+        if self.tiered is not None:  # its host part loads into the pool; its first forward waits for it
+            m, req.cache_handle = self.tiers.admit(req, m)
         else:
             req.cache_handle = self.cache.lock(m)
         req.row = self.table.alloc_row()
@@ -237,101 +199,26 @@ class KVManager(AllocatorSizes):
         if handle is not None:
             del self._prefix_rows[handle]
 
-    def _admit_tiered(self, req: Req, m: MatchResult):
-        cache = self.tiered
-        if m.host_length:
-            end = m.length + m.host_length
-            handle = self._load_host_part(m)
-            if handle is not None:
-                self.prefetch_misses_total += 1
-                m = cache.match_prefix(req.all_ids, req.salt, max_len=end)  # the locked path, now on the pool
-                assert m.length == end and m.handle is handle, "load_back did not make the locked path pool-resident"
-                cache.record_hit(handle)
-                return m, handle
-            self.load_failures_total += 1
-            m = self.match(req)
-        handle = cache.lock(m)
-        cache.record_hit(handle)
-        return m, handle
-
-    def _load_host_part(self, m: MatchResult):
-        """Lock m's whole path (host part included), give its host-only part pool pages and start loading it
-        there. Returns the lock handle, or None (nothing locked) when the pool cannot make room."""
-        cache, ps = self.tiered, self.page_size
-        handle = cache.lock_host(m)  # neither tier may evict the path while pages are found for it
-        ok = self.ensure_pages(cache.host_tokens_on_path(handle) // ps)
-        need = cache.host_tokens_on_path(handle) // ps  # a reclaim may have published part of it meanwhile
-        if not (ok and self.allocator.can_alloc(need)):
-            cache.unlock(handle)
-            return None
-        pages = self.allocator.alloc(need)
-        if self.debug:
-            self._check_no_copy_pending(pages)
-        slots = pages_to_slots(pages, ps)
-        if slots:
-            self.track(cache.load_back(handle, slots), slots)
-        return handle
-
-    # ------------------------------------------------------------------ host tier: prefetch
-    def prefetch(self, req: Req, m: MatchResult) -> bool:
-        """Start loading the host-resident part of waiting req's match m into the pool now, ahead of its
-        admission, so the copy overlaps the running batch. The loaded path stays locked for req (req.prefetch)
-        until admit() takes it over or cancel_prefetch() lets it go. False: nothing to load, or no room."""
-        if self.tiered is None or not m.host_length or req.prefetch is not None:
-            return False
-        handle = self._load_host_part(m)
-        if handle is None:
-            return False
-        req.prefetch = handle
-        self.prefetch_tokens_total += m.host_length
-        return True
-
-    def prefetch_ready(self, req: Req) -> bool:
-        """req has no prefetch, or its load has completed."""
-        if req.prefetch is None:
-            return True
-        load = self.tiered.load_on_path(req.prefetch)
-        return load is None or load.query()
-
-    def cancel_prefetch(self, req: Req) -> None:
-        """req leaves the queue without being admitted (aborted): unlock its prefetched path (it stays cached)."""
-        if req.prefetch is not None:
-            self.tiered.unlock(req.prefetch)
-            req.prefetch = None
-
-    def load_ahead(self, ids: list[int], salt: Any, max_pages: int) -> tuple[Transfer, int, int] | None:
-        """Load the host-only part of the cached prefix of `ids` into free pool pages before any request asks for
-        it (session prefetch, cache/session_prefetch.py): at most max_pages and the allocator's free pages, the
-        head of that part if not all of it fits. Evicts nothing, and the path keeps its recency (a lookahead is
-        not a use), so the loaded nodes are the first the pool gives up when it needs room. They are unlocked at
-        once (evictable; a page leaving the tree waits for its load, see free_cached). Returns (the load, start, n):
-        positions [start, start + n) of ids were loaded; or None: nothing on the host for ids, or no room.
-        Mutates: the tree, the allocator."""
-        cache, ps = self.tiered, self.page_size
-        room = min(max_pages, self.allocator.free_pages)
-        if cache is None or room <= 0:
-            return None
-        m = cache.match_prefix(ids, salt, touch=False)
-        if not m.host_length:
-            return None
-        if m.host_length > room * ps:
-            m = cache.match_prefix(ids, salt, max_len=m.length + room * ps, touch=False)
-        handle = cache.lock_host(m)
-        pages = self.allocator.alloc(cache.host_tokens_on_path(handle) // ps)
-        if self.debug:
-            self._check_no_copy_pending(pages)
-        slots = pages_to_slots(pages, ps)
-        load = cache.load_back(handle, slots, ahead=True)
-        self.track(load, slots)
-        cache.unlock(handle)
-        return load, m.length, len(slots)
-
     # ------------------------------------------------------------------ host tier: copies and their pages
     def track(self, transfer: Transfer, slots: list[int]) -> None:
         """A copy into or out of these pool slots is in flight: their pages stay allocated until it is done."""
         ps = self.page_size
         for i in range(0, len(slots), ps):
             self._copying[slots[i] // ps] = transfer
+
+    def untrack(self, transfer: Transfer, pages: list[int]) -> None:
+        """transfer is done with these pages (a receive being published): they are no longer tracked by it."""
+        for p in pages:
+            if self._copying.get(p) is transfer:
+                del self._copying[p]
+
+    def pages_tracked_by(self, transfer: Transfer, pages: list[int]) -> bool:
+        """Every page is allocated and tracked by transfer (no one freed or took it meanwhile)."""
+        return all(self._copying.get(p) is transfer and not self.allocator.is_free(p) for p in pages)
+
+    def held_receives(self) -> int:
+        """Abandoned receives whose pages wait for their sender's confirmation."""
+        return sum(1 for t, _ in self._copy_held if t.kind == "receive")
 
     def free_cached(self, slots: list[int]) -> None:
         """Pool slots leaving the tree: freed now, or once the copies touching them are done."""
@@ -342,7 +229,7 @@ class KVManager(AllocatorSizes):
             self._copy_held.append((pending[-1], pages))  # FIFO: the latest copy done means all done
             self._deferred_pages += len(pages)
             return
-        self._free_pages(pages)
+        self.free_pages(pages)
 
     def _reclaim_copies(self, wait: bool) -> None:
         if not self._copy_held:
@@ -353,110 +240,21 @@ class KVManager(AllocatorSizes):
                 t.wait()
             if t.query():
                 self._deferred_pages -= len(pages)
-                self._free_pages(pages)
+                self.free_pages(pages)
             else:
                 keep.append((t, pages))
         self._copy_held = keep
 
-    def _check_no_copy_pending(self, pages: list[int]) -> None:
+    def check_no_copy_pending(self, pages: list[int]) -> None:
         for p in pages:
             t = self._copying.get(p)
             if t is not None and not t.query():
                 self.lifetime_violations += 1
                 raise AssertionError(f"KV page {p} reused while a {t.kind} copy into/out of it is pending")
 
-    # ------------------------------------------------------------------ K/V written by another engine
-    def begin_receive(self, tokens: list[int], salt: Any) -> IncomingKV | None:
-        """Pages for K/V another engine will write into this pool: positions [start, n) of tokens, n = len(tokens)
-        rounded down to a page, start = what the prefix cache already holds (that path stays locked until the
-        receive ends). The pages are private to the receive and tracked by its Transfer (kind "receive"), whose
-        per-layer marks the receiving thread sets. None when nothing is missing, the cache keeps nothing, or the
-        pages cannot be had (the caller then computes the prompt itself). Mutates: the lock, the allocator."""
-        ps = self.page_size
-        n = len(tokens) // ps * ps
-        if not self.cache.retains or n == 0:
-            return None
-        m = self.cache.match_prefix(tokens, salt, max_len=n)
-        if m.length >= n:
-            return None
-        handle = self.cache.lock(m)
-        need = (n - m.length) // ps
-        if not self.ensure_pages(need):
-            self.cache.unlock(handle)
-            return None
-        pages = self.allocator.alloc(need)
-        if self.debug:
-            self._check_no_copy_pending(pages)
-        slots = pages_to_slots(pages, ps)
-        inc = IncomingKV(tokens=list(tokens[:n]), salt=salt, start=m.length, prefix_slots=list(m.slots),
-                         pages=pages, slots=slots, handle=handle,
-                         transfer=Transfer("receive", self.pool.num_layers, len(slots), cuda=False))
-        self.track(inc.transfer, slots)
-        self._incoming[id(inc)] = inc
-        return inc
-
-    def finish_receive(self, inc: IncomingKV) -> int:
-        """The receive is complete (every layer written): publish tokens[:n] to the prefix cache with the received
-        slots, free the ones that duplicate what the cache gained meanwhile, unlock. Returns tokens now cached."""
-        assert inc.transfer.query(), "finish_receive before the transfer completed"
-        del self._incoming[id(inc)]
-        for p in inc.pages:
-            if self._copying.get(p) is inc.transfer:
-                del self._copying[p]
-        existing = self.cache.insert(inc.tokens, inc.prefix_slots + inc.slots, inc.salt)
-        ps = self.page_size
-        dup = max(0, existing - inc.start) // ps
-        self._free_pages(inc.pages[:dup])
-        self.cache.unlock(inc.handle)
-        return len(inc.tokens)
-
-    def abandon_receive(self, inc: IncomingKV) -> None:
-        """The receive's request is gone (aborted) or its sender failed: unlock the prefix; the pages return to the
-        allocator only once the transfer is done (the sender confirmed it never started or has finished), at a
-        later reclaim() if it is still pending now."""
-        del self._incoming[id(inc)]
-        self.cache.unlock(inc.handle)
-        self.free_cached(inc.slots)
-
-    def receive_target_ok(self, inc: IncomingKV) -> bool:
-        """Debug check, from the receiving thread before it writes a layer: every destination page still belongs
-        to this receive (not freed, not handed to anyone else). A False is counted as a lifetime violation."""
-        ok = all(self._copying.get(p) is inc.transfer and not self.allocator.is_free(p) for p in inc.pages)
-        if not ok:
-            self.lifetime_violations += 1
-        return ok
-
-    @property
-    def pending_receives(self) -> int:
-        """Receives not yet published or abandoned, plus abandoned ones whose transfer is still pending."""
-        return len(self._incoming) + sum(1 for t, _ in self._copy_held if t.kind == "receive")
-
-    def load_waiter(self, reqs: list[Req] | None = None) -> LoadWaiter | None:
-        """What a forward over reqs must wait on, layer by layer: the loads into their paths that may still be in
-        flight (None: nothing). The copies run in one FIFO, so the latest of them passing means all have: one
-        Transfer is enough. reqs None: every load in flight (a reader of arbitrary cached slots)."""
-        if self.tiered is None:
-            return None
-        if reqs is None:
-            loads = self.tiered.transfer.pending_loads()
-            return LoadWaiter(list(loads), self.pool.num_layers) if loads else None
-        latest = None
-        for r in reqs:
-            t = r.kv_load
-            if t is None:
-                continue
-            if t.query():
-                r.kv_load = None
-            elif latest is None or t.seq > latest.seq:
-                latest = t
-        return LoadWaiter([latest], self.pool.num_layers) if latest is not None else None
-
     def close(self) -> None:
-        """Shutdown (the loop has stopped): a disk tier writes what it lacks, then the workers stop."""
-        if self.disk is not None:
-            self.tiered.close()
-        if self.tiered is not None:
-            self.tiered.transfer.close()
+        """Shutdown (the loop has stopped): the tiers' workers stop (a disk tier writes what it lacks first)."""
+        self.tiers.close()
 
     def ensure_pages(self, num_pages: int) -> bool:
         """Evict until num_pages are free. False if even full eviction cannot reach it (nothing evicted then
@@ -498,7 +296,7 @@ class KVManager(AllocatorSizes):
         if need:
             new = self.allocator.alloc(need)
             if self.debug and self._copying:
-                self._check_no_copy_pending(new)
+                self.check_no_copy_pending(new)
             req.pages.extend(new)
         slots = req.pages[start:start + num_new_tokens] if self.page_size == 1 else \
             self.slots_of(req, start, start + num_new_tokens)
@@ -567,12 +365,11 @@ class KVManager(AllocatorSizes):
         to_host (a retraction, with a host tier): every node of its published path gets a host copy whatever the
         write policy, so its K/V survives the pool's eviction and loads back when it resumes.
         final (the request is done: finished or aborted): its granted kept prefixes are pinned once published."""
-        req.kv_load = None
+        self.tiers.released(req)
         grant = req.keep_grant if final else None
         if grant is not None:
             req.keep_grant = None
         if req.row is None:
-            self.cancel_prefetch(req)
             if grant is not None:
                 self.pins.drop(grant)
             return
@@ -593,10 +390,7 @@ class KVManager(AllocatorSizes):
         """Finish the releases and frees whose fence has passed (wait=True: wait for every fence first)."""
         if self._copy_held:
             self._reclaim_copies(wait)
-        if self.disk is not None:  # host copies on their way to the disk
-            self.tiered.spill(wait)
-            if self._fetches:  # reads whose request left (aborted) hold staged K/V: let it go
-                self._fetches = [f for f in self._fetches if not f.done.is_set()]
+        self.tiers.reclaim(wait)  # host copies on their way to the disk; reads whose request left
         while self._deferred:
             fence, what = self._deferred[0]
             if not fence.query():
@@ -610,7 +404,7 @@ class KVManager(AllocatorSizes):
                     self._release_now(what, what.to_host, what.keep_grant)
                 else:
                     self._deferred_pages -= len(what)
-                    self._free_pages(what)
+                    self.free_pages(what)
             finally:
                 self._reclaiming = False
 
@@ -651,9 +445,9 @@ class KVManager(AllocatorSizes):
             self._deferred.append((fence, list(pages)))
             self._deferred_pages += len(pages)
             return
-        self._free_pages(pages)
+        self.free_pages(pages)
 
-    def _free_pages(self, pages: list[int]) -> None:
+    def free_pages(self, pages: list[int]) -> None:
         if not pages:
             return
         if self._copying:  # the checker: no page goes back while a copy into/out of it is pending
@@ -693,7 +487,7 @@ class KVManager(AllocatorSizes):
     def private_tokens(self) -> int:
         ps = self.page_size
         held = sum((len(r.pages) - r.cached_len // ps) * ps for r in self._running.values())
-        incoming = sum(len(inc.pages) for inc in self._incoming.values()) * ps
+        incoming = len(self.receiver.private_pages) * ps
         return held + incoming + self._deferred_pages * ps
 
     def check_integrity(self) -> None:
@@ -710,7 +504,7 @@ class KVManager(AllocatorSizes):
         owned = [p for r in self._running.values() for p in r.pages[r.cached_len // ps :]]
         owned += [p for _, what in self._deferred if not isinstance(what, _HeldKV) for p in what]
         owned += [p for _, what in self._copy_held for p in what]
-        owned += [p for inc in self._incoming.values() for p in inc.pages]
+        owned += self.receiver.private_pages
         assert len(owned) == len(set(owned)), "a private page is owned by two requests"
 
 
@@ -728,19 +522,3 @@ class _HeldKV:
     cache_handle: Any
     to_host: bool = False  # a retraction: its path gets host copies (release's to_host)
     keep_grant: Any = None  # a last release: the kept prefixes to pin once published (cache/pins.py KeepGrant)
-
-
-@dataclass(eq=False)
-class IncomingKV:
-    """K/V another engine writes into this pool (KVManager.begin_receive): positions [start, len(tokens)) of
-    tokens go to `slots`; positions [0, start) were already cached here (prefix_slots, locked by handle)."""
-
-    tokens: list[int]
-    salt: Any
-    start: int
-    prefix_slots: list[int]
-    pages: list[int]
-    slots: list[int]
-    handle: Any
-    transfer: Transfer
-    meta: dict = field(default_factory=dict)  # the receiver's bookkeeping (peer, transfer id, timings)

@@ -16,13 +16,13 @@ request finds them resident instead of waiting for a load at admission.
   when the pool's free pages have grown since the last pass (room freed) or a turn has ended since; at most
   `max_checks` remembered prefixes are looked up and `max_pass_tokens` loaded per pass, and no pass starts while
   the last one's loads are in flight (host loads share one FIFO with admissions' loads).
-- How: KVManager.load_ahead, most recent turn end first: free pages only (nothing is evicted: neither a running
-  request's K/V, which is locked, nor any cached prefix), the path's recency untouched (a prefetched prefix is as
-  old as its last use, so it is the first to go if the pool needs room again).
+- How: TierLoads.load_ahead (cache/tier_loads.py), most recent turn end first: free pages only (nothing is evicted:
+  neither a running request's K/V, which is locked, nor any cached prefix), the path's recency untouched (a
+  prefetched prefix is as old as its last use, so it is the first to go if the pool needs room again).
 - What it reports: tokens loaded ahead (`prefetched_tokens_total`); for each request arriving on a session whose
   load has completed and whose prompt finds loaded tokens still in the pool, the lead time (arrival minus the
-  load's completion: its start plus its copy time);
-  the tree counts the tokens loaded ahead that an admission used or that left the pool unused (wasted).
+  load's completion: its start plus its copy time); the tree counts the tokens loaded ahead that an admission
+  used or that left the pool unused (wasted).
 Runs on the loop thread, like KVManager.
 """
 
@@ -134,7 +134,7 @@ class SessionPrefetch:
 
     def run(self, room_pages: int) -> int:
         """Load remembered prefixes into at most room_pages free pool pages, most recent turn end first (call when
-        due()). Returns the tokens loaded. Mutates: the tree and allocator (KVManager.load_ahead), this table."""
+        due()). Returns the tokens loaded. Mutates: the tree and allocator (TierLoads.load_ahead), this table."""
         loaded, ps = 0, self.kv.page_size
         cap = self.max_pass_tokens // ps
         self._capped = room_pages > cap
@@ -145,7 +145,7 @@ class SessionPrefetch:
         for i, e in enumerate(reversed(self._entries.values())):
             if room_pages <= 0 or i == self.max_checks:
                 break
-            got = self.kv.load_ahead(e.ids, e.salt, room_pages)
+            got = self.kv.tiers.load_ahead(e.ids, e.salt, room_pages)
             if got is None:
                 continue
             e.load, e.start, n = got

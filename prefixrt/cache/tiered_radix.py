@@ -36,7 +36,7 @@ from prefixrt.cache.base import MatchResult
 from prefixrt.cache.host_pool import HostKVPool
 from prefixrt.cache.radix import RadixCache, _Node
 from prefixrt.cache.transfer import KVTransfer, Transfer
-from prefixrt.config import WRITE_POLICIES
+from prefixrt.config.engine_config import WRITE_POLICIES
 
 
 class _TNode(_Node):

@@ -74,7 +74,7 @@ def _check(args: argparse.Namespace) -> None:
         check_serve_args(args)  # port free and in range, before the model loads
         check_role_args(args)
     if hasattr(args, "device"):
-        from prefixrt.engine_flags import check_engine_args
+        from prefixrt.config.flags import check_engine_args
 
         check_engine_args(args)
 

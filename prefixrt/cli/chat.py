@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from prefixrt.engine_flags import add_engine_args, start_engine
+from prefixrt.config.flags import add_engine_args, start_engine
 
 PROMPT = ">>> "
 HELP = "commands: /reset (new conversation), /stats, /exit (or Ctrl-D)"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prefixrt.config.flags import add_engine_args, start_engine
 from prefixrt.default_models import BASE_MODEL, CHAT_MODEL
-from prefixrt.engine_flags import add_engine_args, start_engine
 
 
 def add_generate_args(g: argparse.ArgumentParser) -> None:

@@ -2,20 +2,20 @@
 publishes it in its own radix cache and decodes. Each side is a full Engine with its own pool and radix cache.
 
 Data flow for one request on the decode engine (DecodeEngine):
-  1. prepare (caller's thread, as usual), then on the loop thread: KVManager.begin_receive locks what the decode
+  1. prepare (caller's thread, as usual), then on the loop thread: KVReceiver.begin (cache/kv_receive.py) locks what the decode
      cache already holds of prompt[:-1] and allocates pages for the rest; a KVRequest(start, tokens) goes to a
      prefill peer (round robin). The last prompt token is always computed here (it samples the first token).
   2. The prefill side (PrefillWorker, disagg/prefill.py) runs the prompt through its Engine (cache_prefix: its radix cache reuses
      what it has), locks the path, sends a header and then K/V layer by layer, and unlocks.
   3. The decode side's receiving thread writes each layer into the reserved slots and marks it; after the last
-     one the loop publishes the pages in the radix cache (finish_receive) and admits the request, which matches
+     one the loop publishes the pages in the radix cache (KVReceiver.finish) and admits the request, which matches
      the whole prefix and decodes. A failed or missing peer falls back to computing the prompt locally.
 
 Abort contract (the production bug: a decode engine reused an aborted request's slots while a transfer was still
 writing them): the decode side frees a transfer's slots only after the prefill side has confirmed, on the same
 ordered stream, that the transfer never started (header "cancelled") or has completed (every layer delivered),
 or has ended the stream (EndOfStream: nothing more comes). An abort therefore unlocks the prefix, sends Cancel, and
-hands the pages to KVManager's hold (abandon_receive); they return to the allocator at the first reclaim after
+hands the pages to KVManager's hold (KVReceiver.abandon); they return to the allocator at the first reclaim after
 the confirmation. A transfer starts when its header is sent: a Cancel before that is answered "cancelled"; one
 that started always completes (bounded by its size).
 Checked in debug mode: freed slots are poisoned, the receiver verifies before every layer that its slots are
@@ -54,7 +54,7 @@ log = logging.getLogger("prefixrt")
 @dataclass
 class _Pending:
     prepared: Any  # engine.PreparedRequest
-    inc: Any  # cache.kv_manager.IncomingKV
+    inc: Any  # cache.kv_receive.IncomingKV
     peer: int
 
 
@@ -108,7 +108,7 @@ class DecodeEngine(Engine):
         live = [link for link in self._links if link.alive]
         inc = None
         if live and len(ids) > 1:
-            inc = kv.begin_receive(ids[:-1], prepared.params.cache_salt)
+            inc = kv.receiver.begin(ids[:-1], prepared.params.cache_salt)
         if inc is not None:
             link = live[next(self._rr) % len(live)]
             xfer_id = next(self._xfer_ids)
@@ -120,7 +120,7 @@ class DecodeEngine(Engine):
                     link.send(KVRequest(xfer_id, inc.tokens, inc.salt, inc.start))
                     return
             inc.transfer.mark_all()  # never sent: nothing will write its pages
-            kv.abandon_receive(inc)
+            kv.receiver.abandon(inc)
         # Nothing to fetch (already cached here, or a one-token prompt), no live peer, or no pages: computed here.
         self._stats["not_fetched"] += 1
         core.add(prepared.reqs)
@@ -134,7 +134,7 @@ class DecodeEngine(Engine):
         self._stats["aborted_during_transfer"] += 1
         if inc.meta.get("writing") and not inc.transfer.query():
             self._stats["aborted_while_writing"] += 1
-        self.core.kv.abandon_receive(inc)  # the pages wait for the prefill side's confirmation
+        self.core.kv.receiver.abandon(inc)  # the pages wait for the prefill side's confirmation
         inc.meta["peer"].send(Cancel(inc.meta["xfer_id"]))
         self.core.finish_unscheduled(p.prepared.reqs, "abort")
 
@@ -151,7 +151,7 @@ class DecodeEngine(Engine):
             return
         p = self._pending.pop(rid)
         if status == "complete":
-            kv.finish_receive(inc)
+            kv.receiver.finish(inc)
             s = self._stats
             s["transfers"] += 1
             s["tokens"] += len(inc.slots)
@@ -161,7 +161,7 @@ class DecodeEngine(Engine):
             if status == "failed":
                 log.warning("KV transfer %d failed (%s): computing the prompt locally", xfer_id, inc.transfer.error)
                 self._stats["failed"] += 1
-            kv.abandon_receive(inc)
+            kv.receiver.abandon(inc)
         self.core.add(p.prepared.reqs)
 
     # ------------------------------------------------------------------ receiving (receiver threads)
@@ -184,7 +184,7 @@ class DecodeEngine(Engine):
         inc.meta["writing"] = True
         for layer in range(pool.num_layers):
             data = link.ch.recv_layer(pool, hdr.num_tokens)
-            if kv.debug and not kv.receive_target_ok(inc):
+            if kv.debug and not kv.receiver.target_ok(inc):
                 log.error("KV transfer %d: its slots were freed or reused while it was writing", hdr.xfer_id)
             link.ch.write_layer(pool, layer, idx, data)
             t.events[layer].set()
@@ -221,7 +221,7 @@ class DecodeEngine(Engine):
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Also waits until no transfer is pending (a held receive included)."""
         deadline = time.monotonic() + timeout
-        while self._run_on_loop(lambda: bool(self._pending or self._xfers or self.core.kv.pending_receives)):
+        while self._run_on_loop(lambda: bool(self._pending or self._xfers or self.core.kv.receiver.pending)):
             if time.monotonic() > deadline:
                 raise TimeoutError("transfers still pending")
             self._run_on_loop(self.core.kv.reclaim)

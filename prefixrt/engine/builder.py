@@ -1,4 +1,6 @@
-"""Builds an EngineCore from an EngineConfig: model, tokenizer, KV pool sizing, cache, scheduler, attention backend.
+"""Builds an EngineCore from an EngineConfig: model and tokenizer (build), then one component after another
+(assemble): the KV pool and its manager (cache/kv_setup.py), the scheduler (its SchedulerSettings), the model
+runner and its kernels, the loop's hooks and the core.
 
 Kept apart from the Engine (engine.py) so that the Engine is only about threads and requests.
 """
@@ -16,25 +18,22 @@ from pathlib import Path
 
 import torch
 
-from prefixrt.cache.allocator import PageAllocator
-from prefixrt.cache.block import BlockCache
-from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KV_CACHE_DTYPES, KVPool
-from prefixrt.cache.no_reuse import NoReuseCache
-from prefixrt.cache.radix import RadixCache
+from prefixrt.cache.kv_setup import make_kv_manager, pool_slots
 from prefixrt.cache.req_table import ReqToTokenTable
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import CacheSettings, EngineConfig, SchedulerSettings
 from prefixrt.engine.detokenizer import DetokenizerWorker
+from prefixrt.engine.fp8_weights import fp8_calibration_ids, prepare_weights
 from prefixrt.engine.grammar import EngineGrammar
 from prefixrt.engine.loop.core import EngineCore
 from prefixrt.engine.loop.hooks import LoopHooks
-from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
+from prefixrt.engine.loop.scheduler import Scheduler
 from prefixrt.engine.parallel_builds import BuildPool, default_workers, prebuild
 from prefixrt.engine.ranks import SingleDevice, start_ranks
 from prefixrt.engine.stream import RequestStream
 from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, head_layouts, warm_up_batches
 from prefixrt.model.cuda_graphs import CascadeSpec
-from prefixrt.model.rank_setup import kv_pool_slots, resolve_device, resolve_dtype
+from prefixrt.model.rank_setup import resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
 from prefixrt.stage_clock import StageClock
 
@@ -108,120 +107,33 @@ def build(config: EngineConfig, progress=None, deliver=RequestStream.push_many) 
 
 def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, say=None, ranks=None,
              deliver=RequestStream.push_many, clock: StageClock | None = None) -> Built:
-    """Everything after loading: KV pool sizing, cache, scheduler, attention backend, core and its hooks (deliver:
-    where the loop's outputs go, LoopHooks.deliver). Tests inject models here.
-    ranks: the rank strategy (engine/ranks.py; default one device). With tensor parallelism (this is rank 0) the
-    pool size is agreed with the other ranks, which get the table shape, and the runner drives them.
-    clock: where the stages' seconds go (FP8 speed check; KV pool; on CUDA build kernels, warm up and capture
-    graphs)."""
+    """Everything after loading, one component after another (deliver: where the loop's outputs go,
+    LoopHooks.deliver). Tests inject models here. ranks: the rank strategy (engine/ranks.py; default one device).
+    With tensor parallelism (this is rank 0) the pool size is agreed with the other ranks, which get the table
+    shape, and the runner drives them. clock: where the stages' seconds go (FP8 speed check; KV pool; on CUDA
+    build kernels, warm up and capture graphs)."""
     clock = clock or StageClock()
     say = say or (lambda msg: log.info(msg))
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
-    if config.quantization == "fp8":  # (build's loader already did it; an injected model gets it here)
-        from prefixrt.model.quantize import quantize_fp8_at_load
-
-        quantize_fp8_at_load(model, config.fp8_smoothing_alpha, fp8_calibration_ids(config, tokenizer))
-    from prefixrt.model.quantize import set_fp8_activation_scale
-
-    set_fp8_activation_scale(model, config.fp8_activation_scale)  # (before the kernel plans are made)
-    from prefixrt.model.fp8_speed_check import check_fp8_speed
-
-    with clock.stage("FP8 speed check"):  # (before the pool is sized from free memory)
-        speed = check_fp8_speed(model, dtype, config.fp8_speed_check, say)
-    if speed is not None:
-        startup["fp8_speed_check"] = {"fp8_us": round(speed.fp8_us, 1), "bf16_us": round(speed.bf16_us, 1),
-                                      "served_as_fp8": not speed.fp8_slower}
+    fp8_weights = prepare_weights(config, model, tokenizer, dtype, startup, clock, say)
     grammar = engine_grammar(config, model, tokenizer, resolved)
     if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
         grammar.start_warm()
     compile_dir = start_compile_log(config, model, device, dtype, say)
     build_pool = start_build_pool(config, compile_dir, ranks)
     max_context = model.max_context if config.max_context is None else min(config.max_context, model.max_context)
-    kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
-    bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
-    draft = load_draft_model(config, model, device, dtype, say)
-    if draft is not None:  # its pool has the target pool's slots: a token costs both
-        bytes_per_token += KVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
-    num_slots = ranks.agree_num_slots(kv_pool_slots(config, bytes_per_token, device))
-    say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
-        f"{' per rank' if ranks.size > 1 else ''})")
-    with clock.stage("KV pool"):
-        pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
-    if pool.quantized:  # before anything is written: the scales are constants of the pool
-        from prefixrt.model.kv_calibration import set_kv_scales
-
-        set_kv_scales(pool, model, tokenizer, say)
-    allocator = PageAllocator(num_slots, config.page_size)
-    if config.radix_cache and config.host_kv_cache_tokens:
-        cache = make_tiered_cache(config, pool, allocator, device, say, resolved,
-                                  fp8_weights=speed is None or not speed.fp8_slower)
-    elif not config.radix_cache:
-        cache = NoReuseCache(allocator)
-    elif config.prefix_cache == "block":
-        cache = BlockCache(allocator)
-    else:
-        cache = RadixCache(allocator)
-    if config.max_cached_fraction_per_salt is not None and isinstance(cache, RadixCache):
-        cache.set_salt_quota(int(config.max_cached_fraction_per_salt * allocator.total_tokens))
-    if config.debug and type(cache) in (RadixCache, BlockCache):  # (the tiered cache frees through KVManager)
-        cache.on_evict = lambda slots: pool.poison(torch.tensor(slots, device=device))
     max_running = config.max_running_requests or (256 if device.type == "cuda" else 64)
+    draft = load_draft_model(config, model, device, dtype, say)
+    pool = make_pool(config, model, draft, tokenizer, device, dtype, ranks, clock, say)
     table = ReqToTokenTable(max_running + 1, max_context + 1, device)
-    ranks.send_setup(num_slots, table.max_requests, table.max_context, max_running)
-    kv = KVManager(pool, allocator, table, cache, debug=config.debug, max_pinned_fraction=config.max_pinned_fraction,
-                   max_pinned_fraction_per_salt=config.max_pinned_fraction_per_salt)
-    scheduler = Scheduler(kv, SchedulerConfig(
-        policy=config.schedule_policy,
-        chunked_prefill_tokens=config.chunked_prefill_tokens,
-        max_running_requests=max_running,
-        aging_s=config.aging_s,
-        prefetch=config.host_kv_prefetch,
-        preempt_after_s=config.host_kv_preempt_after_s,
-        session_service=config.session_scheduling, session_prefetch=config.session_prefetch,
-    ))
+    ranks.send_setup(pool.num_slots, table.max_requests, table.max_context, max_running)
+    kv = make_kv_manager(config.section(CacheSettings), pool, table, say,
+                         lambda: kv_identity(config, resolved, pool, fp8_weights))
+    scheduler = Scheduler(kv, config.section(SchedulerSettings), max_running)
     runner = ranks.make_runner(config, model, pool, max_running, startup, say, table)
-    attention = runner.attn_backend
-    triton_on_gpu = device.type == "cuda" and config.attention_backend != "torch"
-    pad_row = table.alloc_row() if triton_on_gpu else None  # never freed: stays all zeros (padding reads it)
-    if triton_on_gpu:
-        batches = warm_up_batches(table.table, pad_row, max_context, max_running, config.chunked_prefill_tokens,
-                                  device, head_layouts(model))
-        if build_pool is not None:  # an empty compile cache: what follows loads every kernel from disk instead
-            capture = (dict(req_to_token=table.table, pad_row=pad_row, max_batch_size=max_running,
-                            max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
-                            cascade=cascade_spec(attention, config),
-                            max_verify_tokens=verify_graph_tokens(config, max_running)) if config.cuda_graph else None)
-            with clock.stage("build kernels"):
-                report = prebuild(build_pool, runner, batches, capture)
-            startup["parallel_builds"] = dataclasses.asdict(report)
-            say(report.line())
-        t = time.perf_counter()
-        with clock.stage("warm up"):
-            startup["warm_up_s"] = runner.warm_up(batches)
-        say(f"kernels warmed up for long-prefix EXTEND shapes in {time.perf_counter() - t:.1f}s")
-    if config.cuda_graph and triton_on_gpu:
-        say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
-            f"{EXTEND_GRAPH_TOKENS} tokens)")
-        t = time.perf_counter()
-        with clock.stage("capture graphs"):
-            # On failure: plain decode graphs alone, then eager.
-            verify = verify_graph_tokens(config, max_running)
-            for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
-                try:
-                    startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
-                                                              max_extend_tokens=extend_tokens, cascade=cascade,
-                                                              max_verify_tokens=verify if extend_tokens else 0)
-                    break
-                except Exception as e:  # keep serving, eagerly, and say so loudly
-                    ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
-                    runner.release_graphs()
-                    what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
-                    log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
-                    print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}", flush=True)
-        startup["capture_s"] = time.perf_counter() - t
-        for line in startup["graphs"]:
-            say(line)
+    prepare_kernels(config, model, runner, table, device, max_context, max_running, build_pool, ranks, startup,
+                    clock, say)
     if device.type == "cuda":
         startup["compile"] = compile_report(compile_dir, say)
     lock = threading.Lock()
@@ -230,32 +142,116 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
         detokenizer=DetokenizerWorker(tokenizer, lock, deliver),  # started by the Engine
         grammar=grammar,
     )
-    grouper = auditor = None
-    if cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None):
-        from prefixrt.engine.loop.prefix_groups import PrefixGrouper
-
-        grouper = PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
-    if config.cache_audit_rate > 0 and cache.retains:
-        from prefixrt.engine.loop.cache_audit import CacheAuditor
-
-        auditor = CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
-                               chunk_tokens=config.chunked_prefill_tokens)
     encoder, processor = _vision_parts(config, model, resolved)
-    overlap = config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda"
-    speculator = None
-    if config.speculative is not None:
-        speculator = _speculator(config, kv, model.vocab_size, max_context, max_running, draft, device, dtype)
-        if overlap:
-            say("speculative decoding runs the synchronous loop: the overlap scheduler is off")
-            overlap = False
     core = EngineCore(
         runner, scheduler, Sampler(device, config.seed), grammar.eos_token_ids, model.vocab_size, max_context,
-        device, hooks,
-        debug=config.debug, prefix_grouper=grouper, auditor=auditor, encoder=encoder, overlap=overlap,
-        speculator=speculator,
+        device, hooks, debug=config.debug, prefix_grouper=prefix_grouper(config, runner),
+        auditor=cache_auditor(config, kv, runner, device), encoder=encoder,
+        overlap=overlap_schedule(config, device, say), speculator=_speculator(config, kv, model.vocab_size,
+                                                                             max_context, max_running, draft, device,
+                                                                             dtype),
     )
     return Built(core, startup, tokenizer, lock, resolved, model, device, dtype, ranks=ranks,
                  image_processor=processor)
+
+
+def make_pool(config: EngineConfig, model, draft, tokenizer, device, dtype, ranks, clock: StageClock,
+              say) -> KVPool:
+    """The KV pool, sized for the device (cache/kv_setup.py pool_slots; every rank agrees on one size), in the
+    model's dtype or e4m3 with its scales set before anything is written. A draft model's K/V has the same
+    slots, so a token costs both."""
+    kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, dtype)  # "auto": the model's dtype
+    bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    if draft is not None:
+        bytes_per_token += KVPool.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim, dtype)
+    num_slots = ranks.agree_num_slots(pool_slots(config.section(CacheSettings), bytes_per_token, device))
+    say(f"KV pool: {num_slots - config.page_size} tokens ({num_slots * bytes_per_token / 2**30:.2f} GiB"
+        f"{' per rank' if ranks.size > 1 else ''})")
+    with clock.stage("KV pool"):
+        pool = KVPool(num_slots, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype, device)
+    if pool.quantized:  # before anything is written: the scales are constants of the pool
+        from prefixrt.model.kv_calibration import set_kv_scales
+
+        set_kv_scales(pool, model, tokenizer, say)
+    return pool
+
+
+def prepare_kernels(config: EngineConfig, model, runner, table, device, max_context: int, max_running: int,
+                    build_pool, ranks, startup: dict, clock: StageClock, say) -> None:
+    """Triton on CUDA: the kernels start-up needs (built side by side when the compile cache is empty), the eager
+    EXTEND shapes warmed up, then the CUDA graphs captured (plain decode graphs alone if the full set fails, then
+    eager). Nothing elsewhere."""
+    if not (device.type == "cuda" and config.attention_backend != "torch"):
+        return
+    attention = runner.attn_backend
+    pad_row = table.alloc_row()  # never freed: stays all zeros (padding reads it)
+    batches = warm_up_batches(table.table, pad_row, max_context, max_running, config.chunked_prefill_tokens,
+                              device, head_layouts(model))
+    if build_pool is not None:  # an empty compile cache: what follows loads every kernel from disk instead
+        capture = (dict(req_to_token=table.table, pad_row=pad_row, max_batch_size=max_running,
+                        max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
+                        cascade=cascade_spec(attention, config),
+                        max_verify_tokens=verify_graph_tokens(config, max_running)) if config.cuda_graph else None)
+        with clock.stage("build kernels"):
+            report = prebuild(build_pool, runner, batches, capture)
+        startup["parallel_builds"] = dataclasses.asdict(report)
+        say(report.line())
+    t = time.perf_counter()
+    with clock.stage("warm up"):
+        startup["warm_up_s"] = runner.warm_up(batches)
+    say(f"kernels warmed up for long-prefix EXTEND shapes in {time.perf_counter() - t:.1f}s")
+    if not config.cuda_graph:
+        return
+    say(f"capturing CUDA graphs (decode batch sizes up to {max_running}, EXTEND up to "
+        f"{EXTEND_GRAPH_TOKENS} tokens)")
+    t = time.perf_counter()
+    with clock.stage("capture graphs"):  # on failure: plain decode graphs alone, then eager
+        verify = verify_graph_tokens(config, max_running)
+        for extend_tokens, cascade in ((EXTEND_GRAPH_TOKENS, cascade_spec(attention, config)), (0, None)):
+            try:
+                startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
+                                                          max_extend_tokens=extend_tokens, cascade=cascade,
+                                                          max_verify_tokens=verify if extend_tokens else 0)
+                break
+            except Exception as e:  # keep serving, eagerly, and say so loudly
+                ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank
+                runner.release_graphs()
+                what = "EXTEND/cascade graphs" if extend_tokens else "decode graphs"
+                log.warning("CUDA graph capture (%s) failed: %s", what, e, exc_info=True)
+                print(f"WARNING: CUDA graph capture ({what}) failed, running those batches eagerly: {e}",
+                      flush=True)
+    startup["capture_s"] = time.perf_counter() - t
+    for line in startup["graphs"]:
+        say(line)
+
+
+def prefix_grouper(config: EngineConfig, runner):
+    """The PrefixGrouper of cascade decode (engine/loop/prefix_groups.py) when cascade graphs were captured."""
+    if not (cascade_enabled(config) and runner.graphs is not None and getattr(runner.graphs, "cascade", None)):
+        return None
+    from prefixrt.engine.loop.prefix_groups import PrefixGrouper
+
+    return PrefixGrouper(config.page_size, min_prefix_len=CASCADE_MIN_PREFIX)
+
+
+def cache_auditor(config: EngineConfig, kv, runner, device):
+    """The CacheAuditor of cache_audit_rate (engine/loop/cache_audit.py), when the cache keeps anything to audit."""
+    if not (config.cache_audit_rate > 0 and kv.cache.retains):
+        return None
+    from prefixrt.engine.loop.cache_audit import CacheAuditor
+
+    return CacheAuditor(kv, runner, device, config.cache_audit_rate, seed=config.seed,
+                        chunk_tokens=config.chunked_prefill_tokens)
+
+
+def overlap_schedule(config: EngineConfig, device, say) -> bool:
+    """Whether the loop overlaps scheduling with the device (EngineConfig.overlap_schedule; default on CUDA), never
+    with speculative decoding (which runs the synchronous loop)."""
+    overlap = config.overlap_schedule if config.overlap_schedule is not None else device.type == "cuda"
+    if overlap and config.speculative is not None:
+        say("speculative decoding runs the synchronous loop: the overlap scheduler is off")
+        return False
+    return overlap
 
 
 def verify_graph_tokens(config: EngineConfig, max_running: int) -> int:
@@ -289,8 +285,11 @@ def load_draft_model(config: EngineConfig, target, device, dtype, say):
 
 def _speculator(config: EngineConfig, kv, vocab_size: int, max_context: int, max_running: int, draft=None,
                 device=None, dtype=None):
-    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py); draft: the draft model of a
-    "draft:MODEL" spec, run over a pool of its own at the target pool's slots (engine/loop/draft_model.py)."""
+    """The Speculator of EngineConfig.speculative (engine/loop/speculate.py), None without one; draft: the draft
+    model of a "draft:MODEL" spec, run over a pool of its own at the target pool's slots
+    (engine/loop/draft_model.py)."""
+    if config.speculative is None:
+        return None
     from prefixrt.engine.loop.speculate import Speculator
     from prefixrt.speculative.draft_length import AdaptiveDraftLength
     from prefixrt.speculative.spec import make_drafter
@@ -339,15 +338,6 @@ def start_compile_log(config: EngineConfig, model, device, dtype, say) -> Path |
     folder = use_compile_cache(config.compile_cache_dir, device, model_shape(model, dtype))
     say(f"compile cache: {folder}")
     return folder
-
-
-def fp8_calibration_ids(config: EngineConfig, tokenizer) -> list[int] | None:
-    """The calibration text as token ids when quantize-at-load smooths (model/smoothing.py), else None."""
-    if config.quantization != "fp8" or config.fp8_smoothing_alpha is None:
-        return None
-    from prefixrt.model.kv_calibration import calibration_tokens
-
-    return calibration_tokens(tokenizer)
 
 
 def tokenizer_while_the_device_starts(resolved, device: torch.device, say):
@@ -432,33 +422,6 @@ def kv_identity(config: EngineConfig, resolved, pool: KVPool, fp8_weights: bool 
         fp8 += f"|quantization:dequantized-fp8{smoothing}"
     return (f"{resolved.revision}|weights:{weights}|{pool.dtype}|kv:{pool.num_layers}x{pool.num_kv_heads}"
             f"x{pool.head_dim}{fp8}")
-
-
-def make_tiered_cache(config: EngineConfig, pool: KVPool, allocator: PageAllocator, device: torch.device, say,
-                      resolved=None, fp8_weights: bool | None = None):
-    """The radix tree over the pool and a host tier of host_kv_cache_tokens tokens (pinned on CUDA); with
-    kv_disk_dir, a disk tier below it (fp8_weights: see kv_identity)."""
-    from prefixrt.cache.host_pool import HostKVPool
-    from prefixrt.cache.tiered_radix import TieredRadixCache
-    from prefixrt.cache.transfer import KVTransfer
-
-    host = HostKVPool(config.host_kv_cache_tokens, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype,
-                      config.page_size, pin=device.type == "cuda")
-    say(f"host KV tier: {host.total_tokens} tokens ({host.total_tokens * host.bytes_per_token / 2**30:.2f} GiB"
-        f"{', pinned' if host.pinned else ''}), {config.host_kv_write_policy}")
-    transfer = KVTransfer(pool, host, delay_s=config.host_kv_debug_delay_s, debug=config.debug)
-    if config.kv_disk_dir is not None:
-        from prefixrt.cache.disk_radix import DiskTieredRadixCache
-        from prefixrt.cache.disk_store import DiskKVStore
-
-        disk = DiskKVStore(config.kv_disk_dir, kv_identity(config, resolved, pool, fp8_weights), int(config.kv_disk_max_gb * 2**30),
-                           pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, config.page_size)
-        say(f"disk KV tier: {config.kv_disk_dir} (cap {config.kv_disk_max_gb:g} GiB), {disk.cached_tokens} tokens "
-            f"in {disk.num_files} files found")
-        return DiskTieredRadixCache(allocator, host, transfer, policy=config.host_kv_write_policy,
-                                    write_threshold=config.host_kv_write_threshold, debug=config.debug, disk=disk)
-    return TieredRadixCache(allocator, host, transfer, policy=config.host_kv_write_policy,
-                            write_threshold=config.host_kv_write_threshold, debug=config.debug)
 
 
 def cascade_enabled(config: EngineConfig) -> bool:

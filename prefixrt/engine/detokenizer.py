@@ -99,8 +99,8 @@ def _fast_backend(tokenizer):
 
 
 class DetokState:
-    """One sample's text state. Created by the loop when the request is added; read and written only by the
-    worker afterwards. `req` is handed back to the loop (take_stopped) and never read here."""
+    """One sample's text state. Opened by the loop when the request is added (DetokenizerWorker.open, which keeps
+    it by request); read and written only by the worker afterwards. `req` is handed back to the loop (take_stopped) and never read here."""
 
     def __init__(self, req: Any, stops: list[str] | None, skip_special_tokens: bool, detokenize: bool):
         self.req = req
@@ -141,6 +141,17 @@ class DetokenizerWorker:
         self._thread: threading.Thread | None = None
         self._queued = 0  # submissions not yet delivered
         self._cv = threading.Condition()
+        # Each sample's text state, keyed by its Req: opened and dropped by the loop thread (the only thread that
+        # touches this dict); the states themselves travel with the outputs to whichever thread processes them.
+        self.states: dict[Any, DetokState] = {}
+
+    def open(self, req: Any, stops: list[str] | None, skip_special_tokens: bool, detokenize: bool) -> None:
+        """Loop thread: req's text state, from now until finished(req)."""
+        self.states[req] = DetokState(req, stops, skip_special_tokens, detokenize)
+
+    def finished(self, req: Any) -> None:
+        """Loop thread: req finished; its outputs already carry its state, which goes with the last of them."""
+        self.states.pop(req, None)
 
     def start(self) -> DetokenizerWorker:
         self._thread = threading.Thread(target=self._run, name="prefixrt-detokenizer", daemon=True)

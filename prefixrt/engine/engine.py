@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 from prefixrt.constrained.budget import budget_matcher
 from prefixrt.default_models import BASE_MODEL
 from prefixrt.engine.api import EngineAPI

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 from prefixrt.model import rank_setup
 
 

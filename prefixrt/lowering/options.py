@@ -28,35 +28,11 @@ from typing import Any
 from prefixrt.errors import InvalidRequest
 from prefixrt.lowering.constraints import schema_types
 from prefixrt.lowering.json_schema import to_json_schema
-from prefixrt.params import CONSTRAINT_FIELDS, SamplingParams, checked_logit_bias
+from prefixrt.params import CONSTRAINT_FIELDS, SamplingParams, checked_logit_bias, option_names
 
-# OpenAI / framework option name -> SamplingParams field (the output budget's names are OUTPUT_BUDGET_NAMES).
-OPTION_NAMES = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "stop": "stop",
-    "stop_token_ids": "stop_token_ids",
-    "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "logit_bias": "logit_bias",
-    "logprobs": "logprobs",
-    "n": "n",
-    "min_tokens": "min_new_tokens",
-    "ignore_eos": "ignore_eos",
-    "skip_special_tokens": "skip_special_tokens",
-    "regex": "regex",
-    "grammar": "grammar",
-    "choices": "choices",
-    "json_schema": "json_schema",
-    "json_object": "json_object",
-    "cache_salt": "cache_salt",
-    "priority": "priority",
-    "speculative": "speculative",
-}
+# Request option name -> SamplingParams field, read off SamplingParams' declarations (params.option_names): a
+# field declared there is an option here. The output budget's names are OUTPUT_BUDGET_NAMES.
+OPTION_NAMES = option_names()
 
 # OpenAI's names of the output budget (and SamplingParams' own), in the order a request's value is read.
 OUTPUT_BUDGET_NAMES = ("max_completion_tokens", "max_tokens", "max_output_tokens", "max_new_tokens")
@@ -72,6 +48,7 @@ class Options:
     params: dict[str, Any]  # SamplingParams fields (max_new_tokens always set)
     max_new_tokens_param: str | None = None  # the option the request gave max_new_tokens under; None: a default
     warnings: list[str] = field(default_factory=list)  # what was read other than as written (schema type names)
+    params_cls: type = SamplingParams
 
     def fit_to_context(self, prompt_tokens: int, max_context: int, **fields) -> SamplingParams:
         """SamplingParams of these options (plus `fields`, e.g. request_id) with max_new_tokens fitted to the
@@ -89,7 +66,7 @@ class Options:
     def sampling_params(self, **fields) -> SamplingParams:
         """SamplingParams of these options plus `fields` (InvalidRequest when out of range, or when this build
         cannot decode the constraint)."""
-        sp = SamplingParams(**{**self.params, **fields})
+        sp = self.params_cls(**{**self.params, **fields})
         kind = sp.constraint_kind
         if kind is not None and not constrained_decoding_available():
             raise InvalidRequest("constrained decoding (regex, json_schema, grammar, choices, response_format, "
@@ -98,21 +75,24 @@ class Options:
 
 
 def lower_options(options: dict[str, Any], *, what: str, default_max_new_tokens: int | None = None,
-                  defaults: dict | None = None, warnings: list[str] | None = None) -> Options:
+                  defaults: dict | None = None, warnings: list[str] | None = None,
+                  params_cls: type = SamplingParams) -> Options:
     """Options under OpenAI names -> Options. None values mean "not given".
 
     default_max_new_tokens: max_new_tokens when no output budget is given (None: SamplingParams' default).
     defaults: SamplingParams fields for the sampling settings the request leaves out (the model's generation
     config, hub/generation.py). Raises InvalidRequest naming an option prefixrt has no meaning for (`what` says
     who passed it), an output budget below 1 or given twice with different values, or a seed outside the
-    signed 64-bit range. A `json_schema` has its type names normalised, each rename appended to `warnings`."""
+    signed 64-bit range. A `json_schema` has its type names normalised, each rename appended to `warnings`.
+    params_cls: SamplingParams (or a class declaring more options)."""
+    names = OPTION_NAMES if params_cls is SamplingParams else option_names(params_cls)
     warnings = [] if warnings is None else warnings
     max_new_tokens_param, max_new_tokens = _given_max_new_tokens(options)
     params: dict[str, Any] = {}
     for key, value in options.items():
         if value is None or key in OUTPUT_BUDGET_NAMES:
             continue
-        name = OPTION_NAMES.get(key)
+        name = names.get(key)
         if name is None:
             raise InvalidRequest(f"{what}: prefixrt has no sampling option {key!r}", param=key)
         if key == "seed" and (isinstance(value, bool) or not isinstance(value, int)
@@ -133,7 +113,7 @@ def lower_options(options: dict[str, Any], *, what: str, default_max_new_tokens:
         params["max_new_tokens"] = max_new_tokens
     elif default_max_new_tokens is not None:
         params["max_new_tokens"] = default_max_new_tokens
-    return Options(params, max_new_tokens_param, warnings)
+    return Options(params, max_new_tokens_param, warnings, params_cls)
 
 
 def _given_max_new_tokens(options: dict[str, Any]) -> tuple[str | None, int | None]:

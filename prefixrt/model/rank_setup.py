@@ -1,7 +1,7 @@
-"""What every rank builds the same way (a single-device engine is rank 0 of 1): device, dtype, KV pool size,
-attention backend and model runner. engine/builder.py builds the rest of the engine around them on rank 0;
-parallel/tp_worker.py builds only these on the other tensor-parallel ranks (and rank 0's TPDriverRunner over
-make_attention's backend).
+"""What every rank builds the same way (a single-device engine is rank 0 of 1): device, dtype, attention backend
+and model runner (the KV pool's size: cache/kv_setup.py). engine/builder.py builds the rest of the engine around
+them on rank 0; parallel/tp_worker.py builds only these on the other tensor-parallel ranks (and rank 0's
+TPDriverRunner over make_attention's backend).
 """
 
 from __future__ import annotations
@@ -11,10 +11,8 @@ import time
 import torch
 
 from prefixrt.cache.kv_pool import KVPool
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 
-CPU_DEFAULT_KV_TOKENS = 16384
-ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept out of the KV pool for activations and graphs
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -28,20 +26,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[dtype]
-
-
-def kv_pool_slots(config: EngineConfig, bytes_per_token: int, device: torch.device) -> int:
-    """KV pool slots (a multiple of the page size, the padding page included) for this device: kv_cache_tokens,
-    else what mem_fraction of the GPU leaves, else the CPU default."""
-    if config.kv_cache_tokens is not None:
-        num_slots = config.kv_cache_tokens + config.page_size  # + the reserved padding page
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.mem_fraction - (total - free) - ACTIVATION_RESERVE_BYTES
-        num_slots = max(int(budget // bytes_per_token), 4 * config.page_size)
-    else:
-        num_slots = CPU_DEFAULT_KV_TOKENS + config.page_size
-    return num_slots // config.page_size * config.page_size
 
 
 # Programmatic dependent launch of the fused decode-path kernels at batch 1 (kernels/_common.py, PDL_MAX_ROWS;

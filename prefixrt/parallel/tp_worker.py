@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 from prefixrt.parallel.layers import TPGroup
 
 log = logging.getLogger("prefixrt")
@@ -317,6 +317,7 @@ def run_rank(config: EngineConfig, tp: TPGroup, device: torch.device, model_path
     import torch.distributed as dist
 
     from prefixrt.cache.kv_pool import KVPool
+    from prefixrt.cache.kv_setup import pool_slots
     from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import resolve_model
     from prefixrt.model import rank_setup
@@ -327,7 +328,7 @@ def run_rank(config: EngineConfig, tp: TPGroup, device: torch.device, model_path
     path = model_path if model_path is not None else resolve_model(config.model).path
     model = load_model(path, load_format=config.load_format, dtype=dtype, device=device, tp=tp, spec=spec)
     bytes_per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
-    agree_num_slots(tp, rank_setup.kv_pool_slots(config, bytes_per_token, device))
+    agree_num_slots(tp, pool_slots(config, bytes_per_token, device))
     setup = torch.empty(SETUP_INTS, dtype=torch.int64)
     dist.broadcast(setup, src=0, group=tp.control)
     num_slots, table_rows, table_cols, max_running = setup.tolist()

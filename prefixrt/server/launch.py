@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 
-from prefixrt.engine.progress import DEFAULT_STALL_TIMEOUT_S
-from prefixrt.engine_flags import add_engine_args, engine_kwargs, progress_printer, start_engine
-from prefixrt.lowering.reasoning import PARSERS as REASONING_PARSERS
+from prefixrt.config.flags import add_engine_args, add_flags, engine_kwargs, progress_printer, start_engine
+from prefixrt.server.settings import DisaggSettings, ServerSettings
 
 
 def check_serve_args(args: argparse.Namespace) -> None:
@@ -103,7 +101,7 @@ def check_role_args(args: argparse.Namespace) -> None:
     if role == "prefill" and not 1 <= args.disagg_rank <= args.disagg_prefill_workers:
         raise ValueError(f"--role prefill needs --disagg-rank between 1 and --disagg-prefill-workers "
                          f"({args.disagg_prefill_workers}), got {args.disagg_rank}")
-    if args.no_radix_cache:
+    if not args.radix_cache:
         raise ValueError(f"--role {role} needs the radix cache (K/V is sent from and received into it)")
 
 
@@ -151,7 +149,7 @@ def serve(args: argparse.Namespace) -> int:
     from prefixrt.hub.generation import generation_defaults
 
     if getattr(args, "node_rank", 0) > 0:  # a tensor-parallel node other than 0: its ranks only, no HTTP
-        from prefixrt.config import EngineConfig
+        from prefixrt.config.engine_config import EngineConfig
         from prefixrt.parallel.tp_worker import run_node
 
         config = EngineConfig(model=args.model, **engine_kwargs(args))
@@ -220,54 +218,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """`prefixrt serve`'s flags: the engine's, the server's and disaggregation's, each generated from its settings'
+    declarations (config/engine_config.py, server/settings.py)."""
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model names requests may give (aliases; the first is reported in responses and "
-                        "listed first by /v1/models); default: --model. Another name is a 404 model_not_found")
-    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
-                   help="sampling defaults for requests that leave them out: auto (default) = the model's "
-                        "generation_config.json (the catalogue's recommendation for a built-in model), vllm = the "
-                        "engine's own (temperature 1.0), or a folder's generation_config.json")
-    p.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="S",
-                   help="/health answers 503 and in-flight requests fail (503 engine_unresponsive) once the engine "
-                        "has had work and made no step for this long, or its process has said nothing for this long or 30 s, "
-                        "whichever is less (default 60 s)")
-    p.add_argument("--any-model-name", action="store_true",
-                   help="serve requests whatever `model` they name (for code that hard-codes a vendor's model)")
-    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
-                   help="the served model's reasoning form: its thinking goes in chat's reasoning_content (streamed "
-                        "as deltas) and the Responses API's reasoning items; a request turns it off with "
-                        "chat_template_kwargs {\"enable_thinking\": false} (prefixrt/lowering/reasoning.py)")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send a span per OpenAI request (queue/prefill/decode time, token counts, tenant, priority; "
-                        "the caller's traceparent continued) to this OTLP collector; the OTEL_* environment "
-                        "(OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, ...) turns it on too. Needs prefixrt[tracing]")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--drain-timeout", "--graceful-timeout", dest="drain_timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish before they are aborted")
-    p.add_argument("--api-key", default=os.environ.get("PREFIXRT_API_KEY") or None,
-                   help="require `Authorization: Bearer KEY` on every route but /health (env PREFIXRT_API_KEY)")
-    p.add_argument("--admin-api-key", default=os.environ.get("PREFIXRT_ADMIN_API_KEY") or None,
-                   help="the key for /flush_cache, /cache_prefix, /stats, /metrics, /dashboard (env "
-                        "PREFIXRT_ADMIN_API_KEY); with --api-key alone those routes are off")
-    p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024,
-                   help="larger request bodies get 413 (default 32 MiB)")
-    p.add_argument("--engine-in-process", action="store_true",
-                   help="run the engine on a thread of the server process instead of its own process")
-    d = p.add_argument_group("prefill/decode disaggregation (docs/serving.md)")
-    d.add_argument("--role", choices=["standalone", "prefill", "decode"], default="standalone",
-                   help="prefill: compute prompts' K/V and send it to the decode server; decode: take requests, "
-                        "fetch their prompts' K/V from the prefill servers, decode (both run the engine in this "
-                        "process); default standalone")
-    d.add_argument("--disagg-addr", default=None,
-                   help="HOST:PORT of the rendezvous (a TCP store hosted by the decode server)")
-    d.add_argument("--disagg-prefill-workers", type=int, default=1, help="number of prefill servers (default 1)")
-    d.add_argument("--disagg-rank", type=int, default=1, help="--role prefill: this server's rank, 1..N")
-    d.add_argument("--disagg-backend", choices=["gloo", "nccl"], default="gloo",
-                   help="torch.distributed backend of the K/V streams: gloo (CPU, or a GPU pool staged through "
-                        "host memory; works with both servers on one GPU) or nccl (device to device)")
-    d.add_argument("--disagg-timeout", type=float, default=300.0, help="seconds to wait for the peers to join")
-    d.add_argument("--disagg-debug-delay-s", type=float, default=0.0,
-                   help="--role prefill, race mode: sleep this long before each layer is sent (tests)")
+    add_flags(p, ServerSettings)
+    add_flags(p.add_argument_group("prefill/decode disaggregation (docs/serving.md)"), DisaggSettings)

@@ -7,9 +7,12 @@ newer OpenAI fields keep working. Range checks live in SamplingParams (one place
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
+
+from prefixrt.params import SamplingParams, option_names
 
 # A token-id prompt: integers only. pydantic's lax int would take `true` as 1 and 2.0 as 2; the OpenAI API and
 # the in-process engine refuse both, so the server does too (a 400 naming the prompt).
@@ -24,8 +27,8 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
-    """Fields shared by chat and completions: OpenAI's, then prefixrt's extras."""
+class _OpenAISampling(_Body):
+    """Fields shared by chat and completions, as OpenAI names them."""
 
     model: str | None = None
     temperature: float | None = None
@@ -40,21 +43,29 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     max_tokens: int | None = None
     user: str | None = None
-    # prefixrt / vLLM / SGLang extras
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None  # -> SamplingParams.min_new_tokens
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    regex: str | None = None
-    grammar: str | None = None
-    choices: list[str] | None = None
-    json_schema: dict[str, Any] | None = None
-    cache_salt: str | None = None
-    priority: int | None = None
-    speculative: bool | None = None  # False: this request never speculates (an engine with --speculative on)
+
+
+# SamplingParams' options a body carries under other names or in another shape: the output budget (OpenAI's
+# max_tokens, ...), logprobs (a bool with top_logprobs on chat, a count on completions), json_object
+# (response_format).
+_NOT_IN_BODY = frozenset({"max_new_tokens", "logprobs", "json_object"})
+
+
+def sampling_body(params_cls: type = SamplingParams, base: type[BaseModel] = _OpenAISampling) -> type[BaseModel]:
+    """`base` plus prefixrt's, vLLM's and SGLang's extras: every other request option that params_cls declares
+    (params.option_names), each None when not given. A field typed Any there (json_schema) is a JSON object here.
+    A new SamplingParams field is a body field without a line here."""
+    types = typing.get_type_hints(params_cls)
+    extras = {}
+    for option, name in option_names(params_cls).items():
+        if option in base.model_fields or option in _NOT_IN_BODY:
+            continue
+        kind = dict[str, Any] if types[name] is Any else types[name]
+        extras[option] = (kind | None, None)
+    return create_model("_Sampling", __base__=base, **extras)
+
+
+_Sampling = sampling_body()
 
 
 class TextPart(_Body):

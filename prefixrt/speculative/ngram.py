@@ -13,7 +13,7 @@ tokens, from two places.
 from __future__ import annotations
 
 from prefixrt.request import Req
-from prefixrt.speculative.drafter import Drafter, SpecState
+from prefixrt.speculative.drafter import Drafter
 
 NGRAM_SIZES = (4, 3, 2)
 
@@ -39,6 +39,7 @@ class NgramIndex:
 
     def __init__(self, sizes=NGRAM_SIZES):
         self.sizes = sizes
+        self._indexes: dict[Req, NgramIndex] = {}  # each request's incremental index over its own tokens
         self.maps: dict[int, dict[tuple, int]] = {n: {} for n in sizes}
         self.upto = 0  # ends e < upto are indexed
 
@@ -63,6 +64,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, sizes=NGRAM_SIZES):
         self.sizes = sizes
+        self._indexes: dict[Req, NgramIndex] = {}  # each request's incremental index over its own tokens
 
     def propose(self, req: Req, k: int, cache=None) -> list[int]:
         if k <= 0:
@@ -72,8 +74,10 @@ class NgramDrafter(Drafter):
             cont = cache.continuation(ids, req.salt, k, req.cache_handle, req.cached_len)
             if cont:
                 return cont
-        state = req.spec if req.spec is not None else SpecState()
-        req.spec = state
-        if state.drafter is None:
-            state.drafter = NgramIndex(self.sizes)
-        return state.drafter.lookup(ids, k)
+        index = self._indexes.get(req)
+        if index is None:
+            index = self._indexes[req] = NgramIndex(self.sizes)
+        return index.lookup(ids, k)
+
+    def on_finished(self, req: Req) -> None:
+        self._indexes.pop(req, None)

@@ -116,7 +116,7 @@ def test_ablations_change_speed_not_results(name, make_long_engine):
             if ABLATIONS[a].applies(w)}
     runs["no-cache"] = run_workload(make_long_engine(radix_cache=False), w, ABLATIONS["no-cache"], sizes)
     runs["block-cache"] = run_workload(make_long_engine(prefix_cache="block"), w, ABLATIONS["block-cache"], sizes)
-    assert eng.core.scheduler.config.policy == "lpm", "the fcfs run restores the scheduler's policy"
+    assert eng.core.scheduler.settings.schedule_policy == "lpm", "the fcfs run restores the scheduler's policy"
     full = runs["full"]
     for a, r in runs.items():
         assert r.outputs == full.outputs, f"{a} changed a greedy program's output"

@@ -59,7 +59,7 @@ def run(kv, ids, rid="r"):
 
 def assert_row_holds(kv, r, ids):
     """r's table row points at pool slots holding exactly ids' K/V (after the loads are done)."""
-    w = kv.load_waiter()
+    w = kv.tiers.load_waiter()
     if w is not None:
         w.wait_all()
     slots = torch.tensor(kv.slots_of(r, 0, len(ids)), dtype=torch.int64)
@@ -150,7 +150,7 @@ def test_a_pool_page_waits_for_its_pending_backup_and_the_checker_catches_an_ear
     t = kv.cache.transfer.backup(node_slots, [1, 2, 3, 4, 5, 6, 7, 8])
     kv.track(t, node_slots)
     with pytest.raises(AssertionError, match="pending"):
-        kv._free_pages([node_slots[0]])
+        kv.free_pages([node_slots[0]])
     t.wait()
     kv.close()
 
@@ -161,7 +161,7 @@ def test_a_forward_that_skips_a_layer_wait_is_caught():
     run(kv, list(range(50, 58)), "b")
     r = req(list(range(10, 18)), rid="c")
     kv.admit(r)
-    w = kv.load_waiter()
+    w = kv.tiers.load_waiter()
     assert isinstance(w, LoadWaiter) and w.loads
     w.wait(0)  # layer 1 "forgot" its wait
     with pytest.raises(AssertionError, match="without waiting"):

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 WALK = r"""
 import json, sys, threading
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 
 ran = set()
 

@@ -10,7 +10,7 @@ import torch
 from prefixrt.kernels.fp8_reference import ACTIVATION_SCALES
 
 from prefixrt.cache.kv_pool import KVPool
-from prefixrt.config import FP8_ACTIVATION_SCALES, EngineConfig
+from prefixrt.config.engine_config import FP8_ACTIVATION_SCALES, EngineConfig
 from tests.engine.test_oracle import _prompts
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -120,7 +120,7 @@ def test_fp8_activation_scale_reaches_the_linears(make_engine):
 def test_fp8_pool_holds_twice_the_tokens_of_bf16(monkeypatch):
     """At the same mem_fraction of a (pretend) 141 GB GPU holding 16 GB of weights, the pool sizing gives an e4m3 pool
     twice the tokens of a bf16 one (Llama-3-8B's K/V shape; Gemma-3-270M's)."""
-    from prefixrt.model.rank_setup import kv_pool_slots
+    from prefixrt.cache.kv_setup import pool_slots
 
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (125 * gib, 141 * gib))
@@ -129,7 +129,7 @@ def test_fp8_pool_holds_twice_the_tokens_of_bf16(monkeypatch):
         bf16 = KVPool.bytes_per_token(layers, heads, dim, torch.bfloat16)
         fp8 = KVPool.bytes_per_token(layers, heads, dim, torch.float8_e4m3fn)
         assert bf16 == 2 * fp8
-        slots = {b: kv_pool_slots(config, b, torch.device("cuda")) for b in (bf16, fp8)}
+        slots = {b: pool_slots(config, b, torch.device("cuda")) for b in (bf16, fp8)}
         assert abs(slots[fp8] / slots[bf16] - 2) < 1e-3
 
 
@@ -146,7 +146,7 @@ def test_fp8_options_are_checked():
             EngineConfig(quantization="fp8", fp8_smoothing=alpha)
     assert [EngineConfig(fp8_smoothing=a).fp8_smoothing_alpha for a in (None, 0, 0.0, 1, 0.25)] == [
         None, None, None, 1.0, 0.25]
-    # the config's names are the kernels' scheme names (config.py cannot import kernels/)
+    # the config's names are the kernels' scheme names (config/ cannot import kernels/)
     assert FP8_ACTIVATION_SCALES == ACTIVATION_SCALES
     with pytest.raises(ValueError, match="tp_size"):
         EngineConfig(kv_cache_dtype="fp8_e4m3", tp_size=2)
@@ -155,7 +155,7 @@ def test_fp8_options_are_checked():
 def test_fp8_command_line_flags():
     import argparse
 
-    from prefixrt.engine_flags import add_engine_args, engine_kwargs
+    from prefixrt.config.flags import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 from prefixrt.engine.builder import start_build_pool
 from prefixrt.engine.parallel_builds import BuildPool
 

@@ -12,7 +12,8 @@ from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.cache.radix import RadixCache
 from prefixrt.cache.req_table import ReqToTokenTable
-from prefixrt.engine.loop.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler, SchedulerConfig
+from prefixrt.config.engine_config import SchedulerSettings
+from prefixrt.engine.loop.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req, ReqState
 
@@ -24,7 +25,8 @@ def make_scheduler(num_slots: int = 256, page_size: int = 1, rows: int = 8, **co
     allocator = PageAllocator(num_slots, page_size)
     kv = KVManager(pool, allocator, ReqToTokenTable(rows, 512, "cpu"), RadixCache(allocator), debug=True)
     config.setdefault("aging_s", 1e9)
-    return Scheduler(kv, SchedulerConfig(**config))
+    max_running = config.pop("max_running_requests", 256)
+    return Scheduler(kv, SchedulerSettings(**config), max_running)
 
 
 def req(ids, rid: str, arrival: float = 0.0, **params) -> Req:

@@ -22,7 +22,8 @@ from prefixrt.cache.req_table import ReqToTokenTable
 from prefixrt.cache.session_prefetch import SessionPrefetch
 from prefixrt.cache.tiered_radix import TieredRadixCache
 from prefixrt.cache.transfer import KVTransfer
-from prefixrt.engine.loop.scheduler import Scheduler, SchedulerConfig
+from prefixrt.config.engine_config import SchedulerSettings
+from prefixrt.engine.loop.scheduler import Scheduler
 from prefixrt.params import SamplingParams
 from prefixrt.prompt_cache import KeepPrefix, PromptCache
 from prefixrt.request import Req
@@ -40,7 +41,7 @@ def make_scheduler(pool_pages=4, host_tokens=64, **config) -> Scheduler:
     cache = TieredRadixCache(allocator, host, KVTransfer(pool, host, debug=True), policy="write_through", debug=True)
     kv = KVManager(pool, allocator, ReqToTokenTable(16, 128, "cpu"), cache, debug=True)
     config.setdefault("aging_s", 1e9)
-    return Scheduler(kv, SchedulerConfig(**config))
+    return Scheduler(kv, SchedulerSettings(**config), 16)
 
 
 def req(ids, rid, session=None, max_new_tokens=2) -> Req:
@@ -62,7 +63,7 @@ def step(s: Scheduler):
         if len(r.output_ids) >= r.params.max_new_tokens:
             r.finish_reason = "length"
             s.remove(r)
-    w = s.kv.load_waiter()
+    w = s.kv.tiers.load_waiter()
     if w is not None:
         w.wait_all()
     s.kv.check_integrity()
@@ -111,7 +112,7 @@ def test_a_prefix_pushed_to_host_is_back_before_its_next_request():
     s.add(a2)
     step(s)
     assert a2.num_cached_tokens == 8 and a2.row is not None
-    assert kv.prefetch_misses_total == 0 and cache.host_hit_tokens_total == 0  # no load at admission
+    assert kv.tiers.prefetch_misses_total == 0 and cache.host_hit_tokens_total == 0  # no load at admission
     assert cache.ahead_used_tokens_total == 8 and cache.ahead_wasted_tokens_total == 0
     assert s.session_prefetch.used_total == 1
     while s.has_work:
@@ -131,7 +132,7 @@ def test_without_prefetch_the_same_trace_loads_at_admission():
     s.add(a2)
     step(s)
     assert a2.num_cached_tokens == 8
-    assert kv.prefetch_misses_total == 1 and cache.host_hit_tokens_total == 8  # loaded at admission
+    assert kv.tiers.prefetch_misses_total == 1 and cache.host_hit_tokens_total == 8  # loaded at admission
     assert cache.ahead_used_tokens_total == 0
     while s.has_work:
         step(s)
@@ -202,7 +203,7 @@ def test_prefetch_takes_free_pages_only_never_a_running_request_or_a_cached_pref
     assert s.session_prefetch.prefetched_tokens_total == 0
     r_pages, evicted = list(r.pages), kv.evicted_tokens_total
     # Asked for more than is free, a load ahead takes the free page alone (A's head) and evicts nothing.
-    load, start, n = kv.load_ahead(a.all_ids, None, max_pages=8)
+    load, start, n = kv.tiers.load_ahead(a.all_ids, None, max_pages=8)
     assert (start, n) == (0, PS) and kv.allocator.free_pages == 0 and kv.evicted_tokens_total == evicted
     m = cache.match_prefix(a.all_ids, touch=False)
     assert (m.length, m.host_length) == (4, 4)
@@ -256,7 +257,7 @@ def _engine_trace(make_engine, prefetch: bool, delay_s: float = 0.0, wait_loads:
     eng.wait_idle()
 
     def loads_done():
-        w = eng.core.kv.load_waiter()
+        w = eng.core.kv.tiers.load_waiter()
         if w is not None:
             w.wait_all()
 

@@ -216,8 +216,8 @@ def test_rejected_slots_freed_at_once(page_size, make_engine):
 def test_speculative_flags_reach_the_engine_config():
     import argparse
 
-    from prefixrt.config import EngineConfig
-    from prefixrt.engine_flags import add_engine_args, engine_kwargs
+    from prefixrt.config.engine_config import EngineConfig
+    from prefixrt.config.flags import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -36,7 +36,7 @@ import pytest
 import torch
 from prefixrt.kernels import fp8_reference as ref
 
-from prefixrt.config import EngineConfig
+from prefixrt.config.engine_config import EngineConfig
 from prefixrt.hub.loader import load_model
 from prefixrt.model.quantize import fp8_linears, set_fp8_activation_scale
 from tests.helpers.checkpoints import build_hf_model

@@ -15,8 +15,8 @@ model: one flipped near-tie changes the rest of a continuation, so bf16 against 
 The figures are printed (run with -s) and recorded as the test's junit properties (record_property).
 
 The engine paths (`quantization="fp8"`, `kv_cache_dtype="fp8_e4m3"`) apply the same transforms (engine/builder.py:
-quantize_fp8_weights at load, set_fp8_activation_scale with the config's scheme, then the pool's scales from
-calibrate_kv_scales on the calibration text of the model as it will run). docs/benchmarks.md, section "FP8", keeps
+quantize_fp8_at_load with the config's smoothing alpha, set_fp8_activation_scale with the config's scheme, then the
+pool's scales from calibrate_kv_scales on the calibration text of the model as it will run). docs/benchmarks.md, section "FP8", keeps
 the figures."""
 
 from __future__ import annotations
@@ -155,11 +155,11 @@ def test_summary_reports_greedy_beside_its_noise_floor():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fp8_weights_and_kv_cache_keep_accuracy(name, record_property):
-    from prefixrt.config import EngineConfig
+    from prefixrt.config.engine_config import EngineConfig
     from prefixrt.hub.loader import load_model
     from prefixrt.hub.registry import load_tokenizer, resolve_model
     from prefixrt.model.kv_calibration import calibrate_kv_scales, calibration_tokens
-    from prefixrt.model.quantize import quantize_fp8_weights, set_fp8_activation_scale
+    from prefixrt.model.quantize import quantize_fp8_at_load, set_fp8_activation_scale
 
     if not _available(name):
         pytest.skip(f"{name} is unavailable")
@@ -175,17 +175,20 @@ def test_fp8_weights_and_kv_cache_keep_accuracy(name, record_property):
     model = load_model(resolved.path, dtype="bfloat16", device="cpu")
     base = perplexity_and_greedy(model, ids, prompts)
     runs = {"FP8 K/V": perplexity_and_greedy(model, ids, prompts, calibrate_kv_scales(model, calibration, "cpu"))}
-    # what the engine does with quantization="fp8" (engine/builder.py: quantize, then the config's activation scheme)
-    scheme = EngineConfig().fp8_activation_scale
-    assert quantize_fp8_weights(model) > 0 and set_fp8_activation_scale(model, scheme) > 0
+    # what the engine does with quantization="fp8" (engine/builder.py: smooth with the config's alpha on the
+    # calibration text and quantize, then the config's activation scheme)
+    config = EngineConfig(quantization="fp8")
+    scheme = config.fp8_activation_scale
+    assert quantize_fp8_at_load(model, config.fp8_smoothing_alpha, calibration) > 0
+    assert set_fp8_activation_scale(model, scheme) > 0
     runs["FP8 weights"] = perplexity_and_greedy(model, ids, prompts)
     # and with kv_cache_dtype="fp8_e4m3" too: the pool's scales calibrated on the model as it runs, FP8 weights
     runs["FP8 weights + FP8 K/V"] = perplexity_and_greedy(model, ids, prompts,
                                                          calibrate_kv_scales(model, calibration, "cpu"))
 
     figures, floor, text = summary(runs, base, fp32)
-    print(f"\n{name}: {len(ids)} tokens, FP8 activations {scheme!r}, against bf16 over {len(PROMPTS)} x "
-          f"{NEW_TOKENS} greedy tokens:\n{text}")
+    print(f"\n{name}: {len(ids)} tokens, FP8 activations {scheme!r}, smoothing {config.fp8_smoothing_alpha}, "
+          f"against bf16 over {len(PROMPTS)} x {NEW_TOKENS} greedy tokens:\n{text}")
     record_property("bf16_perplexity", base["ppl"])
     record_property("fp8_activation_scale", scheme)
     record_property("float32_vs_bf16", floor)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from prefixrt.config import FP8_SPEED_CHECKS, EngineConfig
+from prefixrt.config.engine_config import FP8_SPEED_CHECKS, EngineConfig
 from prefixrt.hub.loader import load_model
 from prefixrt.model import fp8_speed_check as check
 from tests.helpers.checkpoints import save_tiny_checkpoint

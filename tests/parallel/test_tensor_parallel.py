@@ -196,7 +196,7 @@ def test_tp2_equals_tp1_and_transformers(arch, tmp_path, tiny_checkpoints, tiny_
 
 
 def test_tp_config_errors():
-    from prefixrt.config import EngineConfig
+    from prefixrt.config.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="multiple of nnodes"):
         EngineConfig(tp_size=3, nnodes=2, dist_init_addr="h:1")

@@ -171,7 +171,7 @@ def test_audit_tolerance_is_tight_for_fp32(make_engine):
             return err
         finally:
             kv.table.free_row(row)
-            kv._free_pages(pages)
+            kv.free_pages(pages)
 
     err = eng._run_on_loop(worst)
     assert err < eng.core.auditor.tolerance / 20, err

@@ -111,9 +111,9 @@ def test_openai_shim_without_httpx_names_the_pip_command(tmp_path):
 def test_cascade_decode_flag_reaches_the_engine_config():
     import argparse
 
-    from prefixrt.config import EngineConfig
+    from prefixrt.config.engine_config import EngineConfig
+    from prefixrt.config.flags import add_engine_args, engine_kwargs
     from prefixrt.engine.builder import CASCADE_DECODE, cascade_enabled
-    from prefixrt.engine_flags import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -120,7 +120,7 @@ def test_adaptive_draft_length():
     assert lengths.length(r, 5) == 0  # the batch is too large
     for _ in range(5):
         lengths.update(r, 8, 3)  # acceptance falls below 1/2: half the length
-    assert 0.2 <= r.spec.acceptance < 0.5 and lengths.length(r, 1) == 4
+    assert 0.2 <= lengths.acceptance(r) < 0.5 and lengths.length(r, 1) == 4
     for _ in range(10):
         lengths.update(r, 8, 0)
     got = [lengths.length(r, 1) for _ in range(8)]

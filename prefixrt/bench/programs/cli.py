@@ -110,8 +110,8 @@ def run_programs(args, argv) -> int:
     if args.url:
         results = _run_remote(args, workloads, ablations, skipped, meta)
     else:
+        from prefixrt.config.flags import progress_printer
         from prefixrt.engine.engine import Engine
-        from prefixrt.engine_flags import progress_printer
 
         base = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                     attention_backend=args.attention_backend, kv_cache_tokens=args.kv_cache_tokens,

@@ -21,6 +21,7 @@ Ablations (ABLATIONS), each a real mode of the engine or the frontend:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import threading
 import time
@@ -35,7 +36,7 @@ class Ablation:
     name: str
     label: str
     engine: dict = field(default_factory=dict)  # EngineConfig fields this run needs
-    scheduler: dict = field(default_factory=dict)  # SchedulerConfig fields set on the running engine for the run
+    scheduler: dict = field(default_factory=dict)  # SchedulerSettings fields set on the running engine for the run
     backend: dict = field(default_factory=dict)  # ProviderBackend options
 
     def applies(self, w: ProgramWorkload) -> bool:
@@ -50,7 +51,7 @@ ABLATIONS = {a.name: a for a in (
     Ablation("full", "full (radix, lpm, hints, parallel)"),
     Ablation("no-cache", "no cache", engine={"radix_cache": False}),
     Ablation("block-cache", "table (block) cache", engine={"prefix_cache": "block"}),
-    Ablation("fcfs", "FCFS scheduling", scheduler={"policy": "fcfs"}),
+    Ablation("fcfs", "FCFS scheduling", scheduler={"schedule_policy": "fcfs"}),
     Ablation("no-hint", "no frontend hint", backend={"prefix_hints": False}),
     Ablation("no-parallel", "no frontend parallelism", backend={"parallel": False}),
 )}
@@ -246,16 +247,17 @@ def run_workload(provider, w: ProgramWorkload, ablation: Ablation, sizes: dict, 
 
 @contextlib.contextmanager
 def _scheduler(engine, fields: dict):
-    """engine's scheduler config with `fields` set for the duration (restored after)."""
-    config = engine.core.scheduler.config if fields else None
-    old = {k: getattr(config, k) for k in fields}
-    for k, v in fields.items():
-        setattr(config, k, v)
+    """engine's scheduler settings with `fields` set for the duration (restored after)."""
+    if not fields:
+        yield
+        return
+    scheduler = engine.core.scheduler
+    old = scheduler.settings
+    scheduler.settings = dataclasses.replace(old, **fields)
     try:
         yield
     finally:
-        for k, v in old.items():
-            setattr(config, k, v)
+        scheduler.settings = old
 
 
 def format_results(results: list[ProgramResult]) -> str:

@@ -119,7 +119,7 @@ class CacheAuditor:
                 bad = self._compare(job.slots, scratch)
             finally:
                 kv.table.free_row(row)
-                kv._free_pages(pages)  # poisoned in debug mode, like any freed page
+                kv.free_pages(pages)  # poisoned in debug mode, like any freed page
             self.audits_total += 1
             if bad is not None:
                 self.mismatches_total += 1
@@ -148,7 +148,7 @@ class CacheAuditor:
     def _compare(self, cached_slots: list[int], scratch: list[int]) -> tuple[int, int, float] | None:
         """(layer, token position, relative error) of the first mismatch, or None."""
         pool = self.kv.pool
-        ready = self.kv.load_waiter()  # host-tier loads into the cached slots may still be in flight
+        ready = self.kv.tiers.load_waiter()  # host-tier loads into the cached slots may still be in flight
         if ready is not None:
             ready.wait_all()
         a_idx = torch.tensor(cached_slots, device=pool.device)

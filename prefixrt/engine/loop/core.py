@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefixrt.engine.detokenizer import DetokState
 from prefixrt.engine.loop import batch_inputs, postprocess, stats
 from prefixrt.engine.loop.grammar_masks import GrammarMasks
 from prefixrt.engine.loop.hooks import LoopHooks
@@ -103,6 +102,7 @@ class EngineCore:
         self.encoder = encoder
         self.spec = speculator
         self.detokenizer = hooks.detokenizer  # gets [(DetokState | None, sink, StepOutput)] per step
+        self._text_states = self.detokenizer.states if self.detokenizer is not None else {}  # Req -> DetokState
         self.events = hooks.events
         self.masks = GrammarMasks(hooks.grammar)  # grammar masks for the sample unit (filled on their own worker)
         self.requests: dict[str, list[Req]] = {}  # request_id -> its samples
@@ -122,7 +122,7 @@ class EngineCore:
                 if p.seed is not None:
                     r.generator = self.sampler.make_generator(p.generator_seed(r.index))
                 if self.detokenizer is not None and (p.detokenize or p.stop or p.logprobs is not None):
-                    r.detok = DetokState(r, p.stop, p.skip_special_tokens, p.detokenize)
+                    self.detokenizer.open(r, p.stop, p.skip_special_tokens, p.detokenize)
                 self.scheduler.add(r)
             except Exception as e:  # registered but not runnable: finish it now, never leave it hanging
                 log.error("request %s could not be added: %s", r.rid, traceback.format_exc())
@@ -278,7 +278,7 @@ class EngineCore:
                                if self.prefix_grouper is not None and not ins.spec
                                and all(n == 1 for n in batch.num_tokens) else None),
             )
-            fb.kv_ready = self.kv.load_waiter(batch.reqs)  # host-tier loads into their paths (None: nothing)
+            fb.kv_ready = self.kv.tiers.load_waiter(batch.reqs)  # host-tier loads into their paths (None: nothing)
             if any(r.images is not None for r in batch.reqs):
                 fb.mm = batch_inputs.images_of(self.encoder, self.runner.model, batch, self.device)
             if holes:
@@ -443,7 +443,7 @@ class EngineCore:
         r.matched_stop = adv.matched_stop
         if self.events.observers:
             self.events.emit("tokens", req=r, num=len(adv.new_tokens), now=now)
-        self._outbox.append((r.detok, r.sink, postprocess.step_output(r, adv, logprobs)))
+        self._outbox.append((self._text_states.get(r), r.sink, postprocess.step_output(r, adv, logprobs)))
         if adv.finish_reason is not None:
             self._release(r)
 
@@ -461,18 +461,19 @@ class EngineCore:
         r.error = error
         if reason == "abort":
             self.stats.aborted_requests_total += 1
-        self._outbox.append((r.detok, r.sink, postprocess.final_output(r, reason, error)))
+        self._outbox.append((self._text_states.get(r), r.sink, postprocess.final_output(r, reason, error)))
         if not self._in_step:
             self.flush_outputs()
         self._release(r)
 
     def _release(self, r: Req) -> None:
-        # The outputs already produced carry the text state; dropping the request's own link to it breaks the
-        # Req <-> DetokState cycle, so a finished request is freed by reference counting, not by a GC pause.
-        r.detok = None
+        # The outputs already produced carry the text state; the worker's link to it goes (DetokState refers to
+        # the Req), so a finished request is freed by reference counting, not by a GC pause.
+        if self.detokenizer is not None:
+            self.detokenizer.finished(r)
         self.scheduler.remove(r)
         if self.spec is not None:
-            self.spec.drafter.on_finished(r)
+            self.spec.finished(r)
         samples = self.requests.get(r.rid)
         if samples is not None and all(s.state.value == "finished" for s in samples):
             del self.requests[r.rid]

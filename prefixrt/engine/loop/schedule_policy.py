@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefixrt.cache.base import MatchResult
-from prefixrt.config import POLICIES
+from prefixrt.config.engine_config import POLICIES
 from prefixrt.request import Req
 
 

@@ -12,7 +12,7 @@ time at full speed instead of admitting, growing and retracting. The first reque
 With a host tier, waiting requests next in line get their host-resident prefix loaded into the pool ahead of
 admission (prefetch, overlapped with the running batch); under `wait_complete` a request is admitted once its
 load is done, others going first meanwhile.
-With a host tier, a request that has produced nothing and has waited preempt_after_s for memory preempts running
+With a host tier, a request that has produced nothing and has waited host_kv_preempt_after_s for memory preempts running
 requests that have already streamed (retracted to the host, most remaining decode first, each at most
 max_preemptions times): first tokens come soon even when the pool holds a few sessions of many. The victims are
 held back until the request they made room for is admitted (else they would take the room back first).
@@ -37,7 +37,10 @@ from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
 from prefixrt.cache.session_prefetch import SessionPrefetch
+from prefixrt.config.engine_config import SchedulerSettings
 from prefixrt.engine.loop.admission import DecodeEstimate
+from prefixrt.engine.loop.preemption import FirstTokenPreemption
+from prefixrt.engine.loop.prefetch import HostPrefetch
 from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.engine.loop.sessions import SessionService
 from prefixrt.request import Req, ReqState
@@ -65,40 +68,23 @@ class ScheduledBatch:
         return not self.reqs
 
 
-@dataclass
-class SchedulerConfig:
-    policy: str = "lpm"
-    chunked_prefill_tokens: int = 8192
-    max_running_requests: int = 256
-    aging_s: float = 5.0
-    dedup_shared_prefill: bool = True
-    prefetch: str = "wait_complete"  # config.PREFETCH_POLICIES (host tier only)
-    max_prefetching: int = 8  # waiting requests with a prefetched prefix at once
-    # Host tier only: a request that has produced nothing and has waited this long for memory takes the room of
-    # running requests that have already streamed (they are retracted to the host and resume later). None: off.
-    preempt_after_s: float | None = None
-    max_preemptions: int = 2  # times one request may be preempted so (it is not a victim after that)
-    # Waiting requests of keyed sessions ordered by their session's attained service (engine/loop/sessions.py)
-    session_service: bool = True
-    # Host tier only: finished keyed sessions' prefixes loaded back into free pool pages ahead of their next request
-    session_prefetch: bool = True
-
-
 class Scheduler:
-    def __init__(self, kv: KVManager, config: SchedulerConfig):
+    """settings: the engine's SchedulerSettings (config/engine_config.py); max_running_requests: its resolved cap
+    (the settings' None means a default per device, which the builder resolves)."""
+
+    def __init__(self, kv: KVManager, settings: SchedulerSettings, max_running_requests: int):
         self.kv = kv
-        self.config = config
+        self.settings = settings
+        self.max_running_requests = max_running_requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.retracted_total = 0
         self.estimate = DecodeEstimate()
-        self.prefetching: list[Req] = []  # waiting requests whose host-tier prefix is loaded (or loading) for them
-        self.preempted_total = 0
-        self._preempt_for: tuple[Req, int] | None = None  # (waiting request, pages it needs): preempt next step
-        self._admit_first: Req | None = None  # the request a preemption made room for
-        self._held_back: set[int] = set()  # its preemption's victims: not admitted before it is
+        self.prefetch = HostPrefetch(kv, settings)  # waiting requests whose host-tier prefix loads ahead
+        self.preemption = FirstTokenPreemption(kv, settings)
         self.sessions = SessionService()
-        self.session_prefetch = SessionPrefetch(kv) if config.session_prefetch and kv.tiered is not None else None
+        # finished sessions' prefixes loaded back ahead of their next request (host tier only)
+        self.session_prefetch = SessionPrefetch(kv) if settings.session_prefetch and kv.tiered is not None else None
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
@@ -119,13 +105,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if req in self.prefetching:
-            self.prefetching.remove(req)
+        self.prefetch.removed(req)
         if req.finish_reason in ("stop", "length"):
             self.estimate.finished(req)
             if self.session_prefetch is not None and req.index == 0:
                 self.session_prefetch.turn_ended(req)
         self.kv.release(req, final=True)
+        self.kv.tiers.forget(req)
         self._match_cache.pop(id(req), None)
         req.state = ReqState.FINISHED
 
@@ -136,8 +122,8 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [], [], [])
-        budget = self.config.chunked_prefill_tokens
-        if self._preempt_for is not None:
+        budget = self.settings.chunked_prefill_tokens
+        if self.preemption.pending is not None:
             self._preempt(batch)
 
         # 1. Running requests: plan their tokens, retract until their pages fit.
@@ -153,15 +139,13 @@ class Scheduler:
                     continue
                 if n > 1:  # a prefill chunk or a jump-forward run: bounded by the token budget
                     n = min(n, max(left, 1))
-                    if req.images is not None:  # never split an image block (its tokens attend each other)
-                        n = req.images.chunk_end(req.kv_len, n)
+                    n = _chunk_end(req, n)
                     left -= n
                 plan.append((req, n))
                 pages += pages_for(req, n)
             if self.kv.ensure_pages(pages):
                 break
-            if self.prefetching:  # memory held for waiting requests goes before running work
-                self.kv.cancel_prefetch(self.prefetching.pop())
+            if self.prefetch.cancel_last():  # memory held for waiting requests goes before running work
                 continue
             victim = self._pick_victim()
             if len(self.running) == 1:
@@ -190,7 +174,7 @@ class Scheduler:
         if self.waiting:
             self._admit(batch, budget, prefilling)
             if batch.is_empty and not self.running:
-                self.kv.wait_disk(0.002)
+                self.kv.tiers.wait_disk(0.002)
         # 3. Nothing waits: load finished sessions' prefixes into the room left.
         self.prefetch_sessions()
         return batch
@@ -203,9 +187,8 @@ class Scheduler:
         if sp is None or self.waiting or not sp.due():
             return
         kv, est = self.kv, self.estimate
-        free = kv.allocator.free_pages
         reserved = len(self.running) + sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
-        sp.run(free - reserved)
+        sp.run(kv.allocator.free_pages - reserved)
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         slots = self.kv.extend(req, n)
@@ -219,9 +202,11 @@ class Scheduler:
         self.sessions.charge(req, n)
 
     def _admit(self, batch: ScheduledBatch, budget: int, prefilling: list[Req]) -> None:
-        """Admit waiting requests in policy order while they fit (see the module docstring); with a host tier, start
-        the prefetch of those next in line that cannot or should not run yet."""
-        kv, est = self.kv, self.estimate
+        """Admit waiting requests in policy order while they fit (see the module docstring). What is not memory
+        accounting is delegated: the disk tier's reads (KVManager.tiers), the prefill-once hold-back
+        (UncachedPrefixIndex), host prefetch (HostPrefetch), first-token preemption (FirstTokenPreemption), image
+        blocks (_chunk_end)."""
+        kv, est, prefetch = self.kv, self.estimate, self.prefetch
         now = time.monotonic()
         version = getattr(kv.cache, "version", 0)
 
@@ -232,48 +217,43 @@ class Scheduler:
                 self._match_cache[id(r)] = hit
             return hit[1]
 
-        order = order_waiting(self.waiting, self.config.policy, match, now, self.config.aging_s,
-                              self.sessions.service if self.config.session_service else None)
-        first = self._admit_first
+        order = order_waiting(self.waiting, self.settings.schedule_policy, match, now, self.settings.aging_s,
+                              self.sessions.service if self.settings.session_scheduling else None)
+        first = self.preemption.first
         if first is not None and first in order:  # running requests were preempted to make room for it
             order.remove(first)
             order.insert(0, first)
         else:  # admitted (or gone): its preemption's victims may run again
-            self._admit_first, self._held_back = None, set()
+            self.preemption.done()
         leaders = UncachedPrefixIndex(prefilling)
         admitted: set[int] = set()
         # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
         # prefetching ones will need once admitted.
         reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
-        prefetch_need = {id(r): kv.pages_to_admit(r, match(r), est.remaining(r)) for r in self.prefetching}
+        prefetch_need = prefetch.needs(match, est.remaining)
         reserved += sum(prefetch_need.values())
-        prefetch = kv.tiered is not None and self.config.prefetch != "off"
-        wait_complete = self.config.prefetch == "wait_complete"
         reserve_pages = len(self.running)  # keep one page per running request for its next decode step
         for req in order:
-            if self._held_back and id(req) in self._held_back:
+            if self.preemption.holds_back(req):
                 continue  # preempted for the request first in line: it goes before them
             m = match(req)
-            if not kv.disk_ready(req, m):  # its prefix is being read from the disk tier
+            if not kv.tiers.disk_ready(req, m):  # its prefix is being read from the disk tier
                 continue
-            if self.config.dedup_shared_prefill and kv.cache.retains and leaders.shares(req, m.length):
+            if self.settings.dedup_shared_prefill and kv.cache.retains and leaders.shares(req, m.length):
                 continue
-            if req.prefetch is not None and wait_complete and self.running and not kv.prefetch_ready(req):
-                continue  # still loading (its need is in reserved): others go first
+            if prefetch.still_loading(req, bool(self.running)):  # (its need is in reserved): others go first
+                continue
             growth = est.remaining(req)
             others = reserved - prefetch_need.pop(id(req), 0)
             need = kv.pages_to_admit(req, m, growth)
             if self.running and need + others > kv.available_pages:
-                if self._may_preempt_for(req, now):
-                    self._preempt_for = (req, need)
+                self.preemption.consider(req, need, now, self.running)
                 break  # the pool cannot hold it beside what is running: it waits, and nothing overtakes it
-            can_run = (len(self.running) < self.config.max_running_requests and kv.table.free_rows > 0
+            can_run = (len(self.running) < self.max_running_requests and kv.table.free_rows > 0
                        and budget > 0)
-            if not can_run or (prefetch and wait_complete and self.running and m.host_length):
+            if not can_run or prefetch.should_wait(req, m.host_length, bool(self.running)):
                 # Next in line but not running this step: load its host part meanwhile, and keep its room.
-                if prefetch and m.host_length and len(self.prefetching) < self.config.max_prefetching \
-                        and kv.prefetch(req, m):
-                    self.prefetching.append(req)
+                if prefetch.start(req, m):
                     version = getattr(kv.cache, "version", 0)
                     need = kv.pages_to_admit(req, match(req), growth)
                     prefetch_need[id(req)] = need
@@ -281,9 +261,7 @@ class Scheduler:
                 continue
             first_admission = req.num_cached_tokens is None
             kv.admit(req, m)
-            n = min(req.num_pending, budget)
-            if req.images is not None:
-                n = req.images.chunk_end(req.kv_len, n)
+            n = _chunk_end(req, min(req.num_pending, budget))
             pages = kv.pages_for(req, n)
             if not kv.ensure_pages(pages + reserve_pages):
                 kv.release(req)
@@ -291,11 +269,10 @@ class Scheduler:
                     req.num_cached_tokens = None
                 break
             admitted.add(id(req))
-            if req is self._admit_first:
-                self._admit_first, self._held_back = None, set()
+            if req is self.preemption.first:
+                self.preemption.done()
             self._match_cache.pop(id(req), None)
-            if req in self.prefetching:
-                self.prefetching.remove(req)
+            prefetch.admitted(req)
             req.state = ReqState.RUNNING
             self.running.append(req)
             self._add_to_batch(batch, req, n)
@@ -323,36 +300,29 @@ class Scheduler:
         return False
 
     # ------------------------------------------------------------------ preemption for a first token
-    def _preemptible(self, req: Req) -> list[Req]:
-        """Running requests that may make room for waiting req: they have streamed already, were preempted fewer
-        than max_preemptions times, are not of a higher priority; most remaining decode first (they would hold
-        their memory longest), then the latest arrival."""
-        cands = [r for r in self.running if r.output_ids and r.retractions < self.config.max_preemptions
-                 and r.params.priority <= req.params.priority]
-        return sorted(cands, key=lambda r: (-r.remaining_new_tokens, -r.arrival))
-
-    def _may_preempt_for(self, req: Req, now: float) -> bool:
-        after = self.config.preempt_after_s
-        return (after is not None and self.kv.tiered is not None and not req.output_ids
-                and now - req.arrival >= after and bool(self._preemptible(req)))
-
     def _preempt(self, batch: ScheduledBatch) -> None:
-        """Retract (to the host) running requests until the request recorded by _admit fits, and put it first in
-        this step's admission order. Done before the running requests are planned, so no victim is in the batch."""
-        req, need = self._preempt_for
-        self._preempt_for = None
+        """Retract (to the host) running requests until the request the last admission pass recorded
+        (FirstTokenPreemption.consider) fits, and put it first in this step's admission order. Done before the
+        running requests are planned, so no victim is in the batch."""
+        preemption = self.preemption
+        req, need = preemption.pending
+        preemption.pending = None
         if req not in self.waiting:
             return
         kv, est = self.kv, self.estimate
         reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
-        for victim in self._preemptible(req):
+        for victim in preemption.candidates(req, self.running):
             if need + reserved <= kv.available_pages:
                 break
             reserved -= kv.pages_to_finish(victim, est.remaining(victim))
             self._retract(victim, preempted=True)
             batch.retracted.append(victim)
-            self._held_back.add(id(victim))
-        self._admit_first = req
+            preemption.held_back.add(id(victim))
+        preemption.first = req
+
+    @property
+    def preempted_total(self) -> int:
+        return self.preemption.preempted_total
 
     # ------------------------------------------------------------------ retraction
     def _pick_victim(self) -> Req | None:
@@ -371,10 +341,15 @@ class Scheduler:
         req.retractions += 1
         self.retracted_total += 1
         if preempted:
-            self.preempted_total += 1
+            self.preemption.preempted_total += 1
         else:
             self.estimate.retracted()  # out of memory: the estimate was too low
         self.waiting.insert(0, req)
+
+
+def _chunk_end(req: Req, n: int) -> int:
+    """n tokens of req's pending ones, fewer where they would split an image block (its tokens attend each other)."""
+    return n if req.images is None else req.images.chunk_end(req.kv_len, n)
 
 
 class UncachedPrefixIndex:

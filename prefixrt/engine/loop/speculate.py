@@ -39,6 +39,11 @@ class Speculator:
         self.lengths = lengths
         self.max_context = max_context
 
+    def finished(self, r: Req) -> None:
+        """r finished: the drafter may learn from it; what the drafter and the draft length kept about it goes."""
+        self.drafter.on_finished(r)
+        self.lengths.forget(r)
+
     # ------------------------------------------------------------------ before the forward
     def _eligible(self, r: Req, n: int, sample: bool) -> bool:
         p = r.params
