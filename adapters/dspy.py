@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import dspy
+import pydantic
 from dspy.lm15 import (
     InvalidRequestError,
     Message,
@@ -48,7 +49,12 @@ from dspy.lm15 import (
     UnsupportedFeatureError,
     Usage,
 )
-from prefixrt.adapters.dspy_formats import json_adapter_schema, output_format_constraint
+from prefixrt.adapters.dspy_formats import (
+    cap_json_adapter_strings,
+    json_adapter_schema,
+    nested_skeletons,
+    output_format_constraint,
+)
 from prefixrt.adapters.provider_handle import ProviderHandle
 
 from prefixrt.errors import InvalidRequest
@@ -191,15 +197,49 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
             schema = json_adapter_schema(messages, params.get("max_new_tokens"))
             if schema is not None:
                 lowered.constraint = {"json_schema": schema}
+        elif lowered.tools is None and isinstance(lowered.constraint.get("json_schema"), dict) and not reasoning:
+            # JSONAdapter's own schema: its free strings capped as above, so the object closes within the budget
+            # (a small model otherwise writes its first string until max_tokens, and the reply does not parse).
+            lowered.constraint = {"json_schema": cap_json_adapter_strings(
+                lowered.constraint["json_schema"], messages, params.get("max_new_tokens"))}
         lowered.apply(params)
         if not reasoning and not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
             # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
-            params.update(output_format_constraint(messages, params.get("max_new_tokens")))
+            params.update(output_format_constraint(messages, params.get("max_new_tokens"),
+                                                   nested_schemas=caller_nested_schemas(messages)))
         if images:  # image parts back in place for the engine (dspy.Image fields)
             messages = restore_images(messages, images)
     except InvalidRequest as e:
         raise InvalidRequestError(str(e), provider=_PROVIDER) from e
     return messages, params, lowered.tools
+
+
+def caller_nested_schemas(messages: list[dict]) -> dict[str, dict]:
+    """The JSON schemas of the nested fields XMLAdapter asks for (lists, dicts, pydantic models), from the
+    signature of the Predict making this call (DSPy's `settings.caller_modules`, innermost last), for each field
+    whose nested-XML skeleton in the prompt is the one DSPy writes for that field's type (so a signature other
+    than the prompt's is never used). The prompt alone gives no leaf types (`<score>...</score>`): with them an
+    int leaf is held to an int. Empty when there is no such caller."""
+    users = [m for m in messages if m.get("role") == "user"]
+    skeletons = nested_skeletons(users[-1].get("content") or "") if users else {}
+    caller = (dspy.settings.caller_modules or [None])[-1]
+    fields = getattr(getattr(caller, "signature", None), "output_fields", None)
+    to_skeleton = getattr(dspy.XMLAdapter, "_xml_schema", None)
+    if not skeletons or not fields or to_skeleton is None:
+        return {}
+    out = {}
+    for name, skeleton in skeletons.items():
+        field = fields.get(name)
+        if field is None:
+            continue
+        try:
+            same = to_skeleton(name, field.annotation) == skeleton
+            schema = pydantic.TypeAdapter(field.annotation).json_schema()
+        except (TypeError, ValueError, pydantic.PydanticUserError):  # a type without a JSON schema
+            continue
+        if same:
+            out[name] = schema
+    return out
 
 
 def _translate(e: Exception) -> Exception:

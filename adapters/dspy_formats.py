@@ -37,6 +37,11 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from xml.etree import ElementTree as ET
+from xml.sax.saxutils import escape as xml_escape
 
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
 from prefixrt.lowering.json_schema import strict_schema
@@ -55,11 +60,19 @@ _REACT_TOOL = re.compile(r"^\s*\(\d+\) (\S+?)(?:, whose description is <desc>.*<
 # A text value: starts with a visible character, has no blank line (a paragraph break ends the field) and no
 # "[[" (a small model that starts writing a field header inside a value is steered to the real one).
 _TEXT = r"/[^\s\[]([^\n\[]|\n[^\n\[]|\[[^\[\n])*/"
-# XMLAdapter parses the reply as XML (ElementTree): a text value is character data, no `<` (so never a tag, its
-# own field's included: a model that wrote `<answer>\n<answer-value>` left a reply DSPy could not parse, and DSPy
-# called the LM again) and `&` only as an entity reference.
-_XML_CHAR = r"&(amp|lt|gt|quot|apos|#[0-9]+|#x[0-9a-fA-F]+);"
-_XML_TEXT = (rf"/([^\s\[<&]|{_XML_CHAR})([^\n\[<&]|{_XML_CHAR}|\n[^\n\[<&]|\n{_XML_CHAR}|\[[^\[\n<&]|\[{_XML_CHAR})*/")
+# XMLAdapter parses the reply as XML (ElementTree, expat): a text value is character data: no `<` (so never a tag,
+# its own field's included: a model that wrote `<answer>\n<answer-value>` left a reply DSPy could not parse, and
+# DSPy called the LM again), `&` only in one of XML's five named entity references (a numeric one may name a
+# character XML forbids, `&#0;`), no character outside XML 1.0's Char production (C0 controls other than tab, LF
+# and CR; U+FFFE, U+FFFF; a surrogate is no UTF-8 text at all), and never `]]>` (_XML_GUARD).
+_XML_ENTITY = r"&(amp|lt|gt|quot|apos);"
+_NOT_XML_CHAR = r"\x00-\x08\x0B\x0C\x0E-\x1F\x{FFFE}\x{FFFF}"
+_XML_TEXT = (rf"/([^\s\[<&{_NOT_XML_CHAR}]|{_XML_ENTITY})([^\n\[<&{_NOT_XML_CHAR}]|{_XML_ENTITY}|"
+             rf"\n[^\n\[<&{_NOT_XML_CHAR}]|\n{_XML_ENTITY}|\[[^\[\n<&{_NOT_XML_CHAR}]|\[{_XML_ENTITY})*/")
+_XML_GUARD = r" & ~/(?s:.*\]\]>.*)/"  # intersected with a text lexeme: no `]]>` anywhere in it
+# A JSON string inside XML character data (a nested field's JSON value): JSON escapes control characters, but
+# `<`, `&` and U+FFFE / U+FFFF would be written as they are.
+_XML_SAFE_STRING = "^[^<&\uFFFE\uFFFF]*$"
 _INT = r"/-?[0-9]+/"
 _NUMBER = r"/-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
 
@@ -95,37 +108,67 @@ def _react_tools(system: str) -> dict[str, dict]:
     return tools
 
 
-def _json_rule(rule: str, schema: dict, suffix: str, rules: list[str]) -> str:
-    schema = {**strict_schema(schema), "x-guidance": {
+@dataclass(frozen=True)
+class _Form:
+    """How an adapter's reply spells a value: `text` the regex of a text value, `guard` what every text lexeme is
+    also intersected with (llguidance's `&` / `~`), `json_schema` the schema a JSON value is held to (the field's,
+    made safe for where it stands), `literal` a choice's spelling."""
+
+    text: str
+    guard: str = ""
+    json_schema: Callable[[dict], dict] = lambda schema: schema
+    literal: Callable[[str], str] = lambda value: value
+
+
+def xml_safe_schema(schema: Any) -> Any:
+    """schema with every free string (no enum, const, pattern or format of its own) held to characters that XML
+    character data takes as they are: JSON writes `<`, `&`, U+FFFE and U+FFFF unescaped."""
+    if isinstance(schema, list):
+        return [xml_safe_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "required") else xml_safe_schema(v)) for k, v in schema.items()}
+    if out.get("type") == "string" and not out.keys() & {"enum", "const", "pattern", "format"}:
+        out["pattern"] = _XML_SAFE_STRING
+    return out
+
+
+_CHAT = _Form(_TEXT)
+_XML = _Form(_XML_TEXT, _XML_GUARD, xml_safe_schema, lambda value: xml_escape(value))
+
+
+def _json_rule(rule: str, schema: dict, suffix: str, rules: list[str], form: _Form = _CHAT) -> str:
+    schema = {**form.json_schema(strict_schema(schema)), "x-guidance": {
         "whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR, "key_separator": JSON_KEY_SEPARATOR}}
     rules.append(f"{rule}: %json {json.dumps(schema, ensure_ascii=False)} {_lit(suffix)}")
     return rule
 
 
 def _tool_call_rule(options: list[str], tools: dict[str, dict], between: str, suffix: str,
-                    rules: list[str]) -> str:
+                    rules: list[str], form: _Form = _CHAT) -> str:
     """ReAct's `next_tool_name` then `next_tool_args` as one rule: each tool name followed by arguments under
     that tool's schema (an open object was closed `{}` at once by a small model, and the call failed)."""
     alts = []
     for k, name in enumerate(options):
-        args = _json_rule(f"args_{k}", tools[name], suffix, rules)
-        alts.append(f"{_lit(name + between)} {args}")
+        args = _json_rule(f"args_{k}", tools[name], suffix, rules, form)
+        alts.append(f"{_lit(form.literal(name) + between)} {args}")
     rules.append("v_next_tool_name: " + " | ".join(alts))
     return "v_next_tool_name"
 
 
 def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: int | None = None,
-                text: str = _TEXT) -> str:
+                form: _Form = _CHAT) -> str:
     """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned. text_cap: the
-    most tokens a text value may take (then its suffix is forced), or None. text: the regex of a text value."""
+    most tokens a text value may take (then its suffix is forced), or None. form: how the reply spells values."""
     rule = f"v_{name}"
-    if note.startswith("must adhere to the JSON schema: "):
+    if note.startswith(_JSON_NOTE):
         try:
-            schema = json.loads(note[len("must adhere to the JSON schema: "):])
+            schema = json.loads(note[len(_JSON_NOTE):])
         except ValueError:
             schema = None
         if isinstance(schema, dict):
-            return _json_rule(rule, schema, suffix, rules)
+            return _json_rule(rule, schema, suffix, rules, form)
+    guard = ""
     if note == "must be True or False":
         body = "/True|False/"
     elif note in ("must be a single int value",):
@@ -134,21 +177,22 @@ def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: i
         body = _NUMBER
     elif note.startswith("must exactly match (no extra characters) one of: ") or note.startswith("must be one of: "):
         options = note.split(": ", 1)[1].split("; ")
-        alts = " | ".join(_lit(o) for o in options)
+        alts = " | ".join(_lit(form.literal(o)) for o in options)
         rules.append(f"{rule}: ({alts}) {_lit(suffix)}")
         return rule
     else:
-        body = text
+        body, guard = form.text, form.guard
         if text_cap is not None and suffix.startswith("\n") and len(suffix) > 1:
             # llguidance ends a capped suffix-lexeme without its suffix, so the suffix is written out after a
             # greedy text lexeme. Its lexer looks one byte ahead and never backs up: the text keeps an optional
             # final newline and no line of it begins as the suffix's next line does, so the text can end at
             # that newline (before the cap) and the suffix's rest follows.
             nxt = "" if suffix[1] == "\n" else re.escape(suffix[1]).replace("/", "\\/")
-            capped = text.replace(r"|\n[^\n\[", rf"|\n[^\n\[{nxt}").replace(")*/", r")*\n?/")
-            rules += [f"{rule}: {rule}_text {_lit(suffix[1:])}", f"{rule}_text[max_tokens={text_cap}]: {capped}"]
+            capped = body.replace(r"|\n[^\n\[", rf"|\n[^\n\[{nxt}").replace(")*/", r")*\n?/")
+            rules += [f"{rule}: {rule}_text {_lit(suffix[1:])}",
+                      f"{rule}_text[max_tokens={text_cap}]: {capped}{guard}"]
             return rule
-    rules.append(f"{rule}[suffix={_lit(suffix)}]: {body}")
+    rules.append(f"{rule}[suffix={_lit(suffix)}]: {body}{guard}")
     return rule
 
 
@@ -172,10 +216,10 @@ def _options(note: str) -> list[str] | None:
 
 
 def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict], first: str, after,
-                    max_tokens: int | None = None, text: str = _TEXT) -> str:
+                    max_tokens: int | None = None, form: _Form = _CHAT) -> str:
     """`first` then each field's value followed by `after(k)` (the text between field k and the next, or the
     end). dspy.ReAct's next_tool_name + next_tool_args pair becomes one rule when every option is a known tool.
-    text: the regex of a text value."""
+    form: how the reply spells values."""
     rules: list[str] = []
     seq = []
     k = 0
@@ -184,11 +228,10 @@ def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, d
         options = _options(notes.get(name, ""))
         if (name == "next_tool_name" and fields[k + 1:k + 2] == ["next_tool_args"] and options
                 and all(o in tools for o in options)):
-            seq.append(_tool_call_rule(options, tools, after(k), after(k + 1), rules))
+            seq.append(_tool_call_rule(options, tools, after(k), after(k + 1), rules, form))
             k += 2
             continue
-        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules, text_cap(fields, max_tokens),
-                               text))
+        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules, text_cap(fields, max_tokens), form))
         k += 1
     return "\n".join([f"start: {_lit(first)} " + " ".join(seq), *rules])
 
@@ -203,16 +246,21 @@ def chat_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[s
 
 def xml_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None,
                         max_tokens: int | None = None) -> str:
+    """notes: as _notes reads them, with a nested field's (nested_field_schemas) as a JSON-schema note: its value
+    is JSON text, which XMLAdapter reads as the field's value when the element holds no child elements."""
     def after(k: int) -> str:
         return f"\n</{fields[k]}>" + (f"\n<{fields[k + 1]}>\n" if k + 1 < len(fields) else "")
 
-    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after, max_tokens, _XML_TEXT)
+    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after, max_tokens, _XML)
 
 
-def output_format_constraint(messages: list[dict], max_tokens: int | None = None) -> dict:
+def output_format_constraint(messages: list[dict], max_tokens: int | None = None,
+                             nested_schemas: dict[str, dict] | None = None) -> dict:
     """{"grammar": ...} for the reply format a DSPy adapter asked for in `messages`, or {}. max_tokens: the
     reply's budget; each text value is then capped (`text_cap`) so that every field is written within it (a
-    small model otherwise writes the first text field until max_tokens, and the reply does not parse)."""
+    small model otherwise writes the first text field until max_tokens, and the reply does not parse).
+    nested_schemas: for XMLAdapter, the JSON schemas of its nested fields where the caller knows them (the
+    signature's types); otherwise they are read from the prompt (`nested_field_schemas`)."""
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         return {}
@@ -222,13 +270,94 @@ def output_format_constraint(messages: list[dict], max_tokens: int | None = None
     if m:
         fields = _CHAT_FIELD.findall(m.group(1))
         if fields:
-            return {"grammar": chat_adapter_grammar(fields, _notes(system), _react_tools(system), max_tokens)}
+            notes = {k: _capped_note(v, text_cap(fields, max_tokens)) for k, v in _notes(system).items()}
+            return {"grammar": chat_adapter_grammar(fields, notes, _react_tools(system), max_tokens)}
     m = _XML_REQUEST.search(last)
     if m:
         fields = _XML_FIELD.findall(m.group(1))
         if fields:
-            return {"grammar": xml_adapter_grammar(fields, _notes(system), _react_tools(system), max_tokens)}
+            notes = _notes(system)
+            for name, schema in nested_field_schemas(last, system, nested_schemas).items():
+                if name in fields:
+                    notes[name] = _JSON_NOTE + json.dumps(schema, ensure_ascii=False)
+            notes = {k: _capped_note(v, text_cap(fields, max_tokens)) for k, v in notes.items()}
+            return {"grammar": xml_adapter_grammar(fields, notes, _react_tools(system), max_tokens)}
     return {}
+
+
+_JSON_NOTE = "must adhere to the JSON schema: "
+_NESTED_REQUEST = re.compile(r"Use this nested XML structure: (.*)\Z", re.S)
+_FIELD_LABEL = re.compile(r"^\d+\. `(\w+)` \((.*)\):", re.M)
+_LIST_OF = {"list[str]": "string", "list[int]": "integer", "list[float]": "number", "list[bool]": "boolean"}
+
+
+def nested_skeletons(request: str) -> dict[str, str]:
+    """XMLAdapter's nested-XML skeletons in its request (`Use this nested XML structure: <l><item>...</item></l>
+    ...`): field name -> the skeleton as DSPy's `_xml_schema` writes it. Empty when the request has none."""
+    m = _NESTED_REQUEST.search(request)
+    if not m:
+        return {}
+    try:
+        root = ET.fromstring(f"<r>{m.group(1).strip()}</r>")
+    except ET.ParseError:
+        return {}
+    out = {}
+    for child in root:
+        child.tail = None
+        out[child.tag] = ET.tostring(child, encoding="unicode")
+    return out
+
+
+def nested_field_schemas(request: str, system: str, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """The JSON schema of each field XMLAdapter asks for as nested XML: from `known` (the signature's types, by
+    the caller) where given, else from the skeleton and the field's type label in the system message
+    (`list[int]`, `dict[...]`): lists of `<item>`, objects of their child tags, and text leaves (the skeleton
+    has no leaf types)."""
+    labels = dict(_FIELD_LABEL.findall(system))
+    out = {}
+    for name, skeleton in nested_skeletons(request).items():
+        if known and name in known:
+            out[name] = known[name]
+            continue
+        label = labels.get(name, "")
+        if label in _LIST_OF:
+            out[name] = {"type": "array", "items": {"type": _LIST_OF[label]}}
+        elif label.startswith("dict"):
+            out[name] = {"type": "object"}
+        else:
+            out[name] = _skeleton_schema(ET.fromstring(skeleton))
+    return out
+
+
+def _skeleton_schema(element: ET.Element) -> dict:
+    children = list(element)
+    if not children:
+        return {"type": "string"}
+    if len(children) == 1 and children[0].tag == "item":
+        return {"type": "array", "items": _skeleton_schema(children[0])}
+    return {"type": "object", "properties": {c.tag: _skeleton_schema(c) for c in children},
+            "required": [c.tag for c in children], "additionalProperties": False}
+
+
+def _capped_note(note: str, cap: int | None) -> str:
+    """A JSON-schema note with its free strings capped at `cap` characters (`_capped`, through the tree), so a
+    nested value closes within the reply's budget; other notes as they are."""
+    if cap is None or not note.startswith(_JSON_NOTE):
+        return note
+    try:
+        schema = json.loads(note[len(_JSON_NOTE):])
+    except ValueError:
+        return note
+    return _JSON_NOTE + json.dumps(_capped_tree(schema, cap), ensure_ascii=False)
+
+
+def _capped_tree(schema: Any, cap: int) -> Any:
+    if isinstance(schema, list):
+        return [_capped_tree(v, cap) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "required") else _capped_tree(v, cap)) for k, v in schema.items()}
+    return _capped(out, cap)
 
 
 def _json_notes(system: str) -> dict[str, str]:
@@ -290,6 +419,16 @@ def json_adapter_schema(messages: list[dict], max_tokens: int | None = None) -> 
     if branches:
         return {"anyOf": branches}
     return {"type": "object", "properties": properties, "required": fields, "additionalProperties": False}
+
+
+def cap_json_adapter_strings(schema: dict, messages: list[dict], max_tokens: int | None) -> dict:
+    """JSONAdapter's response_format schema with every free string capped at `text_cap` characters of the reply's
+    budget (as json_adapter_schema caps its own), when `messages` are JSONAdapter's; else `schema` unchanged."""
+    users = [m for m in messages if m.get("role") == "user"]
+    m = _JSON_REQUEST.search(users[-1].get("content") or "") if users else None
+    fields = [f.group(1) for f in re.finditer(r"(?:^|, then )`(\w+)`", m.group(1))] if m else []
+    cap = text_cap(fields, max_tokens) if fields else None
+    return schema if cap is None else _capped_tree(schema, cap)
 
 
 def _capped(schema: dict, cap: int | None) -> dict:

@@ -126,6 +126,12 @@ def _tool_choice_name(tool_choice: Any, names: list[str]) -> str:
                      f"({', '.join(names)})")
 
 
+def _finish_reason(engine_reason: str | None, fields: dict) -> str | None:
+    """The reply's finish reason as OpenAI (and ChatOpenAI) report it: "tool_calls" when the message carries tool
+    calls, else the engine's ("stop" / "length")."""
+    return "tool_calls" if fields.get("tool_calls") else engine_reason
+
+
 def _is_transient(e: Exception) -> bool:
     """Worth retrying: the connection to a server failed, not the request."""
     if isinstance(e, ConnectionError):
@@ -382,20 +388,23 @@ class ChatPrefixRT(BaseChatModel):
         fields = self._reply_fields(text, completion.finish_reason, specs)
         if thought is not None:
             fields["additional_kwargs"] = {"reasoning_content": thought}
+        finish_reason = _finish_reason(completion.finish_reason, fields)
         message = AIMessage(
             **fields,
             usage_metadata=self._usage(completion.prompt_tokens, completion.completion_tokens,
                                        completion.cached_tokens),
-            response_metadata=self._metadata(completion.finish_reason, completion.request_id),
+            response_metadata=self._metadata(finish_reason, completion.request_id),
         )
         return ChatResult(generations=[ChatGeneration(message=message,
-                                                      generation_info={"finish_reason": completion.finish_reason})])
+                                                      generation_info={"finish_reason": finish_reason})])
 
     def _final_chunk(self, text: str, last, specs: ToolPlan | None, request_id: str) -> ChatGenerationChunk:
         """The closing chunk: usage, metadata, and (with tools) the parsed tool call."""
         fields: dict[str, Any] = {"content": ""}
+        finish_reason = last.finish_reason
         if specs is not None:
             reply = self._reply_fields(text, last.finish_reason, specs)
+            finish_reason = _finish_reason(last.finish_reason, reply)
             fields = {"content": reply.get("content", "")}
             if reply.get("tool_calls"):
                 fields["tool_call_chunks"] = [
@@ -406,9 +415,9 @@ class ChatPrefixRT(BaseChatModel):
                     {"name": None, "args": text, "id": new_call_id(), "index": 0, "type": "tool_call_chunk"}]
         message = AIMessageChunk(
             **fields, usage_metadata=self._usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
-            response_metadata=self._metadata(last.finish_reason, request_id), chunk_position="last",
+            response_metadata=self._metadata(finish_reason, request_id), chunk_position="last",
         )
-        return ChatGenerationChunk(message=message, generation_info={"finish_reason": last.finish_reason})
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish_reason})
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:

@@ -78,6 +78,8 @@ class Engine(EngineAPI):
         self.device = built.device
         self.model_name = built.resolved.name
         self.model_revision = built.resolved.revision
+        path = getattr(built.resolved, "path", None)
+        self.model_path = str(path) if path is not None else None  # the local folder the model was loaded from
         self.vocab_size = built.model.vocab_size
         self.max_context = self.core.max_context
         self.kv_total_tokens = self.core.kv.total_tokens

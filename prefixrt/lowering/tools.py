@@ -166,10 +166,18 @@ class ToolPlan:
     parallel: bool
     syntax: CallSyntax
     constraint: dict  # {"json_schema": ...} or {"grammar": ...}
+    json_answer: bool = False  # under "auto", the non-call answer is JSON (a response format), not free text
 
     @property
     def forced(self) -> bool:
         return self.choice != "auto"
+
+    def starts_call(self, text: str) -> bool:
+        """Whether a reply that begins with `text` is a call, known before it ends (False: it may be plain text).
+        The plan's constraint lets plain text begin neither with "{" nor with the syntax's lead, so a reply that
+        does is a call; not so when the answer is JSON (a response format), which begins as a call does."""
+        head = text.lstrip()
+        return not self.json_answer and bool(head) and head[0] in ("{", self.syntax.lead)
 
     def parse(self, text: str) -> list[ToolCall] | None:
         """The calls in a finished reply, or None when it is plain text (or an incomplete call)."""
@@ -249,7 +257,8 @@ def plan_tools(tools: list[Tool], tool_choice: Any = None, parallel_tool_calls: 
             parts.append(json.dumps(syntax.close))
         lines.append("call: " + " ".join(parts))
         constraint = {"grammar": "\n".join(lines)}
-    return ToolPlan(list(callable_), choice, parallel, syntax, constraint)
+    return ToolPlan(list(callable_), choice, parallel, syntax, constraint,
+                    json_answer=choice == "auto" and text_schema is not None)
 
 
 def parse_tool_calls(text: str, names: set[str], syntax: CallSyntax = BARE) -> list[ToolCall] | None:

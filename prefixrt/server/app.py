@@ -29,6 +29,7 @@ from prefixrt.errors import EngineDeadError, InvalidRequest
 from prefixrt.hub import generation as hub_generation
 from prefixrt.lowering.reasoning import ReasoningParser
 from prefixrt.params import SamplingParams
+from prefixrt.server import sglang_api
 from prefixrt.server.admission import DEFAULT_MAX_BODY_BYTES, Admission
 from prefixrt.server.anthropic_api import router as anthropic_router
 from prefixrt.server.body import BodyParser, OffloadedBodyRoute
@@ -172,6 +173,7 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     _install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(anthropic_router)  # /v1/messages (Anthropic's Messages API)
+    app.include_router(sglang_api.router)  # SGLang's /get_model_info, /get_server_info, /health_generate
     app.include_router(dashboard_router)  # /dashboard and /dashboard/data: admin routes (admission.py)
 
     @app.get("/health")
@@ -196,6 +198,8 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
         body = await run_in_threadpool(app.state.render_metrics)
         return Response(body, media_type=CONTENT_TYPE)
 
+    # SGLang's clients use both methods; one route per method, so that each has its own OpenAPI operation id
+    @app.get("/flush_cache")
     @app.post("/flush_cache")
     async def flush_cache():
         await run_in_threadpool(engine.flush_cache)
@@ -215,9 +219,14 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         check_body(body)
-        given = [x for x in (body.prompt, body.prompts, body.input_ids) if x is not None]
+        given = [name for name in ("prompt", "prompts", "text", "input_ids") if getattr(body, name) is not None]
         if len(given) != 1:
-            raise InvalidRequest("give exactly one of prompt, prompts, input_ids", param="prompt")
+            raise InvalidRequest("give exactly one of prompt, prompts (prefixrt's), text, input_ids (SGLang's)",
+                                 param="prompt")
+        if given[0] in ("text", "input_ids"):
+            return await sglang_api.generate(body, request)
+        if not isinstance(body.sampling_params, dict):
+            raise InvalidRequest("sampling_params must be one object with prompt / prompts", param="sampling_params")
         try:
             params = SamplingParams.coerce(body.sampling_params)
         except InvalidRequest as e:  # name the field as the body spells it
@@ -239,7 +248,7 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
                 cs = await until_disconnect(request, run())
             _raise_if_failed(lc, cs)
             return JSON([c.to_dict() for c in cs])
-        prompt = body.prompt if body.prompt is not None else body.input_ids
+        prompt = body.prompt
         if isinstance(prompt, list) and prompt and type(prompt[0]) is int:  # StrictInt ids: packed once
             prompt = PackedIds.of(prompt)
         params = dataclasses.replace(params, request_id=rid)

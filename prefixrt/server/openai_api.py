@@ -25,7 +25,8 @@ from prefixrt.lowering.chat import lower_chat_request, request_reasoning
 from prefixrt.lowering.completion import lower_completion_request
 from prefixrt.lowering.prompt_cache import openai_cache_plan
 from prefixrt.lowering.reasoning import Reasoning
-from prefixrt.lowering.tools import ToolPlan
+from prefixrt.lowering.tool_stream import ArgumentsDelta, CallStarted, CallStreamer
+from prefixrt.lowering.tools import ToolPlan, new_call_id
 from prefixrt.server import images as server_images
 from prefixrt.server import openai_format as fmt
 from prefixrt.server import prompt_cache
@@ -33,7 +34,7 @@ from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model, model_not_found
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
-from prefixrt.server.sse import JSON, SSE_DONE, EventStream, sse, until_disconnect
+from prefixrt.server.sse import JSON, SSE_DONE, EventStream, merge_streams, sse, until_disconnect
 from prefixrt.server.tracing import observe, observed, traced
 from prefixrt.server.validate import check_body
 
@@ -165,20 +166,49 @@ async def _reasoning(request: Request, template_kwargs: dict | None, ids: list[i
 async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPlan | None,
                        include_usage: bool, lc, reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     """Text streams as it comes. With tools, a sample's text is held while it may still be a call (it starts
-    like one); calls are sent whole, one delta per call, once the sample ends. With `reasoning`, a sample's
-    thinking streams as `reasoning_content` deltas and only the rest goes through the above."""
+    like one or is blank); once it begins as only a call can (ToolPlan.starts_call) its calls stream as OpenAI
+    streams them: per call a first delta with its index, id, type and name, then its arguments' JSON text as it
+    is generated (lowering/tool_stream.py), finish_reason "tool_calls" at the end. A reply that may be a call or
+    a JSON answer is held whole and sent as calls (one delta each) or as content once it ends. With `reasoning`, a sample's thinking streams as `reasoning_content` deltas and only
+    the rest goes through the above."""
     usage = fmt.StreamUsage()
     splitters: dict[int, object] = {}  # index -> its ReasoningSplitter
     started: set[int] = set()
     held: dict[int, str] = {}  # index -> text held back because it may be a tool call
     held_lps: dict[int, list] = {}
     plain: set[int] = set()  # indexes known to be plain text
+    calling: dict[int, CallStreamer] = {}  # indexes whose reply is calls -> their streamer
     text_events = fmt.TextEvents(rid, model, created, "chat.completion.chunk")
 
     def chunk(i, delta, reason=None, lps=None):
         if lps is None and len(delta) == 1 and "content" in delta:  # the common event: text only
             return text_events.event(i, delta["content"], reason)
         return sse(fmt.chat_chunk(rid, model, created, i, delta, reason, fmt.chat_logprobs(lps)))
+
+    def call_chunks(i, events, lps):
+        """The deltas of a sample's call events; the chunk's logprobs ride on the first (held until one)."""
+        for e in events:
+            if isinstance(e, CallStarted):
+                delta = {"index": e.index, "id": new_call_id(), "type": "function",
+                         "function": {"name": e.name, "arguments": ""}}
+            elif isinstance(e, ArgumentsDelta):
+                delta = {"index": e.index, "function": {"arguments": e.text}}
+            else:
+                continue
+            yield chunk(i, {"tool_calls": [delta]}, lps=lps)
+            lps = None
+        if lps:
+            held_lps.setdefault(i, []).extend(lps)
+
+    def calls_end(i, finish_reason):
+        """A streamed-call sample's last chunks: "tool_calls" when its reply parses as calls. A reply cut before
+        any call was named streamed nothing: it goes as content, as the unstreamed response has it."""
+        text, lps = held.pop(i), held_lps.pop(i, None)
+        if calling.pop(i).started == 0:
+            yield chunk(i, {"content": text}, lps=lps)
+            yield chunk(i, {}, finish_reason)
+        else:
+            yield chunk(i, {}, "tool_calls" if plan.parse(text) else finish_reason, lps=lps)
 
     async for ch in chunks:
         if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
@@ -200,6 +230,14 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
             if thought:  # the logprobs go with the content when the event has some
                 yield chunk(i, {"reasoning_content": thought}, lps=None if text else lps)
                 lps = lps if text else None
+        if i in calling:
+            held[i] += text
+            for event in call_chunks(i, calling[i].feed(text), (held_lps.pop(i, []) + (lps or [])) or None):
+                yield event
+            if ch.finish_reason is not None:
+                for event in calls_end(i, ch.finish_reason):
+                    yield event
+            continue
         if plan is not None and i not in plain:
             held[i] = held.get(i, "") + text
             if lps:
@@ -209,8 +247,15 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
                 yield chunk(i, {"content": held.pop(i)}, lps=held_lps.pop(i, None))
                 if ch.finish_reason is not None:
                     yield chunk(i, {}, ch.finish_reason)
-            elif ch.finish_reason is not None:
-                text, lps = held.pop(i, ""), held_lps.pop(i, None)
+            elif plan.starts_call(held[i]):  # a call, streamed as it is generated
+                calling[i] = CallStreamer(plan.syntax.key)
+                for event in call_chunks(i, calling[i].feed(held[i]), held_lps.pop(i, None)):
+                    yield event
+                if ch.finish_reason is not None:
+                    for event in calls_end(i, ch.finish_reason):
+                        yield event
+            elif ch.finish_reason is not None:  # blank, or a JSON answer that may be a call: the whole reply says
+                text, lps = held.pop(i), held_lps.pop(i, None)
                 calls = plan.parse(text)
                 if calls:
                     for k, c in enumerate(calls):
@@ -303,7 +348,7 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
     # echoed prompt), as the whole response counts them, so offsets do not depend on how tokens were chunked.
     next_offset: dict[int, int] = {}
     text_events = fmt.TextEvents(rid, model, created, "text_completion")
-    async for k, ch in _merge(streams):
+    async for k, ch in merge_streams(streams):
         if ch.finish_reason == "abort":  # not an OpenAI finish reason: the stream ends with an error
             yield RequestFailed.for_abort(lc, ch.error).event()
             yield SSE_DONE
@@ -327,33 +372,3 @@ async def _completion_events(streams, n: int, rid: str, model: str, created: int
     if include_usage:
         yield sse(fmt.usage_chunk(rid, model, created, "text_completion", usage.to_dict()))
     yield SSE_DONE
-
-
-async def _merge(streams: list) -> AsyncIterator[tuple[int, object]]:
-    """(stream index, item) from several async iterators as items arrive."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(k, it):
-        try:
-            async for item in it:
-                await queue.put((k, item))
-        finally:
-            await queue.put((k, done))
-
-    tasks = [asyncio.ensure_future(pump(k, it)) for k, it in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            k, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            else:
-                yield k, item
-    finally:
-        for t in tasks:
-            t.cancel()

@@ -120,13 +120,14 @@ def completion_response(cs: list[Completion], rid: str, model: str, created: int
 
 
 def prompt_entries(eng, prompt) -> tuple[str, list[dict]]:
-    """A completions prompt's text and per-token logprob entries (the first token's logprob is None, as in
-    OpenAI's echo), scored by the engine in one extend of the prompt's first token."""
+    """A completions prompt's echo text (`echo_text`) and per-token logprob entries, every prompt token's (the
+    first token's logprob is None, as in OpenAI's echo), scored by the engine in one extend of the prompt's first
+    token."""
     tok = eng.tokenizer
     with getattr(eng, "tokenizer_lock", None) or contextlib.nullcontext():
         ids = list(prompt) if isinstance(prompt, list) else tok.encode(prompt, add_special_tokens=True)
         pieces = [tok.decode([t]) for t in ids]
-    text = prompt if isinstance(prompt, str) else "".join(pieces)
+        text = prompt if isinstance(prompt, str) else echo_text(tok, ids)
     if len(ids) < 2:
         return text, [{"token": p, "logprob": None, "top_logprobs": []} for p in pieces]
     _, _, (lps,) = eng.score_continuations(ids[:1], [ids[1:]])
@@ -136,10 +137,25 @@ def prompt_entries(eng, prompt) -> tuple[str, list[dict]]:
 
 
 def prompt_text(eng, prompt) -> str:
+    """A completions prompt's echo text: the text as given, token ids decoded by `echo_text`."""
     if isinstance(prompt, str):
         return prompt
     with getattr(eng, "tokenizer_lock", None) or contextlib.nullcontext():
-        return eng.tokenizer.decode(list(prompt))
+        return echo_text(eng.tokenizer, list(prompt))
+
+
+def echo_text(tokenizer, ids: list[int]) -> str:
+    """The echoed text of a token-id prompt: the ids decoded without the special tokens the tokenizer adds to an
+    encoded text (a leading BOS), so `encode(text)` echoes as `text`, as SGLang echoes it; other special tokens in
+    the ids (chat-template markers, a prompt of pad ids) are decoded as their text, as vLLM echoes them. (SGLang
+    drops every special token, vLLM none: the two agree on every prompt their suites send this way.)"""
+    added = set(tokenizer.encode("", add_special_tokens=True))
+    start, end = 0, len(ids)
+    while start < end and ids[start] in added:
+        start += 1
+    while end > start and ids[end - 1] in added:
+        end -= 1
+    return tokenizer.decode(ids[start:end])
 
 
 class StreamUsage:

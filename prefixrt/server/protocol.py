@@ -178,13 +178,31 @@ class CompletionRequest(_Sampling):
 
 
 class GenerateRequest(_Body):
-    """Native /generate: one prompt (text, token ids or chat messages) or a batch, and SamplingParams fields."""
+    """Native /generate in two dialects. prefixrt's: one prompt (text, token ids or chat messages) or a batch
+    (`prompts`), and SamplingParams fields; it answers Completion JSON. SGLang's (server/sglang_api.py): `text` or
+    `input_ids` (one prompt or a batch), sampling_params in SGLang's names (one dict, or one per prompt), and
+    SGLang's per-prompt fields; it answers SGLang's output objects."""
 
     prompt: str | TokenIds | list[dict[str, Any]] | None = None
     prompts: list[str | TokenIds | list[dict[str, Any]]] | None = None
-    input_ids: TokenIds | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False
+    # SGLang's GenerateReqInput
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    lora_path: Any = None  # refused unless empty: no LoRA adapters
+    return_hidden_states: bool = False
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    session_params: Any = None
+    token_ids_logprob: Any = None
 
 
 class CachePrefixRequest(_Body):

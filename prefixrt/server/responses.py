@@ -32,6 +32,7 @@ from prefixrt.errors import InvalidRequest
 from prefixrt.lowering.chat import lower_chat_request, request_reasoning
 from prefixrt.lowering.messages import responses_input
 from prefixrt.lowering.prompt_cache import responses_cache_plan
+from prefixrt.lowering.tool_stream import ArgumentsDelta, CallEnded, CallStarted, CallStreamer
 from prefixrt.lowering.tools import ToolCall, ToolPlan, new_call_id
 from prefixrt.server import prompt_cache
 from prefixrt.server.body import OffloadedBodyRoute
@@ -188,7 +189,13 @@ def _call_item(call: ToolCall, status: str = "completed") -> dict:
             "arguments": oc["function"]["arguments"], "status": status}
 
 
-def output_items(text: str, plan: ToolPlan | None, finish: str) -> list[dict]:
+def output_items(text: str, plan: ToolPlan | None, finish: str, streamed: list[dict] | None = None) -> list[dict]:
+    """The response's output items for the reply `text`. streamed: the function_call items a stream already sent
+    (their ids and argument text as generated): they are the items, each completed when its call closed, else
+    incomplete (cut short)."""
+    if streamed:
+        return [{**item, "status": "completed" if item["status"] == "completed" else "incomplete"}
+                for item in streamed]
     calls = plan.parse(text) if plan is not None else None
     if calls:
         return [_call_item(c) for c in calls]
@@ -277,9 +284,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     shell = _Shell(body, request.app.state.model_name, rid, int(time.time()), params)
     lc = request.app.state.lifecycle
 
-    def finish(text: str, reason: str, usage: dict) -> dict:
+    def finish(text: str, reason: str, usage: dict, streamed: list[dict] | None = None) -> dict:
         thought, text = reasoning.split(text) if reasoning is not None else (None, text)
-        items = output_items(text, chat.tools, reason)
+        items = output_items(text, chat.tools, reason, streamed)
         if thought is not None:  # the thinking comes first, as a reasoning item
             items.insert(0, _reasoning_item(reasoning_id, thought))
         status, incomplete = ("completed", None) if reason == "stop" else ("incomplete", "max_output_tokens")
@@ -367,19 +374,43 @@ class _ReasoningEvents:
 async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc,
                   thinking: _ReasoningEvents | None = None) -> AsyncIterator[str]:
     """response.created, in_progress, then (with a reasoning parser) the reasoning item, then text deltas as
-    they come (held while the reply may still be a tool call, as on chat), the items' done events, and
-    response.completed (or .incomplete / .failed)."""
+    they come (held while the reply may still be a tool call, as on chat), or, for a reply that begins like a
+    call (which makes it one), each call as it is generated: its function_call item added, its arguments as
+    response.function_call_arguments.delta events, their .done and the item's done when the call closes; then
+    the items' done events and response.completed (or .incomplete / .failed)."""
     seq = [0]
     thinking = thinking or _ReasoningEvents("", None)
     yield _event(seq, "response.created", response=shell.response("in_progress", [], None))
     yield _event(seq, "response.in_progress", response=shell.response("in_progress", [], None))
     text, held, last = "", "", None
     msg: dict | None = None
+    streamer: CallStreamer | None = None
+    calls: list[dict] = []  # the function_call items streamed so far
 
     def open_message():
         item = _message_item("", "in_progress")
         item["content"] = []
         return item
+
+    def call_events(events) -> list[str]:
+        out = []
+        for e in events:
+            k = thinking.base + e.index
+            if isinstance(e, CallStarted):
+                calls.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": new_call_id(),
+                              "name": e.name, "arguments": "", "status": "in_progress"})
+                out.append(_event(seq, "response.output_item.added", output_index=k, item=dict(calls[-1])))
+            elif isinstance(e, ArgumentsDelta):
+                calls[e.index]["arguments"] += e.text
+                out.append(_event(seq, "response.function_call_arguments.delta", item_id=calls[e.index]["id"],
+                                  output_index=k, delta=e.text))
+            elif isinstance(e, CallEnded):
+                item = calls[e.index]
+                item["status"] = "completed"
+                out.append(_event(seq, "response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=k, name=item["name"], arguments=item["arguments"]))
+                out.append(_event(seq, "response.output_item.done", output_index=k, item=dict(item)))
+        return out
 
     try:
         async for ch in chunks:
@@ -390,8 +421,18 @@ async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc,
             events, piece = thinking.feed(seq, ch.text, ch.finish_reason is not None)
             for e in events:
                 yield e
+            if streamer is not None:
+                for e in call_events(streamer.feed(piece)):
+                    yield e
+                continue
             if plan is not None and msg is None:
                 held += piece
+                if plan.starts_call(held):
+                    streamer = CallStreamer(plan.syntax.key)
+                    for e in call_events(streamer.feed(held)):
+                        yield e
+                    held = ""
+                    continue
                 if plan.may_be_call(held):
                     continue
             if msg is None:
@@ -416,10 +457,15 @@ async def _events(chunks, shell: _Shell, plan: ToolPlan | None, finish, lc,
     if last is None:
         return
     reason = last.finish_reason
-    response = finish(text, reason, _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
+    usage = _usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+    response = finish(text, reason, usage, calls or None)
     base = thinking.base
     items = response["output"][base:]
-    if msg is not None or items[0]["type"] == "message":
+    if calls:
+        for k, item in enumerate(items, start=base):
+            if calls[k - base]["status"] != "completed":  # cut short: closed as the response has it
+                yield _event(seq, "response.output_item.done", output_index=k, item=item)
+    elif msg is not None or items[0]["type"] == "message":
         item = items[0]
         if msg is None:  # held text that turned out to be plain (or an incomplete call)
             item_open = {**item, "status": "in_progress", "content": []}

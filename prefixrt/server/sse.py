@@ -1,4 +1,5 @@
-"""Transport helpers: JSON that never fails on non-finite floats, server-sent events, and disconnect handling.
+"""Transport helpers: JSON that never fails on non-finite floats, server-sent events, several streams merged as
+their items arrive, and disconnect handling.
 
 A client that goes away aborts its request: streaming responses listen for `http.disconnect` next to the
 stream and cancel it (the engine's stream iterator aborts on cancellation); non-streaming handlers race the
@@ -122,3 +123,33 @@ async def until_disconnect(request: Request, coro) -> Any:
     except (asyncio.CancelledError, Exception):
         pass
     raise ClientDisconnected()
+
+
+async def merge_streams(streams: list) -> AsyncIterator[tuple[int, object]]:
+    """(stream index, item) from several async iterators as items arrive."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(k, it):
+        try:
+            async for item in it:
+                await queue.put((k, item))
+        finally:
+            await queue.put((k, done))
+
+    tasks = [asyncio.ensure_future(pump(k, it)) for k, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            k, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -199,3 +199,55 @@ def test_json_adapter_json_object_becomes_the_fields_schema():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert json_adapter_schema(dspy.ChatAdapter().format(QA, demos=[], inputs={"question": "q"})) is None
+
+
+@pytest.mark.parametrize("max_tokens", [None, 96])
+def test_xml_values_stay_inside_xml_1_0(backend, max_tokens):
+    """No character outside XML 1.0's Char production, no numeric character reference (it may name one), no
+    `]]>`: each makes expat refuse the reply. A model's `&amp;` parses back to `&`."""
+    import xml.etree.ElementTree as ET
+
+    adapter = dspy.XMLAdapter()
+    sig = dspy.Signature("question -> answer")
+    grammar = output_format_constraint(adapter.format(sig, demos=[], inputs={"question": "q"}), max_tokens)["grammar"]
+    good = "<answer>\nAT&amp;T &lt;3 a]]b a]>b\ttab\n</answer>"
+    assert _accepts(backend, grammar, good) and adapter.parse(sig, good) == {"answer": "AT&T <3 a]]b a]>b\ttab"}
+    for bad in ("a\x0bb", "a\x01b", "a\ufffeb", "a]]>b", "&#0;", "&#65;", "a & b"):
+        reply = good.replace("AT&amp;T", bad)
+        with pytest.raises(ET.ParseError) if bad != "&#65;" else _no_error():
+            ET.fromstring(f"<r>{reply}</r>")
+        assert not _accepts(backend, grammar, reply), repr(bad)
+
+
+class _no_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_xml_nested_fields_are_json_the_adapter_reads(backend):
+    """XMLAdapter asks for lists, dicts and models as nested XML; the grammar writes them as JSON text (which its
+    parser takes as the field's value when the element has no child elements), typed from the caller's signature
+    when given (the prompt's skeleton has no leaf types), XML-safe (no `<` or `&` in a string)."""
+    import pydantic
+
+    class Point(pydantic.BaseModel):
+        label: str
+        x: int
+
+    sig = dspy.Signature({"question": (str, dspy.InputField()), "points": (list[Point], dspy.OutputField()),
+                          "tags": (list[str], dspy.OutputField())})
+    adapter = dspy.XMLAdapter()
+    messages = adapter.format(sig, demos=[], inputs={"question": "q"})
+    typed = output_format_constraint(messages, nested_schemas={
+        "points": pydantic.TypeAdapter(list[Point]).json_schema()})["grammar"]
+    untyped = output_format_constraint(messages)["grammar"]
+    reply = '<points>\n[{"label": "a", "x": 3}]\n</points>\n<tags>\n["x", "y"]\n</tags>'
+    assert _accepts(backend, typed, reply) and _accepts(backend, untyped, reply.replace('"x": 3', '"x": "3"'))
+    parsed = adapter.parse(sig, reply)
+    assert parsed["points"] == [Point(label="a", x=3)] and parsed["tags"] == ["x", "y"]
+    assert not _accepts(backend, typed, reply.replace('"x": 3', '"x": "three"'))  # an int leaf
+    assert not _accepts(backend, typed, reply.replace('"a"', '"a<b"'))
+    assert not _accepts(backend, typed, reply.replace('"a"', '"a&b"'))

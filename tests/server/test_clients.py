@@ -107,6 +107,25 @@ def test_instructor_modes(oai):
     # Iterable[...] (an unbounded list) is checked on Gemma (test_clients_gemma.py).
 
 
+class Weather(BaseModel):
+    city: str = Field(max_length=8)
+    unit: Literal["C", "F"]
+    days: int = Field(ge=1, le=9)
+
+
+def test_instructor_create_partial_over_a_streamed_tool_call(oai):
+    """instructor's create_partial (Mode.TOOLS) reads the streamed arguments as they grow: several partials, the
+    earlier ones lacking what came later, the last one a whole Weather."""
+    instructor = pytest.importorskip("instructor")
+    client = instructor.from_openai(oai, mode=instructor.Mode.TOOLS)
+    partials = [p.model_dump() for p in client.chat.completions.create_partial(
+        model=SERVED_NAME, response_model=Weather, max_tokens=100, temperature=0, max_retries=0,
+        messages=[{"role": "user", "content": "Weather in Paris?"}])]
+    assert len(partials) > 1
+    Weather.model_validate(partials[-1])
+    assert any(None in p.values() for p in partials[:-1])  # the earlier ones lack what came later
+
+
 class Total(BaseModel):
     total: int = Field(ge=0, le=99)
 

@@ -444,12 +444,24 @@ def test_auto_tool_choice_is_text_or_valid_calls(oai):
             kinds.add("text")
             assert not (c.message.content or "").lstrip().startswith("{")
         chunks = list(oai.chat.completions.create(stream=True, **kw))
-        streamed_calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-        assert [(t.function.name, t.function.arguments) for t in streamed_calls] == \
-            [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        streamed_calls = _assembled_calls(chunks)
+        assert streamed_calls == [(t.function.name, json.loads(t.function.arguments))
+                                  for t in c.message.tool_calls or []]
         if not streamed_calls:
             assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == c.message.content
     assert kinds  # which kinds occur depends on the random weights
+
+
+def _assembled_calls(chunks) -> list[tuple[str, dict]]:
+    """Streamed tool-call deltas joined per call index, as OpenAI's clients join them: (name, arguments)."""
+    calls: dict[int, list] = {}
+    for ch in chunks:
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            if tc.index not in calls:
+                assert tc.id and tc.type == "function" and tc.function.name  # the first delta names the call
+                calls[tc.index] = [tc.function.name, ""]
+            calls[tc.index][1] += tc.function.arguments or ""
+    return [(name, json.loads(args)) for name, args in (calls[k] for k in sorted(calls))]
 
 
 @needs_constrained_decoding()
@@ -525,7 +537,17 @@ def test_responses_function_tools_and_previous_response(oai, http):
                                          tool_choice="required", parallel_tool_calls=False, max_output_tokens=80,
                                          temperature=0, extra_body=NO_TOOL_PROMPT))
     done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
-    assert [(d.name, d.arguments) for d in done] == [(call.name, call.arguments)]
+    assert [(d.name, json.loads(d.arguments)) for d in done] == [(call.name, json.loads(call.arguments))]
+    # The arguments stream as they are generated: several deltas between the item's added and done events.
+    added = next(e for e in streamed if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.name == call.name and added.item.arguments == ""
+    deltas = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == done[0].arguments
+    final = next(e for e in streamed if e.type == "response.completed").response
+    assert [(o.id, o.call_id, o.arguments) for o in final.output] == [(added.item.id, added.item.call_id,
+                                                                       done[0].arguments)]
+    for event in streamed:
+        conforms_event(event.model_dump(mode="json", exclude_unset=True))
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model=SERVED_NAME, input="x", previous_response_id="resp_missing")
     assert oai.responses.delete(r.id) is None

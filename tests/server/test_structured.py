@@ -8,6 +8,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.server.conftest import needs_constrained_decoding
 
@@ -88,14 +89,63 @@ def test_forced_tool_call(client, choice):
         assert call.function.name == "add"
     jsonschema.validate(json.loads(call.function.arguments), tool["parameters"])
     assert call.id.startswith("call_") and call.type == "function"
-    # Streaming gives the same call, as one tool_calls delta.
+    # Streaming gives the same call: a first delta with its index, id, type and name, then its arguments' text
+    # in pieces as they are generated (as OpenAI streams them).
     chunks = list(client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "add 2 and 3"}],
                                                  temperature=0, tools=TOOLS, tool_choice=choice,
                                                  parallel_tool_calls=False, stream=True,
                                                  extra_body={"tool_prompt": False}))
     deltas = [tc for ch in chunks for ch_c in ch.choices for tc in (ch_c.delta.tool_calls or [])]
-    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name, call.function.arguments)]
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == call.function.name and first.function.arguments == ""
+    assert len(rest) > 1 and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    assert json.loads("".join(d.function.arguments for d in rest)) == json.loads(call.function.arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def _call_view(message) -> list[tuple[str, dict]]:
+    return [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls or []]
+
+
+@needs_constrained_decoding()
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_accumulate_to_the_unstreamed_ones(client, choice):
+    """The openai SDK's stream accumulator joins the argument deltas into the same calls (parallel ones included) and
+    the same content as the unstreamed request gives; a call's arguments came in several deltas."""
+    text_schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kinds = set()
+    for seed, rf in [(s, None) for s in range(4)] + [(s, text_schema) for s in range(2)]:
+        kw = dict(model="tiny-llama", messages=[{"role": "user", "content": "weather in Paris, and 2 + 3?"}],
+                  temperature=1.0, seed=seed, max_tokens=70, tools=TOOLS, tool_choice=choice,
+                  extra_body={"tool_prompt": False})
+        if rf is not None:  # a JSON answer beside the tools: under auto it begins as a call does
+            kw["response_format"] = rf
+        want = client.chat.completions.create(**kw).choices[0]
+        # The accumulator behind the SDK's chat.completions.stream() helper (whose final parse refuses a reply
+        # cut by max_tokens, which random weights may write).
+        state, events = ChatCompletionStreamState(input_tools=TOOLS), []
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            events += state.handle_chunk(chunk)
+        got = state.current_completion_snapshot.choices[0]
+        if want.finish_reason == "length" and got.message.tool_calls:
+            # cut inside a call: unstreamed it is no call (its text is the content); streamed, its deltas were sent
+            assert got.finish_reason == "length" and want.message.content.lstrip()[:1] in "{<["
+            kinds.add("cut")
+            continue
+        # (the stream's first delta, sent before the reply is known to be calls, has content "")
+        assert (got.finish_reason, got.message.content or None, _call_view(got.message)) == \
+            (want.finish_reason, want.message.content or None, _call_view(want.message)), (seed, rf is not None)
+        pieces = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+        if want.message.tool_calls:
+            kinds.add("calls")
+            assert want.finish_reason == "tool_calls"
+            if rf is None:
+                assert len(pieces) > len(want.message.tool_calls)
+        else:
+            kinds.add("text")
+            assert not pieces
+    assert "calls" in kinds or choice == "auto"  # under auto, which kinds occur depends on the random weights
 
 
 @needs_constrained_decoding()

@@ -134,13 +134,15 @@ class EngineInfo:
     page_size: int
     device: str
     tokenizer: bytes  # the pickled tokenizer: the server makes its own copies from it
+    model_path: str | None = None  # the local folder the model was loaded from
 
     @classmethod
     def of(cls, eng) -> EngineInfo:
         """The facts of a running Engine, its tokenizer pickled."""
         return cls(model_name=eng.model_name, model_revision=eng.model_revision, vocab_size=eng.vocab_size,
                    max_context=eng.max_context, kv_total_tokens=eng.kv_total_tokens, page_size=eng.page_size,
-                   device=str(eng.device), tokenizer=pickle.dumps(eng.tokenizer))
+                   device=str(eng.device), tokenizer=pickle.dumps(eng.tokenizer),
+                   model_path=getattr(eng, "model_path", None))
 
     def api_attributes(self) -> dict[str, Any]:
         """EngineAPI's attributes it carries (all but the tokenizer), by name."""
