@@ -376,10 +376,18 @@ class PrefixRTEngine:
         chunks, params, tools = self._call(request, "stream")
         return self._events(request, tools, params["request_id"], chunks)
 
+    def _lower(self, request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
+        """lower_request, under the LoRA adapter the LM's model names (if it names one of the provider's)."""
+        messages, params, tools = lower_request(request, self.parser is not None)
+        lora = self.handle.lora()
+        if lora is not None:
+            params["lora"] = lora
+        return messages, params, tools
+
     def _call(self, request: Request, method: str):
         """Lowers the request and calls the provider's `method` ("generate" or "stream") on it, its errors
         translated. -> (the provider's result, the sampling params, the tool plan)"""
-        messages, params, tools = lower_request(request, self.parser is not None)
+        messages, params, tools = self._lower(request)
         try:
             result = getattr(self.provider, method)(messages, params)
         except Exception as e:
@@ -420,7 +428,7 @@ class AsyncPrefixRTEngine(PrefixRTEngine):
     """DSPy's async engine interface: `await complete(request)`, `async for event in stream(request)`."""
 
     async def complete(self, request: Request) -> Response:  # type: ignore[override]
-        messages, params, tools = lower_request(request, self.parser is not None)
+        messages, params, tools = self._lower(request)
         try:
             completion = await self.provider.agenerate(messages, params)
         except Exception as e:
@@ -428,7 +436,7 @@ class AsyncPrefixRTEngine(PrefixRTEngine):
         return build_response(request, completion, tools, self.parser)
 
     async def stream(self, request: Request) -> AsyncIterator:  # type: ignore[override]
-        messages, params, tools = lower_request(request, self.parser is not None)
+        messages, params, tools = self._lower(request)
         try:
             chunks = self.provider.astream(messages, params)
         except Exception as e:

@@ -187,8 +187,8 @@ class ChatPrefixRT(BaseChatModel):
     def _build_handle(self) -> ChatPrefixRT:
         if self.reasoning_parser is not None:
             ReasoningParser(self.reasoning_parser)  # ValueError naming the choices
-        if self.engine is not None:
-            self._handle = ProviderHandle(provider=self.engine)
+        if self.engine is not None:  # model= may name one of the engine's LoRA adapters
+            self._handle = ProviderHandle(provider=self.engine, model=self.model_name)
             if self.model_name is None:
                 self.model_name = getattr(self.engine, "model_name", None)
         else:
@@ -244,6 +244,8 @@ class ChatPrefixRT(BaseChatModel):
                    "cache_salt": self.cache_salt, "stop": stop if stop is not None else self.stop}
         options.update(kwargs)
         params = with_request_id(sampling_options(options, what="ChatPrefixRT"))
+        if (lora := self._handle.lora()) is not None:  # model= names a LoRA adapter of the engine / server
+            params["lora"] = lora
         choice = None
         if tools:
             choice = _tool_choice_name(tool_choice, [t["function"]["name"] for t in tools])

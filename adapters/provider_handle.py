@@ -51,13 +51,15 @@ class ProviderHandle:
 
     Exactly one source: `provider` (an Engine, RemoteEngine or any Provider), `model` (a registry name or a
     local HF folder, loaded in-process once per process), or `base_url` (a `prefixrt serve` server).
-    `model` together with `base_url` names the server's model without asking it.
+    `model` together with `base_url` names the server's model without asking it; `model` together with `provider`
+    or `base_url` may name one of its LoRA adapters, which every request then runs under (`lora`).
     """
 
     def __init__(self, *, model: str | None = None, provider: Any = None, base_url: str | None = None,
                  api_key: str | None = None, engine_kwargs: dict | None = None):
-        if provider is not None and (model is not None or base_url is not None):
-            raise ValueError("pass engine= alone, or model= / base_url=, not both")
+        if provider is not None and base_url is not None:
+            raise ValueError("pass engine= alone (with model= naming one of its LoRA adapters), or model= / "
+                             "base_url=, not both")
         if provider is None and model is None and base_url is None:
             raise ValueError("pass model= (a registry name or local folder), engine= or base_url=")
         self.model = model
@@ -65,7 +67,9 @@ class ProviderHandle:
         self.api_key = api_key
         self.engine_kwargs = dict(engine_kwargs or {})
         self._provider = provider
+        self._given = provider is not None
         self._lock = threading.Lock()
+        self._lora: tuple[str | None] | None = None
 
     def get(self):
         """The Provider, built now if this is the first call (loads weights / opens the client)."""
@@ -82,9 +86,28 @@ class ProviderHandle:
     def built(self) -> bool:
         return self._provider is not None
 
+    def lora(self) -> str | None:
+        """The LoRA adapter requests run under: `model` when it names one of the provider's adapters (an engine's
+        or a server's), else None (the base model). Asked once. ValueError when `model` names neither the given
+        engine's model nor one of its adapters."""
+        if self._lora is None:
+            name = None
+            if self.model is not None and (self._given or self.base_url is not None):
+                provider = self.get()
+                adapters = getattr(provider, "lora_adapters", None)
+                if adapters is not None and self.model in adapters():
+                    name = self.model
+                elif self._given and self.model != getattr(provider, "model_name", self.model):
+                    raise ValueError(f"model={self.model!r} is neither the engine's model "
+                                     f"({provider.model_name!r}) nor one of its LoRA adapters")
+            self._lora = (name,)
+        return self._lora[0]
+
     @property
     def model_name(self) -> str:
-        """The model's name, without building an in-process engine to learn it."""
+        """The model's name, without building an in-process engine to learn it (a LoRA adapter's own name)."""
+        if self.model is not None and (self._given or self.base_url is not None) and self.lora() is not None:
+            return self.model
         if self._provider is not None and getattr(self._provider, "model_name", None):
             return self._provider.model_name
         if self.model is not None:

@@ -78,6 +78,9 @@ class SamplingParams:
     extra: dict = internal(default_factory=dict)
     # The session key and kept prefixes of the prompt (prefixrt/prompt_cache.py), set by lowering; None: plain reuse
     prompt_cache: PromptCache | None = internal(None)
+    # The LoRA adapter to run under, by its loaded name (None: the base model); set in-process, or by the server from
+    # a request's `model` (so no request option: an OpenAI body names its adapter by model only)
+    lora: str | None = internal(None)
 
     def __post_init__(self):
         self.validate()
@@ -168,6 +171,8 @@ class SamplingParams:
         need(is_int(self.priority), "priority must be an integer", "priority")
         need(isinstance(self.speculative, bool), "speculative must be a boolean", "speculative")
         need(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt must be a string", "cache_salt")
+        need(self.lora is None or (isinstance(self.lora, str) and self.lora != ""),
+             "lora must be the name of a loaded LoRA adapter", "lora")
         need(self.request_id is None or isinstance(self.request_id, str), "request_id must be a string", "request_id")
         self.prompt_cache = PromptCache.coerce(self.prompt_cache)
         need(isinstance(self.json_object, bool), "json_object must be a boolean", "json_object")

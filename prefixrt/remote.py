@@ -196,10 +196,17 @@ class RemoteEngine:
             await resp.aclose()
 
     # ------------------------------------------------------------------ cache and control
-    def cache_prefix(self, prompt, cache_salt: str | None = None) -> int:
-        resp = self._client.post("/cache_prefix", json={"prompt": prompt, "cache_salt": cache_salt})
+    def cache_prefix(self, prompt, cache_salt: str | None = None, lora: str | None = None) -> int:
+        body = {"prompt": prompt, "cache_salt": cache_salt, **({"lora": lora} if lora is not None else {})}
+        resp = self._client.post("/cache_prefix", json=body)
         _raise_for(resp)
         return int(resp.json()["cached_tokens"])
+
+    def lora_adapters(self) -> list[str]:
+        """The LoRA adapters the server serves (its /v1/models entries whose parent is another model), asked now."""
+        resp = self._client.get("/v1/models")
+        _raise_for(resp)
+        return sorted(card["id"] for card in resp.json()["data"] if card.get("parent"))
 
     def abort(self, request_id: str) -> None:
         _raise_for(self._client.post("/abort", json={"request_id": request_id}))

@@ -44,6 +44,20 @@ class ImageKey:
         return f"ImageKey({self.digest.hex()[:12]}...)"
 
 
+@dataclass(frozen=True)
+class AdapterNamespace:
+    """The cache namespace of a request run under a LoRA adapter (Req.salt; the base model's requests keep their
+    cache_salt as it is). Equal only to another AdapterNamespace of the same adapter digest and cache_salt, so K/V
+    computed under an adapter is never matched by the base model, another adapter or another tenant, in any tier:
+    no string a caller sends (cache_salt, prompt_cache_key) can spell it. The disk tier writes it as to_json()."""
+
+    adapter: str  # the adapter's digest (lora/peft_format.py): same files, same K/V
+    salt: str | None = None  # the request's cache_salt
+
+    def to_json(self) -> dict:
+        return {"lora": self.adapter, "salt": self.salt}
+
+
 class ReqState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -57,7 +71,8 @@ class Req:
     params: SamplingParams
     sink: Any  # where its StepOutputs go: a RequestStream (engine/stream.py) or the process pipe's sink
     index: int = 0  # which of the n samples
-    salt: str | None = None  # the request's cache_salt: requests with different salts never share KV
+    salt: Any = None  # its cache namespace: cache_salt, or AdapterNamespace under a LoRA adapter (never shared)
+    adapter: Any = None  # the LoRA adapter it runs under (lora/registry.py PackedAdapter); None: the base model
     # Images (multimodal/inputs.py ReqImages) or None: prompt_ids then holds (ImageKey, offset) at their placeholders
     images: Any = None
     arrival: float = field(default_factory=time.monotonic)

@@ -133,7 +133,8 @@ class OpenAIIngress:
         from prefixrt.hub.registry import load_tokenizer, resolve_model
 
         self.replicas = replicas
-        self.keys = RoutingKeys(load_tokenizer(resolve_model(model)))
+        resolved = resolve_model(model)
+        self.keys = RoutingKeys(load_tokenizer(resolved), base_models=(model, resolved.name))
         self.responses: OrderedDict[str, str] = OrderedDict()  # response id -> replica unique id
         self.max_tracked_responses = max_tracked_responses
 

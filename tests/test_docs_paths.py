@@ -9,7 +9,8 @@ What counts as a citation, and what is reported:
   extension) or a folder (ending in /): it must exist (`*` and `{a,b}` expanded, a `:line` suffix dropped, a
   segment in CAPITALS such as NAME is a placeholder);
 - a bare file name (`x.md`, `x.py`, `x.sh`, `x.json`, `x.toml`): some file of the repo must have it, unless it
-  names a file that is not the repo's (a model folder's config.json and generation_config.json, the server's openapi.json).
+  names a file that is not the repo's (a model folder's config.json and generation_config.json, a PEFT adapter
+  folder's adapter_config.json, the server's openapi.json).
 HTTP routes (/v1/models) and scratch paths (/tmp, /proc) are not files of the repo and are not checked.
 """
 
@@ -27,7 +28,8 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 FILE_EXT = re.compile(r"\.(md|py|sh|json|toml|txt|html|png|ya?ml|cfg)$")
 BARE_EXT = re.compile(r"^[\w.*-]+\.(md|py|sh|json|toml)$")
 MACHINE_ROOTS = ("/home/", "/root/", "/work/", "/mnt/", "/opt/", "/srv/", "/var/")
-NOT_THE_REPOS = {"config.json", "generation_config.json", "openapi.json"}  # a model folder's; the server's route
+NOT_THE_REPOS = {"config.json", "generation_config.json", "adapter_config.json", "openapi.json"}  # a model / PEFT
+# adapter folder's; the server's route
 
 
 def top_level() -> list[Path]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from prefixrt.request import ImageKey
+from prefixrt.request import AdapterNamespace, ImageKey
 
 MAGIC = b"PRXKV001"
 SUFFIX = ".kv"
@@ -94,6 +94,13 @@ def join_images(ids: list[int], runs) -> list:
     return out
 
 
+def namespace_json(salt) -> Any:
+    """A cache namespace as the files write it: a cache_salt (None or a string) as it is; a LoRA adapter's
+    (request.py AdapterNamespace) as {"lora": digest, "salt": cache_salt}, which no cache_salt string can equal. A
+    namespace read back from a file is already in this form (and stays as it is)."""
+    return salt.to_json() if isinstance(salt, AdapterNamespace) else salt
+
+
 @dataclass
 class Damaged(Exception):
     """The file is damaged (checksum, size, header): never used, to be deleted."""
@@ -123,7 +130,7 @@ class KVFileFormat:
     def header(self, salt: Any, start: int, end: int, images: list | None = None) -> dict:
         layers, heads, dim = self.shape
         # "namespace": the file format's name for the cache_salt (kept: files written before stay readable)
-        hdr = {"identity": self.identity, "namespace": salt, "start": start, "end": end, "layers": layers,
+        hdr = {"identity": self.identity, "namespace": namespace_json(salt), "start": start, "end": end, "layers": layers,
                "kv_heads": heads, "head_dim": dim, "dtype": str(self.dtype).removeprefix("torch.")}
         if images:
             hdr["images"] = images
@@ -197,7 +204,7 @@ class KVFileFormat:
         if hashlib.blake2b(memoryview(data)[:-_SUM_BYTES], digest_size=_SUM_BYTES).digest() != data[-_SUM_BYTES:]:
             raise Damaged("failed its checksum")
         parsed = self.read_header(io.BytesIO(data), size)
-        if parsed is None or parsed[0]["namespace"] != salt:
+        if parsed is None or parsed[0]["namespace"] != namespace_json(salt):
             return "belongs to another model revision or cache_salt (hash collision)", size
         hdr, tokens, kv_off = parsed
         start, end = hdr["start"], hdr["end"]

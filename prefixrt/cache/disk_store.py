@@ -30,7 +30,16 @@ from typing import Any
 
 import torch
 
-from prefixrt.cache.disk_format import SUFFIX, TMP_PREFIX, Damaged, KVFileFormat, Segment, token_bytes
+from prefixrt.cache.disk_format import (
+    SUFFIX,
+    TMP_PREFIX,
+    Damaged,
+    KVFileFormat,
+    Segment,
+    namespace_json,
+    token_bytes,
+)
+from prefixrt.request import AdapterNamespace
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,7 @@ def _digest(h) -> str:
 
 
 @dataclass
+
 class _Entry:
     name: str  # file name in the directory
     key: str  # hash of (identity, salt, tokens[:end])
@@ -114,7 +124,7 @@ class DiskKVStore:
     # ------------------------------------------------------------------ keys
     def _base(self, salt) -> Any:
         h = hashlib.blake2b(digest_size=16)
-        h.update(self.identity.encode() + b"\0" + json.dumps(salt).encode() + b"\0")
+        h.update(self.identity.encode() + b"\0" + json.dumps(namespace_json(salt)).encode() + b"\0")
         return h
 
     def key_of(self, salt, tokens) -> str:
@@ -124,7 +134,7 @@ class DiskKVStore:
 
     @staticmethod
     def storable(salt) -> bool:
-        return salt is None or isinstance(salt, str)
+        return salt is None or isinstance(salt, (str, AdapterNamespace))
 
     # ------------------------------------------------------------------ the loop thread's side
     def has(self, salt, tokens) -> bool:

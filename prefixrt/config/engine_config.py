@@ -9,6 +9,7 @@ rule between settings is checked in its section's `_check` (EngineConfig's for r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from prefixrt.config.settings import check_fields, section_of, setting
@@ -27,6 +28,8 @@ FP8_ACTIVATION_SCALES = ("none", "group", "token")
 FP8_SPEED_CHECKS = ("fallback", "error", "off")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 PREFIX_CACHES = ("radix", "block")
+# PEFT target module names a LoRA adapter may adapt (model/lora.py lands each in its fused projection)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class Settings:
@@ -280,9 +283,46 @@ class ParallelSettings(Settings):
             bad(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
 
 
+@dataclass(frozen=True)
+class LoraSettings(Settings):
+    """LoRA adapters (lora/): name -> PEFT adapter folder, loaded at start-up; enable_lora without any gives the slots
+    for adapters loaded at run time (Engine.load_lora_adapter, POST /v1/load_lora_adapter). A request picks one by
+    SamplingParams.lora (model=<name> on the server)."""
+
+    lora_adapters: dict[str, str] | None = setting(
+        None, "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) to serve, each as a model "
+        "of its own name (`model=NAME`; /v1/models lists it with the base as parent); the flag's NAME=PATH pairs "
+        "become the name -> folder mapping (config/flags.py lora_modules)", flag="--lora-modules", nargs="+",
+        metavar="NAME=PATH")
+    enable_lora: bool = setting(False, "serve LoRA adapters loaded at run time (POST /v1/load_lora_adapter) even "
+                                "with no --lora-modules", flag=True)
+    max_loras: int = setting(8, "LoRA adapters resident on the device at once (an LRU over the loaded ones, which "
+                             "stay on the host)", minimum=1, flag=True)
+    max_lora_rank: int | None = setting(None, "the adapter slots' rank (higher-rank adapters are refused); default: "
+                                        "the largest --lora-modules rank, at least 16", minimum=1, flag=True)
+    lora_target_modules: tuple[str, ...] = setting(LORA_TARGET_MODULES, "projections given adapter slots (an "
+                                                   "adapter targeting another is refused)")
+    lora_debug_load_delay_s: float = setting(0.0, "race mode: every adapter load first waits this long (CPU; tests)",
+                                             minimum=0)
+
+    def _check(self, bad):
+        if self.lora_adapters is not None and not (isinstance(self.lora_adapters, dict) and all(
+                isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in self.lora_adapters.items())):
+            bad("lora_adapters must map adapter names to PEFT adapter folders")
+        if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 512:
+            bad(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank!r}")
+        unknown = sorted(set(self.lora_target_modules) - set(LORA_TARGET_MODULES))
+        if unknown or not self.lora_target_modules:
+            bad(f"lora_target_modules must be a non-empty subset of {LORA_TARGET_MODULES}, got {unknown or '()'}")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_adapters) or self.enable_lora
+
+
 # The sections, in the order EngineConfig lists their fields.
 SECTIONS = (ModelSettings, RunnerSettings, CacheSettings, SchedulerSettings, SpeculativeSettings, GrammarSettings,
-            ParallelSettings)
+            ParallelSettings, LoraSettings)
 
 
 @dataclass(frozen=True)
@@ -299,6 +339,13 @@ class EngineConfig(*reversed(SECTIONS)):
             bad("FP8 weights and the FP8 K/V cache are not supported with tp_size > 1")
         if self.tp_size > 1 and self.host_kv_cache_tokens:
             bad("the host KV tier is not supported with tp_size > 1")
+        if self.lora_enabled and self.tp_size > 1:
+            bad("LoRA adapters are not supported with tp_size > 1")
+        if self.lora_enabled and self.quantization == "fp8" and self.fp8_smoothing_alpha is not None:
+            # smoothing divides the projections' inputs and v_proj / up_proj's rows by its factors (model/smoothing.py);
+            # an adapter's A and B were trained on the unsmoothed ones, so its update would be wrong
+            bad("LoRA adapters over FP8 weights need fp8_smoothing=0 (--fp8-smoothing 0): smoothing rescales the "
+                "inputs the adapters were trained on")
 
 
 def setting_names(section: type) -> tuple[str, ...]:

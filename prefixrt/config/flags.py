@@ -110,7 +110,28 @@ def engine_kwargs(args: argparse.Namespace, config_cls: type = EngineConfig) -> 
                 and value < minimum:
             value = f.default
         kw[f.name] = value
+    if "lora_adapters" in kw:  # --lora-modules NAME=PATH ... -> {name: folder}
+        kw["lora_adapters"] = lora_modules(kw["lora_adapters"])
     return kw
+
+
+def lora_modules(pairs: list[str] | None) -> dict[str, str] | None:
+    """--lora-modules NAME=PATH ... as {name: folder} (None without the flag); ValueError naming a malformed pair, a
+    name given twice or a folder without adapter_config.json."""
+    if not pairs:
+        return None
+    out: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH pairs, got {pair!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        path = os.path.expanduser(path)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"--lora-modules {name}={path}: not a PEFT adapter folder (no adapter_config.json)")
+        out[name] = path
+    return out
 
 
 def check_engine_args(args: argparse.Namespace) -> None:
@@ -124,6 +145,7 @@ def check_engine_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--device {device}: {why}; use --device cpu (or auto)")
     elif device not in ("auto", "cpu"):
         raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    lora_modules(getattr(args, "lora_adapters", None))  # NAME=PATH pairs naming adapter folders
     model = getattr(args, "model", None)
     if model and not os.path.isdir(os.path.expanduser(model)):
         from prefixrt.hub.catalogue import ENTRIES

@@ -32,6 +32,7 @@ from prefixrt.engine.parallel_builds import BuildPool, default_workers, prebuild
 from prefixrt.engine.ranks import SingleDevice, start_ranks
 from prefixrt.engine.stream import RequestStream
 from prefixrt.engine.warm_up import EXTEND_GRAPH_TOKENS, head_layouts, warm_up_batches
+from prefixrt.lora.build import build_lora
 from prefixrt.model.cuda_graphs import CascadeSpec
 from prefixrt.model.rank_setup import resolve_device, resolve_dtype
 from prefixrt.sampling.sampler import Sampler
@@ -117,6 +118,8 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     ranks = ranks if ranks is not None else SingleDevice(device)
     startup: dict = {"graphs": []}
     fp8_weights = prepare_weights(config, model, tokenizer, dtype, startup, clock, say)
+    with clock.stage("LoRA adapters"):  # their GPU slots take device memory: before the pool is sized
+        lora, lora_graphs = build_lora(config, model, device, dtype, say)
     grammar = engine_grammar(config, model, tokenizer, resolved)
     if grammar_warm_up(config, device):  # its vocabulary tables build while the rest of start-up runs
         grammar.start_warm()
@@ -130,10 +133,10 @@ def assemble(config: EngineConfig, model, tokenizer, resolved, device, dtype, sa
     ranks.send_setup(pool.num_slots, table.max_requests, table.max_context, max_running)
     kv = make_kv_manager(config.section(CacheSettings), pool, table, say,
                          lambda: kv_identity(config, resolved, pool, fp8_weights))
-    scheduler = Scheduler(kv, config.section(SchedulerSettings), max_running)
+    scheduler = Scheduler(kv, config.section(SchedulerSettings), max_running, adapters=lora)
     runner = ranks.make_runner(config, model, pool, max_running, startup, say, table)
     prepare_kernels(config, model, runner, table, device, max_context, max_running, build_pool, ranks, startup,
-                    clock, say)
+                    clock, say, lora_graphs)
     if device.type == "cuda":
         startup["compile"] = compile_report(compile_dir, say)
     lock = threading.Lock()
@@ -177,10 +180,10 @@ def make_pool(config: EngineConfig, model, draft, tokenizer, device, dtype, rank
 
 
 def prepare_kernels(config: EngineConfig, model, runner, table, device, max_context: int, max_running: int,
-                    build_pool, ranks, startup: dict, clock: StageClock, say) -> None:
+                    build_pool, ranks, startup: dict, clock: StageClock, say, lora_graphs=None) -> None:
     """Triton on CUDA: the kernels start-up needs (built side by side when the compile cache is empty), the eager
     EXTEND shapes warmed up, then the CUDA graphs captured (plain decode graphs alone if the full set fails, then
-    eager). Nothing elsewhere."""
+    eager). Nothing elsewhere. lora_graphs: how the graphs run LoRA adapters (lora/build.py), None without."""
     if not (device.type == "cuda" and config.attention_backend != "torch"):
         return
     attention = runner.attn_backend
@@ -191,7 +194,8 @@ def prepare_kernels(config: EngineConfig, model, runner, table, device, max_cont
         capture = (dict(req_to_token=table.table, pad_row=pad_row, max_batch_size=max_running,
                         max_context=max_context, max_extend_tokens=EXTEND_GRAPH_TOKENS,
                         cascade=cascade_spec(attention, config),
-                        max_verify_tokens=verify_graph_tokens(config, max_running)) if config.cuda_graph else None)
+                        max_verify_tokens=verify_graph_tokens(config, max_running), lora=lora_graphs)
+                   if config.cuda_graph else None)
         with clock.stage("build kernels"):
             report = prebuild(build_pool, runner, batches, capture)
         startup["parallel_builds"] = dataclasses.asdict(report)
@@ -211,7 +215,8 @@ def prepare_kernels(config: EngineConfig, model, runner, table, device, max_cont
             try:
                 startup["graphs"] = runner.capture_graphs(table.table, pad_row, max_running, max_context,
                                                           max_extend_tokens=extend_tokens, cascade=cascade,
-                                                          max_verify_tokens=verify if extend_tokens else 0)
+                                                          max_verify_tokens=verify if extend_tokens else 0,
+                                                          lora=lora_graphs)
                 break
             except Exception as e:  # keep serving, eagerly, and say so loudly
                 ranks.on_capture_failure(e)  # raises where the retry cannot be common to every rank

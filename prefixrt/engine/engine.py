@@ -296,6 +296,7 @@ class Engine(EngineAPI):
                      ) -> PreparedRequest:
         """The rest of prepare() for validated ids and params: compile the constraint, build one Req per sample.
         key: the prompt as the cache keys it (multimodal/inputs.py keyed_prompt), when it is not ids."""
+        adapter, salt = self._adapter_of(p)
         compiled = None
         if p.constraint_kind not in (None, "choices"):
             compiled = self._compile(p)
@@ -303,7 +304,7 @@ class Engine(EngineAPI):
         reqs = []
         for i in range(p.n):
             r = Req(rid=rid, prompt_ids=ids if key is None else key, params=p, sink=None, index=i,
-                    salt=p.cache_salt, **req_fields)
+                    salt=salt, adapter=adapter, **req_fields)
             if compiled is not None:
                 max_new_tokens = min(p.max_new_tokens, self.max_context - len(ids))
                 r.matcher = budget_matcher(self.grammar_compiler().backend, compiled, max_new_tokens)
@@ -311,6 +312,42 @@ class Engine(EngineAPI):
                 r.pending_emit = jump_forward(r, self.max_context, reserve=1)
             reqs.append(r)
         return PreparedRequest(rid, ids, p, reqs)
+
+    def _adapter_of(self, p: SamplingParams):
+        """(the LoRA adapter p.lora names, the request's cache namespace): (None, cache_salt) for the base model.
+        InvalidRequest if no adapter of that name is loaded."""
+        if p.lora is None:
+            return None, p.cache_salt
+        lora = self.core.scheduler.adapters
+        if lora is None:
+            raise InvalidRequest(f"LoRA adapter {p.lora!r} requested, but this engine serves no LoRA adapters "
+                                 "(start it with lora_adapters / --lora-modules, or enable_lora / --enable-lora)",
+                                 param="model")
+        adapter = lora.lookup(p.lora)
+        return adapter, lora.namespace(adapter, p.cache_salt)
+
+    def _namespace(self, cache_salt: str | None, lora: str | None):
+        """The cache namespace of a prompt under cache_salt and the named adapter (InvalidRequest if unknown)."""
+        return self._adapter_of(SamplingParams(max_new_tokens=0, cache_salt=cache_salt, lora=lora))[1]
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(self, name: str, path) -> None:
+        """Load a PEFT LoRA adapter folder under `name` (it becomes resident on the device when a request needs it);
+        `path` may also be a lora/peft_format.py LoraAdapter made in memory (benchmarks). ValueError if the engine
+        serves no adapters, the name is taken, or the adapter does not fit the model."""
+        if self.core.scheduler.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora=True / --enable-lora)")
+        self.core.scheduler.adapters.register(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload an adapter. ValueError while requests use it; KeyError if no adapter has that name."""
+        if self.core.scheduler.adapters is None:
+            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+        self._run_on_loop(lambda: self.core.scheduler.adapters.unregister(name))
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the loaded LoRA adapters (the server lists them as models whose parent is the base model)."""
+        return [] if self.core.scheduler.adapters is None else sorted(self.core.scheduler.adapters.names())
 
     def enqueue(self, prepared: PreparedRequest, sink) -> None:
         """Hand a prepared request to the loop; its outputs go to `sink` (a RequestStream, or whatever the
@@ -328,17 +365,18 @@ class Engine(EngineAPI):
         self._inbox.put(("add", prepared.reqs))
 
     # ------------------------------------------------------------------ select
-    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None
-                            ) -> tuple[list[int], int, list[list[float]]]:
+    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None,
+                            lora: str | None = None) -> tuple[list[int], int, list[list[float]]]:
         """Log p(continuation tokens | prompt) for each continuation, token by token. The prompt is prefilled
         once (cache_prefix) and every continuation is an extend of it, submitted together.
         Returns (prompt ids, prompt tokens reused from the cache, per-continuation token logprobs)."""
         ids = self._tokenize(prompt)
-        base = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
+        base = SamplingParams(max_new_tokens=0, cache_salt=cache_salt, lora=lora)
         self._validate_ids(ids, base)
-        hit = self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, cache_salt, max_len=len(ids) - 1).length)
+        ns = self._namespace(cache_salt, lora)
+        hit = self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, ns, max_len=len(ids) - 1).length)
         if self.config.radix_cache:
-            self.cache_prefix(ids, cache_salt)
+            self.cache_prefix(ids, cache_salt, lora)
         subs = [self._submit(ids + cont, base, input_logprobs_from=len(ids)) for cont in continuations]
         scores = []
         for _, stream, _, _ in subs:
@@ -356,13 +394,13 @@ class Engine(EngineAPI):
             cont = [self._tokenizer.encode(c, add_special_tokens=False) for c in p.choices]
         if any(not c for c in cont):
             raise InvalidRequest("a choice tokenizes to nothing", param="choices")
-        ids, hit, lps = self.score_continuations(prompt, cont, p.cache_salt)
+        ids, hit, lps = self.score_continuations(prompt, cont, p.cache_salt, p.lora)
         uncond = None
         method = p.choices_method
         if method == "unconditional_normalized":
             bos = getattr(self._tokenizer, "bos_token_id", None)
             start = [bos] if bos is not None else cont[0][:1]
-            uncond = self.score_continuations(start, cont, p.cache_salt)[2]
+            uncond = self.score_continuations(start, cont, p.cache_salt, p.lora)[2]
         scores = score_choices(lps, normalization=method, unconditional_logprobs=uncond)
         best = best_choice(scores)
         rid = p.request_id or f"req-{uuid.uuid4().hex[:12]}"
@@ -376,12 +414,14 @@ class Engine(EngineAPI):
         c.outputs = [c]
         return c
 
-    def cache_prefix(self, prompt, cache_salt: str | None = None) -> int:
-        """Prefill prompt into the radix cache without generating. Returns how many of its tokens are cached."""
-        params = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
+    def cache_prefix(self, prompt, cache_salt: str | None = None, lora: str | None = None) -> int:
+        """Prefill prompt into the radix cache without generating (under the named LoRA adapter, or the base model).
+        Returns how many of its tokens are cached."""
+        params = SamplingParams(max_new_tokens=0, cache_salt=cache_salt, lora=lora)
         rid, stream, ids, p = self._submit(prompt, params)
         self._wait(rid, stream, ids, p)
-        return self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, cache_salt).length)
+        ns = self._namespace(cache_salt, lora)
+        return self._run_on_loop(lambda: self.core.kv.cache.match_prefix(ids, ns).length)
 
     def abort(self, request_id: str) -> None:
         if not self._stopped:
@@ -412,8 +452,12 @@ class Engine(EngineAPI):
         self._run_on_loop(self.core.kv.flush)
 
     def check_integrity(self) -> None:
-        """Debug: verify KV accounting now (on the loop thread)."""
+        """Debug: verify KV accounting now (on the loop thread); with LoRA adapters, their slots too (and that none is
+        held when the engine is idle)."""
         self._run_on_loop(self.core.kv.check_integrity)
+        lora = self.core.scheduler.adapters
+        if lora is not None:
+            self._run_on_loop(lambda: lora.check(idle=not self.core.has_work))
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Block until no request is waiting or running."""
@@ -432,6 +476,8 @@ class Engine(EngineAPI):
         self.core.detokenizer.close()
         self.core.close()  # the mask worker, if started
         self.core.kv.close()  # the host tier's copy worker, if any
+        if self.core.scheduler.adapters is not None:
+            self.core.scheduler.adapters.close()  # the adapter load worker, if any
         self._stopped = True
         if not self._thread.is_alive():  # the loop is gone: free the GPU memory now, not at garbage collection
             from prefixrt.engine import builder

@@ -28,6 +28,9 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "preempted_requests_total": ("prefixrt_preempted_requests",
                                  "Retracted requests preempted for a waiting request's first token (host tier)."),
     "forward_passes_total": ("prefixrt_forward_passes", "Model forward passes."),
+    "lora_loads_total": ("prefixrt_lora_slot_loads", "LoRA adapter loads into GPU slots (all adapters, unloaded ones "
+                                                     "included)."),
+    "lora_load_seconds_total": ("prefixrt_lora_slot_load_seconds", "Seconds of LoRA adapter loads into GPU slots."),
     "spec_verify_rows_total": ("prefixrt_spec_verify_rows", "Speculating rows verified (one per request per forward)."),
     "spec_draft_tokens_total": ("prefixrt_spec_draft_tokens", "Tokens drafted by speculative decoding."),
     "spec_accepted_tokens_total": ("prefixrt_spec_accepted_tokens", "Drafted tokens accepted by verification."),
@@ -87,6 +90,14 @@ _SALT_COUNTERS = {  # EngineStats.salts[label] key -> (metric name without _tota
                                                         "per cache_salt."),
     "evicted_tokens_total": ("prefixrt_salt_evicted_tokens", "Cached tokens evicted from the KV pool, per cache_salt."),
 }
+_LORA_COUNTERS = {  # EngineStats.lora_adapters[name] key -> (metric name without _total, help); labelled by `adapter`
+    "requests_total": ("prefixrt_lora_requests", "Requests run under each LoRA adapter."),
+    "prompt_tokens_total": ("prefixrt_lora_prompt_tokens", "Prompt tokens of finished requests, per LoRA adapter."),
+    "cached_tokens_total": ("prefixrt_lora_hit_tokens", "Prompt tokens reused from the KV cache, per LoRA adapter."),
+    "generated_tokens_total": ("prefixrt_lora_generated_tokens", "Tokens generated, per LoRA adapter."),
+    "loads_total": ("prefixrt_lora_loads", "Loads of each LoRA adapter into a GPU slot."),
+    "load_seconds_total": ("prefixrt_lora_load_seconds", "Seconds from a load's start to its completion, per adapter."),
+}
 _GAUGES = {
     "kv_total": ("prefixrt_kv_total_tokens", "KV pool size in tokens."),
     "kv_free": ("prefixrt_kv_free_tokens", "Free KV slots in tokens."),
@@ -107,6 +118,8 @@ _GAUGES = {
     "kv_disk_used_bytes": ("prefixrt_kv_disk_used_bytes", "Bytes of the disk KV tier's files."),
     "kv_disk_cached_tokens": ("prefixrt_kv_disk_cached_tokens", "Tokens of K/V in the disk KV tier's files."),
     "kv_disk_files": ("prefixrt_kv_disk_files", "Files in the disk KV tier."),
+    "lora_slots": ("prefixrt_lora_slots", "GPU slots for LoRA adapters (0: no adapters served)."),
+    "lora_resident_adapters": ("prefixrt_lora_resident_adapters", "LoRA adapters resident in GPU slots now."),
 }
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -159,6 +172,17 @@ class _StatsCollector:
                                 labels=["salt"])
         for label, c in sorted(s.salts.items()):
             fam.add_metric([label], c["kv_cached_tokens"])
+        yield fam
+        # Per loaded LoRA adapter, labelled by its name (names are the operator's: bounded by the adapters loaded)
+        for key, (name, doc) in _LORA_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=["adapter"])
+            for adapter, c in sorted(s.lora_adapters.items()):
+                fam.add_metric([adapter], c[key])
+            yield fam
+        fam = GaugeMetricFamily("prefixrt_lora_cache_hit_rate", "Cached / prompt tokens per LoRA adapter.",
+                                labels=["adapter"])
+        for adapter, c in sorted(s.lora_adapters.items()):
+            fam.add_metric([adapter], c["cache_hit_rate"])
         yield fam
         from prefixrt.engine.compile_cache import COMPILES
 

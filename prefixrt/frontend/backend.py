@@ -241,12 +241,13 @@ class ProviderBackend(ProgramBackend):
     (the engine's `choices` scoring when the provider reports `choice_scores`, else scoring each choice from
     the provider's top-k token logprobs), "engine" or "logprobs". `normalization`: the choice score, as the
     engine's `choices_method` ("token_length_normalized", "sum", or — engine scoring only —
-    "unconditional_normalized").
+    "unconditional_normalized"). `model`: one of the provider's LoRA adapters, by name: every call (prefix hints
+    included) runs under it; None: the base model.
     """
 
     def __init__(self, provider, prefix_hints: bool = True, select_method: str = "auto",
                  normalization: str = "token_length_normalized", tokenizer=None, parallel: bool = True,
-                 token_continuity: bool = True):
+                 token_continuity: bool = True, model: str | None = None):
         if select_method not in ("auto", "engine", "logprobs"):
             raise ValueError("select_method must be 'auto', 'engine' or 'logprobs'")
         if normalization not in ("token_length_normalized", "sum", "unconditional_normalized"):
@@ -255,6 +256,13 @@ class ProviderBackend(ProgramBackend):
             raise ValueError("unconditional_normalized needs the engine's choice scoring (select_method 'auto' "
                              "or 'engine')")
         self.provider = provider
+        self.lora = None
+        if model is not None and model != getattr(provider, "model_name", None):
+            adapters = getattr(provider, "lora_adapters", None)
+            if adapters is None or model not in adapters():
+                raise ValueError(f"model={model!r} is neither the provider's model nor one of its LoRA adapters")
+            self.lora = model
+        self._lora_kw = {"lora": self.lora} if self.lora is not None else {}
         self.prefix_hints = prefix_hints
         self.parallel = parallel
         self.token_continuity = token_continuity
@@ -275,7 +283,7 @@ class ProviderBackend(ProgramBackend):
 
     @property
     def model_name(self) -> str:
-        return self.provider.model_name
+        return self.lora or self.provider.model_name
 
     # ------------------------------------------------------------------ prompts
     def encode(self, text: str) -> list[int]:
@@ -345,6 +353,7 @@ class ProviderBackend(ProgramBackend):
             kw["choices_method"] = self.normalization
         if args.min_tokens:
             kw["min_new_tokens"] = args.min_tokens
+        kw.update(self._lora_kw)
         kw.update(args.extra)
         kw.update(over)
         return SamplingParams(**kw)
@@ -436,7 +445,7 @@ class ProviderBackend(ProgramBackend):
             return 0
         prompt = self.prompt(ctx)
         try:
-            return self.provider.cache_prefix(prompt)
+            return self.provider.cache_prefix(prompt, **self._lora_kw)
         except Exception as e:
             raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
 
@@ -452,7 +461,7 @@ class ProviderBackend(ProgramBackend):
 
         prompt = self.prompt(ctx)
         try:
-            chunks = self.provider.stream(prompt, SamplingParams(max_new_tokens=0))
+            chunks = self.provider.stream(prompt, SamplingParams(max_new_tokens=0, **self._lora_kw))
         except Exception as e:
             raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
 
@@ -469,7 +478,7 @@ class ProviderBackend(ProgramBackend):
         if not self.prefix_hints or not prompt:
             return 0
         try:
-            return self.provider.cache_prefix(prompt)
+            return self.provider.cache_prefix(prompt, **self._lora_kw)
         except Exception as e:
             raise BackendError(f"cache_prefix failed: {type(e).__name__}: {e}") from e
 

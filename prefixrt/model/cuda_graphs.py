@@ -11,6 +11,10 @@ Two banks share one memory pool and one static logits buffer (they never run at 
   one program per listed (sequence, query block), padding entries exit at once. Padded tokens write their
   K/V to slot 0 and no query block reads them; padded sequences are in no block.
 
+With LoRA adapters (LoraGraphSpec) every static batch also holds a static LoRA plan (model/lora.py LoraPlan) sized for
+its bucket; a replay writes the batch's plan into it (all padding when no row runs under an adapter), and the
+adapter weights are read from the fixed slot buffers, so one graph serves every mix of adapters and the base model.
+
 Invariant of both: a replay reads only the static buffers, so the caller's batch may be dropped after
 replay() returns; the returned logits are a view of the shared output buffer, valid until the next replay.
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixrt.model.forward_batch import ExtendPlan, ForwardBatch, ForwardMode
+from prefixrt.model.lora import LoraBatch, LoraPlan
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 512)
 # Token buckets of EXTEND graphs: fine where the forward is compute bound (padding costs compute there).
@@ -106,6 +111,15 @@ def extend_splits(num_blocks: int, num_heads: int, num_sms: int, max_splits: int
     return splits
 
 
+@dataclass(frozen=True)
+class LoraGraphSpec:
+    """LoRA inside the graphs: the engine's slot count (bounds a plan's segments) and how the update runs."""
+
+    num_slots: int
+    kernels: bool
+    num_sms: int = 0
+
+
 @dataclass
 class CaptureReport:
     """What a bank's capture cost (printed at start-up)."""
@@ -130,6 +144,25 @@ class _Bank:
         self.emulate = emulate
         self.graphs: dict = {}  # key -> (torch.cuda.CUDAGraph or None when emulating, static batch)
         self.report: CaptureReport | None = None
+        self.lora: LoraGraphSpec | None = None  # set by the runner before capture (LoRA adapters served)
+
+    def _lora_static(self, num_tokens: int, num_seqs: int) -> LoraBatch | None:
+        """A static LoRA plan for a bucket of num_tokens rows in num_seqs sequences (None without LoRA)."""
+        if self.lora is None:
+            return None
+        from prefixrt.kernels.lora_plan import block_m_for, max_blocks
+
+        bm = block_m_for(num_tokens, num_seqs)
+        plan = LoraPlan.static(num_tokens, max_blocks(num_tokens, min(num_seqs, self.lora.num_slots), bm), bm,
+                               self.device)
+        return LoraBatch([-1] * num_seqs, [0] * num_seqs, self.device, self.lora.kernels, self.lora.num_sms, plan)
+
+    def _fill_lora(self, key, batch: ForwardBatch) -> None:
+        """Write batch's LoRA plan into the static plan of key's graph (padding when no row runs an adapter)."""
+        static = self.graphs[key][1].lora
+        if static is not None:
+            lora = batch.lora
+            static.plan.fill(None if lora is None else lora.row_slots, batch.extend_lens_cpu)
 
     def _static_batch(self, key) -> ForwardBatch:
         raise NotImplementedError
@@ -270,7 +303,7 @@ class DecodeGraphs(_Bank):
             seq_lens=self.seq_lens[:bs], prefix_lens=self.prefix_lens[:bs], extend_lens=self.extend_lens[:bs],
             extend_start_loc=self.extend_start_loc[:bs], req_to_token=self.req_to_token,
             logits_indices=self.logits_indices[:bs], seq_lens_cpu=[self.max_context] * bs,
-            prefix_lens_cpu=[self.max_context - 1] * bs, extend_lens_cpu=[1] * bs,
+            prefix_lens_cpu=[self.max_context - 1] * bs, extend_lens_cpu=[1] * bs, lora=self._lora_static(bs, bs),
         )
 
     def capture(self, pool=None, warm_only: bool = False) -> None:  # noqa: D102
@@ -329,6 +362,7 @@ class DecodeGraphs(_Bank):
             self.out_cache_loc[n:bs].zero_()
             self.req_pool_indices[n:bs].fill_(self.pad_row)
             self.seq_lens[n:bs].fill_(1)
+        self._fill_lora(key, batch)
         return self._replay(key, n)
 
 
@@ -398,6 +432,7 @@ class ExtendGraphs(_Bank):
             logits_indices=self.logits_indices[: self.logit_rows(key)], seq_lens_cpu=[t] * b, prefix_lens_cpu=[0] * b,
             extend_lens_cpu=[t] + [0] * (b - 1),
             extend_plan=ExtendPlan(self.block_seq[:nb], self.block_mb[:nb], self.block_m(key), self.num_splits(key)),
+            lora=self._lora_static(t, b),
         )
 
     def capture(self, pool=None, warm_only: bool = False) -> None:  # noqa: D102
@@ -454,6 +489,7 @@ class ExtendGraphs(_Bank):
         rows = self.logit_rows(key)
         if rows > n_logits:  # rows past the wanted logits read token 0 (in range for every bucket)
             self.logits_indices[n_logits:rows].zero_()
+        self._fill_lora(key, batch)
         return self._replay(key, n_logits)
 
 

@@ -18,6 +18,7 @@ from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
 from prefixrt.model.base import CausalLM
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.model.layers import Linear, MergedLinear, RMSNorm, rope_and_attend
+from prefixrt.model.lora import with_lora
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ class DecoderAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
     ) -> torch.Tensor:  # x: [T, hidden] -> [T, hidden]
-        qkv = self.qkv_proj(x)  # [T, (h + 2 kvh) * d]
+        qkv = with_lora(self.qkv_proj, x, batch.lora)  # [T, (h + 2 kvh) * d]
         out = rope_and_attend(attn, self.layer, qkv, cos, sin, batch, self.q_norm, self.k_norm, self.fused)
-        return self.o_proj(out)
+        return with_lora(self.o_proj, out, batch.lora)
 
 
 class DecoderStack(nn.Module):

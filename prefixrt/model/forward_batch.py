@@ -14,10 +14,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixrt.cache.host_lists import int64_tensor
+
+if TYPE_CHECKING:
+    from prefixrt.model.lora import LoraBatch
 
 
 class ForwardMode(enum.Enum):
@@ -85,6 +89,8 @@ class ForwardBatch:
     # Optional: image embeddings to place at image tokens, and bidirectional image blocks (MultimodalBatch).
     # Only eager forwards take it: CUDA graphs decline such a batch.
     mm: MultimodalBatch | None = None
+    # Optional: which token rows run under which LoRA adapter slot (model/lora.py LoraBatch); None = the base model.
+    lora: LoraBatch | None = None
 
     @property
     def batch_size(self) -> int:

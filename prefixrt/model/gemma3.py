@@ -120,7 +120,7 @@ class Gemma3DecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add_norm(x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, cos, sin, batch, attn))
         h, residual = self.pre_feedforward_layernorm.add_norm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return self.post_feedforward_layernorm(self.mlp(h, batch.lora)), residual
 
 
 class Gemma3ForCausalLM(DecoderLM):

@@ -27,6 +27,7 @@ from prefixrt.model.attention.base import AttentionBackend, AttentionLayer
 from prefixrt.model.forward_batch import ForwardBatch
 from prefixrt.model.fp8_linear import MEASURED_ROWS, expand_plan, fp8_linear, fp8_plan_for
 from prefixrt.model.fp8_static_linear import fp8_linear_static
+from prefixrt.model.lora import LoraBatch, with_lora
 
 if TYPE_CHECKING:
     from prefixrt.kernels.gemv import GemvConfig
@@ -265,6 +266,7 @@ class Linear(nn.Linear):
         self.register_parameter("input_scale", None)  # set with FP8 weights whose checkpoint has static activations
         self.fp8_plan: dict[int, GemvConfig] = {}  # rows -> weight-only FP8 layout (fp8_linear.fp8_plan_for)
         self.fp8_activation_scale = "token"  # one of kernels/fp8_reference.py's ACTIVATION_SCALES (EngineConfig's default)
+        self.lora = None  # LoraWeights (model/lora.py) when the engine serves LoRA adapters through this projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None and self.input_scale is not None:  # (served dequantized: weight_scale None)
@@ -356,15 +358,17 @@ class GatedMLP(nn.Module):
         # rows -> GEMV config of down_proj with act(gate) * up computed inside it (no activation kernel)
         self.down_act_plan: dict[int, GemvConfig] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:  # x: [T, hidden]
+        """lora: the forward's LoRA plan (model/lora.py), or None (the base model only)."""
+        gate_up = with_lora(self.gate_up_proj, x, lora)  # [T, 2 * intermediate]
+        down_lora = lora if self.down_proj.lora is not None else None
         if self.fused and self.fused_act is not None:  # (down_act_plan is empty with FP8 weights)
             config = self.down_act_plan.get(gate_up.shape[0])
-            if config is not None:
+            if config is not None and down_lora is None:  # (a LoRA update of down_proj needs its input)
                 return self.down_proj.forward_gated(gate_up, config, self.fused_act)
-            return self.down_proj(_kernels().act_mul(gate_up, self.fused_act))
+            return with_lora(self.down_proj, _kernels().act_mul(gate_up, self.fused_act), down_lora)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # each [T, intermediate]
-        return self.down_proj(self.act(gate) * up)
+        return with_lora(self.down_proj, self.act(gate) * up, down_lora)
 
 
 # ------------------------------------------------------------------------------------- fused kernels

@@ -100,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add_norm(x, residual)
         h = self.self_attn(h, cos, sin, batch, attn)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, batch.lora), residual
 
 
 class LlamaForCausalLM(DecoderLM):

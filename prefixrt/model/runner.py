@@ -11,7 +11,7 @@ import torch
 from prefixrt.cache.kv_pool import KVPool
 from prefixrt.model.attention.base import AttentionBackend
 from prefixrt.model.base import CausalLM
-from prefixrt.model.cuda_graphs import CascadeSpec
+from prefixrt.model.cuda_graphs import CascadeSpec, LoraGraphSpec
 from prefixrt.model.forward_batch import ForwardBatch
 
 
@@ -65,14 +65,15 @@ class ModelRunner:
     def capture_graphs(self, req_to_token: torch.Tensor, pad_row: int, max_batch_size: int, max_context: int,
                        max_extend_tokens: int = 0, emulate: bool = False,
                        cascade: CascadeSpec | None = None, max_verify_tokens: int = 0,
-                       warm_only: bool = False) -> list[str]:
+                       warm_only: bool = False, lora: LoraGraphSpec | None = None) -> list[str]:
         """Capture one CUDA graph per decode batch-size bucket and, with max_extend_tokens > 0, per EXTEND
         (token, sequence) bucket up to that many tokens. pad_row: a request-table row that stays all zeros,
         read by padded decode rows. emulate: no CUDA graphs, the static batches run eagerly (CPU tests).
         cascade: a CascadeSpec (decode graphs for batches with prefix_groups, from a padded plan), or None.
         max_verify_tokens > 0: also EXTEND graphs with logits at every token up to that many tokens (speculative
         decoding's verify forwards). warm_only: run only the eager forwards that precede capture, keep no graph
-        (the dry pass of engine/parallel_builds.py). Returns one line per bank: graphs, seconds, memory."""
+        (the dry pass of engine/parallel_builds.py). lora: LoRA adapters inside every graph (static plans), or None.
+        Returns one line per bank: graphs, seconds, memory."""
         from prefixrt.model.cuda_graphs import DecodeGraphs, ExtendGraphs, VerifyGraphs
 
         self.release_graphs()
@@ -82,6 +83,7 @@ class ModelRunner:
         with torch.inference_mode():
             graphs = DecodeGraphs(self._forward_eager, self.attn_backend, req_to_token, pad_row, max_batch_size,
                                   max_context, device, emulate=emulate)
+            graphs.lora = lora
             if cascade is not None:
                 graphs.enable_cascade(cascade)
             graphs.capture(pool, warm_only)
@@ -97,6 +99,7 @@ class ModelRunner:
                           emulate=emulate, num_heads=self.model.attention_layers[0].num_heads,
                           num_kv_heads=self.model.attention_layers[0].num_kv_heads,
                           num_sms=getattr(self.attn_backend, "num_sms", 0))
+                ext.lora = lora
                 ext.capture(pool, warm_only)
                 setattr(self, f"{name}_graphs", ext)
                 if not warm_only:

@@ -17,6 +17,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a `prefixrt serve` base URL (repeat for each replica), e.g. http://127.0.0.1:30001")
     p.add_argument("--model", required=True,
                    help="the workers' model (registry name or local HF folder): its tokenizer makes the routing keys")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the names the workers serve the base model under (requests naming another model, or a "
+                        "LoRA adapter, are keyed apart from the base model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--policy", choices=["cache_aware", "round_robin"], default="cache_aware")
@@ -64,8 +67,10 @@ def run_router(args: argparse.Namespace) -> int:
     from prefixrt.routing.proxy import create_router_app
 
     check_router_args(args)
-    tokenizer = load_tokenizer(resolve_model(args.model))
-    app = create_router_app(args.worker, build_policy(args), RoutingKeys(tokenizer),
+    resolved = resolve_model(args.model)
+    tokenizer = load_tokenizer(resolved)
+    base_names = (args.model, resolved.name, *(args.served_model_name or ()))  # other `model`s: LoRA adapters
+    app = create_router_app(args.worker, build_policy(args), RoutingKeys(tokenizer, base_models=base_names),
                             health_interval_s=args.health_interval)
     print(f"[prefixrt] routing ({args.policy}) over {len(args.worker)} workers on http://{args.host}:{args.port} "
           f"(OpenAI base_url http://{args.host}:{args.port}/v1)", file=sys.stderr, flush=True)

@@ -11,7 +11,8 @@ The key is approximate where the server adds text of its own (a tools note for t
 tools): the tools are left out, so every request with the same messages still gets the same key. A body the
 router cannot read gets an empty key (the policy places it as a miss; the replica answers with its error).
 A `cache_salt` is folded into a leading pseudo-token (a negative id no tokenizer emits), because replicas only
-share cached prefixes within one salt.
+share cached prefixes within one salt; so is a `model` other than the base model's names (a LoRA adapter: replicas
+share no K/V across adapters or with the base), before the salt's.
 """
 
 from __future__ import annotations
@@ -31,12 +32,21 @@ def salt_token(salt: str) -> int:
     return -1 - int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=7).digest(), "big")
 
 
+def model_token(model: str) -> int:
+    """The pseudo-token a LoRA adapter's name contributes: negative (never a real id), hashed apart from salts."""
+    return -1 - int.from_bytes(hashlib.blake2b(model.encode(), digest_size=7, person=b"prefixrt-lora").digest(),
+                               "big")
+
+
 class RoutingKeys:
     """Token ids of a request's prompt, from the model's tokenizer (thread-safe: one lock around it)."""
 
-    def __init__(self, tokenizer, max_key_tokens: int = 1 << 16):
+    def __init__(self, tokenizer, max_key_tokens: int = 1 << 16, base_models: tuple[str, ...] = ()):
+        """base_models: the names the base model goes by (a request naming one, or none, is keyed by its prompt
+        alone); any other `model` is a LoRA adapter's and leads its key with model_token."""
         self.tokenizer = tokenizer
         self.max_key_tokens = max_key_tokens  # a key past this many tokens is cut (routing needs the head)
+        self.base_models = frozenset(base_models)
         self._lock = threading.Lock()
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -78,4 +88,9 @@ class RoutingKeys:
             return []
         ids = ids[: self.max_key_tokens]
         salt = body.get("cache_salt")
-        return [salt_token(salt), *ids] if isinstance(salt, str) and salt else ids
+        if isinstance(salt, str) and salt:
+            ids = [salt_token(salt), *ids]
+        model = body.get("model")
+        if isinstance(model, str) and model and model not in self.base_models:
+            ids = [model_token(model), *ids]
+        return ids

@@ -22,7 +22,8 @@ from prefixrt.server import anthropic_format
 from prefixrt.server.errors import error_response
 from prefixrt.server.lifecycle import Lifecycle
 
-ADMIN_ROUTES = ("/flush_cache", "/cache_prefix", "/stats", "/metrics", "/dashboard", "/get_server_info", "/server_info")
+ADMIN_ROUTES = ("/flush_cache", "/cache_prefix", "/stats", "/metrics", "/dashboard", "/get_server_info", "/server_info",
+                "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 OPEN_ROUTES = ("/health",)
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 

@@ -73,7 +73,7 @@ class _Lowered:
         if not isinstance(body, dict):
             raise InvalidRequest("the request body must be a JSON object")
         check_body(body)
-        check_model(state, body.get("model"))
+        self.lora = check_model(state, body.get("model"))  # a LoRA adapter's name, or None
         self.eng = state.engine
         self.messages = lower_messages_request(body)
         self.chat_body = self._chat_body(self.messages.chat)
@@ -118,11 +118,12 @@ async def create_message(body: dict, request: Request):
     prompt, ids = await low.prompt()
     mid = afmt.message_id()
     kept = await prompt_cache.resolve(eng, None if low.image_urls else low.messages.cache, ids, low.lower)
-    params = low.chat.options.fit_to_context(len(ids), eng.max_context, request_id=mid, prompt_cache=kept)
+    params = low.chat.options.fit_to_context(len(ids), eng.max_context, request_id=mid, prompt_cache=kept,
+                                             lora=low.lora)
     if params.n != 1:
         raise InvalidRequest("n is 1 on /v1/messages")
     long_ttl = bool(kept and kept.keep and max(k.ttl_s for k in kept.keep) >= _HOUR_S)
-    model, plan, stops = request.app.state.model_name, low.chat.tools, list(params.stop or [])
+    model, plan, stops = low.lora or request.app.state.model_name, low.chat.tools, list(params.stop or [])
     warnings = low.messages.warnings + low.chat.warnings
 
     def usage_of(out, output_tokens: int) -> dict:

@@ -36,6 +36,8 @@ from prefixrt.server.body import BodyParser, OffloadedBodyRoute
 from prefixrt.server.dashboard import router as dashboard_router
 from prefixrt.server.errors import RequestFailed, error_response
 from prefixrt.server.lifecycle import Lifecycle
+from prefixrt.server.lora_routes import router as lora_router
+from prefixrt.server.lora_routes import served_lora_names
 from prefixrt.server.openai_api import router as openai_router
 from prefixrt.server.protocol import AbortRequest, CachePrefixRequest, GenerateRequest
 from prefixrt.server.sse import JSON, SSE_DONE, ClientDisconnected, EventStream, sse, until_disconnect
@@ -160,6 +162,7 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     app.state.model_names = names or [engine.model_name]
     app.state.model_name = app.state.model_names[0]
     app.state.any_model_name = any_model_name
+    app.state.lora_names = served_lora_names(engine)  # LoRA adapters served as models (lora_routes.py)
     if generation_defaults is None:
         generation_defaults = hub_generation.generation_defaults(engine.model_name)
     app.state.generation_defaults = dict(generation_defaults)
@@ -173,6 +176,7 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     _install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(anthropic_router)  # /v1/messages (Anthropic's Messages API)
+    app.include_router(lora_router)  # /v1/load_lora_adapter, /v1/unload_lora_adapter: admin routes
     app.include_router(sglang_api.router)  # SGLang's /get_model_info, /get_server_info, /health_generate
     app.include_router(dashboard_router)  # /dashboard and /dashboard/data: admin routes (admission.py)
 
@@ -208,7 +212,8 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     @app.post("/cache_prefix")
     async def cache_prefix(body: CachePrefixRequest):
         check_body(body)
-        n = await run_in_threadpool(engine.cache_prefix, body.prompt, body.cache_salt)
+        lora = {"lora": body.lora} if body.lora is not None else {}  # (engines without LoRA take no lora=)
+        n = await run_in_threadpool(lambda: engine.cache_prefix(body.prompt, body.cache_salt, **lora))
         return JSON({"cached_tokens": n})
 
     @app.post("/abort")

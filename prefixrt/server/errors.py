@@ -67,16 +67,19 @@ class RequestFailed(Exception):
         return cls(500, "the request was aborted (POST /abort)", code="request_aborted")
 
 
-def check_model(state, model: str | None) -> None:
-    """404 model_not_found unless `model` is one of the app's served names (`state.model_names`), omitted, or
-    the app serves any name (`state.any_model_name`: `--any-model-name`, the in-process shim)."""
+def check_model(state, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (one of `state.lora_names`: server/lora_routes.py), None for the base model;
+    404 model_not_found unless it is one of those, one of the app's served names (`state.model_names`), omitted,
+    or the app serves any name (`state.any_model_name`: `--any-model-name`, the in-process shim)."""
+    if model is not None and model in getattr(state, "lora_names", ()):
+        return model
     if model is None or state.any_model_name or model in state.model_names:
-        return
+        return None
     raise model_not_found(state, model)
 
 
 def model_not_found(state, model: str) -> RequestFailed:
-    names = ", ".join(repr(n) for n in state.model_names)
+    names = ", ".join(repr(n) for n in [*state.model_names, *sorted(getattr(state, "lora_names", ()))])
     return RequestFailed(404, f"The model {model!r} does not exist on this server; it serves {names} "
                               "(prefixrt serve --served-model-name sets the names, --any-model-name serves any)",
                          type_="invalid_request_error", code="model_not_found", param="model")

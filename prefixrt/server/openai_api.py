@@ -32,6 +32,7 @@ from prefixrt.server import openai_format as fmt
 from prefixrt.server import prompt_cache
 from prefixrt.server.body import OffloadedBodyRoute
 from prefixrt.server.errors import RequestFailed, check_model, model_not_found
+from prefixrt.server.lora_routes import adapter_card
 from prefixrt.server.protocol import ChatCompletionRequest, CompletionRequest
 from prefixrt.server.responses import router as responses_router
 from prefixrt.server.sse import JSON, SSE_DONE, EventStream, merge_streams, sse, until_disconnect
@@ -51,10 +52,11 @@ def _lifecycle(request: Request):
 
 
 def _checked(body: ChatCompletionRequest | CompletionRequest, request: Request):
-    """Checks the body's model and fields. -> (the engine, the lifecycle)"""
-    check_model(request.app.state, body.model)
+    """Checks the body's model and fields. -> (the engine, the lifecycle, the LoRA adapter the model names or
+    None)"""
+    lora = check_model(request.app.state, body.model)
     check_body(body)
-    return _engine(request), _lifecycle(request)
+    return _engine(request), _lifecycle(request), lora
 
 
 def _raise_if_aborted(lc, cs) -> None:
@@ -97,20 +99,26 @@ def _model_card(request: Request, name: str) -> dict:
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return JSON({"object": "list", "data": [_model_card(request, n) for n in request.app.state.model_names]})
+    state = request.app.state
+    base = [_model_card(request, n) for n in state.model_names]
+    adapters = [adapter_card(base[0], n) for n in sorted(state.lora_names)]  # LoRA adapters: parent = the base
+    return JSON({"object": "list", "data": base + adapters})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    if model_id not in request.app.state.model_names:
-        raise model_not_found(request.app.state, model_id)
+    state = request.app.state
+    if model_id in state.lora_names:
+        return JSON(adapter_card(_model_card(request, state.model_name), model_id))
+    if model_id not in state.model_names:
+        raise model_not_found(state, model_id)
     return JSON(_model_card(request, model_id))
 
 
 @router.post("/v1/chat/completions")
 @traced("chat.completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    eng, lc = _checked(body, request)
+    eng, lc, lora = _checked(body, request)
     body, image_urls = server_images.without_images(body)
     fields = body.model_dump(exclude_none=True, by_alias=True)
 
@@ -133,8 +141,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     reasoning = await _reasoning(request, chat.template_kwargs, ids)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     kept = await prompt_cache.resolve(eng, None if image_urls else cache_plan, ids, lower)
-    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid, prompt_cache=kept)
-    model, created = _model_name(request), int(time.time())
+    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid, prompt_cache=kept, lora=lora)
+    model, created = lora or _model_name(request), int(time.time())
     if not body.stream:
         with lc.serving(eng, [rid]):
             c = await until_disconnect(request, eng.agenerate(prompt, params))
@@ -277,7 +285,7 @@ async def _chat_events(chunks, rid: str, model: str, created: int, plan: ToolPla
 @router.post("/v1/completions")
 @traced("completions")
 async def completions(body: CompletionRequest, request: Request):
-    eng, lc = _checked(body, request)
+    eng, lc, lora = _checked(body, request)
     fields = {name: getattr(body, name) for name in type(body).model_fields if name != "prompt"}
     prompts, options = lower_completion_request(fields, body.prompt, defaults=request.app.state.generation_defaults)
     # Token-id prompts are packed to int32 once, here: their bytes serve the range check and the engine's pipe.
@@ -285,9 +293,10 @@ async def completions(body: CompletionRequest, request: Request):
     encoded = await _each([eng.aencode(p) for p in prompts])
     rid = f"cmpl-{uuid.uuid4().hex}"
     rids = [rid] if len(prompts) == 1 else [f"{rid}-{k}" for k in range(len(prompts))]
-    per_prompt = [options.fit_to_context(len(ids), eng.max_context, request_id=r) for ids, r in zip(encoded, rids)]
+    per_prompt = [options.fit_to_context(len(ids), eng.max_context, request_id=r, lora=lora)
+                  for ids, r in zip(encoded, rids)]
     n = per_prompt[0].n
-    model, created = _model_name(request), int(time.time())
+    model, created = lora or _model_name(request), int(time.time())
     if not body.stream:
         async def run():
             return await asyncio.gather(*(eng.agenerate(ids, sp) for ids, sp in zip(encoded, per_prompt)))

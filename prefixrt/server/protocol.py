@@ -195,7 +195,7 @@ class GenerateRequest(_Body):
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
-    lora_path: Any = None  # refused unless empty: no LoRA adapters
+    lora_path: Any = None  # refused unless empty (adapters are named by `model` on the OpenAI routes)
     return_hidden_states: bool = False
     input_embeds: Any = None
     image_data: Any = None
@@ -208,6 +208,7 @@ class GenerateRequest(_Body):
 class CachePrefixRequest(_Body):
     prompt: str | TokenIds | list[dict[str, Any]]
     cache_salt: str | None = None
+    lora: str | None = None  # a loaded LoRA adapter's name: the prefix cached under it
 
 
 class AbortRequest(_Body):

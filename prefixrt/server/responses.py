@@ -249,7 +249,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 @traced("responses")
 async def create_response(body: ResponsesRequest, request: Request):
     eng = request.app.state.engine
-    check_model(request.app.state, body.model)
+    lora = check_model(request.app.state, body.model)
     store = _store(request)
     history: list[dict] = []
     if body.previous_response_id is not None:
@@ -280,8 +280,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     reasoning_id = f"rs_{uuid.uuid4().hex}"
     rid = f"resp_{uuid.uuid4().hex}"
     kept = await prompt_cache.resolve(eng, cache_plan, ids, lower)
-    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid, prompt_cache=kept)
-    shell = _Shell(body, request.app.state.model_name, rid, int(time.time()), params)
+    params = chat.options.fit_to_context(len(ids), eng.max_context, request_id=rid, prompt_cache=kept, lora=lora)
+    shell = _Shell(body, lora or request.app.state.model_name, rid, int(time.time()), params)
     lc = request.app.state.lifecycle
 
     def finish(text: str, reason: str, usage: dict, streamed: list[dict] | None = None) -> dict:

@@ -107,7 +107,8 @@ def _refuse_unsupported(body) -> None:
             raise InvalidRequest(f"{what} are not supported on /generate", param=name)
     lora = body.lora_path
     if lora not in (None, "") and not (isinstance(lora, list) and all(x in (None, "") for x in lora)):
-        raise InvalidRequest("LoRA adapters are not supported", param="lora_path")
+        raise InvalidRequest("lora_path is not supported on /generate: name a LoRA adapter as `model` on the OpenAI "
+                             "routes or the Messages API", param="lora_path")
     if body.return_hidden_states:
         raise InvalidRequest("hidden states are not returned", param="return_hidden_states")
 

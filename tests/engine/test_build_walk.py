@@ -41,8 +41,9 @@ imported = {m for m in sys.modules if m.startswith("prefixrt")} - before
 print(json.dumps({"ran": sorted(ran), "imported": sorted(imported), "ranks": type(built.ranks).__name__}))
 """
 
-# The units of docs/architecture.md's layer table that a single-device build may reach.
-ALLOWED = {"records", "kernels", "cache", "sampling", "constrained", "multimodal", "model", "hub", "engine"}
+# The units of docs/architecture.md's layer table that a single-device build may reach (lora: the builder asks
+# lora/build.py for the adapters' slots, None when LoRA is off).
+ALLOWED = {"records", "kernels", "cache", "sampling", "constrained", "multimodal", "model", "hub", "engine", "lora"}
 
 
 def _walk(folder: Path) -> dict:

@@ -74,8 +74,10 @@ class CacheAuditor:
         """Called once per request at its first admission, with req.cached_len tokens matched. Queues an
         audit of that prefix for a `rate` fraction of hits; locks the prefix until the audit ran."""
         n = req.cached_len
-        if n == 0 or req.images is not None or self._rng.random() >= self.rate:
-            return  # (a prefix with images is not audited: the recompute has no image inputs)
+        if n == 0 or req.images is not None or req.adapter is not None or self._rng.random() >= self.rate:
+            # (a prefix with images is not audited: the recompute has no image inputs; nor one under a LoRA adapter:
+            # the adapter may leave its GPU slot before the audit runs)
+            return
         cache = self.kv.cache
         m = cache.match_prefix(req.all_ids[:n], req.salt)
         if m.length != n:  # cannot happen right after admission; be safe rather than audit the wrong slots

@@ -123,7 +123,8 @@ class EngineCore:
                     r.generator = self.sampler.make_generator(p.generator_seed(r.index))
                 if self.detokenizer is not None and (p.detokenize or p.stop or p.logprobs is not None):
                     self.detokenizer.open(r, p.stop, p.skip_special_tokens, p.detokenize)
-                self.scheduler.add(r)
+                if (refused := self.scheduler.add(r)) is not None:  # (its LoRA adapter was unloaded meanwhile)
+                    self._finish(r, "abort", error=refused)
             except Exception as e:  # registered but not runnable: finish it now, never leave it hanging
                 log.error("request %s could not be added: %s", r.rid, traceback.format_exc())
                 self._finish(r, "abort", error=f"internal error adding the request: {e}")
@@ -281,6 +282,7 @@ class EngineCore:
             fb.kv_ready = self.kv.tiers.load_waiter(batch.reqs)  # host-tier loads into their paths (None: nothing)
             if any(r.images is not None for r in batch.reqs):
                 fb.mm = batch_inputs.images_of(self.encoder, self.runner.model, batch, self.device)
+            fb.lora = self.scheduler.lora_batch(batch, fb.extend_lens_cpu)  # None: the base model alone
             if holes:
                 idx = torch.tensor([holes, ins.hole_rows], dtype=torch.int64)
                 step.hole_idx = idx.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" \
@@ -496,4 +498,4 @@ class EngineCore:
     # ------------------------------------------------------------------ stats
     def snapshot_stats(self) -> EngineStats:
         """A copy of the engine's counters with the gauges read now (loop thread)."""
-        return stats.snapshot(self.stats, self.kv, self.scheduler, self.auditor)
+        return stats.snapshot(self.stats, self.kv, self.scheduler, self.auditor, self.scheduler.adapters)

@@ -70,12 +70,15 @@ class ScheduledBatch:
 
 class Scheduler:
     """settings: the engine's SchedulerSettings (config/engine_config.py); max_running_requests: its resolved cap
-    (the settings' None means a default per device, which the builder resolves)."""
+    (the settings' None means a default per device, which the builder resolves); adapters: the LoRA adapters' gate
+    (lora/manager.py LoraManager: a request runs once its adapter is resident in a GPU slot, which it holds while
+    admitted), or None (the base model only)."""
 
-    def __init__(self, kv: KVManager, settings: SchedulerSettings, max_running_requests: int):
+    def __init__(self, kv: KVManager, settings: SchedulerSettings, max_running_requests: int, adapters=None):
         self.kv = kv
         self.settings = settings
         self.max_running_requests = max_running_requests
+        self.adapters = adapters
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.retracted_total = 0
@@ -88,7 +91,11 @@ class Scheduler:
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
-    def add(self, req: Req) -> None:
+    def add(self, req: Req) -> str | None:
+        """req waits to run. Returns why it cannot instead (its LoRA adapter was unloaded after it was prepared), and
+        then does not take it."""
+        if self.adapters is not None and (refused := self.adapters.on_add(req)) is not None:
+            return refused
         req.state = ReqState.WAITING
         keep = req.params.prompt_cache.keep if req.params.prompt_cache is not None else ()
         if keep and req.index == 0:  # (once per request: n > 1 samples share one prompt)
@@ -98,6 +105,7 @@ class Scheduler:
         if self.session_prefetch is not None and req.index == 0:
             self.session_prefetch.arrived(req)
         self.waiting.append(req)
+        return None
 
     def remove(self, req: Req) -> None:
         """Take req out of the scheduler (finish or abort) and release its memory."""
@@ -112,12 +120,20 @@ class Scheduler:
                 self.session_prefetch.turn_ended(req)
         self.kv.release(req, final=True)
         self.kv.tiers.forget(req)
+        if self.adapters is not None:
+            self.adapters.release(req)
+            self.adapters.on_finish(req)
         self._match_cache.pop(id(req), None)
         req.state = ReqState.FINISHED
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def lora_batch(self, batch: ScheduledBatch, row_lens: list[int]):
+        """The forward's LoRA plan (model/lora.py LoraBatch: each row's adapter slot), or None (the base model alone;
+        no adapters served). row_lens: the tokens each row feeds."""
+        return None if self.adapters is None else self.adapters.batch_for(batch.reqs, row_lens)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
@@ -227,6 +243,9 @@ class Scheduler:
             self.preemption.done()
         leaders = UncachedPrefixIndex(prefilling)
         admitted: set[int] = set()
+        adapters = self.adapters
+        if adapters is not None:  # loads of the adapters waiting requests need start now, beside the running batch
+            adapters.prefetch(order)
         # Pages the running requests still need (the rest of their prompts, their expected decode), and those the
         # prefetching ones will need once admitted.
         reserved = sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
@@ -236,6 +255,8 @@ class Scheduler:
         for req in order:
             if self.preemption.holds_back(req):
                 continue  # preempted for the request first in line: it goes before them
+            if adapters is not None and not adapters.admissible(req):
+                continue  # its LoRA adapter is loading (or waits for a slot): others go first
             m = match(req)
             if not kv.tiers.disk_ready(req, m):  # its prefix is being read from the disk tier
                 continue
@@ -274,6 +295,8 @@ class Scheduler:
             self._match_cache.pop(id(req), None)
             prefetch.admitted(req)
             req.state = ReqState.RUNNING
+            if adapters is not None:
+                adapters.acquire(req)
             self.running.append(req)
             self._add_to_batch(batch, req, n)
             reserved = others + kv.pages_to_finish(req, growth)
@@ -337,6 +360,8 @@ class Scheduler:
         self._match_cache.pop(id(req), None)  # it runs on: its tokens, and so its match, change
         self.running.remove(req)
         self.kv.release(req, to_host=True)
+        if self.adapters is not None:
+            self.adapters.release(req)
         req.state = ReqState.WAITING
         req.retractions += 1
         self.retracted_total += 1

@@ -6,9 +6,10 @@ from __future__ import annotations
 from prefixrt.outputs import EngineStats
 
 
-def snapshot(counters: EngineStats, kv, scheduler, auditor=None) -> EngineStats:
+def snapshot(counters: EngineStats, kv, scheduler, auditor=None, lora=None) -> EngineStats:
     """A copy of `counters` (updated in place with the derived and read values) with KV, queue, host and disk
-    tier and cache-audit figures: kv is the KVManager, scheduler the Scheduler, auditor the CacheAuditor or None."""
+    tier and cache-audit figures: kv is the KVManager, scheduler the Scheduler, auditor the CacheAuditor or None,
+    lora the LoraManager or None (per-adapter counters, resident adapters, loads)."""
     s = counters
     s.cache_hit_rate = s.cached_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0
     s.evicted_tokens_total = kv.evicted_tokens_total
@@ -62,6 +63,11 @@ def snapshot(counters: EngineStats, kv, scheduler, auditor=None) -> EngineStats:
         s.disk_write_skipped_total, s.disk_evicted_bytes_total = disk.write_skipped_total, disk.evicted_bytes_total
         s.disk_rejected_files_total = disk.rejected_files_total
     s.salts = kv.salt_stats()
+    if lora is not None:
+        snap = lora.snapshot()
+        s.lora_adapters = snap["adapters"]
+        s.lora_slots, s.lora_resident_adapters = snap["slots"], snap["resident"]
+        s.lora_loads_total, s.lora_load_seconds_total = snap["loads_total"], snap["load_seconds_total"]
     if auditor is not None:
         s.cache_audits_total = auditor.audits_total
         s.cache_audit_mismatches_total = auditor.mismatches_total

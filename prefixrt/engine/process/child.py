@@ -92,6 +92,8 @@ class EngineProcessServer:
             "wait_idle": engine.wait_idle, "render_metrics": self.render_metrics,
             "score_continuations": engine.score_continuations,
             "largest_prefixes": engine.largest_prefixes, "image_prompt_ids": engine.image_prompt_ids,
+            "load_lora_adapter": engine.load_lora_adapter, "unload_lora_adapter": engine.unload_lora_adapter,
+            "lora_adapters": engine.lora_adapters,
         }
 
     def send(self, msg) -> None:

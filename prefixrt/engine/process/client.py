@@ -381,16 +381,27 @@ class ProcessEngine(EngineAPI):
         except EngineDeadError:
             pass  # nothing runs any more
 
-    def cache_prefix(self, prompt, cache_salt: str | None = None) -> int:
+    def cache_prefix(self, prompt, cache_salt: str | None = None, lora: str | None = None) -> int:
         """Prefill prompt into the radix cache without generating. Returns how many of its tokens are cached."""
-        return self._call_in_engine("cache_prefix", prompt, cache_salt)
+        return self._call_in_engine("cache_prefix", prompt, cache_salt, lora)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Engine.load_lora_adapter, in the engine process (reads the folder there)."""
+        self._call_in_engine("load_lora_adapter", name, str(path), timeout=600)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._call_in_engine("unload_lora_adapter", name, timeout=60)
+
+    def lora_adapters(self) -> list[str]:
+        return self._call_in_engine("lora_adapters", timeout=60)
 
     def stats(self) -> EngineStats:
         return self._call_in_engine("stats", timeout=60)
 
-    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None):
+    def score_continuations(self, prompt, continuations: list[list[int]], cache_salt: str | None = None,
+                            lora: str | None = None):
         """Engine.score_continuations, in the engine process."""
-        return self._call_in_engine("score_continuations", prompt, continuations, cache_salt)
+        return self._call_in_engine("score_continuations", prompt, continuations, cache_salt, lora)
 
     def largest_prefixes(self, max_nodes: int = 40) -> list[dict]:
         """Engine.largest_prefixes, computed in the engine process."""
