@@ -195,10 +195,16 @@ class Scheduler:
         self.prefetch_sessions()
         return batch
 
+    def went_idle(self) -> None:
+        """The loop has nothing to run: every held release and free completes (all fences have passed), then the
+        room the finished requests left may take finished sessions' prefixes back (prefetch_sessions)."""
+        self.kv.reclaim(wait=True)
+        self.prefetch_sessions()
+
     def prefetch_sessions(self) -> None:
         """When no request waits, let SessionPrefetch load remembered prefixes into the free pool pages that the
         running requests' remaining need (the rest of their prompts, their expected decode, a page each for the
-        next step) leaves. Called each step and by the loop when it goes idle."""
+        next step) leaves. Called each step and when the loop goes idle (went_idle)."""
         sp = self.session_prefetch
         if sp is None or self.waiting or not sp.due():
             return
