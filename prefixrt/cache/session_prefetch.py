@@ -9,8 +9,8 @@ request finds them resident instead of waiting for a load at admission.
   prompt_cache_key, Anthropic's metadata.user_id) leaves its whole sequence (prompt and reply) as the session's
   prefix (a chat client's next prompt holds the reply re-rendered: where its tokens differ, the reply's loaded K/V
   goes unused and counts as wasted once the pool gives it up); one with granted kept prefixes (cache/pins.py) leaves each kept prefix. A later turn of the same session
-  (or a request keeping the same prefix) replaces the entry; at most `max_sessions` are remembered (oldest turn
-  end forgotten first).
+  (or a request keeping the same prefix) replaces the entry; at most `max_sessions` are remembered, holding at most
+  as many tokens as the host tier (oldest turn end forgotten first: the host tier could not hold more anyway).
 - When: `run(room_pages)`, called by the scheduler only when no request waits, with the free pages that the running
   requests' remaining need leaves (so prefetch never takes room an admission or a running request needs), and only
   when the pool's free pages have grown since the last pass (room freed) or a turn has ended since; at most
@@ -71,6 +71,8 @@ class SessionPrefetch:
         self._capped = False  # the last pass stopped at max_pass_tokens: another is due once its loads are done
         self.clock = clock
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # most recent turn end last
+        self._tokens = 0  # token ids the entries hold
+        self.max_tokens = kv.tiered.host_alloc.total_tokens
         self._in_flight: list[_Entry] = []  # entries whose load ahead is not seen done yet
         self._free_seen = -1  # the allocator's free pages after the last pass (-1: a pass is due)
         self.prefetched_tokens_total = 0
@@ -91,10 +93,13 @@ class SessionPrefetch:
         else:
             return
         for key, ids in entries:
-            self._entries.pop(key, None)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old.ids)
             self._entries[key] = _Entry(req.salt, ids)
-        while len(self._entries) > self.max_sessions:
-            self._entries.popitem(last=False)
+            self._tokens += len(ids)
+        while self._entries and (len(self._entries) > self.max_sessions or self._tokens > self.max_tokens):
+            self._tokens -= len(self._entries.popitem(last=False)[1].ids)
         self._free_seen = -1
 
     def arrived(self, req: Req) -> None:

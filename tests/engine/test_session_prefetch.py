@@ -188,6 +188,14 @@ def test_a_pass_loads_at_most_max_pass_tokens_the_next_one_the_rest():
     assert cache.match_prefix(a.all_ids, touch=False).length == 8
 
 
+def test_the_table_holds_at_most_the_host_tiers_tokens():
+    s = make_scheduler(host_tokens=16)
+    run_all(s, req(A_PROMPT, "a1", session="A"))  # 10 token ids (8 prompt, 2 output)
+    assert len(s.session_prefetch) == 1
+    run_all(s, req(list(range(30, 38)), "b1", session="B"))  # 20 > 16: A's, the oldest turn end, is forgotten
+    assert len(s.session_prefetch) == 1 and s.session_prefetch._entries.get(("session", None, "A")) is None
+
+
 def test_prefetch_takes_free_pages_only_never_a_running_request_or_a_cached_prefix():
     s = make_scheduler(pool_pages=6)
     kv, cache = s.kv, s.kv.cache
