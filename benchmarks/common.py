@@ -5,8 +5,8 @@ CPU time from /proc.
 
 Scripts import it as `benchmarks.common` (run from the repo root with PYTHONPATH=$PWD). It imports torch and
 prefixrt only inside the functions that need them, so a script's `--help` never loads a model or touches CUDA.
-The probes reach into engine internals (`eng.core`, `eng._run_on_loop`): they are measuring instruments, installed
-on the loop thread between steps and removed after.
+What they observe of the engine they read through its public probes (`Engine.probes`, prefixrt/engine/probes.py;
+docs/api.md "Probes"), never its internals (tests/bench/test_public_api_only.py checks every script).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import random
 import socket
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 # Six long fixed keys, three bounded strings, an enum, an integer and a boolean: most of a reply is forced text,
 # which is what jump-forward skips (gpu_engine.py, gpu_graphs.py, gpu_json_diag.py, gpu_first_request.py,
@@ -177,18 +176,11 @@ def stream_text(eng, prompts: list[list[int]], max_new: int, concurrency: int) -
     return asyncio.run(run())
 
 
-def set_cascade(eng, on: bool, saved: dict) -> None:
-    """Switch shared-prefix (cascade) decode groups off (the grouper kept in `saved`) or back on, on the loop
-    thread between steps. The engine must have been built with cascade decode."""
-    core = eng.core
-
-    def flip():
-        if on:
-            core.prefix_grouper = saved.pop("grouper", core.prefix_grouper)
-        elif core.prefix_grouper is not None:  # already off: keep the saved grouper
-            saved["grouper"], core.prefix_grouper = core.prefix_grouper, None
-
-    eng._run_on_loop(flip)
+def set_cascade(eng, on: bool) -> None:
+    """Switch shared-prefix (cascade) decode groups off or back on, between steps; nothing to switch on an engine
+    built without them (a CPU smoke run), whose runs then compare plain decode with itself."""
+    if eng.probes.facts()["cascade_built"]:
+        eng.probes.set_cascade(on)
 
 
 def unpack_heads(block_maps_only: bool) -> None:
@@ -218,123 +210,51 @@ def replay_ms(graph, iters: int = 20) -> float:
 
 class PhaseTimer:
     """Wall time per step of each loop unit (schedule, build, draw, launch, process, prepare_sample), the wait for
-    the device inside process, and the host work left after removing that wait. Installed on the loop thread; the
-    loop looks the methods up on every call, so instance attributes shadow them until uninstall()."""
-
-    UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
+    the device inside process, and the host work left after removing that wait: Engine.probes.time_units(),
+    opened by install() and closed by uninstall()."""
 
     def __init__(self, eng):
-        self.eng, self.acc = eng, dict.fromkeys(self.UNITS + ("wait",), 0.0)
-
-    def _wrap(self, core, name):
-        f = getattr(core, name)
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                self.acc[name] += time.perf_counter() - t
-        setattr(core, name, timed)
+        self.eng, self._ctx, self.acc = eng, None, {}
 
     def install(self):
-        core = self.eng.core
-
-        def go():
-            for n in self.UNITS:
-                self._wrap(core, n)
-            from prefixrt.engine.loop import core as core_mod
-            orig = core_mod.StepFence.wait
-            acc = self.acc
-
-            def timed_wait(fence):
-                t = time.perf_counter()
-                try:
-                    return orig(fence)
-                finally:
-                    acc["wait"] += time.perf_counter() - t
-            core_mod.StepFence.wait = timed_wait
-            self._restore = (core_mod, orig)
-        self.eng._run_on_loop(go)
+        self._ctx = self.eng.probes.time_units()
+        self._times = self._ctx.__enter__()
+        self.acc = self._times.seconds
         return self
 
     def uninstall(self) -> dict:
-        core = self.eng.core
-
-        def go():
-            for n in self.UNITS:
-                core.__dict__.pop(n, None)
-            mod, orig = self._restore
-            mod.StepFence.wait = orig
-        self.eng._run_on_loop(go)
+        self._ctx.__exit__(None, None, None)
         return self.acc
 
     def per_step_ms(self, steps: int) -> dict:
-        out = {k: round(v / steps * 1000, 3) for k, v in self.acc.items()}
-        out["host_ms"] = round(sum(self.acc[u] for u in self.UNITS) / steps * 1000 - out["wait"], 3)
-        return out
+        return self._times.per_step_ms(steps)
 
 
 class StepLog:
-    """Every forward of the engine while installed: its kind (decode / cascade / extend graph, or eager), its
-    token and sequence counts, its device time (CUDA events around runner.forward) and the wall time from its
-    launch to the next launch. summary() groups them by kind and token count bucket."""
+    """Every forward of the engine while installed (Engine.probes.log_forwards()): its kind (decode / cascade /
+    extend graph, or eager), its token and sequence counts, its device time and the wall time from its launch to the
+    next launch. summary() groups them by kind and token count bucket."""
 
     def __init__(self, eng):
-        self.eng, self.rows = eng, []
+        self.eng, self.rows, self._ctx = eng, [], None
 
     def install(self):
-        import torch
-
-        runner = self.eng.core.runner
-        orig = runner.forward
-        rows = self.rows
-
-        def logged(fb):
-            before = dict(runner.replays)
-            cuda = torch.cuda.is_available()
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
-            if ev:
-                ev[0].record()
-            t = time.perf_counter()
-            out = orig(fb)
-            if ev:
-                ev[1].record()
-            kind = next((k for k, v in runner.replays.items() if v != before.get(k)), "?")
-            rows.append({"kind": kind, "tokens": int(fb.input_ids.shape[0]), "seqs": int(fb.batch_size),
-                         "t": t, "ev": ev})
-            return out
-
-        self.eng._run_on_loop(lambda: setattr(runner, "forward", logged))
+        self._ctx = self.eng.probes.log_forwards()
+        self._log = self._ctx.__enter__()
+        self.rows = self._log.rows
         return self
 
     def uninstall(self):
-        import torch
-
-        runner = self.eng.core.runner
-        self.eng._run_on_loop(lambda: runner.__dict__.pop("forward", None))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        for i, r in enumerate(self.rows):
-            ev = r.pop("ev")
-            r["device_ms"] = ev[0].elapsed_time(ev[1]) if ev else 0.0
-            r["wall_ms"] = (self.rows[i + 1]["t"] - r["t"]) * 1000 if i + 1 < len(self.rows) else None
+        self._ctx.__exit__(None, None, None)
         return self
 
     def summary(self) -> list[dict]:
-        groups: dict = {}
-        for r in self.rows:
-            b = 1 << max(0, (r["tokens"] - 1)).bit_length()
-            groups.setdefault((r["kind"], b), []).append(r)
-        out = []
-        for (kind, b), rs in sorted(groups.items()):
-            walls = [r["wall_ms"] for r in rs if r["wall_ms"] is not None]
-            out.append({"kind": kind, "tokens_le": b, "count": len(rs),
-                        "mean_tokens": round(sum(r["tokens"] for r in rs) / len(rs), 1),
-                        "mean_seqs": round(sum(r["seqs"] for r in rs) / len(rs), 1),
-                        "device_ms": round(sum(r["device_ms"] for r in rs) / len(rs), 3),
-                        "wall_ms": round(sum(walls) / len(walls), 3) if walls else None})
-        return out
+        return self._log.summary()
+
+
+def forward_counts_since(eng, before: dict) -> dict:
+    """Forwards by how they ran since `before` (an earlier eng.probes.forward_counts())."""
+    return {k: v - before.get(k, 0) for k, v in eng.probes.forward_counts().items()}
 
 
 def torch_profile(eng, prompts, name: str, params: dict) -> dict:
@@ -344,7 +264,7 @@ def torch_profile(eng, prompts, name: str, params: dict) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     eng.generate(prompts, {"max_new_tokens": 0})
-    replays0 = dict(eng.core.runner.replays)
+    replays0 = eng.probes.forward_counts()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -361,7 +281,7 @@ def torch_profile(eng, prompts, name: str, params: dict) -> dict:
     gpu_us = sum(e.self_device_time_total for e in ka)
     sync = {e.key: (e.count, round(e.self_cpu_time_total / 1000, 2)) for e in ka
             if any(w in e.key for w in ("Synchronize", "HostAlloc", "cudaMemcpy", "GraphLaunch", "cudaLaunchKernel"))}
-    replays = {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}
+    replays = forward_counts_since(eng, replays0)
     return {"wall_ms": round(wall * 1000, 2), "gpu_busy_ms": round(gpu_us / 1000, 2), "cuda_api": sync,
             "replays": replays}
 
@@ -390,7 +310,7 @@ def json_bench(eng, vocab: int, batch: int, order: tuple[bool, ...] = (True, Fal
         key = "jf_on" if jf else "jf_off"
         eng.flush_cache()
         s0 = eng.stats().forward_passes_total
-        replays0 = dict(eng.core.runner.replays)
+        replays0 = eng.probes.forward_counts()
         timer = PhaseTimer(eng).install() if instrument else None
         steps = StepLog(eng).install() if instrument else None
         t0 = time.perf_counter()
@@ -404,7 +324,7 @@ def json_bench(eng, vocab: int, batch: int, order: tuple[bool, ...] = (True, Fal
         toks = sum(c.completion_tokens for c in res)
         out[key] = {"seconds": dt, "forward_passes": passes, "output_tokens": toks, "tok_s": toks / dt,
                     "valid": sum(map(_json_valid, res)), "step_ms": dt / passes * 1000,
-                    "replays": {k: v - replays0.get(k, 0) for k, v in eng.core.runner.replays.items()}}
+                    "replays": forward_counts_since(eng, replays0)}
     n = max(1, out["jf_off"]["output_tokens"] // batch)
     eng.flush_cache()
     s0 = eng.stats().forward_passes_total
@@ -418,7 +338,7 @@ def json_bench(eng, vocab: int, batch: int, order: tuple[bool, ...] = (True, Fal
         out["unconstrained_phases_ms_per_step"] = timer.per_step_ms(passes)
     out["unconstrained"] = {"seconds": dt, "forward_passes": passes, "step_ms": dt / passes * 1000}
     out["jf_speedup"] = out["jf_on"]["tok_s"] / out["jf_off"]["tok_s"]
-    if os.environ.get("MASK_THREADS") and hasattr(eng.core.masks.backend, "_mask_threads"):
+    if os.environ.get("MASK_THREADS") and eng.grammar_compiler().backend.name == "llguidance":
         out["mask_fill"] = _mask_fill_by_threads(eng, prompts, base)
     if torch.cuda.is_available() and os.environ.get("TORCH_PROFILE") and os.environ.get("OUT"):
         out["profile_jf_off"] = torch_profile(eng, prompts, "json_jf_off",
@@ -428,29 +348,18 @@ def json_bench(eng, vocab: int, batch: int, order: tuple[bool, ...] = (True, Fal
 
 
 def _mask_fill_by_threads(eng, prompts, base: dict) -> dict:
-    """The grammar mask fill per call with MASK_THREADS=a,b executor threads (jump-forward off, same prompts)."""
-    backend = eng.core.masks.backend
+    """The grammar mask fill per call with MASK_THREADS=a,b backend threads (jump-forward off, same prompts): the
+    worker's part (the native fill; its Python part runs at the draw)."""
     out = {}
     for threads in (int(x) for x in os.environ["MASK_THREADS"].split(",")):
-        backend._mask_threads, backend._executor = threads, None
-        spent = [0.0, 0]
-        orig = backend.fill_bitmasks_native  # the worker's part (finish_bitmasks runs at the draw)
-
-        def timed(rows, bitmask, _orig=orig, spent=spent):
-            t = time.perf_counter()
-            try:
-                return _orig(rows, bitmask)
-            finally:
-                spent[0] += time.perf_counter() - t
-                spent[1] += 1
-        backend.fill_bitmasks_native = timed
+        eng.probes.set_mask_threads(threads)
         eng.flush_cache()
         t0 = time.perf_counter()
         s0 = eng.stats().forward_passes_total
-        eng.generate(prompts, {**base, "jump_forward": False})
+        with eng.probes.time_masks() as masks:
+            eng.generate(prompts, {**base, "jump_forward": False})
         dt, passes = time.perf_counter() - t0, eng.stats().forward_passes_total - s0
-        del backend.fill_bitmasks_native
-        out[threads] = {"fill_ms_per_call": spent[0] / max(1, spent[1]) * 1000, "calls": spent[1],
+        out[threads] = {"fill_ms_per_call": masks.fill_s / max(1, masks.fills) * 1000, "calls": masks.fills,
                         "step_ms": dt / passes * 1000}
     return out
 
@@ -458,20 +367,17 @@ def _mask_fill_by_threads(eng, prompts, base: dict) -> dict:
 # ------------------------------------------------------------------------------------ CPU engines, servers
 
 
-def constant_logits_engine(checkpoint: Path, kv_cache_tokens: int, max_running_requests: int):
-    """An overlapped CPU Engine on a tiny checkpoint folder (the test suite's tiny tokenizer) whose forward returns
-    the same random logits for the same number of rows: what is left to time is the loop's host work."""
+def constant_logits_engine(checkpoint: Path, kv_cache_tokens: int, max_running_requests: int, **engine_kwargs):
+    """An overlapped CPU Engine on a tiny checkpoint folder with its tokenizer (tiny_model_dir) whose forward
+    returns the same random logits for the same number of rows (Engine.probes.replace_forward): what is left to
+    time is the loop's host work. engine_kwargs: more Engine settings."""
     import torch
 
     from prefixrt.engine.engine import Engine
-    from prefixrt.hub.loader import load_model
-    from tests.helpers.engines import make_tiny_tokenizer
 
-    model = load_model(checkpoint, dtype="float32", device="cpu")
-    resolved = SimpleNamespace(name="tiny-llama", revision="bench", extra_eos_token_ids=(), path=str(checkpoint))
-    eng = Engine("tiny-llama", _parts=(model, make_tiny_tokenizer(), resolved), device="cpu",
-                 kv_cache_tokens=kv_cache_tokens, max_running_requests=max_running_requests, overlap_schedule=True)
-    vocab = model.vocab_size
+    eng = Engine(str(checkpoint), dtype="float32", device="cpu", kv_cache_tokens=kv_cache_tokens,
+                 max_running_requests=max_running_requests, overlap_schedule=True, **engine_kwargs)
+    vocab = eng.vocab_size
     cache: dict[int, torch.Tensor] = {}
 
     def constant_forward(fb):
@@ -480,7 +386,7 @@ def constant_logits_engine(checkpoint: Path, kv_cache_tokens: int, max_running_r
             cache[n] = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
         return cache[n]
 
-    eng._run_on_loop(lambda: setattr(eng.core.runner, "forward", constant_forward))
+    eng.probes.replace_forward(constant_forward)
     return eng
 
 

@@ -32,7 +32,7 @@ from prefixrt.bench import workloads as W
 
 def weights_checksum(engine) -> float:
     with torch.no_grad():
-        return float(sum(p.double().sum() for p in engine._built.model.parameters()))
+        return float(sum(p.double().sum() for p in engine.probes.model.parameters()))
 
 
 def check_prompts(vocab: int, n: int, length: int) -> list[list[int]]:

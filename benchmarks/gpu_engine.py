@@ -18,7 +18,6 @@ CASCADE_FP32=0 skips (f)'s fp32 engine.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -36,20 +35,18 @@ from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 
 RESULTS: dict = {}
-CASCADE_SAVED: dict = {}  # the prefix grouper while shared-prefix decode is switched off
 
 
 def free(eng):
     """Shut down and drop the engine's GPU memory (the caller must drop its own reference too)."""
-    eng.shutdown()
-    eng.core = eng._built = None
+    eng.shutdown()  # releases the model, the pool and the graphs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def set_overlap(eng, on: bool) -> None:
-    eng._run_on_loop(lambda: eng.core.set_overlap(on))
+    eng.probes.set_overlap(on)
 
 
 def rag_text(eng, w, concurrency: int = 64) -> dict:
@@ -59,33 +56,17 @@ def rag_text(eng, w, concurrency: int = 64) -> dict:
 
 def replay_ms(eng, bs: int, iters: int = 20) -> float:
     """The captured decode graph of bucket bs replayed alone (its static batch as the last step left it)."""
-    graph, _ = eng.core.runner.graphs.graphs[bs]
-    return C.replay_ms(graph, iters)
+    return eng.probes.graph_replay_ms("decode", bs, iters)
 
 
 def in_loop_replay_ms(eng, prompts: list[list[int]], steps: int) -> float:
     """Median device time of the decode graph replays of one timed decode run, measured with CUDA events
-    recorded around each replay in the loop (what the GPU spends on the forward itself)."""
-    graphs = eng.core.runner.graphs
-    pairs = []
-
-    def install():
-        orig = graphs.replay
-
-        def timed(batch, _orig=orig):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = _orig(batch)
-            b.record()
-            pairs.append((a, b))
-            return out
-        graphs.replay = timed
-    eng._run_on_loop(install)
+    recorded around each decode forward in the loop (Engine.probes.log_forwards: what the GPU spends on the
+    forward itself)."""
     eng.generate(prompts, {"max_new_tokens": 0})
-    eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": 1 + steps})
-    eng._run_on_loop(lambda: graphs.__dict__.pop("replay", None))
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in pairs[1:])
+    with eng.probes.log_forwards() as forwards:
+        eng.generate(prompts, {"temperature": 0, "ignore_eos": True, "detokenize": False, "max_new_tokens": 1 + steps})
+    times = sorted(r["device_ms"] for r in forwards.rows[1:] if r["kind"] == "decode")
     IN_LOOP_SPREAD.append({"p10": times[len(times) // 10], "p50": times[len(times) // 2],
                            "p90": times[len(times) * 9 // 10], "max": times[-1]})
     return times[len(times) // 2]
@@ -160,12 +141,12 @@ def cascade_agreement(eng, prompts, new_tokens: int) -> dict:
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 20}
     outs = {}
     for key, on, order in (("on", True, 1), ("off", False, 1), ("off_reversed", False, -1)):
-        C.set_cascade(eng, on, CASCADE_SAVED)
+        eng.probes.set_cascade(on)
         eng.flush_cache()
-        before = dict(eng.core.runner.replays)
+        before = eng.probes.forward_counts()
         outs[key] = eng.generate(prompts[::order], params)[::order]
-        outs[key + "_replays"] = {k: eng.core.runner.replays[k] - before.get(k, 0) for k in before}
-    C.set_cascade(eng, True, CASCADE_SAVED)
+        outs[key + "_replays"] = C.forward_counts_since(eng, before)
+    eng.probes.set_cascade(True)
     return {"prompts": len(prompts), "on_vs_off": _compare(outs["on"], outs["off"]),
             "baseline_off_vs_off_reversed": _compare(outs["off_reversed"], outs["off"]),
             "replays_on": outs["on_replays"], "replays_off": outs["off_replays"]}
@@ -174,15 +155,15 @@ def cascade_agreement(eng, prompts, new_tokens: int) -> dict:
 def section_f(eng, rag, smoke, summary) -> None:
     """Shared-prefix (cascade) decode: RAG streamed with text on vs off (interleaved, best of 2), greedy
     agreement in bf16 with its same-run baseline, and the same agreement on an fp32 engine."""
-    if eng.core.prefix_grouper is None:
+    if not eng.probes.facts()["cascade"]:
         summary.append(("cascade decode", "off (engine built without cascade graphs)", "set CASCADE=1"))
         return
     runs = {True: [], False: []}
     for on in (True, False, True, False):
-        C.set_cascade(eng, on, CASCADE_SAVED)
+        eng.probes.set_cascade(on)
         eng.flush_cache()
         runs[on].append(rag_text(eng, rag))
-    C.set_cascade(eng, True, CASCADE_SAVED)
+    eng.probes.set_cascade(True)
     best = {k: max(v, key=lambda r: r["out_tok_s"]) for k, v in runs.items()}
     prompts = [s[0].new_tokens for s in rag.sessions]
     agree = cascade_agreement(eng, prompts, 16 if not smoke else 4)
@@ -202,18 +183,18 @@ def section_f(eng, rag, smoke, summary) -> None:
         # Two correct implementations of plain attention, same weights: the Triton backend (cascade off) and the
         # torch backend. How often they agree is the bf16 noise floor for the cascade-vs-plain figure.
         params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": 20}
-        C.set_cascade(eng, False, CASCADE_SAVED)
+        eng.probes.set_cascade(False)
         eng.flush_cache()
         plain = eng.generate(prompts, params)
-        C.set_cascade(eng, True, CASCADE_SAVED)
+        eng.probes.set_cascade(True)
         eng.flush_cache()
         casc = eng.generate(prompts, params)
         eng.flush_cache()
         ref = prefixrt.Engine(eng.model_name, load_format="dummy", attention_backend="torch", cuda_graph=False,
                               kv_cache_tokens=len(prompts) * 3900)
         try:
-            same_weights = all(torch.equal(a, b) for a, b in zip(list(eng._built.model.parameters())[:3],
-                                                                 list(ref._built.model.parameters())[:3]))
+            same_weights = all(torch.equal(a, b) for a, b in zip(list(eng.probes.model.parameters())[:3],
+                                                                 list(ref.probes.model.parameters())[:3]))
             torch_out = ref.generate(prompts, params)
         finally:
             ref.shutdown()
@@ -265,11 +246,11 @@ def main():
     RESULTS["startup_s"] = time.perf_counter() - t
     log(f"engine up in {RESULTS['startup_s']:.1f}s")
     vocab = eng.vocab_size
-    RESULTS["cuda_graphs"] = eng.core.runner.graphs is not None
+    RESULTS["cuda_graphs"] = eng.probes.facts()["cuda_graphs"]
     # (a) RAG streamed with text, in-process: the first batch after start-up, then warm, overlap on and off.
     rag = W.rag(vocab) if not smoke else W.rag(vocab, requests=4, shared_len=64, unique_len=8, output_len=4)
     sections = {"a": lambda: section_a(eng, rag, summary), "b": lambda: section_b(eng, vocab, smoke, cuda, summary),
-                "c": lambda: section_c(eng, vocab, smoke, summary), "e": lambda: section_e(eng, vocab, smoke, summary),
+                "c": lambda: section_c(eng, vocab, smoke, summary), "e": lambda: section_e(eng, vocab, smoke, big, kw, summary),
                 "f": lambda: section_f(eng, rag, smoke, summary),
                 "d": lambda: section_d(eng, vocab, smoke, big, kw, summary)}
     for key, run in sections.items():
@@ -317,7 +298,7 @@ def section_a(eng, rag, summary) -> None:
     steps.uninstall()
     eng.flush_cache()
     RESULTS["rag_steps"] = {"run": logged, "by_kind": steps.summary(),
-                            "device_ms_total": round(sum(r["device_ms"] for r in steps.rows), 1),
+                            "device_ms_total": round(sum(r["device_ms"] or 0.0 for r in steps.rows), 1),
                             "forwards": len(steps.rows)}
     log("RAG steps", RESULTS["rag_steps"])
     # The GIL switch interval: the loop thread, the detokenizer worker and the 64 streaming consumers share
@@ -436,7 +417,7 @@ def section_c(eng, vocab, smoke, summary) -> None:
                         f"top-20 logprobs: max abs {c['max_abs_logprob_diff']:.4f}, max rel {c['max_rel_logprob_err']:.2e}"))
 
 
-def section_e(eng, vocab, smoke, summary) -> None:
+def section_e(eng, vocab, smoke, big, kw, summary) -> None:
     """Hot-prefix TTFT over 20 requests (p50/p99, with the loop units of those steps), cold TTFT, and the
     constrained JSON step against the unconstrained one at batch 64 (jump-forward on/off)."""
     case = C.HotPrefix(eng, vocab, 3500 if not smoke else 40, 80 if not smoke else 8)
@@ -472,7 +453,7 @@ def section_e(eng, vocab, smoke, summary) -> None:
                        "hot_in_order_ms": [round(x * 1000, 3) for x in hot_in_order],
                        "again_ms": [round(x * 1000, 3) for x in gc_hot], "gc_pauses_ms": pauses,
                        "switch_0p5ms_ms": [round(x * 1000, 3) for x in fast_switch],
-                       "hot_forwards": [(r["kind"], r["tokens"], round(r["device_ms"], 3)) for r in steps.rows]}
+                       "hot_forwards": [(r["kind"], r["tokens"], round(r["device_ms"] or 0.0, 3)) for r in steps.rows]}
     log("ttft", RESULTS["ttft"])
     for label, xs in (("  again (gc pauses timed)", gc_hot), ("  again, GIL switch interval 0.5 ms", fast_switch)):
         summary.append((label, f"{statistics.median(xs) * 1000:.2f} / {max(xs) * 1000:.2f} ms",
@@ -488,9 +469,13 @@ def section_e(eng, vocab, smoke, summary) -> None:
     RESULTS["json"] = js
     log("json", js)
     for name in (b for b in os.environ.get("GRAMMAR_BACKENDS", "").split(",") if b and b != eng.config.grammar_backend):
-        # The next compile builds this backend (the config is frozen: replaced, as a restart would).
-        eng.config, eng._compiler = dataclasses.replace(eng.config, grammar_backend=name), None
-        other = C.json_bench(eng, vocab, 64 if not smoke else 4)
+        # An engine of that backend beside this one (as section d's no-radix engine), dropped after.
+        other_eng = prefixrt.Engine(big, grammar_backend=name, **kw)
+        try:
+            other = C.json_bench(other_eng, vocab, 64 if not smoke else 4)
+        finally:
+            free(other_eng)
+            other_eng = None
         RESULTS[f"json_{name}"] = other
         log(f"json {name}", other)
         summary.append((f"  {name}: jump-forward on / off; constrained / unconstrained step",

@@ -33,7 +33,7 @@ def main() -> None:
     rows = []
     for warm in (True, False):
         eng = prefixrt.Engine(args.model, load_format="dummy", kv_cache_tokens=args.kv_tokens, grammar_warm_up=warm)
-        startup = eng._built.startup
+        startup = eng.probes.facts()["startup"]
         prompts = [[rng.randrange(16, eng.vocab_size) for _ in range(64)] for _ in range(4)]
         other = json.loads(json.dumps(LONG_KEYS_SCHEMA).replace('"maxLength": 16', '"maxLength": 15'))
         json_params = {"max_new_tokens": 64, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA}

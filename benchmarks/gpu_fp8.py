@@ -391,7 +391,7 @@ def engine_runs(smoke: bool, model_name: str, label: str, kw: dict) -> dict:
     t = time.perf_counter()
     eng = prefixrt.Engine(model_name, load_format="dummy" if not smoke else "auto", **kw)
     out = {"startup_s": round(time.perf_counter() - t, 1), "kv_pool_tokens": eng.kv_total_tokens,
-           "kv_dtype": str(eng.core.kv.pool.dtype)}
+           "kv_dtype": eng.probes.facts()["kv_dtype"]}
     vocab = eng.vocab_size
     log(f"[{label}] engine up in {out['startup_s']}s, KV pool {eng.kv_total_tokens} tokens ({out['kv_dtype']})")
     rng = random.Random(5)

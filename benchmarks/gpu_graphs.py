@@ -21,7 +21,7 @@ import torch
 
 import prefixrt
 from benchmarks import common as C
-from benchmarks.common import log, rel_err, script_parser, set_cascade
+from benchmarks.common import forward_counts_since, log, rel_err, script_parser, set_cascade
 from prefixrt.bench import runner as R
 from prefixrt.bench import workloads as W
 from prefixrt.engine import builder
@@ -53,32 +53,18 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def set_graphs(eng, on: bool, saved: dict) -> None:
-    """Switch the runner's graph banks off (saved) or back on, on the loop thread between steps."""
-    runner = eng.core.runner
-
-    def flip():
-        if on:
-            runner.graphs, runner.extend_graphs = saved.pop("banks", (runner.graphs, runner.extend_graphs))
-        else:
-            saved["banks"] = (runner.graphs, runner.extend_graphs)
-            runner.graphs = runner.extend_graphs = None
-
-    eng._run_on_loop(flip)
-
-
 def check_cascade(eng, prompts: list[list[int]], smoke: bool) -> dict:
     """Greedy RAG prompts with shared-prefix decode on vs off: tokens equal, and the relative error of
     the top-5 logprobs at every decode step while the tokens agree."""
     params = {"max_new_tokens": 16 if not smoke else 4, "temperature": 0, "ignore_eos": True, "logprobs": 5}
-    outs, saved, replays = {}, {}, {}
+    outs, replays = {}, {}
     for on in (True, False):
-        set_cascade(eng, on, saved)
+        set_cascade(eng, on)
         eng.flush_cache()
-        before = dict(eng.core.runner.replays)
+        before = eng.probes.forward_counts()
         outs[on] = eng.generate(prompts, params)
-        replays[on] = {k: eng.core.runner.replays[k] - before[k] for k in before}
-    set_cascade(eng, True, saved)
+        replays[on] = forward_counts_since(eng, before)
+    set_cascade(eng, True)
     errs, same = [], 0
     for a, b in zip(outs[True], outs[False]):
         same += a.token_ids == b.token_ids
@@ -104,16 +90,15 @@ def check_extend_graphs(eng, vocab: int, smoke: bool) -> dict:
     prompts = [shared + [rng.randrange(16, vocab) for _ in range(rng.randint(1, 60 if not smoke else 6))]
                for _ in range(16 if not smoke else 3)]
     params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 5}
-    outs, saved = {}, {}
+    outs = {}
     for on in (True, False):
-        set_graphs(eng, on, saved)
+        eng.probes.set_cuda_graphs(on)
         eng.flush_cache()
         eng.cache_prefix(shared)
-        before = dict(eng.core.runner.replays)
+        before = eng.probes.forward_counts()
         outs[on] = eng.generate(prompts, params)
-        after = eng.core.runner.replays
-        outs[f"replays_{on}"] = {k: after[k] - before[k] for k in after}
-    set_graphs(eng, True, saved)
+        outs[f"replays_{on}"] = forward_counts_since(eng, before)
+    eng.probes.set_cuda_graphs(True)
     errs, same = [], 0
     for a, b in zip(outs[True], outs[False]):
         la, lb = a.logprobs[0], b.logprobs[0]
@@ -129,30 +114,16 @@ def check_extend_graphs(eng, vocab: int, smoke: bool) -> dict:
 
 
 def replay_times(eng) -> dict:
-    """Replay time of a few captured graphs alone (no scheduler, no copies). Their K/V writes are pointed
-    at the padding slot first, so replaying stale buffers touches no live slot."""
-    runner, out = eng.core.runner, {}
-
-    def bench(name, graph):
-        out[name] = C.replay_ms(graph)
-
-    def run():
-        with torch.inference_mode():  # the static buffers are inference tensors
-            run_all()
-
-    def run_all():
-        if runner.graphs is not None:
-            runner.graphs.out_cache_loc.zero_()
-            for bs in (1, 64):
-                if bs in runner.graphs.graphs:
-                    bench(f"decode_b{bs}", runner.graphs.graphs[bs][0])
-        if runner.extend_graphs is not None:
-            runner.extend_graphs.out_cache_loc.zero_()
-            for key in ((96, 1), (128, 64), (256, 64), (512, 64)):
-                if key in runner.extend_graphs.graphs:
-                    bench(f"extend_t{key[0]}_b{key[1]}", runner.extend_graphs.graphs[key][0])
-
-    eng._run_on_loop(run)
+    """Replay time of a few captured graphs alone (no scheduler, no copies; Engine.probes.graph_replay_ms, which
+    points their K/V writes at the padding slot first)."""
+    out = {}
+    for kind, key, name in (("decode", 1, "decode_b1"), ("decode", 64, "decode_b64"),
+                            *(("extend", k, f"extend_t{k[0]}_b{k[1]}") for k in ((96, 1), (128, 64), (256, 64),
+                                                                                 (512, 64)))):
+        try:
+            out[name] = eng.probes.graph_replay_ms(kind, key)
+        except ValueError:  # not captured at this engine's sizes
+            continue
     return out
 
 
@@ -188,9 +159,8 @@ def main():
     t = time.perf_counter()
     eng = prefixrt.Engine(big, load_format="dummy", cascade_decode=True, **kw)  # toggled per section below
     RESULTS["engine_up_s"] = time.perf_counter() - t
-    RESULTS["startup"] = eng._built.startup
+    RESULTS["startup"] = st = eng.probes.facts()["startup"]
     RESULTS["mem_after_startup_GiB"] = mem() / 2**30
-    st = eng._built.startup
     row("start-up (8B dummy)", f"{RESULTS['engine_up_s']:.1f}s (weights {st.get('load_s', 0):.1f}s, warm-up "
         f"{st.get('warm_up_s', 0):.1f}s, capture {st.get('capture_s', 0):.1f}s)")
     for line in st.get("graphs", []):
@@ -208,16 +178,15 @@ def main():
         ">= 0.90")
 
     # ---------------------------------------------------------------- shared-prefix (cascade) decode
-    if eng.core.prefix_grouper is not None or smoke:
+    if eng.probes.facts()["cascade"] or smoke:
         RESULTS["check_cascade"] = cc = check_cascade(eng, [s[0].new_tokens for s in rag.sessions], smoke)
         row("cascade vs plain decode (RAG, 64 prompts: greedy equal, logprob rel err max)",
             f"{cc['greedy_equal']}/{cc['prompts']}, {cc['decode_logprob_rel_err_max']:.3g} "
             f"(cascade replays {cc['replays_on'].get('cascade', 0)})", ">= 95%, <= 1e-2")
-        saved = {}
-        set_cascade(eng, False, saved)
+        set_cascade(eng, False)
         eng.flush_cache()
         plain = R.run_workload(eng, rag, "RAG plain decode", show_progress=False)
-        set_cascade(eng, True, saved)
+        set_cascade(eng, True)
         RESULTS["rag_plain_decode"] = plain.to_dict()
         row("RAG out tok/s cascade on / off (token ids, in-process)",
             f"{warm.output_throughput:.0f} / {plain.output_throughput:.0f} = "
@@ -234,24 +203,13 @@ def main():
 
     # ---------------------------------------------------------------- hot / cold prefix TTFT
     case = C.HotPrefix(eng, vocab, 3500 if not smoke else 64, 80 if not smoke else 8)
-    steps: list[float] = []
-    core, step = eng.core, eng.core.step
-
-    def timed_step():
-        t0 = time.perf_counter()
-        try:
-            return step()
-        finally:
-            steps.append(time.perf_counter() - t0)
-
-    core.step = timed_step  # the loop looks the method up every iteration
-    hot = case.hot(20)
-    del core.step
+    with eng.probes.time_units(("step",), fence_wait=False, record_calls=True) as loop_steps:
+        hot = case.hot(20)
+    steps = [r["wall_s"] for r in loop_steps.records]
     RESULTS["ttft_hot_step_ms_p50"] = statistics.median(steps) * 1000 if steps else 0.0
-    saved = {}
-    set_graphs(eng, False, saved)
+    eng.probes.set_cuda_graphs(False)
     hot_eager = case.hot(7)
-    set_graphs(eng, True, saved)
+    eng.probes.set_cuda_graphs(True)
     cold = case.cold(3)
     RESULTS["ttft_hot_ms"] = {"p50": statistics.median(hot) * 1000, "p99": pct(hot, 0.99) * 1000,
                               "all": [x * 1000 for x in hot]}
@@ -279,7 +237,7 @@ def main():
                 f"{js['constrained_step_over_unconstrained']:.2f}", "<= 1.10")
         except ImportError as e:
             row("JSON jump-forward", f"skipped: {e}")
-    RESULTS["replays_total"] = dict(eng.core.runner.replays)
+    RESULTS["replays_total"] = eng.probes.forward_counts()
     if on_gpu:
         RESULTS["replay_ms"] = replay_times(eng)
         row("graph replay alone (ms)", json.dumps({k: round(v, 2) for k, v in RESULTS["replay_ms"].items()}))

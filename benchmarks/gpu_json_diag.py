@@ -26,7 +26,6 @@ from benchmarks.common import LONG_KEYS_SCHEMA, json_bench, script_parser
 
 def profile_batch(eng, lines: int, jump_forward: bool) -> None:
     """cProfile of the loop thread over one batch (cumulative, then own time)."""
-    import cProfile
     import io
     import pstats
     import random
@@ -34,11 +33,9 @@ def profile_batch(eng, lines: int, jump_forward: bool) -> None:
     rng = random.Random(11)
     prompts = [[rng.randrange(16, eng.vocab_size) for _ in range(64)] for _ in range(64)]
     eng.flush_cache()
-    prof = cProfile.Profile()
-    eng._run_on_loop(prof.enable)
-    eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
-                           "jump_forward": jump_forward})
-    eng._run_on_loop(prof.disable)
+    with eng.probes.profile_loop() as prof:
+        eng.generate(prompts, {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA,
+                               "jump_forward": jump_forward})
     for key in ("cumulative", "tottime"):
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(lines)
@@ -85,7 +82,7 @@ def main() -> None:
     for name, warm, budget, lengths, interval, parts, alloc in setups:
         L.allocate_bitmask = allocs[alloc]
         sys.setswitchinterval(interval or default_interval)
-        eng.core.masks.parts = parts or 4
+        eng.probes.set_mask_parts(parts or 4)
         backend.warm_lexer = warm
         backend.string_lengths = lengths
         E.budget_matcher = plain_budget if budget else (lambda b, c, n: b.matcher(c))

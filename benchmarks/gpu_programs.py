@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     def make_engine(overrides):
         t = time.perf_counter()
         eng = Engine(model, progress=False, **{**base, **overrides})
-        meta.update(device=str(eng.device), dtype=str(eng._built.dtype))
+        meta.update(device=str(eng.device), dtype=eng.probes.facts()["dtype"])
         log(f"  engine {overrides or 'default'} built in {time.perf_counter() - t:.1f}s")
         return eng
 

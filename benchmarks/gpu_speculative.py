@@ -1,4 +1,5 @@
-"""Speculative decoding on one H200, Llama-3-8B shape with dummy weights, one engine (speculative on, CUDA graphs):
+"""Speculative decoding on one H200, Llama-3-8B shape with dummy weights (speculative on, CUDA graphs; one engine
+with the fixed-rate drafter for sections 1 and 2, then one with the n-gram drafter for section 3):
 (1) verify: one forward of the last token + k drafts (k = 4, 8), logits at every position, at batch 1, 8, 64 and
     1k context, against a plain decode step (one token a row) of the same batch, timed alone on the runner;
 (2) fixed: batch-1 decode tok/s (1k-token prompt, 256 new tokens, greedy) with the test drafter accepted at 70%
@@ -35,71 +36,23 @@ def section(name: str, fn) -> None:
     run_section(RESULTS, SUMMARY, name, fn)
 
 
-def _sync():
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def verify_costs(eng, batches, ks, ctx: int, iters: int) -> dict:
-    """Runner forwards timed alone (on the loop thread, engine idle, cache flushed): decode vs verify."""
-
-    from prefixrt.model.forward_batch import ForwardBatch
-
-    core = eng.core
-    kv, runner = core.kv, core.runner
+    """Runner forwards timed alone (Engine.probes.time_forward_ms: engine idle, cache flushed): decode vs verify."""
     eng.flush_cache()
-
-    def timed(fb) -> float:
-        for _ in range(3):
-            runner.forward(fb)
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            runner.forward(fb)
-        _sync()
-        return (time.perf_counter() - t0) / iters * 1000
-
-    def run() -> dict:
-        out = {}
-        kmax = max(ks)
-        span = ctx + kmax + 1
-        assert max(batches) * span < kv.total_tokens, "the pool is too small for the largest batch"
-        rows = [kv.table.alloc_row() for _ in range(max(batches))]
-        try:
-            for i, row in enumerate(rows):  # each row: its own slots (garbage K/V: only time is measured)
-                kv.table.write(row, 0, list(range(1 + i * span, 1 + (i + 1) * span)))
-            kv.table.flush()
-            for b in batches:
-                rs = rows[:b]
-                slots = [1 + i * span + ctx for i in range(b)]
-                dec = ForwardBatch.build(req_pool_indices=rs, prefix_lens=[ctx] * b, extend_tokens=[[7]] * b,
-                                         out_cache_loc=slots, req_to_token=kv.table.table,
-                                         logits_indices=list(range(b)), device=core.device)
-                base = timed(dec)
-                out[f"b{b}_decode_ms"] = round(base, 3)
-                for k in ks:
-                    n = k + 1
-                    fb = ForwardBatch.build(
-                        req_pool_indices=rs, prefix_lens=[ctx] * b, extend_tokens=[[7] * n] * b,
-                        out_cache_loc=[s + j for s in slots for j in range(n)], req_to_token=kv.table.table,
-                        logits_indices=list(range(b * n)), device=core.device)
-                    ms = timed(fb)
-                    out[f"b{b}_k{k}_verify_ms"] = round(ms, 3)
-                    out[f"b{b}_k{k}_ratio"] = round(ms / base, 3)
-                    SUMMARY.append((f"verify k={k} b={b} / decode", f"{ms / base:.2f}x",
-                                    f"{ms:.2f} vs {base:.2f} ms (target <= 1.15x)"))
-            out["replays"] = dict(runner.replays)
-        finally:
-            for row in rows:
-                kv.table.free_row(row)
-        return out
-
-    res = eng._run_on_loop(run, timeout=600)
+    out = {}
+    for b in batches:
+        base = eng.probes.time_forward_ms(b, ctx, 1, iters)
+        out[f"b{b}_decode_ms"] = round(base, 3)
+        for k in ks:
+            ms = eng.probes.time_forward_ms(b, ctx, k + 1, iters)
+            out[f"b{b}_k{k}_verify_ms"] = round(ms, 3)
+            out[f"b{b}_k{k}_ratio"] = round(ms / base, 3)
+            SUMMARY.append((f"verify k={k} b={b} / decode", f"{ms / base:.2f}x",
+                            f"{ms:.2f} vs {base:.2f} ms (target <= 1.15x)"))
+    out["replays"] = eng.probes.forward_counts()
     eng.flush_cache()
-    log(json.dumps(res, indent=1))
-    return res
+    log(json.dumps(out, indent=1))
+    return out
 
 
 def _decode_tok_s(eng, prompt, max_new: int, spec: bool) -> float:
@@ -115,22 +68,15 @@ def _decode_tok_s(eng, prompt, max_new: int, spec: bool) -> float:
     return (n - 1) / (time.perf_counter() - first)
 
 
-def _set(eng, overlap: bool, drafter=None, k: int | None = None) -> None:
-    core = eng.core
-
-    def apply():
-        core.set_overlap(overlap)
-        if drafter is not None:
-            core.spec.drafter = drafter
-        if k is not None:
-            core.spec.lengths.max_tokens = k
-
-    eng._run_on_loop(apply)
+def _set(eng, overlap: bool, k: int | None = None) -> None:
+    eng.probes.set_overlap(overlap)
+    if k is not None:
+        eng.probes.set_draft_tokens(k)
 
 
 def _spec_counters(eng) -> dict:
     s = eng.stats()
-    forwards = {f"forwards_{how}": n for how, n in eng.core.runner.replays.items()}  # how the target forwards ran
+    forwards = {f"forwards_{how}": n for how, n in eng.probes.forward_counts().items()}  # how the target forwards ran
     return {"draft": s.spec_draft_tokens_total, "accepted": s.spec_accepted_tokens_total,
             "emitted": s.spec_emitted_tokens_total, "rows": s.spec_verify_rows_total, **forwards,
             "drafter_s": s.spec_drafter_seconds_total}
@@ -146,7 +92,7 @@ def _delta(a: dict, b: dict) -> dict:
 def fixed_rate(eng, ctx: int, max_new: int, ks: list[int]) -> dict:
     rng = random.Random(11)
     prompt = [rng.randrange(16, eng.vocab_size) for _ in range(ctx)]
-    _set(eng, overlap=eng.core.device.type == "cuda")
+    _set(eng, overlap=eng.probes.facts()["device"].startswith("cuda"))
     plain = max(_decode_tok_s(eng, prompt, max_new, spec=False) for _ in range(2))  # also teaches the drafter
     out = {"plain_tok_s": round(plain, 1)}
     for k in ks:
@@ -163,11 +109,10 @@ def fixed_rate(eng, ctx: int, max_new: int, ks: list[int]) -> dict:
 
 
 def ngram_repeat(eng, ctx: int, max_new: int, k: int, prompts_n: int) -> dict:
-    from prefixrt.speculative.ngram import NgramDrafter
-
+    """On an engine built with speculative="ngram", speculative_num_tokens=k."""
     rng = random.Random(13)
     prompts = [[rng.randrange(16, eng.vocab_size) for _ in range(ctx)] for _ in range(prompts_n)]
-    _set(eng, overlap=eng.core.device.type == "cuda", drafter=NgramDrafter(), k=k)
+    _set(eng, overlap=eng.probes.facts()["device"].startswith("cuda"), k=k)
     for p in prompts:  # the answers enter the tree
         _decode_tok_s(eng, p, max_new, spec=False)
     plain = [_decode_tok_s(eng, p, max_new, spec=False) for p in prompts]
@@ -249,25 +194,35 @@ def main() -> None:
         ctx, max_new, batches, iters, n_prompts = args.ctx, args.max_new, (1, 8, 64), 20, 8
     RESULTS["device"] = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
     ks_fixed = [int(k) for k in args.k_fixed.split(",")]
-    t = time.perf_counter()
-    eng = prefixrt.Engine(model_name, speculative="fixed:0.7", speculative_num_tokens=max(ks_fixed + [args.k_ngram]),
-                          speculative_adaptive=False, speculative_max_batch=64, **kw)
-    RESULTS["startup_s"] = round(time.perf_counter() - t, 1)
-    log(f"engine up in {RESULTS['startup_s']}s, KV pool {eng.kv_total_tokens} tokens")
-    if args.stable_greedy:
-        scaled = stabilize_greedy(eng._built.model, args.stable_greedy)
-        RESULTS["stable_greedy"] = {"scale": args.stable_greedy, "linears": scaled}
-        log(f"{scaled} linears changed: output projections scaled by {args.stable_greedy:g}, lm_head a permutation of "
-            "the embeddings (--stable-greedy)")
-    try:
-        if "1" in args.only:
-            section("verify", lambda: verify_costs(eng, batches, (4, 8), ctx, iters))
-        if "2" in args.only:
-            section("fixed", lambda: fixed_rate(eng, ctx, max_new, ks_fixed))
-        if "3" in args.only:
+
+    def engine(speculative: str, k: int):
+        t = time.perf_counter()
+        eng = prefixrt.Engine(model_name, speculative=speculative, speculative_num_tokens=k,
+                              speculative_adaptive=False, speculative_max_batch=64, **kw)
+        RESULTS.setdefault("startup_s", {})[speculative] = round(time.perf_counter() - t, 1)
+        log(f"engine ({speculative}) up in {RESULTS['startup_s'][speculative]}s, KV pool {eng.kv_total_tokens} tokens")
+        if args.stable_greedy:
+            scaled = stabilize_greedy(eng.probes.model, args.stable_greedy)
+            RESULTS["stable_greedy"] = {"scale": args.stable_greedy, "linears": scaled}
+            log(f"{scaled} linears changed: output projections scaled by {args.stable_greedy:g}, lm_head a permutation "
+                "of the embeddings (--stable-greedy)")
+        return eng
+
+    if "1" in args.only or "2" in args.only:  # the fixed-rate drafter's engine (verify graphs up to max(k))
+        eng = engine("fixed:0.7", max(ks_fixed + [8]))
+        try:
+            if "1" in args.only:
+                section("verify", lambda: verify_costs(eng, batches, (4, 8), ctx, iters))
+            if "2" in args.only:
+                section("fixed", lambda: fixed_rate(eng, ctx, max_new, ks_fixed))
+        finally:
+            eng.shutdown()
+    if "3" in args.only:  # the n-gram drafter's engine, built after the first is gone (one 8B engine at a time)
+        eng = engine("ngram", args.k_ngram)
+        try:
             section("ngram", lambda: ngram_repeat(eng, ctx, max_new, args.k_ngram, n_prompts))
-    finally:
-        eng.shutdown()
+        finally:
+            eng.shutdown()
     pack = "" if args.pack_map is None else f"-pack{args.pack_map}"
     name = f"gpu_speculative-{args.only}{pack}{'-smoke' if smoke else ''}.json"
     tmp.cleanup()

@@ -15,6 +15,7 @@ is timed too. Cases: the RAG case streamed with text, decode at batch 256 (1024 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -34,62 +35,28 @@ RESULTS: dict = {}
 
 
 class Timeline:
-    """Events around runner.forward and core.draw, host times of the loop units; installed on the loop thread."""
+    """Device times of each forward and each draw, host times of the loop units and the collector's pauses, through
+    Engine.probes (log_forwards, time_units) between install() and uninstall()."""
 
     UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
 
     def __init__(self, eng):
         self.eng = eng
-        self.cuda = torch.cuda.is_available() and eng.core.device.type == "cuda"
-        self.fwd: list = []  # (event before, event after, kind, tokens, seqs)
-        self.draws: list = []  # (event before, event after)
+        self.cuda = torch.cuda.is_available() and eng.probes.facts()["device"].startswith("cuda")
+        self.fwd: list = []  # (device start ms, device end ms, kind, tokens, seqs), filled by uninstall()
+        self.draws: list = []  # (device start ms, device end ms)
         self.host = dict.fromkeys(self.UNITS, 0.0)
         self.steps = 0
         self.gcs: list = []  # (generation, ms, forwards launched so far, thread name): the collector's pauses
         self._gc_start = None
-
-    def _ev(self):
-        if not self.cuda:
-            return None
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
+        self._stack = None
 
     def install(self):
-        core, runner = self.eng.core, self.eng.core.runner
-        orig_fwd = runner.forward
-        tl = self
-
-        def fwd(fb):
-            before = dict(runner.replays)
-            a = tl._ev()
-            out = orig_fwd(fb)
-            b = tl._ev()
-            kind = next((k for k, v in runner.replays.items() if v != before.get(k)), "?")
-            tl.fwd.append((a, b, kind, int(fb.input_ids.shape[0]), int(fb.batch_size), time.perf_counter()))
-            return out
-
-        def wrap(name):
-            f = getattr(core, name)
-
-            def timed(*a, **k):
-                t = time.perf_counter()
-                ev0 = tl._ev() if name == "draw" else None
-                try:
-                    return f(*a, **k)
-                finally:
-                    if name == "draw":
-                        tl.draws.append((ev0, tl._ev()))
-                    tl.host[name] += time.perf_counter() - t
-                    if name == "process":
-                        tl.steps += 1
-            setattr(core, name, timed)
-
-        def go():
-            runner.forward = fwd
-            for n in self.UNITS:
-                wrap(n)
-        self.eng._run_on_loop(go)
+        self._stack = contextlib.ExitStack()
+        self._forwards = self._stack.enter_context(self.eng.probes.log_forwards())
+        self._units = self._stack.enter_context(self.eng.probes.time_units(self.UNITS, fence_wait=False))
+        self._draws = self._stack.enter_context(self.eng.probes.time_units(("draw",), fence_wait=False,
+                                                                           record_calls=True, device_events=True))
         gc.callbacks.append(self._on_gc)
         return self
 
@@ -97,22 +64,19 @@ class Timeline:
         if phase == "start":
             self._gc_start = time.perf_counter()
         elif self._gc_start is not None:
-            self.gcs.append((info["generation"], round((time.perf_counter() - self._gc_start) * 1000, 3), len(self.fwd),
+            self.gcs.append((info["generation"], round((time.perf_counter() - self._gc_start) * 1000, 3),
+                             len(self._forwards.rows),
                              threading.current_thread().name))
             self._gc_start = None
 
     def uninstall(self) -> dict:
-        core, runner = self.eng.core, self.eng.core.runner
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
-
-        def go():
-            runner.__dict__.pop("forward", None)
-            for n in self.UNITS:
-                core.__dict__.pop(n, None)
-        self.eng._run_on_loop(go)
-        if self.cuda:
-            torch.cuda.synchronize()
+        self._stack.close()
+        self.fwd = [(r["device_start_ms"], r["device_end_ms"], r["kind"], r["tokens"], r["seqs"])
+                    for r in self._forwards.rows]
+        self.draws = [(r["device_start_ms"], r["device_end_ms"]) for r in self._draws.records]
+        self.host, self.steps = self._units.seconds, self._units.calls["process"]
         return self.summary()
 
     def summary(self) -> dict:
@@ -128,8 +92,8 @@ class Timeline:
         # build(N+1) and before launch(N+1)): draw i belongs to the last forward enqueued before it.
         rows = []
         t0 = self.fwd[0][0]
-        fwd_t = [(t0.elapsed_time(a), t0.elapsed_time(b), kind, n, s) for a, b, kind, n, s, _ in self.fwd]
-        draw_t = sorted((t0.elapsed_time(a), t0.elapsed_time(b)) for a, b in self.draws if a is not None)
+        fwd_t = [(a - t0, b - t0, kind, n, s) for a, b, kind, n, s in self.fwd]
+        draw_t = sorted((a - t0, b - t0) for a, b in self.draws if a is not None)
         j = 0
         for i, (fa, fb, kind, n, s) in enumerate(fwd_t):
             nxt = fwd_t[i + 1][0] if i + 1 < len(fwd_t) else None
@@ -174,20 +138,10 @@ class Timeline:
 
 
 def replay_alone(eng, bs: int, iters: int = 50) -> float | None:
-    g = eng.core.runner.graphs
-    if g is None or bs not in g.graphs or g.graphs[bs][0] is None:
+    try:
+        return round(eng.probes.graph_replay_ms("decode", bs, iters), 4)
+    except ValueError:  # no graph captured for this batch size
         return None
-    graph = g.graphs[bs][0]
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        graph.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return round(a.elapsed_time(b) / iters, 4)
 
 
 def case_rag(eng, smoke: bool) -> dict:
@@ -220,12 +174,13 @@ def case_decode(eng, bs: int, ctx: int, steps: int, smoke: bool) -> dict:
     eng.generate(prompts, {**p, "max_new_tokens": 1 + steps})
     t2 = time.perf_counter()
     res = {"step_ms": round(((t2 - t1) - (t1 - t0)) / steps * 1000, 4)}
-    if eng.core.device.type == "cuda":
+    cuda = eng.probes.facts()["device"].startswith("cuda")
+    if cuda:
         res["replay_alone_ms"] = replay_alone(eng, bs)
     tl = Timeline(eng).install()
     eng.generate(prompts, {**p, "max_new_tokens": 1 + steps})
     res["timeline"] = tl.uninstall()
-    if eng.core.device.type == "cuda":
+    if cuda:
         res["replay_alone_after_ms"] = replay_alone(eng, bs)
     eng.flush_cache()
     return res
@@ -233,72 +188,39 @@ def case_decode(eng, bs: int, ctx: int, steps: int, smoke: bool) -> dict:
 
 class FirstToken:
     """Where one request's time to first token goes: host timestamps (perf_counter) of the loop units, of the
-    step's outputs leaving the loop (flush) and of the detokenizer worker's delivery to the stream (deliver, when
-    the engine has one), installed on the loop thread, and the forward's device time (CUDA events)."""
+    step's outputs leaving the loop (flush_outputs) and of the detokenizer worker's delivery to the stream (deliver,
+    when the engine has one), and the forward's device time, through Engine.probes (time_units, log_forwards)
+    opened around each request."""
 
-    UNITS = ("schedule", "build", "launch", "draw", "process")
+    UNITS = ("schedule", "build", "launch", "draw", "process", "flush_outputs")
 
     def __init__(self, eng):
         self.eng = eng
-        self.cuda = eng.core.device.type == "cuda"
-        self.calls: list = []  # (unit, start, end, device ms or None)
-        self.saved: list = []  # (object, attribute, original)
-
-    def install(self):
-        core, tl = self.eng.core, self
-
-        def wrap(obj, name, unit):
-            f = getattr(obj, name)
-            tl.saved.append((obj, name, obj.__dict__.get(name)))
-
-            def timed(*a, **k):
-                t = time.perf_counter()
-                ev = None
-                if unit == "launch" and tl.cuda:
-                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    ev[0].record()
-                try:
-                    return f(*a, **k)
-                finally:
-                    if ev is not None:
-                        ev[1].record()
-                    tl.calls.append((unit, t, time.perf_counter(), ev))
-            setattr(obj, name, timed)
-
-        def go():
-            for n in self.UNITS:
-                wrap(core, n, n)
-            wrap(core, "flush_outputs", "flush")  # the step's outputs leave the loop (to the stream or detokenizer)
-            if core.detokenizer is not None:
-                wrap(core.detokenizer, "deliver", "deliver")
-        self.eng._run_on_loop(go)
-        return self
-
-    def uninstall(self) -> None:
-        def go():
-            for obj, name, original in reversed(self.saved):
-                if original is None:
-                    obj.__dict__.pop(name, None)
-                else:
-                    setattr(obj, name, original)
-        self.eng._run_on_loop(go)
 
     def request(self, prompt) -> dict:
         """Stream prompt for one token; the time from submission to each unit's first start after it (ms)."""
-        self.calls.clear()
-        t0 = time.perf_counter()
-        for _ in self.eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
-            break
-        t1 = time.perf_counter()
-        time.sleep(0.01)  # the loop's units of this step have returned
+        units = self.UNITS + ("deliver",)
+        with contextlib.ExitStack() as stack:
+            try:
+                timed = stack.enter_context(self.eng.probes.time_units(units, fence_wait=False, record_calls=True))
+            except ValueError:  # no detokenizer worker
+                timed = stack.enter_context(self.eng.probes.time_units(self.UNITS, fence_wait=False,
+                                                                       record_calls=True))
+            forwards = stack.enter_context(self.eng.probes.log_forwards())
+            t0 = time.perf_counter()
+            for _ in self.eng.stream(prompt, {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}):
+                break
+            t1 = time.perf_counter()
+            time.sleep(0.01)  # the loop's units of this step have returned
         out = {"ttft_ms": (t1 - t0) * 1000}
-        for unit, a, b, ev in self.calls:
-            if a < t0 or f"{unit}_start_ms" in out:
+        for r in timed.records:
+            unit = "flush" if r["unit"] == "flush_outputs" else r["unit"]
+            if r["start"] < t0 or f"{unit}_start_ms" in out:
                 continue
-            out[f"{unit}_start_ms"], out[f"{unit}_ms"] = (a - t0) * 1000, (b - a) * 1000
-            if ev is not None:
-                torch.cuda.synchronize()
-                out["forward_device_ms"] = ev[0].elapsed_time(ev[1])
+            out[f"{unit}_start_ms"], out[f"{unit}_ms"] = (r["start"] - t0) * 1000, r["wall_s"] * 1000
+        first = next((r for r in forwards.rows if r["start"] >= t0), None)
+        if first is not None and first["device_ms"] is not None:
+            out["forward_device_ms"] = first["device_ms"]
         return out
 
 
@@ -308,11 +230,8 @@ def case_hot(eng, smoke: bool) -> dict:
 
     shared, new, n = (64, 8, 5) if smoke else (3500, 80, 20)
     hp = HotPrefix(eng, 300 if smoke else 32000, shared, new)
-    ft = FirstToken(eng).install()
-    try:
-        rows = [ft.request(hp.shared + hp._tokens(new)) for _ in range(n)]
-    finally:
-        ft.uninstall()
+    ft = FirstToken(eng)
+    rows = [ft.request(hp.shared + hp._tokens(new)) for _ in range(n)]
     keys = sorted({k for r in rows for k in r}, key=lambda k: statistics.median(r.get(k, 0) for r in rows))
     return {"n": n, "median_ms": {k: round(statistics.median(r[k] for r in rows if k in r), 3) for k in keys},
             "ttft_p99_ms": round(sorted(r["ttft_ms"] for r in rows)[-1], 3)}
@@ -346,7 +265,7 @@ def main():
     t = time.perf_counter()
     eng = prefixrt.Engine("llama-3-8b" if not smoke else "qwen3-0.6b", **kw)
     RESULTS["startup_s"] = round(time.perf_counter() - t, 1)
-    RESULTS["pdl"] = eng._built.startup.get("pdl") if hasattr(eng, "_built") and hasattr(eng._built, "startup") else None
+    RESULTS["pdl"] = eng.probes.facts()["startup"].get("pdl")
     log(f"engine up in {RESULTS['startup_s']}s, pdl {RESULTS['pdl']}")
     only = args.only.split(",")
     try:

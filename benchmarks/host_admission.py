@@ -4,9 +4,11 @@ the 63 followers are held back (dedup_shared_prefill); once the prefix is cached
 followers and one build packs their EXTEND batch (63 x 80 tokens over 3500 cached each); the process() of that step
 publishes each follower's prompt to the prefix cache. On a GPU the device idles for that host work. Here the forward is replaced by constant logits on a tiny checkpoint (as in host_loop.py), so
 what is timed is exactly that step's schedule() and build(): thread CPU time and wall time, minimum over repeats
-(robust to a loaded machine); --profile N: one more run under cProfile, its N costliest functions;
---insert reference,below: the followers' prompts published by radix insert + match from the root (the reference)
-or from each follower's locked node (RadixCache.insert_below, the engine's default), one engine each way.
+(robust to a loaded machine); --profile N: one more run with the loop thread under cProfile, its N costliest
+functions (the whole run's, not that step's alone);
+--insert reference,below: the followers' prompts published by radix insert + match from the root (the reference,
+engine setting radix_insert_below=False) or from each follower's locked node (RadixCache.insert_below, the
+engine's default), one engine each way.
 
     PYTHONPATH=$PWD python benchmarks/host_admission.py [--requests 64] [--prefix 3500] [--suffix 80] [--repeats 7]
         [--profile 25] [--insert reference,below]
@@ -14,15 +16,13 @@ or from each follower's locked node (RadixCache.insert_below, the engine's defau
 
 from __future__ import annotations
 
-import concurrent.futures
-import cProfile
+import contextlib
 import io
 import os
 import pstats
 import random
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -30,15 +30,18 @@ import torch
 from benchmarks.common import constant_logits_engine, script_parser
 from prefixrt.engine.engine import Engine
 from tests.helpers.checkpoints import build_hf_model
+from tests.helpers.engines import make_tiny_tokenizer
 
 UNITS = ("schedule", "build", "process")
 
 
-def build_engine(requests: int, max_context: int) -> Engine:
+def build_engine(requests: int, max_context: int, insert_below: bool) -> Engine:
     """A tiny llama (long enough positions for the prompts) whose forward returns constant logits."""
     path = Path(tempfile.mkdtemp())
     build_hf_model("llama", max_position_embeddings=max_context).save_pretrained(str(path))
-    return constant_logits_engine(path, kv_cache_tokens=requests * max_context, max_running_requests=requests)
+    make_tiny_tokenizer().save_pretrained(path)
+    return constant_logits_engine(path, kv_cache_tokens=requests * max_context, max_running_requests=requests,
+                                  radix_insert_below=insert_below)
 
 
 def rag_prompts(requests: int, prefix: int, suffix: int, vocab: int) -> list[list[int]]:
@@ -50,15 +53,11 @@ def rag_prompts(requests: int, prefix: int, suffix: int, vocab: int) -> list[lis
 def submit_at_once(eng: Engine, prompts: list[list[int]], params: dict) -> list:
     """generate(prompts, params) with every request in the loop's inbox before its next step (as when they arrive
     during a long forward on a GPU; here the forward is instant and they would trickle in)."""
-    gate = threading.Event()
-    eng._inbox.put(("call", lambda: gate.wait(60), concurrent.futures.Future()))  # hold the loop
     out: list = []
-    caller = threading.Thread(target=lambda: out.append(eng.generate(prompts, params)))
-    caller.start()
-    deadline = time.monotonic() + 60
-    while eng._inbox.qsize() < len(prompts) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    gate.set()
+    with eng.probes.hold_loop() as held:
+        caller = threading.Thread(target=lambda: out.append(eng.generate(prompts, params)))
+        caller.start()
+        held.wait_queued(len(prompts))
     caller.join()
     return out[0]
 
@@ -66,44 +65,14 @@ def submit_at_once(eng: Engine, prompts: list[list[int]], params: dict) -> list:
 def measure(eng: Engine, prompts: list[list[int]], output_tokens: int, followers: int, profile: bool = False) -> dict:
     """One RAG run on an empty cache: the schedule() that admits the followers and the build() of that batch
     (profile: under cProfile, whose overhead inflates the times)."""
-    core = eng.core
-    calls: list[dict] = []  # per call: unit, thread CPU s, wall s, profile, admitted count
-
-    def install():
-        for name in UNITS:
-            f = getattr(core, name)
-
-            def timed(*a, _f=f, _name=name, **k):
-                prof = cProfile.Profile() if profile else None
-                w, t = time.perf_counter(), time.thread_time()
-                if prof is not None:
-                    prof.enable()
-                try:
-                    out = _f(*a, **k)
-                finally:
-                    if prof is not None:
-                        prof.disable()
-                    cpu, wall = time.thread_time() - t, time.perf_counter() - w
-                if _name == "process":
-                    batch = a[0].batch
-                else:
-                    batch = out if _name == "schedule" else (out.batch if out is not None else None)
-                admitted = sum(1 for n in batch.num_tokens if n > 1) if batch is not None else 0
-                calls.append({"unit": _name, "cpu": cpu, "wall": wall, "admitted": admitted, "profile": prof})
-                return out
-            setattr(core, name, timed)
-
-    def uninstall():
-        for name in UNITS:
-            core.__dict__.pop(name, None)
-
     eng.flush_cache()
-    eng._run_on_loop(install)
-    try:
-        res = submit_at_once(eng, prompts, {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True,
-                                            "detokenize": False})
-    finally:
-        eng._run_on_loop(uninstall)
+    params = {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True, "detokenize": False}
+    with contextlib.ExitStack() as stack:
+        units = stack.enter_context(eng.probes.time_units(UNITS, fence_wait=False, record_calls=True))
+        prof = stack.enter_context(eng.probes.profile_loop()) if profile else None
+        res = submit_at_once(eng, prompts, params)
+    calls = [{"unit": r["unit"], "cpu": r["cpu_s"], "wall": r["wall_s"], "admitted": r["extend_rows"]}
+             for r in units.records]
     assert all(len(r.token_ids) == output_tokens for r in res)
     hits = [c for c in calls if c["admitted"] == followers]
     units = [c["unit"] for c in hits]
@@ -115,7 +84,7 @@ def measure(eng: Engine, prompts: list[list[int]], output_tokens: int, followers
     for c in hits:
         out[f"{c['unit']}_wall_ms"] = c["wall"] * 1e3
     out["total_wall_ms"] = sum(c["wall"] for c in hits) * 1e3
-    out["profiles"] = tuple(c["profile"] for c in hits)
+    out["profile"] = prof
     return out
 
 
@@ -132,9 +101,7 @@ def main() -> None:
     torch.set_num_threads(1)
     max_context = 1 << (args.prefix + args.suffix + args.output_tokens + 64).bit_length()
     for way in args.insert.split(","):
-        eng = build_engine(args.requests, max_context)
-        if way == "reference":
-            eng.core.kv.cache.supports_insert_below = False
+        eng = build_engine(args.requests, max_context, insert_below=way == "below")
         prompts = rag_prompts(args.requests, args.prefix, args.suffix, eng.vocab_size)
         try:
             measure(eng, prompts, args.output_tokens, args.requests - 1)  # warm
@@ -148,18 +115,17 @@ def main() -> None:
 
 
 def report(args, way: str, runs: list[dict], profiled: dict | None) -> None:
-    keys = [k for k in runs[0] if k != "profiles"]
+    keys = [k for k in runs[0] if k != "profile"]
     best = {k: min(r[k] for r in runs) for k in keys}
     print(f"{args.requests} requests, {args.prefix} shared + {args.suffix} unique tokens: the step admitting "
           f"{args.requests - 1} followers (min of {args.repeats}); prompts published by insert {way}")
     for k in keys:
         print(f"  {k:>17} {best[k]:9.3f}")
     if profiled is not None:
-        for unit, prof in zip(UNITS, profiled["profiles"]):
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.profile)
-            print(f"--- profile of {unit}() (one more run, under cProfile; by own time)")
-            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
+        out = io.StringIO()
+        pstats.Stats(profiled["profile"], stream=out).sort_stats("tottime").print_stats(args.profile)
+        print("--- profile of the loop thread (one more run, under cProfile; by own time)")
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
 
 
 if __name__ == "__main__":

@@ -28,16 +28,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import LONG_KEYS_SCHEMA, constant_logits_engine, script_parser
+from benchmarks.common import LONG_KEYS_SCHEMA, constant_logits_engine, script_parser, tiny_model_dir
 from prefixrt.engine.engine import Engine
-from tests.helpers.checkpoints import save_tiny_checkpoint
-
-UNITS = ("schedule", "build", "draw", "launch", "process", "prepare_sample")
+from prefixrt.engine.probes import LOOP_UNITS
 
 
 def build(batch: int) -> Engine:
-    path = Path(tempfile.mkdtemp())
-    save_tiny_checkpoint("llama", path)
+    path = tiny_model_dir(Path(tempfile.mkdtemp()))
     return constant_logits_engine(path, kv_cache_tokens=batch * 140, max_running_requests=batch)
 
 
@@ -46,34 +43,15 @@ def measure(eng: Engine, batch: int, steps: int) -> dict:
     prompts = [[rng.randrange(3, 300) for _ in range(8)] for _ in range(batch)]
     params = {"temperature": 0, "ignore_eos": True, "detokenize": False}
     eng.generate(prompts, {"max_new_tokens": 0})
-    acc = dict.fromkeys(UNITS, 0.0)
-    core = eng.core
-
-    def install():
-        for name in UNITS:
-            f = getattr(core, name)
-
-            def timed(*a, _f=f, _name=name, **k):
-                t = time.thread_time()
-                try:
-                    return _f(*a, **k)
-                finally:
-                    acc[_name] += time.thread_time() - t
-            setattr(core, name, timed)
-
-    def uninstall():
-        for name in UNITS:
-            core.__dict__.pop(name, None)
-
     t0 = time.perf_counter()
     eng.generate(prompts, {**params, "max_new_tokens": 1})
     t1 = time.perf_counter()
-    eng._run_on_loop(install)
-    c0 = time.process_time()
-    eng.generate(prompts, {**params, "max_new_tokens": 1 + steps})
-    c1 = time.process_time()
-    t2 = time.perf_counter()
-    eng._run_on_loop(uninstall)
+    with eng.probes.time_units(LOOP_UNITS, clock=time.thread_time, fence_wait=False) as units:
+        c0 = time.process_time()
+        eng.generate(prompts, {**params, "max_new_tokens": 1 + steps})
+        c1 = time.process_time()
+        t2 = time.perf_counter()
+    acc = units.seconds
     out = {f"{k}_cpu_ms": v / steps * 1000 for k, v in acc.items()}
     out["loop_cpu_ms"] = sum(acc.values()) / steps * 1000
     out["all_threads_cpu_ms"] = (c1 - c0) / steps * 1000  # loop, detokenizer, caller
@@ -95,64 +73,29 @@ def build_json(model_dir: str, batch: int, grammar_backend: str) -> Engine:
         rows = fb.req_pool_indices[seq]
         return pool[(rows * 131 + pos) % pool.shape[0]]
 
-    eng._run_on_loop(lambda: setattr(eng.core.runner, "forward", varied_forward))
+    eng.probes.replace_forward(varied_forward)
     return eng
 
 
 def measure_json(eng: Engine, batch: int, jump_forward: bool) -> dict:
     """One greedy batch of the long-keys schema; CPU ms per step of the masks and of process()."""
-    core, backend = eng.core, eng.grammar_compiler().backend
+    backend = eng.grammar_compiler().backend
     rng = random.Random(11)
-    prompts = [[rng.randrange(16, 1000) for _ in range(16)] for _ in range(batch)]
-    acc = {"mask": 0.0, "mask_rows": 0, "process": 0.0, "steps": 0}
-    orig_process = core.process
-
-    serial = hasattr(backend, "shared_mask_rows_total")  # llguidance: its own fill, on the calling thread
-    orig_native, orig_finish = backend.fill_bitmasks_native, backend.finish_bitmasks
-
-    def fill_timed(rows, bitmask):  # the same masks, all computed on this thread (the draw's part too)
-        t = time.thread_time()
-        if serial:
-            orig_native(rows, bitmask)
-            orig_finish(rows, bitmask)
-        else:
-            for m, row in rows:
-                m.fill_bitmask(bitmask, row)
-        acc["mask"] += time.thread_time() - t
-        acc["mask_rows"] += len(rows)
-
-    def timed_process(*a, **k):
-        t = time.thread_time()
-        try:
-            return orig_process(*a, **k)
-        finally:
-            acc["process"] += time.thread_time() - t
-            acc["steps"] += 1
-
-    threads = getattr(backend, "_mask_threads", None)
-
-    def install():
-        backend.fill_bitmasks_native = fill_timed
-        backend.finish_bitmasks = lambda rows, bitmask: None  # (done in fill_timed)
-        core.process = timed_process
-        if serial:
-            backend._mask_threads = 0
-
-    def uninstall():
-        backend.__dict__.pop("fill_bitmasks_native", None)
-        backend.__dict__.pop("finish_bitmasks", None)
-        core.__dict__.pop("process", None)
-        if serial:
-            backend._mask_threads = threads
-
+    prompts = [[rng.randrange(16, min(1000, eng.vocab_size)) for _ in range(16)] for _ in range(batch)]
     params = {"max_new_tokens": 200, "temperature": 0, "json_schema": LONG_KEYS_SCHEMA, "jump_forward": jump_forward,
               "detokenize": False}
     eng.flush_cache()
-    eng._run_on_loop(install)
-    t0 = time.perf_counter()
-    res = eng.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    eng._run_on_loop(uninstall)
+    if backend.name == "llguidance":  # every row filled on the mask worker itself, so its thread time is all of it
+        eng.probes.set_mask_threads(0)
+    with eng.probes.time_masks(clock=time.thread_time) as masks, \
+            eng.probes.time_units(("process",), clock=time.thread_time, fence_wait=False) as units:
+        t0 = time.perf_counter()
+        res = eng.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    if backend.name == "llguidance":
+        eng.probes.set_mask_threads(2)  # the backend's default
+    acc = {"mask": masks.fill_s + masks.finish_s, "mask_rows": masks.rows, "process": units.seconds["process"],
+           "steps": units.calls["process"]}
     steps = max(1, acc["steps"])
     texts = [eng.tokenizer.decode(r.token_ids) for r in res]
     valid = sum(r.finish_reason == "stop" and isinstance(json.loads(t), dict) for r, t in zip(res, texts))

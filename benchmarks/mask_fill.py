@@ -93,7 +93,7 @@ def main() -> None:
     for tt in args.torch_threads.split(","):
         torch.set_num_threads(default_torch if tt == "default" else int(tt))
         for th in (int(x) for x in args.threads.split(",")):
-            backend._mask_threads, backend._executor = th, None
+            backend.set_mask_threads(th)
             best = min((replay(backend, compiled, tokens) for _ in range(args.repeats)),
                        key=lambda r: r["native_ms_per_step"])
             best.update(torch_threads=torch.get_num_threads(), mask_threads=th,

@@ -90,7 +90,7 @@ def main() -> None:
 
     eng = prefixrt.Engine(args.model, device=args.device, dtype="float32", speculative=args.speculative,
                           speculative_num_tokens=args.k)
-    drafter = eng.core.spec.drafter
+    drafter = eng.probes.drafter
     results: dict = {"model": args.model, "device": args.device, "speculative": args.speculative, "k": args.k,
                      "max_new": args.max_new,
                      "date": time.strftime("%Y-%m-%d", time.gmtime())}

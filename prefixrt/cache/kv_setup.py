@@ -54,6 +54,7 @@ def make_kv_manager(settings: CacheSettings, pool: KVPool, table: ReqToTokenTabl
         cache = BlockCache(allocator)
     else:
         cache = RadixCache(allocator)
+        cache.supports_insert_below = settings.radix_insert_below  # False: the reference path (an ablation)
     if settings.max_cached_fraction_per_salt is not None and isinstance(cache, RadixCache):
         cache.set_salt_quota(int(settings.max_cached_fraction_per_salt * allocator.total_tokens))
     if settings.debug and type(cache) in (RadixCache, BlockCache):  # (the tiered cache frees through KVManager)

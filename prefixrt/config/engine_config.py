@@ -134,6 +134,9 @@ class CacheSettings(Settings):
                                 flag="--no-radix-cache", flag_help="disable cross-request prefix reuse")
     prefix_cache: str = setting("radix", "block: a vLLM-style hash-block table cache instead of the radix tree "
                                 "(an ablation)", choices=PREFIX_CACHES, flag=True)
+    radix_insert_below: bool = setting(
+        True, "the radix tree publishes a running request's prompt from its locked node (RadixCache.insert_below); "
+        "False: by insert + match from the root, the reference path (an ablation: benchmarks/host_admission.py)")
     max_cached_fraction_per_salt: float | None = setting(
         None, "once the KV pool must evict, a cache_salt holding more than this fraction of it loses its own LRU "
         "prefixes first (tenant fairness); default off", flag=True)

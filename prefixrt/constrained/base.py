@@ -199,6 +199,11 @@ class GrammarBackend(ABC):
         self.fill_bitmasks_native(rows, bitmask)
         self.finish_bitmasks(rows, bitmask)
 
+    def set_mask_threads(self, threads: int) -> None:
+        """Threads for the next `fill_bitmasks` calls. This default fills row by row on the calling thread and
+        has no threads to set: it raises ValueError. Parallel backends override it."""
+        raise ValueError(f"the {type(self).__name__} grammar backend fills masks on the calling thread only")
+
     def fill_bitmasks_native(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """The part of `fill_bitmasks` that runs in the grammar library (outside the GIL where it can): for a
         worker thread. `finish_bitmasks` on the same rows completes them; the two together are fill_bitmasks."""

@@ -421,6 +421,14 @@ class LLGuidanceBackend(GrammarBackend):
     def token_text(self, token_id: int) -> str:
         return self.ll_tokenizer.decode_bytes([token_id]).decode("utf-8", errors="replace")
 
+    def set_mask_threads(self, threads: int) -> None:
+        """Threads for the next `fill_bitmasks` calls (0: the calling thread). Call between fills (the engine's
+        loop thread between steps): the executor is rebuilt on the next fill."""
+        if threads < 0:
+            raise ValueError(f"mask threads must be >= 0, got {threads}")
+        with self._executor_lock:
+            self._mask_threads, self._executor = threads, None
+
     def fill_bitmasks_native(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """llguidance's masks: rows whose matchers are in the same state (same grammar, same accepted tokens: often
         so for the rows of one schema at the same point of its fixed text) are computed once and copied; the other

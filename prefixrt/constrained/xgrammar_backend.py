@@ -187,6 +187,13 @@ class XGrammarBackend(GrammarBackend):
         self.json_sampleable_mask = pack_bitmask(json_sampleable)[0]
         self._json_unsampleable_ids = frozenset(bad) - set(self.eos_token_ids)
 
+    def set_mask_threads(self, threads: int) -> None:
+        """Threads of xgrammar's batch fill for the next `fill_bitmasks` calls (at least 1). Call between fills
+        (the engine's loop thread between steps): the batch matcher is rebuilt on the next fill."""
+        if threads < 1:
+            raise ValueError(f"xgrammar mask threads must be >= 1, got {threads}")
+        self._mask_threads, self._batch_matcher = threads, None
+
     def fill_bitmasks_native(self, rows: list[tuple[Matcher, int]], bitmask: torch.Tensor) -> None:
         """Several rows at once: xgrammar's batch fill (its own threads, outside the GIL), then each row
         narrowed to what it may sample, as fill_bitmask does row by row."""

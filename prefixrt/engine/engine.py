@@ -26,6 +26,7 @@ from prefixrt.default_models import BASE_MODEL
 from prefixrt.engine.api import EngineAPI
 from prefixrt.engine.loop.busy_gc import BusyGC
 from prefixrt.engine.loop.postprocess import jump_forward
+from prefixrt.engine.probes import EngineProbes
 from prefixrt.engine.process.messages import packed_id_range, unpack_token_ids
 from prefixrt.engine.progress import ProgressWatch
 from prefixrt.engine.stream import RequestStream
@@ -73,6 +74,7 @@ class Engine(EngineAPI):
         self._built = built
         self.core = built.core
         self.progress = ProgressWatch()  # health(): is the loop stepping while it has work
+        self.probes = EngineProbes(self)  # what benchmarks observe and switch (engine/probes.py, docs/api.md "Probes")
         self._tokenizer = built.tokenizer
         self._tok_lock = built.tokenizer_lock
         self.device = built.device
@@ -100,9 +102,7 @@ class Engine(EngineAPI):
             # cyclic collector, whose full passes over it would otherwise stall the loop thread at random steps.
             gc.collect()
             gc.freeze()
-        if self.device.type == "cuda":
             from prefixrt.engine.compile_cache import COMPILES
-
             COMPILES.mark_serving()  # kernel builds from here on are counted as serving's (should be none)
         self._thread = threading.Thread(target=self._loop, name="prefixrt-scheduler", daemon=True)
         self._thread.start()
