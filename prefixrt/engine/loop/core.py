@@ -156,7 +156,7 @@ class EngineCore:
                 # Idle. The outputs go first: publishing the finished requests' K/V below can take a while, and
                 # a request sent after an output still waits for it (the next step starts after it).
                 self.flush_outputs()
-                self.kv.reclaim(wait=True)  # every fence has passed, nothing stays held
+                self.scheduler.went_idle()  # every fence has passed, nothing stays held; sessions' prefixes back
                 if self.debug:
                     self.kv.check_integrity()
             return ran

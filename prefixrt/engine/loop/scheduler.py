@@ -17,7 +17,10 @@ requests that have already streamed (retracted to the host, most remaining decod
 max_preemptions times): first tokens come soon even when the pool holds a few sessions of many. The victims are
 held back until the request they made room for is admitted (else they would take the room back first).
 Keyed sessions (engine/loop/sessions.py): waiting requests go least attained service of their session first
-(after priority, before the policy's own key), so a session's turns share one priority.
+(after priority, before the policy's own key), so a session's turns share one priority. With a host tier and
+session_prefetch, a finished turn of a keyed session (or one with kept prefixes) is remembered, and when nothing waits
+its prefix is loaded back from the host tier into free pool pages that the running requests' remaining need leaves
+(cache/session_prefetch.py; prefetch_sessions), so the session's next request finds it resident.
 Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
 request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
 running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
@@ -34,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
+from prefixrt.cache.session_prefetch import SessionPrefetch
 from prefixrt.config.engine_config import SchedulerSettings
 from prefixrt.engine.loop.admission import DecodeEstimate
 from prefixrt.engine.loop.preemption import FirstTokenPreemption
@@ -88,6 +92,8 @@ class Scheduler:
         self.prefetch = HostPrefetch(kv, settings)  # waiting requests whose host-tier prefix loads ahead
         self.preemption = FirstTokenPreemption(kv, settings)
         self.sessions = SessionService()
+        # finished sessions' prefixes loaded back ahead of their next request (host tier only)
+        self.session_prefetch = SessionPrefetch(kv) if settings.session_prefetch and kv.tiered is not None else None
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
@@ -102,6 +108,8 @@ class Scheduler:
             grant = self.kv.pins.grant(req.prompt_ids, req.salt, keep)
             req.keep_report = grant.report()
             req.keep_grant = grant if grant.kept else None
+        if self.session_prefetch is not None and req.index == 0:
+            self.session_prefetch.arrived(req)
         self.waiting.append(req)
         return None
 
@@ -114,6 +122,8 @@ class Scheduler:
         self.prefetch.removed(req)
         if req.finish_reason in ("stop", "length"):
             self.estimate.finished(req)
+            if self.session_prefetch is not None and req.index == 0:
+                self.session_prefetch.turn_ended(req)
         self.kv.release(req, final=True)
         self.kv.tiers.forget(req)
         if self.adapters is not None:
@@ -190,7 +200,26 @@ class Scheduler:
                 self.kv.tiers.wait_disk(0.002)
                 if settled and not batch.finished_early and self._settled():
                     self._report_stuck(batch)
+        # 3. Nothing waits: load finished sessions' prefixes into the room left.
+        self.prefetch_sessions()
         return batch
+
+    def went_idle(self) -> None:
+        """The loop has nothing to run: every held release and free completes (all fences have passed), then the
+        room the finished requests left may take finished sessions' prefixes back (prefetch_sessions)."""
+        self.kv.reclaim(wait=True)
+        self.prefetch_sessions()
+
+    def prefetch_sessions(self) -> None:
+        """When no request waits, let SessionPrefetch load remembered prefixes into the free pool pages that the
+        running requests' remaining need (the rest of their prompts, their expected decode, a page each for the
+        next step) leaves. Called each step and when the loop goes idle (went_idle)."""
+        sp = self.session_prefetch
+        if sp is None or self.waiting or not sp.due():
+            return
+        kv, est = self.kv, self.estimate
+        reserved = len(self.running) + sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
+        sp.run(kv.allocator.free_pages - reserved)
 
     def _settled(self) -> bool:
         """Nothing in flight that may change what an admission pass can do when it ends (a disk read or host copy,
