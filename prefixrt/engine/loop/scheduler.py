@@ -11,7 +11,8 @@ running and prefetching request still needs, so a pool that cannot hold every ac
 time at full speed instead of admitting, growing and retracting. The first request is always admitted.
 With a host tier, waiting requests next in line get their host-resident prefix loaded into the pool ahead of
 admission (prefetch, overlapped with the running batch); under `wait_complete` a request is admitted once its
-load is done, others going first meanwhile.
+load is done, others going first meanwhile. A request that cannot get its pages at admission takes them from the
+prefetches of the requests behind it (they would not be admitted before it).
 With a host tier, a request that has produced nothing and has waited host_kv_preempt_after_s for memory preempts running
 requests that have already streamed (retracted to the host, most remaining decode first, each at most
 max_preemptions times): first tokens come soon even when the pool holds a few sessions of many. The victims are
