@@ -241,7 +241,10 @@ def summary(r: RunResult, turns: int) -> dict:
                                    "p90_ms": round(pct(xs, 0.9) * 1000, 1)})
     s = r.server_stats
     for k in ("retracted_requests_total", "host_hit_tokens_total", "host_prefetch_tokens_total",
-              "host_prefetch_hits_total", "host_load_failures_total", "pins", "pins_refused_total"):
+              "host_prefetch_hits_total", "host_load_failures_total", "pins", "pins_refused_total",
+              "session_prefetch_tokens_total", "session_prefetch_used_tokens_total",
+              "session_prefetch_wasted_tokens_total", "session_prefetch_arrivals_total",
+              "session_prefetch_lead_seconds_total"):
         if k in s:
             out[k] = s[k]
     return out
@@ -264,11 +267,13 @@ def count_tokens(url: str, model: str, text: str) -> int:
     return r.json()["input_tokens"]
 
 
-def parse_run(spec: str) -> tuple[str, Fraction, bool]:
+def parse_run(spec: str) -> tuple[str, Fraction, bool, bool]:
+    """'1/3' (the pool alone), '1/3+host' (with the host tier and session prefetch, the server's default) or
+    '1/3+host-noprefetch' (the host tier, --no-session-prefetch) -> (label, pool fraction, host tier, prefetch off)."""
     frac, _, tier = spec.partition("+")
-    if tier not in ("", "host"):
-        raise argparse.ArgumentTypeError(f"bad run {spec!r}: the suffix is +host")
-    return spec, Fraction(frac), tier == "host"
+    if tier not in ("", "host", "host-noprefetch"):
+        raise argparse.ArgumentTypeError(f"bad run {spec!r}: the suffix is +host or +host-noprefetch")
+    return spec, Fraction(frac), tier.startswith("host"), tier == "host-noprefetch"
 
 
 def main(argv=None) -> int:
@@ -277,7 +282,9 @@ def main(argv=None) -> int:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--smoke", metavar="FOLDER", help="a tiny HF folder: the smoke shape on the CPU")
     p.add_argument("--shape", default="agents16", choices=sorted(SHAPES))
-    p.add_argument("--runs", default=DEFAULT_RUNS, help=f"pool fractions, +host for the host tier ({DEFAULT_RUNS})")
+    p.add_argument("--runs", default=DEFAULT_RUNS,
+                   help=f"pool fractions, +host for the host tier, +host-noprefetch for it without session prefetch "
+                        f"({DEFAULT_RUNS})")
     p.add_argument("--tool-mean-s", type=float, default=None, help="mean time in tools between turns (exponential)")
     p.add_argument("--stagger-s", type=float, default=None, help="seconds between the first sessions' starts")
     p.add_argument("--keep", action="store_true", help="every turn keeps its prompt (prompt-cache fields)")
@@ -301,7 +308,7 @@ def main(argv=None) -> int:
     concurrent, sessions, turns, shared, own, append, output = shape[:7]
     results = []
     trace = None
-    for label, frac, host in runs:
+    for label, frac, host, no_prefetch in runs:
         # the working set: every concurrent session's whole history at once, the shared prompt counted once (a
         # reply is re-tokenized from its text and each turn adds the template's markers: allowed for, generously)
         session_tokens = own + turns * (append + 2 * output + 16)
@@ -311,6 +318,8 @@ def main(argv=None) -> int:
         args = base + ["--kv-cache-tokens", str(pool), "--max-pinned-fraction-per-salt", "1"]
         if host:
             args += ["--host-kv-cache-tokens", str(working)]
+        if no_prefetch:
+            args += ["--no-session-prefetch"]
         args += a.serve_arg
         log(f"[{label}] pool {pool} tokens{f', host {working}' if host else ''}: starting the server")
         srv = Server(args, a.port, out_dir / f"agent-sessions-{label.replace('/', '_')}.log")

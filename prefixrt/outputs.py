@@ -156,6 +156,15 @@ class EngineStats:
     host_prefetch_tokens_total: int = 0  # host-tier tokens loaded for waiting requests ahead of their admission
     host_prefetch_hits_total: int = 0  # admissions that found their host part already loaded by a prefetch
     host_prefetch_misses_total: int = 0  # admissions that started their host-part load themselves
+    # Session prefetch (session_prefetch; cache/session_prefetch.py): finished sessions' prefixes loaded from the host
+    # tier ahead of their next request. Tokens loaded; of those, tokens an admission used and tokens the pool gave up
+    # before any admission used them (wasted); arrivals after their session's load completed that found loaded tokens
+    # in the pool, and the sum of their lead times (arrival minus the load's completion).
+    session_prefetch_tokens_total: int = 0
+    session_prefetch_used_tokens_total: int = 0
+    session_prefetch_wasted_tokens_total: int = 0
+    session_prefetch_arrivals_total: int = 0
+    session_prefetch_lead_seconds_total: float = 0.0
     retracted_to_host_tokens_total: int = 0  # retracted requests' tokens given a host copy at retraction
     # Disk tier (kv_disk_dir; all 0 when off). Disk hits are loaded disk -> host -> pool, so they are in
     # host_hit_tokens_total and cached_tokens_total too.

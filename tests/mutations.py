@@ -101,6 +101,18 @@ MUTATIONS = (
         "prefixrt/hub/fp8_checkpoint.py", '        if strategy not in ("channel", "tensor", "block"):',
         '        if strategy not in ("channel", "block"):',
         ("tests/hub/test_fp8_checkpoints.py::test_compressed_tensors_checkpoints",)),
+    Mutation(
+        "session-prefetch-is-a-use", "a session prefetch's lookup touches the path, so a prefetched prefix outranks "
+        "prefixes used since", "prefixrt/cache/tier_loads.py",
+        "        m = cache.match_prefix(ids, salt, touch=False)\n        if not m.host_length:\n            return None\n",
+        "        m = cache.match_prefix(ids, salt)\n        if not m.host_length:\n            return None\n",
+        ("tests/engine/test_session_prefetch.py::test_prefetch_keeps_the_prefix_recency",)),
+    Mutation(
+        "session-prefetch-ignores-running-need", "session prefetch takes every free page, the running requests' "
+        "remaining need included", "prefixrt/engine/loop/scheduler.py",
+        "        sp.run(kv.allocator.free_pages - reserved)", "        sp.run(kv.allocator.free_pages)",
+        ("tests/engine/test_session_prefetch.py::"
+         "test_prefetch_takes_free_pages_only_never_a_running_request_or_a_cached_prefix",)),
     # ---- caught before the checks above were made exact (they must stay caught)
     Mutation(
         "v-not-loaded", "a load from the host tier copies K back but not V",

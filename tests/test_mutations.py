@@ -32,4 +32,4 @@ def test_the_doc_lists_the_mutation_with_its_tests(m):
 
 
 def test_names_are_unique():
-    assert len({m.name for m in MUTATIONS}) == len(MUTATIONS) == 16
+    assert len({m.name for m in MUTATIONS}) == len(MUTATIONS) == 18

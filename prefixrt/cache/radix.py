@@ -153,9 +153,11 @@ class RadixCache(PrefixCache):
             return MatchResult(0, [], None, 0, self.version)
         return MatchResult(pos, slots, last[0], last[1], self.version)
 
-    def _matched_children(self, tokens: list[int], salt: Any, max_len: int | None) -> Iterator[tuple[_Node, int]]:
-        """The nodes along tokens' matched path under salt's root, each touched, with how many of its tokens
-        match (page-aligned, > 0); the last one may match only partly."""
+    def _matched_children(self, tokens: list[int], salt: Any, max_len: int | None, touch: bool = True
+                          ) -> Iterator[tuple[_Node, int]]:
+        """The nodes along tokens' matched path under salt's root, each touched (unless touch is False: a lookahead
+        that is not a use), with how many of its tokens match (page-aligned, > 0); the last one may match only
+        partly."""
         root = self._roots.get(salt)
         limit = self._align(len(tokens) if max_len is None else min(max_len, len(tokens)))
         if root is None or limit == 0:
@@ -169,7 +171,8 @@ class RadixCache(PrefixCache):
             n = self._align(_matched_len(child.key, tokens, pos, limit))
             if n == 0:
                 return
-            self._touch(child, tick)
+            if touch:
+                self._touch(child, tick)
             yield child, n
             pos += n
             if n < len(child.key):

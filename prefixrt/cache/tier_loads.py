@@ -2,7 +2,8 @@
 
 A waiting request's prefix may live below the pool: in the host tier (cache/tiered_radix.py) or on the disk
 (cache/disk_radix.py). TierLoads reads a disk part into the host tier off the loop (`disk_ready`), loads a host
-part into pool pages, at admission (`admit`) or ahead of it while the request waits (`prefetch`), and says what
+part into pool pages, at admission (`admit`), ahead of it while the request waits (`prefetch`) or before a
+session's next request arrives (`load_ahead`, for cache/session_prefetch.py), and says what
 a forward must wait for, layer by layer (`load_waiter`). What it keeps about a request is held here, keyed by
 the request: the lock of its prefetched path, the latest load into its path, its disk read in flight or the
 match end it last looked up; `forget` drops it when the request leaves the scheduler.
@@ -122,6 +123,35 @@ class TierLoads:
         if handle is not None:
             self.tiered.unlock(handle)
 
+    # ------------------------------------------------------------------ ahead of a request's arrival
+    def load_ahead(self, ids: list[int], salt: Any, max_pages: int) -> tuple[Transfer, int, int] | None:
+        """Load the host-only part of the cached prefix of `ids` into free pool pages before any request asks for
+        it (session prefetch, cache/session_prefetch.py): at most max_pages and the allocator's free pages, the
+        head of that part if not all of it fits. Evicts nothing, and the path keeps its recency (a lookahead is
+        not a use), so the loaded nodes are the first the pool gives up when it needs room. They are unlocked at
+        once (evictable; a page leaving the tree waits for its load, KVManager.free_cached). Returns (the load,
+        start, n): positions [start, start + n) of ids were loaded; or None: nothing on the host for ids, or no
+        room. Mutates: the tree, the allocator."""
+        kv, cache = self.kv, self.tiered
+        ps = kv.page_size
+        room = min(max_pages, kv.allocator.free_pages)
+        if cache is None or room <= 0:
+            return None
+        m = cache.match_prefix(ids, salt, touch=False)
+        if not m.host_length:
+            return None
+        if m.host_length > room * ps:
+            m = cache.match_prefix(ids, salt, max_len=m.length + room * ps, touch=False)
+        handle = cache.lock_host(m)
+        pages = kv.allocator.alloc(cache.host_tokens_on_path(handle) // ps)
+        if kv.debug:
+            kv.check_no_copy_pending(pages)
+        slots = pages_to_slots(pages, ps)
+        load = cache.load_back(handle, slots, ahead=True)
+        kv.track(load, slots)
+        cache.unlock(handle)
+        return load, m.length, len(slots)
+
     # ------------------------------------------------------------------ disk tier
     def disk_ready(self, req: Req, m: MatchResult) -> bool:
         """Admission check of the disk tier (True without one). If the disk holds the continuation of req's match
@@ -153,6 +183,13 @@ class TierLoads:
         self._disk_lookups[req] = fetch
         self._fetches.append(fetch)
         return False
+
+    @property
+    def in_flight(self) -> bool:
+        """A disk read not attached yet (in flight, or done; its request's or one whose request left) or a
+        host<->pool copy under way: what admission can do may change when it ends."""
+        return (bool(self._fetches) or any(not isinstance(look, int) for look in self._disk_lookups.values())
+                or (self.tiered is not None and self.tiered.transfer.busy()))
 
     def wait_disk(self, timeout_s: float) -> None:
         """Nothing else to run: wait (up to timeout_s) for a disk read in flight, instead of spinning."""

@@ -17,6 +17,10 @@ Invariants, on top of RadixCache's (docs/design.md):
   node has been hit `write_threshold` times (a node evicted before that is dropped); write_back, on eviction.
 - Copies go through KVTransfer (one FIFO: host slots are reusable at once, see transfer.py); pool slots being
   copied into or out of are handed to `tracker` (KVManager), which frees them only once the copy is done.
+- Loads ahead (session prefetch, cache/session_prefetch.py): `load_back(..., ahead=True)` loads a host-only path
+  into the pool before any request asks for it; its nodes are marked `prefetched` until an admission uses them
+  (record_hit: counted as used) or the pool evicts them first (counted as wasted). A lookahead match
+  (`match_prefix(..., touch=False)`) leaves recency alone: a prefetched path is as old as its last real use.
 - Pins (kept prefixes, cache/pins.py) do not hold the pool: a pinned node leaves the pool like any other, but
   always for the host tier (copied there whatever the write policy; if the host tier cannot make room it stays
   in the pool), and the host LRU never drops a pinned node's copy. So a kept prefix survives floods of both tiers.
@@ -36,13 +40,14 @@ from prefixrt.config.engine_config import WRITE_POLICIES
 
 
 class _TNode(_Node):
-    __slots__ = ("host_slots", "hits", "load")
+    __slots__ = ("host_slots", "hits", "load", "prefetched")
 
     def __init__(self, key, slots, parent, last_access, host_slots=None):
         super().__init__(key, slots, parent, last_access)
         self.host_slots = host_slots  # None: no host copy
         self.hits = 0  # admissions that used this node (write_through_selective)
         self.load: Transfer | None = None  # the load that gave it its pool slots (a reader waits for it)
+        self.prefetched = False  # its pool slots came from a load ahead that no admission has used yet
 
 
 class TieredRadixCache(RadixCache):
@@ -66,7 +71,9 @@ class TieredRadixCache(RadixCache):
         self._host_cached = 0
         self._dropping = False  # flush(): pool eviction deletes instead of moving to the host
         self._stuck: list = []  # pinned pool leaves that found no host room this eviction (pushed back after it)
-        self.host_hit_tokens_total = 0  # tokens loaded back at admission
+        self.host_hit_tokens_total = 0  # tokens loaded back for requests (at admission or for a waiting one)
+        self.ahead_used_tokens_total = 0  # tokens loaded ahead (session prefetch) that an admission then used
+        self.ahead_wasted_tokens_total = 0  # tokens loaded ahead that left the pool before any admission used them
         self.backed_up_tokens_total = 0
         self.host_evicted_tokens_total = 0
 
@@ -99,6 +106,7 @@ class TieredRadixCache(RadixCache):
         upper.pin_ref = node.pin_ref
         upper.hits = node.hits
         upper.load = node.load
+        upper.prefetched = node.prefetched
         parent.children[self._page_key(upper.key, 0)] = upper
         node.key = node.key[offset:]
         if node.slots is not None:
@@ -113,11 +121,14 @@ class TieredRadixCache(RadixCache):
         return upper
 
     # ------------------------------------------------------------------ contract
-    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None) -> MatchResult:
+    def match_prefix(self, tokens: list[int], salt: Any = None, max_len: int | None = None,
+                     touch: bool = True) -> MatchResult:
+        """RadixCache.match_prefix over both tiers: the pool-resident part (length, slots, handle) and the host-only
+        part after it (host_length, host_handle). touch False: a lookahead, the path's recency is left as it is."""
         pos, slots = 0, []
         gpu_end, gpu_handle, gpu_off = 0, None, 0
         host_handle, host_off = None, 0
-        for child, n in self._matched_children(tokens, salt, max_len):
+        for child, n in self._matched_children(tokens, salt, max_len, touch):
             if child.slots is not None:
                 slots.extend(child.slots if n == len(child.slots) else child.slots[:n])
                 gpu_end, gpu_handle, gpu_off = pos + n, child, n
@@ -150,9 +161,10 @@ class TieredRadixCache(RadixCache):
             node = node.parent
         return n
 
-    def load_back(self, handle, slots: list[int]) -> Transfer:
+    def load_back(self, handle, slots: list[int], ahead: bool = False) -> Transfer:
         """Give the host-only nodes at the end of the (locked) path to handle the pool slots `slots`, in path
-        order, and start copying their K/V there. The caller tracks the returned Transfer for those slots."""
+        order, and start copying their K/V there. The caller tracks the returned Transfer for those slots.
+        ahead: no request asked for it yet (session prefetch): the nodes are marked prefetched, not counted as a hit."""
         path, node = [], handle
         while node.parent is not None and node.slots is None:
             assert node.lock_ref > 0, "load_back on an unlocked path"
@@ -164,12 +176,14 @@ class TieredRadixCache(RadixCache):
         for n in path:
             k = len(n.key)
             n.slots = list(slots[off: off + k])
+            n.prefetched = ahead
             src.extend(n.host_slots)
             self._locked += k
             off += k
         self._count(handle, len(slots))
         self.version += 1
-        self.host_hit_tokens_total += len(slots)
+        if not ahead:
+            self.host_hit_tokens_total += len(slots)
         load = self.transfer.load(src, list(slots))
         for n in path:
             n.load = load
@@ -206,6 +220,9 @@ class TieredRadixCache(RadixCache):
         node = handle
         while node is not None and node.parent is not None:
             node.hits += 1
+            if node.prefetched:
+                node.prefetched = False
+                self.ahead_used_tokens_total += len(node.key)
             if node.slots is not None and node.host_slots is None and (
                     self.policy == "write_through"
                     or (self.policy == "write_through_selective" and node.hits >= self.write_threshold)):
@@ -240,6 +257,7 @@ class TieredRadixCache(RadixCache):
             self._stuck.append(node)  # kept, and no host room for it: it stays in the pool
             return 0
         self._count_eviction(node, n)
+        self._left_pool_unused(node)
         keep = (not self._dropping or node.pin_ref > 0) and (node.host_slots is not None or (
             (self.policy != "write_through_selective" or node.hits >= self.write_threshold)
             and self._backup(node)))
@@ -254,6 +272,12 @@ class TieredRadixCache(RadixCache):
         else:
             self._delete_subtree(node)
         return n
+
+    def _left_pool_unused(self, node) -> None:
+        """node's pool slots are going: if a load ahead put them there and no admission used them, it was wasted."""
+        if node.prefetched:
+            node.prefetched = False
+            self.ahead_wasted_tokens_total += len(node.key)
 
     def evict(self, num_tokens: int) -> int:
         try:
@@ -361,6 +385,7 @@ class TieredRadixCache(RadixCache):
             assert n.lock_ref == 0 and n.pin_ref == 0, "deleting a locked or pinned radix node"
             n.children = {}
             if n.slots is not None:
+                self._left_pool_unused(n)
                 self._evictable -= len(n.key)
                 self._count(node, -len(n.key))
                 self.tracker.free_cached(n.slots)

@@ -199,6 +199,10 @@ class KVTransfer:
         calling thread cannot race a copy still reading or writing them."""
         self.marker().wait()
 
+    def busy(self) -> bool:
+        """Some copy (load or backup) issued is not done yet."""
+        return any(not t.query() for t in self._unaccounted)
+
     def pending_loads(self) -> list[Transfer]:
         """Loads not known to be complete (a forward must wait for these)."""
         if self._loads:

@@ -221,6 +221,11 @@ class SchedulerSettings(Settings):
     session_scheduling: bool = setting(
         True, "waiting requests of keyed sessions (prompt_cache_key, Anthropic metadata.user_id) go least attained "
         "service of their session first (engine/loop/sessions.py; default on)", flag=True)
+    session_prefetch: bool = setting(
+        True, "with the host tier: when a keyed session's turn ends (or a request keeps a prefix), load its prefix "
+        "back from the host tier into free GPU pool pages ahead of its next request, when nothing waits "
+        "(cache/session_prefetch.py, docs/serving.md; default on); off: loaded when the next request is admitted",
+        flag=True)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,20 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
                                  "Admissions whose host-tier prefix a prefetch had loaded."),
     "host_prefetch_misses_total": ("prefixrt_host_prefetch_misses",
                                    "Admissions that started their host-tier load themselves (no prefetch)."),
+    "session_prefetch_tokens_total": ("prefixrt_session_prefetch_tokens",
+                                      "Host KV tier tokens of finished sessions loaded into the pool ahead of their "
+                                      "next request (session prefetch)."),
+    "session_prefetch_used_tokens_total": ("prefixrt_session_prefetch_used_tokens",
+                                           "Session-prefetched tokens that an admitted request then used."),
+    "session_prefetch_wasted_tokens_total": ("prefixrt_session_prefetch_wasted_tokens",
+                                             "Session-prefetched tokens the pool gave up before any request used "
+                                             "them (wasted loads)."),
+    "session_prefetch_arrivals_total": ("prefixrt_session_prefetch_arrivals",
+                                        "Requests that arrived after their session's prefetch completed and found "
+                                        "prefetched tokens in the pool."),
+    "session_prefetch_lead_seconds_total": ("prefixrt_session_prefetch_lead_seconds",
+                                            "Sum over those arrivals of the lead time: arrival minus the completion "
+                                            "of the prefetch (divide by prefixrt_session_prefetch_arrivals_total)."),
     "retracted_to_host_tokens_total": ("prefixrt_retracted_to_host_tokens",
                                        "Tokens of retracted requests copied to the host KV tier at retraction."),
     "disk_hit_tokens_total": ("prefixrt_disk_hit_tokens", "Cached prompt tokens read from the disk KV tier."),

@@ -156,7 +156,7 @@ class EngineCore:
                 # Idle. The outputs go first: publishing the finished requests' K/V below can take a while, and
                 # a request sent after an output still waits for it (the next step starts after it).
                 self.flush_outputs()
-                self.kv.reclaim(wait=True)  # every fence has passed, nothing stays held
+                self.scheduler.went_idle()  # every fence has passed, nothing stays held; sessions' prefixes back
                 if self.debug:
                     self.kv.check_integrity()
             return ran
@@ -230,7 +230,7 @@ class EngineCore:
         self.kv.reclaim()
         batch = self.scheduler.schedule()
         for r in batch.finished_early:
-            self._finish(r, "length")
+            self._finish(r, "length" if batch.stuck is None else "abort", error=batch.stuck)
         self.stats.retracted_requests_total = self.scheduler.retracted_total
         self.stats.preempted_requests_total = self.scheduler.preempted_total
         return None if batch.is_empty else batch

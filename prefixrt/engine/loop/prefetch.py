@@ -60,6 +60,20 @@ class HostPrefetch:
         self.kv.tiers.cancel_prefetch(self.requests.pop())
         return True
 
+    def cancel_behind(self, req: Req, order: list[Req]) -> bool:
+        """req cannot get its pages to be admitted: the prefetches of the requests after it in this pass's `order`
+        let their paths go (they are not admitted before it, so their locks would only keep it out; with nothing
+        running nothing else ever would let them go). Their loaded K/V stays cached. False: none to cancel."""
+        at = next(i for i, r in enumerate(order) if r is req)
+        behind = {id(r) for r in order[at + 1:]}
+        cancelled = [r for r in self.requests if id(r) in behind]
+        if not cancelled:
+            return False
+        self.requests = [r for r in self.requests if id(r) not in behind]
+        for r in cancelled:
+            self.kv.tiers.cancel_prefetch(r)
+        return True
+
     def removed(self, req: Req) -> None:
         if req in self.requests:
             self.requests.remove(req)

@@ -11,13 +11,17 @@ running and prefetching request still needs, so a pool that cannot hold every ac
 time at full speed instead of admitting, growing and retracting. The first request is always admitted.
 With a host tier, waiting requests next in line get their host-resident prefix loaded into the pool ahead of
 admission (prefetch, overlapped with the running batch); under `wait_complete` a request is admitted once its
-load is done, others going first meanwhile.
+load is done, others going first meanwhile. A request that cannot get its pages at admission takes them from the
+prefetches of the requests behind it (they would not be admitted before it).
 With a host tier, a request that has produced nothing and has waited host_kv_preempt_after_s for memory preempts running
 requests that have already streamed (retracted to the host, most remaining decode first, each at most
 max_preemptions times): first tokens come soon even when the pool holds a few sessions of many. The victims are
 held back until the request they made room for is admitted (else they would take the room back first).
 Keyed sessions (engine/loop/sessions.py): waiting requests go least attained service of their session first
-(after priority, before the policy's own key), so a session's turns share one priority.
+(after priority, before the policy's own key), so a session's turns share one priority. With a host tier and
+session_prefetch, a finished turn of a keyed session (or one with kept prefixes) is remembered, and when nothing waits
+its prefix is loaded back from the host tier into free pool pages that the running requests' remaining need leaves
+(cache/session_prefetch.py; prefetch_sessions), so the session's next request finds it resident.
 Retraction stays the last resort (the estimate was too low): prefetches are cancelled first, then the running
 request that costs least to resume (lowest priority, then fewest tokens of its own: tokens shared with other
 running requests are not lost) releases its K/V, published to the cache and, with a host tier, copied to the host
@@ -29,10 +33,12 @@ The scheduler knows requests and token counts; KVManager knows memory; neither k
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from prefixrt.cache.kv_manager import KVManager
+from prefixrt.cache.session_prefetch import SessionPrefetch
 from prefixrt.config.engine_config import SchedulerSettings
 from prefixrt.engine.loop.admission import DecodeEstimate
 from prefixrt.engine.loop.preemption import FirstTokenPreemption
@@ -40,6 +46,8 @@ from prefixrt.engine.loop.prefetch import HostPrefetch
 from prefixrt.engine.loop.schedule_policy import order_waiting
 from prefixrt.engine.loop.sessions import SessionService
 from prefixrt.request import Req, ReqState
+
+log = logging.getLogger(__name__)
 
 # Hold back a waiting request when it shares at least this many uncached tokens with a request that is
 # prefilling them now: cheaper to wait a step than to compute them twice.
@@ -54,7 +62,10 @@ class ScheduledBatch:
     slots: list[list[int]]  # pool slots receiving the new tokens' K/V
     sample: list[bool]  # True where the forward reaches the end of all_ids, so a token is sampled
     retracted: list[Req] = field(default_factory=list)
-    finished_early: list[Req] = field(default_factory=list)  # could not get memory even alone: stop them
+    finished_early: list[Req] = field(default_factory=list)  # could not get memory even alone: stop them ("length")
+    # debug mode: why no later step could run anything (Scheduler._report_stuck); finished_early then holds every
+    # waiting request, aborted with this error instead of the loop spinning on empty plans
+    stuck: str | None = None
     # speculative decoding (engine/loop/speculate.py): batch index -> tokens drafted after that row's last token
     # (their slots follow the row's in `slots`; num_tokens does not count them)
     drafts: dict[int, list[int]] = field(default_factory=dict)
@@ -82,6 +93,8 @@ class Scheduler:
         self.prefetch = HostPrefetch(kv, settings)  # waiting requests whose host-tier prefix loads ahead
         self.preemption = FirstTokenPreemption(kv, settings)
         self.sessions = SessionService()
+        # finished sessions' prefixes loaded back ahead of their next request (host tier only)
+        self.session_prefetch = SessionPrefetch(kv) if settings.session_prefetch and kv.tiered is not None else None
         self._match_cache: dict[int, tuple[int, object]] = {}
 
     # ------------------------------------------------------------------ queue operations
@@ -96,6 +109,8 @@ class Scheduler:
             grant = self.kv.pins.grant(req.prompt_ids, req.salt, keep)
             req.keep_report = grant.report()
             req.keep_grant = grant if grant.kept else None
+        if self.session_prefetch is not None and req.index == 0:
+            self.session_prefetch.arrived(req)
         self.waiting.append(req)
         return None
 
@@ -108,6 +123,8 @@ class Scheduler:
         self.prefetch.removed(req)
         if req.finish_reason in ("stop", "length"):
             self.estimate.finished(req)
+            if self.session_prefetch is not None and req.index == 0:
+                self.session_prefetch.turn_ended(req)
         self.kv.release(req, final=True)
         self.kv.tiers.forget(req)
         if self.adapters is not None:
@@ -178,10 +195,55 @@ class Scheduler:
 
         # 2. Admit waiting requests.
         if self.waiting:
+            settled = self.kv.debug and not self.running and not batch.retracted and self._settled()
             self._admit(batch, budget, prefilling)
             if batch.is_empty and not self.running:
                 self.kv.tiers.wait_disk(0.002)
+                if settled and not batch.finished_early and self._settled():
+                    self._report_stuck(batch)
+        # 3. Nothing waits: load finished sessions' prefixes into the room left.
+        self.prefetch_sessions()
         return batch
+
+    def went_idle(self) -> None:
+        """The loop has nothing to run: every held release and free completes (all fences have passed), then the
+        room the finished requests left may take finished sessions' prefixes back (prefetch_sessions)."""
+        self.kv.reclaim(wait=True)
+        self.prefetch_sessions()
+
+    def prefetch_sessions(self) -> None:
+        """When no request waits, let SessionPrefetch load remembered prefixes into the free pool pages that the
+        running requests' remaining need (the rest of their prompts, their expected decode, a page each for the
+        next step) leaves. Called each step and when the loop goes idle (went_idle)."""
+        sp = self.session_prefetch
+        if sp is None or self.waiting or not sp.due():
+            return
+        kv, est = self.kv, self.estimate
+        reserved = len(self.running) + sum(kv.pages_to_finish(r, est.remaining(r)) for r in self.running)
+        sp.run(kv.allocator.free_pages - reserved)
+
+    def _settled(self) -> bool:
+        """Nothing in flight that may change what an admission pass can do when it ends (a disk read or host copy,
+        a release or free behind a fence, an adapter load), nor a kept prefix whose expiry may."""
+        kv = self.kv
+        return not (kv.tiers.in_flight or kv.has_deferred or kv.pins.num_pins
+                    or (self.adapters is not None and any(r.adapter is not None for r in self.waiting)))
+
+    def _report_stuck(self, batch: ScheduledBatch) -> None:
+        """Debug mode: an admission pass admitted nothing with nothing running, and was settled (_settled) before it
+        and after it. Then the next pass sees the same state and admits nothing again, and every one after it: the
+        waiting requests are stuck. They are handed back to be aborted (batch.finished_early) with batch.stuck
+        naming each and what holds it, instead of the loop spinning on empty plans."""
+        kv, p = self.kv, self.preemption
+        held = [f"{r.rid} ({len(r.output_ids)} tokens out"
+                + (", held back" if p.holds_back(r) else "") + (", preempted for" if r is p.first else "")
+                + (", prefetching" if r in self.prefetch.requests else "")
+                + f", needs {kv.pages_to_admit(r, kv.match(r), self.estimate.remaining(r))} pages)"
+                for r in self.waiting]
+        batch.stuck = (f"scheduler stuck: nothing runs or is in flight, and no waiting request can be admitted "
+                       f"({kv.allocator.free_pages} pages free, {kv.available_pages} available): " + "; ".join(held))
+        log.error("%s", batch.stuck)
+        batch.finished_early.extend(self.waiting)
 
     def _add_to_batch(self, batch: ScheduledBatch, req: Req, n: int) -> None:
         slots = self.kv.extend(req, n)
@@ -257,14 +319,10 @@ class Scheduler:
                     prefetch_need[id(req)] = need
                 reserved = others + need
                 continue
-            first_admission = req.num_cached_tokens is None
-            kv.admit(req, m)
-            n = _chunk_end(req, min(req.num_pending, budget))
-            pages = kv.pages_for(req, n)
-            if not kv.ensure_pages(pages + reserve_pages):
-                kv.release(req)
-                if first_admission:  # it did not run: its reused-prompt count is taken when it does
-                    req.num_cached_tokens = None
+            n = self._try_admit(req, m, budget, reserve_pages)
+            if n is None and prefetch.cancel_behind(req, order):  # memory held for those behind it goes first
+                n = self._try_admit(req, match(req), budget, reserve_pages)
+            if n is None:
                 break
             admitted.add(id(req))
             if req is self.preemption.first:
@@ -282,6 +340,20 @@ class Scheduler:
             version = getattr(kv.cache, "version", 0)
         if admitted:  # one pass (list.remove per request would compare Reqs field by field)
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
+
+    def _try_admit(self, req: Req, m, budget: int, reserve_pages: int) -> int | None:
+        """Admit req on its match m (KVManager.admit) and get the pages of its first chunk plus reserve_pages.
+        Returns the chunk's tokens, or None when the pool cannot make room (req is released again, as before)."""
+        kv = self.kv
+        first_admission = req.num_cached_tokens is None
+        kv.admit(req, m)
+        n = _chunk_end(req, min(req.num_pending, budget))
+        if kv.ensure_pages(kv.pages_for(req, n) + reserve_pages):
+            return n
+        kv.release(req)
+        if first_admission:  # it did not run: its reused-prompt count is taken when it does
+            req.num_cached_tokens = None
+        return None
 
     @staticmethod
     def _shares_uncached_prefix(req: Req, matched: int, leaders: list[Req]) -> bool:

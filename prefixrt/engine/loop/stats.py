@@ -42,6 +42,13 @@ def snapshot(counters: EngineStats, kv, scheduler, auditor=None, lora=None) -> E
         s.host_prefetch_hits_total = kv.tiers.prefetch_hits_total
         s.host_prefetch_misses_total = kv.tiers.prefetch_misses_total
         s.retracted_to_host_tokens_total = kv.retracted_to_host_tokens_total
+        s.session_prefetch_used_tokens_total = tiered.ahead_used_tokens_total
+        s.session_prefetch_wasted_tokens_total = tiered.ahead_wasted_tokens_total
+        sp = scheduler.session_prefetch
+        if sp is not None:
+            s.session_prefetch_tokens_total = sp.prefetched_tokens_total
+            s.session_prefetch_arrivals_total = sp.used_total
+            s.session_prefetch_lead_seconds_total = sp.lead_seconds_total
         t = tiered.transfer.stats()
         bpt = tiered.host.bytes_per_token
         s.host_load_bytes_total, s.host_load_seconds_total = t["load"][1] * bpt, t["load"][2]
