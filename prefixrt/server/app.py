@@ -161,6 +161,7 @@ def create_app(engine, served_model_name: str | list[str] | None = None, *, any_
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     app.state.model_names = names or [engine.model_name]
     app.state.model_name = app.state.model_names[0]
+    app.state.model_path = getattr(engine, "model_path", None)  # /get_model_info's model_path, also a valid `model`
     app.state.any_model_name = any_model_name
     app.state.lora_names = served_lora_names(engine)  # LoRA adapters served as models (lora_routes.py)
     if generation_defaults is None:

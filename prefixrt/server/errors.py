@@ -69,11 +69,13 @@ class RequestFailed(Exception):
 
 def check_model(state, model: str | None) -> str | None:
     """The LoRA adapter `model` names (one of `state.lora_names`: server/lora_routes.py), None for the base model;
-    404 model_not_found unless it is one of those, one of the app's served names (`state.model_names`), omitted,
-    or the app serves any name (`state.any_model_name`: `--any-model-name`, the in-process shim)."""
+    404 model_not_found unless it is one of those, one of the app's served names (`state.model_names`), the local
+    folder the model was loaded from (`state.model_path`: what /get_model_info reports as `model_path`, which
+    SGLang's clients send back as `model`), omitted, or the app serves any name (`state.any_model_name`:
+    `--any-model-name`, the in-process shim)."""
     if model is not None and model in getattr(state, "lora_names", ()):
         return model
-    if model is None or state.any_model_name or model in state.model_names:
+    if model is None or state.any_model_name or model in (*state.model_names, getattr(state, "model_path", None)):
         return None
     raise model_not_found(state, model)
 

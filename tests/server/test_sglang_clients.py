@@ -1,21 +1,25 @@
-"""SGLang's own clients against `prefixrt serve`, their request loops ported in our words (SGLang itself does not
-install here: its wheel requires its CUDA stack). Each test sends what the SGLang client sends and reads the
-answer the way it reads it:
+"""SGLang's own clients against `prefixrt serve`, their request loops ported in our words (SGLang is not a test
+dependency: its wheel's declared dependencies are its CUDA stack). Each test sends what the SGLang client sends and
+reads the answer the way it reads it:
 
 - `python -m sglang.bench_serving --backend sglang` (sglang/benchmark/serving.py `async_request_sglang_generate`):
   readiness on /v1/models, the tokenizer from /model_info's path, streamed /generate with `text` (or `input_ids` with
   --tokenize-prompt) and its payload fields, each SSE line's `meta_info.completion_tokens` for the output length and
   the inter-token latencies, `meta_info.prompt_tokens` for the prompt length, /server_info's `internal_states`,
   /flush_cache with a timeout parameter;
-- benchmark/hicache/bench_multiturn.py: clients whose history grows by each streamed answer (the last event's
-  cumulative `text`) and a new question, sent again as `text`, with /flush_cache between request rates;
+- benchmark/hicache/bench_multiturn.py (the version beside sglang 0.5.23, whose requests come from
+  sglang/test/kits/cache_hit_kit.py): with `--api-format sglang`, clients whose token history grows by each
+  streamed answer's cumulative `output_ids` and a new question's ids, sent as `input_ids`, the first event's
+  `meta_info` read for `prompt_tokens` and `cached_tokens`; with `--api-format openai`, streamed chat whose
+  `model` is /get_model_info's `model_path`, usage (with `prompt_tokens_details.cached_tokens`) read from the
+  final chunk; /flush_cache between request rates;
 - the frontend language's `RuntimeEndpoint` (sglang/lang/backend/runtime_endpoint.py): /get_model_info's
   `model_path`, `cache_prefix` and `commit_lazy_operations` (max_new_tokens 0), `generate` (sampling params from
   `SglSamplingParams.to_srt_kwargs`, None for unset, a dtype's regex), `generate_stream` (`data:` lines, the text
   past what was read), and `select`: a batch of `text` + choice with max_new_tokens 0, return_logprob,
   return_text_in_logprobs, logprob_start_len = prompt length - 2, and the unconditional scores over `input_ids`.
 
-The real scripts were also run by hand against `prefixrt serve` (commands in docs/serving.md).
+The real scripts (sglang 0.5.23) were also run against `prefixrt serve`: commands and numbers in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -118,47 +122,105 @@ def test_bench_serving_sglang_backend(url, tokenize_prompt):
     assert server_info["internal_states"][0].get("avg_spec_accept_length", None) is None
 
 
-def test_bench_multiturn_request_loop(url):
-    """Clients with a growing history: each round sends history + the last answer + a new question."""
+async def _multiturn_sglang_request(session, url: str, history: list[int], output_len: int) -> dict:
+    """bench_multiturn's `--api-format sglang` request (sglang/test/kits/cache_hit_kit.py): the history as
+    `input_ids`, streamed; `output_ids` is cumulative (the last event holds the whole answer), the first event's
+    meta_info gives `prompt_tokens` and `cached_tokens`."""
+    payload = {"input_ids": history,
+               "sampling_params": {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True},
+               "stream": True, "stream_options": {"include_usage": True}, "lora_path": "",
+               "return_logprob": False, "logprob_start_len": -1}
+    out = {"output_ids": [], "prompt_len": 0, "cached_tokens": 0, "ttft": 0.0}
+    st = time.perf_counter()
+    async with session.post(url=url + "/generate", json=payload) as response:
+        assert response.status == 200, await response.text()
+        async for chunk_bytes in response.content:
+            chunk = chunk_bytes.strip().decode("utf-8").removeprefix("data: ")
+            if not chunk or chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if data.get("output_ids"):
+                out["output_ids"] = data["output_ids"]
+                if out["ttft"] == 0.0:
+                    out["ttft"] = time.perf_counter() - st
+                    meta = data.get("meta_info") or {}
+                    out["prompt_len"], out["cached_tokens"] = meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0)
+    return out
+
+
+async def _multiturn_openai_request(session, url: str, model: str, messages: list[dict], output_len: int) -> dict:
+    """bench_multiturn's `--api-format openai` request: streamed chat whose `model` is /get_model_info's
+    `model_path`; the answer from the content deltas, the counts from the final chunk's usage."""
+    payload = {"model": model, "messages": messages, "max_tokens": output_len, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    out = {"text": "", "prompt_len": 0, "cached_tokens": 0, "completion_tokens": 0}
+    async with session.post(url=url + "/v1/chat/completions", json=payload) as response:
+        assert response.status == 200, await response.text()
+        async for chunk_bytes in response.content:
+            chunk = chunk_bytes.strip().decode("utf-8").removeprefix("data: ")
+            if not chunk or chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if data.get("choices"):
+                out["text"] += data["choices"][0].get("delta", {}).get("content") or ""
+            if data.get("usage"):
+                usage = data["usage"]
+                out["prompt_len"], out["completion_tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
+                out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return out
+
+
+def test_bench_multiturn_sglang_format(url):
+    """Clients whose token history grows by each answer's `output_ids` and a new question's ids: each round's
+    prompt is exactly the history, and all of the previous round's prompt comes from the cache."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(requests.get(url + "/get_model_info", timeout=30).json()["model_path"])
     rng = random.Random(1)
     num_clients, num_rounds, output_len = 3, 3, 6
-    histories = {i: _random_prompt(tokenizer, rng, 16) for i in range(num_clients)}
+    histories = {i: tokenizer.encode(_random_prompt(tokenizer, rng, 16)) for i in range(num_clients)}
     requests.post(url + "/flush_cache", timeout=60).raise_for_status()
 
     async def client(i, session):
-        lens = []
+        rounds = []
         for _ in range(num_rounds):
-            payload = {"text": histories[i], "sampling_params": {"temperature": 0.0, "max_new_tokens": output_len,
-                                                                 "ignore_eos": True},
-                       "stream": True, "lora_path": "", "return_logprob": False, "logprob_start_len": -1}
-            generated, ttft, st = "", 0.0, time.perf_counter()
-            async with session.post(url=url + "/generate", json=payload) as response:
-                assert response.status == 200
-                async for chunk_bytes in response.content:
-                    chunk = chunk_bytes.strip().decode("utf-8")
-                    if not chunk:
-                        continue
-                    chunk = chunk.removeprefix("data: ")
-                    if chunk == "[DONE]":
-                        continue
-                    data = json.loads(chunk)
-                    if data["text"]:
-                        ttft = ttft or time.perf_counter() - st
-                        generated = data["text"]  # cumulative: the last event holds the whole answer
-                        lens.append(data["meta_info"]["cached_tokens"])
-            assert ttft > 0
-            histories[i] += generated + _random_prompt(tokenizer, rng, 8)
-        return lens
+            out = await _multiturn_sglang_request(session, url, histories[i], output_len)
+            assert out["prompt_len"] == len(histories[i]) and len(out["output_ids"]) == output_len
+            rounds.append((len(histories[i]), out["cached_tokens"]))
+            histories[i] = histories[i] + out["output_ids"] + tokenizer.encode(_random_prompt(tokenizer, rng, 8))
+        return rounds
 
     async def run():
         async with aiohttp.ClientSession() as session:
             return await asyncio.gather(*(client(i, session) for i in range(num_clients)))
 
-    cached = asyncio.run(run())
-    assert all(max(c) > 0 for c in cached)  # later rounds reuse the history's K/V
+    for rounds in asyncio.run(run()):
+        for (prev_len, _), (prompt_len, cached) in zip(rounds, rounds[1:]):
+            assert prev_len <= cached < prompt_len
+
+
+def test_bench_multiturn_openai_format(url):
+    """`--api-format openai`: `model` is the folder /get_model_info reports (the server here is started with
+    another --served-model-name, so only that folder names the model), and the second turn's usage reports the
+    first turn's prompt as cached."""
+    model_path = requests.get(url + "/get_model_info", timeout=30).json()["model_path"]
+    assert model_path not in [m["id"] for m in requests.get(url + "/v1/models", timeout=30).json()["data"]]
+    requests.post(url + "/flush_cache", timeout=60).raise_for_status()
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            messages = [{"role": "user", "content": "Name three rivers of Europe and say where each one flows."}]
+            first = await _multiturn_openai_request(session, url, model_path, messages, 6)
+            messages += [{"role": "assistant", "content": first["text"]},
+                         {"role": "user", "content": "Which of them is the longest?"}]
+            return first, await _multiturn_openai_request(session, url, model_path, messages, 6)
+
+    first, second = asyncio.run(run())
+    assert first["completion_tokens"] > 0 and first["prompt_len"] > 0 and second["prompt_len"] > first["prompt_len"]
+    assert second["cached_tokens"] >= first["prompt_len"] - 1
+    unknown = requests.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": model_path + "-other", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 def _srt_kwargs(**given) -> dict:
