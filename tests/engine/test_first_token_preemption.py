@@ -23,9 +23,9 @@ from prefixrt.config.engine_config import SchedulerSettings
 from prefixrt.engine.loop.scheduler import Scheduler
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req
+from tests.helpers.scheduler_steps import run_all, step
 
 POOL_PAGES = 40
-SAMPLED = 3
 
 
 def make_scheduler() -> Scheduler:
@@ -41,33 +41,6 @@ def make_scheduler() -> Scheduler:
 
 def req(ids, rid, max_new_tokens=2) -> Req:
     return Req(rid=rid, prompt_ids=list(ids), params=SamplingParams(max_new_tokens=max_new_tokens), sink=None)
-
-
-def step(s: Scheduler):
-    """schedule(), then the loop's part: append a sampled token where the batch samples, finish requests at their
-    max_new_tokens (released as EngineCore does), wait for the loads in flight."""
-    b = s.schedule()
-    for r, n, sample in zip(b.reqs, b.num_tokens, b.sample):
-        if sample:
-            r.append_output([SAMPLED])
-        if n > 1:
-            s.kv.cache_unfinished(r)
-    for r in list(b.reqs):
-        if len(r.output_ids) >= r.params.max_new_tokens:
-            r.finish_reason = "length"
-            s.remove(r)
-    w = s.kv.tiers.load_waiter()
-    if w is not None:
-        w.wait_all()
-    s.kv.check_integrity()
-    return b
-
-
-def run_all(s: Scheduler, *reqs: Req) -> None:
-    for r in reqs:
-        s.add(r)
-    while s.has_work:
-        step(s)
 
 
 def preempt_beside_a_prefetch(s: Scheduler) -> tuple[Req, Req, Req]:

@@ -27,10 +27,10 @@ from prefixrt.engine.loop.scheduler import Scheduler
 from prefixrt.params import SamplingParams
 from prefixrt.prompt_cache import KeepPrefix, PromptCache
 from prefixrt.request import Req
+from tests.helpers.scheduler_steps import run_all, step
 
 PS = 4  # page size
 A_PROMPT = list(range(10, 18))  # 8 tokens: two pages
-SAMPLED = 3
 
 
 def make_scheduler(pool_pages=4, host_tokens=64, **config) -> Scheduler:
@@ -48,33 +48,6 @@ def req(ids, rid, session=None, max_new_tokens=2) -> Req:
     pc = PromptCache(session) if session is not None else None
     return Req(rid=rid, prompt_ids=list(ids), params=SamplingParams(max_new_tokens=max_new_tokens, prompt_cache=pc),
                sink=None)
-
-
-def step(s: Scheduler):
-    """schedule(), then the loop's part: append a sampled token where the batch samples, finish requests at their
-    max_new_tokens (finish_reason "length", released as EngineCore does), wait for the loads in flight."""
-    b = s.schedule()
-    for r, n, sample in zip(b.reqs, b.num_tokens, b.sample):
-        if sample:
-            r.append_output([SAMPLED])
-        if n > 1:
-            s.kv.cache_unfinished(r)
-    for r in list(b.reqs):
-        if len(r.output_ids) >= r.params.max_new_tokens:
-            r.finish_reason = "length"
-            s.remove(r)
-    w = s.kv.tiers.load_waiter()
-    if w is not None:
-        w.wait_all()
-    s.kv.check_integrity()
-    return b
-
-
-def run_all(s: Scheduler, *reqs: Req) -> None:
-    for r in reqs:
-        s.add(r)
-    while s.has_work:
-        step(s)
 
 
 def flood(s: Scheduler, tag: str) -> list[Req]:

@@ -1,0 +1,38 @@
+"""Driving a Scheduler step by step with the loop's bookkeeping and no forward, for tests of admission over the
+host tier (tests/engine/test_first_token_preemption.py, test_session_prefetch.py)."""
+
+from __future__ import annotations
+
+from prefixrt.engine.loop.scheduler import Scheduler
+from prefixrt.request import Req
+
+SAMPLED = 3  # the token every sampled row "samples"
+
+
+def step(s: Scheduler):
+    """schedule(), then the loop's part: append a sampled token where the batch samples, finish requests at their
+    max_new_tokens (finish_reason "length", released as EngineCore does), wait for the loads in flight; then the
+    cache's integrity check. Returns the batch."""
+    b = s.schedule()
+    for r, n, sample in zip(b.reqs, b.num_tokens, b.sample):
+        if sample:
+            r.append_output([SAMPLED])
+        if n > 1:
+            s.kv.cache_unfinished(r)
+    for r in list(b.reqs):
+        if len(r.output_ids) >= r.params.max_new_tokens:
+            r.finish_reason = "length"
+            s.remove(r)
+    w = s.kv.tiers.load_waiter()
+    if w is not None:
+        w.wait_all()
+    s.kv.check_integrity()
+    return b
+
+
+def run_all(s: Scheduler, *reqs: Req) -> None:
+    """Add reqs and step until the scheduler has no work."""
+    for r in reqs:
+        s.add(r)
+    while s.has_work:
+        step(s)
