@@ -74,7 +74,8 @@ MUTATIONS = (
         "prefixrt/model/quantize.py",
         "    if smoothing and not any(m.weight_scale is not None for m in fp8_linears(model).values()):",
         "    if False:",
-        ("tests/model/test_fp8_accuracy.py::test_fp8_weights_and_kv_cache_keep_accuracy",)),
+        ("tests/engine/test_fp8_engine.py::test_fp8_engine_smooths_before_quantizing",
+         "tests/model/test_fp8_accuracy.py::test_fp8_weights_and_kv_cache_keep_accuracy")),
     Mutation(
         "cuda-copy-wrong-host-runs", "the host tier's CUDA copies read every staging chunk from the first chunk's host "
         "slots", "prefixrt/cache/transfer.py", "                runs = _runs(host_slots[c:c + m])",
