@@ -122,6 +122,15 @@ def test_bench_serving_sglang_backend(url, tokenize_prompt):
     assert server_info["internal_states"][0].get("avg_spec_accept_length", None) is None
 
 
+async def _sse_events(response):
+    """The JSON events of a 200 SSE response, as bench_multiturn reads them (`data: ` lines, `[DONE]` skipped)."""
+    assert response.status == 200, await response.text()
+    async for chunk_bytes in response.content:
+        chunk = chunk_bytes.strip().decode("utf-8").removeprefix("data: ")
+        if chunk and chunk != "[DONE]":
+            yield json.loads(chunk)
+
+
 async def _multiturn_sglang_request(session, url: str, history: list[int], output_len: int) -> dict:
     """bench_multiturn's `--api-format sglang` request (sglang/test/kits/cache_hit_kit.py): the history as
     `input_ids`, streamed; `output_ids` is cumulative (the last event holds the whole answer), the first event's
@@ -133,12 +142,7 @@ async def _multiturn_sglang_request(session, url: str, history: list[int], outpu
     out = {"output_ids": [], "prompt_len": 0, "cached_tokens": 0, "ttft": 0.0}
     st = time.perf_counter()
     async with session.post(url=url + "/generate", json=payload) as response:
-        assert response.status == 200, await response.text()
-        async for chunk_bytes in response.content:
-            chunk = chunk_bytes.strip().decode("utf-8").removeprefix("data: ")
-            if not chunk or chunk == "[DONE]":
-                continue
-            data = json.loads(chunk)
+        async for data in _sse_events(response):
             if data.get("output_ids"):
                 out["output_ids"] = data["output_ids"]
                 if out["ttft"] == 0.0:
@@ -155,12 +159,7 @@ async def _multiturn_openai_request(session, url: str, model: str, messages: lis
                "stream_options": {"include_usage": True}}
     out = {"text": "", "prompt_len": 0, "cached_tokens": 0, "completion_tokens": 0}
     async with session.post(url=url + "/v1/chat/completions", json=payload) as response:
-        assert response.status == 200, await response.text()
-        async for chunk_bytes in response.content:
-            chunk = chunk_bytes.strip().decode("utf-8").removeprefix("data: ")
-            if not chunk or chunk == "[DONE]":
-                continue
-            data = json.loads(chunk)
+        async for data in _sse_events(response):
             if data.get("choices"):
                 out["text"] += data["choices"][0].get("delta", {}).get("content") or ""
             if data.get("usage"):
