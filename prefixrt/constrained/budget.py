@@ -7,8 +7,8 @@ budget and follows the document's syntax (`JsonState`: open objects and arrays, 
 literal). On top of the grammar's mask it applies one rule:
 
     when the tokens left are no more than the end of the document needs (+ SLACK) plus one more sibling as long
-    as the longest one written so far in an open container, only tokens on the shortest way to the end (a
-    prefix of the closing text where the grammar allows it) may come next.
+    as the longest one written so far in an open container, only the next token of the shortest way to the end
+    (the longest prefix of the closing text the grammar allows) may come next.
 
 What the end needs is measured on the grammar itself (`need`): from the current state, take the grammar's
 forced tokens, else the first token it accepts from the shortest way on (`_tiers`: a prefix of the closing
@@ -16,18 +16,28 @@ text, the shortest syntactic end of the document: the open string's quote or the
 for a pending value (`": null` after an open key), then `}` / `]` for every open container; where the grammar
 refuses that, a required key or a value of a schema's type: `FILLERS`), then roll back. So a schema's
 required members count, and the rule fires while they still fit. Tool-call grammars (documents one per line)
-count a further call as a sibling.
+count a further call as a sibling. The measure covers JSON and the text the grammar forces after it; where free
+text follows (a grammar's next field), there is none, and the rule leaves the reply's budget alone there.
+
+The same rule holds each JSON document of a grammar to a budget of its own where the grammar gives one: a `%json`
+value whose schema carries `"x-max-tokens": N` (DSPy's reply formats, adapters/dspy_formats.py, give every field
+a share of the reply). The end measured is then the document's own (`need(document=True)`), and the tokens left
+are the document's. Where a grammar's values carry different caps, every document is held to the smallest
+(closing a document early is always allowed). llguidance's own `max_tokens` on a `%json` rule is no substitute:
+it cuts the document mid-value, and counts from before the document begins.
 
 Invariants: the rule only narrows the grammar's mask (where nothing on the shortest way is allowed, the
-grammar's mask stands), so every output is one the grammar accepts; it looks at the last PROBE_WINDOW tokens
-only, and on output that is not JSON (`JsonState.broken`) never, so with an ample budget the output is
-exactly what the plain matcher gives. The state is a pure function of the accepted tokens (rollback rescans
+grammar's mask stands), so every output is one the grammar accepts; it measures the end only within
+PROBE_WINDOW tokens of it (by the last measure; once a document begins, and every PROBE_WINDOW // 2 tokens, it
+measures anyway), and on output that is not JSON (`JsonState.broken`) never, so with an ample budget the output
+is exactly what the plain matcher gives. The state is a pure function of the accepted tokens (rollback rescans
 them). A reply ended this way finishes with "stop": it is a complete document.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 
@@ -43,8 +53,12 @@ SLACK = 3
 FILLERS = ("0", '"', "[", "{", "false", ",")
 # The characters closing texts and FILLERS are made of (tokens spelling only these: closing_ids).
 CLOSING_CHARS = frozenset('"}]nulreas: 0[{f,')
-# The rule looks at a request's last PROBE_WINDOW tokens only (before that, a document's end is never near).
+# The rule measures the end where the tokens left are within PROBE_WINDOW of what it last measured (and every
+# PROBE_WINDOW // 2 tokens in between, as a document grows deeper or longer).
 PROBE_WINDOW = 64
+# A `%json` schema's cap on its value, in tokens (module docstring).
+MAX_TOKENS_KEY = "x-max-tokens"
+_MAX_TOKENS = re.compile(r'"' + re.escape(MAX_TOKENS_KEY) + r'"\s*:\s*(\d+)')
 
 _VALUE, _ARRAY_FIRST, _KEY_FIRST, _KEY, _STRING, _COLON, _NUMBER, _LITERAL, _AFTER, _DONE = range(10)
 _WS = " \t\n\r"
@@ -210,6 +224,15 @@ class JsonState:
             return "null" + closers
         return None
 
+    def in_document(self) -> bool:
+        """Inside a top-level document (begun, not complete)."""
+        return not self.broken and self.mode != _DONE and (bool(self.stack) or self.mode in (_STRING, _NUMBER,
+                                                                                                _LITERAL))
+
+    def document_tokens(self) -> int:
+        """The tokens the current top-level document has taken so far (the one that began it included)."""
+        return self.tokens - self.root_start
+
     def sibling_cost(self) -> int:
         """The tokens one more sibling would take (a separator and the longest so far) in the open container
         where that is most: one token may end a value and begin the next sibling (`}, {"`), in any container.
@@ -223,43 +246,56 @@ class BudgetMatcher(Matcher):
     """`inner` (a JSON matcher) held to a budget of `budget` output tokens (module docstring).
 
     vocab: the GrammarBackend (its `token_text` and `eos_token_ids`; closing_ids and comma_tokens below).
+    document_budget: the most tokens each top-level JSON document may take (a grammar's `x-max-tokens`), or None.
     """
 
-    def __init__(self, inner: Matcher, budget: int, vocab):
+    def __init__(self, inner: Matcher, budget: int, vocab, document_budget: int | None = None):
         self.inner = inner
         self.vocab_size = inner.vocab_size
         self.budget = budget
+        self.document_budget = document_budget
         self._vocab = vocab
         self._text = vocab.token_text
         self._closing_ids = lambda text: closing_ids(vocab, text)
         self._eos = tuple(vocab.eos_token_ids)
         self._accepted: list[int] = []
         self._state = JsonState()
+        # The last measure of what the end needs, per rule: key -> (tokens needed, accepted tokens then).
+        self._measured: dict[object, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ the rule
     def _tiers(self, state: JsonState) -> list[list[int]]:
-        """The tokens of the shortest way on from `state`, best first: those spelling a prefix of the closing
-        text (longest first; EOS once the document is complete), then the start of the shortest value of each
-        type (FILLERS), for where the grammar refuses the closing text (a required key, a value not null)."""
+        """The tokens of the shortest way on from `state`, best first, one tier per spelling: those spelling a
+        prefix of the closing text (longest first; EOS once the document is complete), then the start of the
+        shortest value of each type (FILLERS), for where the grammar refuses the closing text (a required key, a
+        value not null), then a lone space. `need` takes the first token the grammar accepts and the rule keeps
+        the first tier it allows, so the output follows the path measured: a shorter spelling (`"` where `"]`
+        is allowed, a space where ` "` is) would cost a token the measure did not count."""
         tiers = []
         closing = state.closing_text()
         if closing == "":
             tiers.append(list(self._eos))
         elif closing:
             for lead in ("", " "):  # " ": after a `:` or `,` where the layout puts a space
-                tiers.append([t for end in range(len(closing), 0, -1) for t in self._closing_ids(lead + closing[:end])])
-        tiers.append([t for lead in ("", " ") for f in FILLERS for t in self._closing_ids(lead + f)]
-                     + self._closing_ids(" "))  # a lone space where the layout needs one and no token has it
-        return tiers
+                tiers += [self._closing_ids(lead + closing[:end]) for end in range(len(closing), 0, -1)]
+        tiers += [self._closing_ids(lead + f) for lead in ("", " ") for f in FILLERS]
+        tiers.append(self._closing_ids(" "))  # a lone space where the layout needs one and no token has it
+        return [t for t in tiers if t]
 
-    def need(self, limit: int) -> int | None:
-        """How many tokens the document needs to end from here under the grammar, taking its forced tokens and
-        otherwise the first token of `_tiers` it accepts (limit + 1 when that takes more than `limit`); None where
-        the grammar accepts none of them. Leaves the matcher as it was: the probe runs on the matcher's `fork()`
-        where it has one (llguidance), else what it accepts is rolled back."""
+    def need(self, limit: int, document: bool = False) -> int | None:
+        """How many tokens the output needs to end from here under the grammar (document: the current top-level
+        document only), taking its forced tokens and otherwise the first token of `_tiers` it accepts (limit + 1
+        when that takes more than `limit`); None where the grammar accepts none of them, or where free text
+        follows the JSON (nothing forced, nothing to close: no cheap measure). Leaves the matcher as it was: the
+        probe runs on the matcher's `fork()` where it has one (llguidance), else what it accepts is rolled back."""
         fork = getattr(self.inner, "fork", None)  # a copy to probe on, where the backend has one
         inner = fork() if fork is not None else self.inner
-        state, taken = copy.deepcopy(self._state), 0
+        state, taken, accepted = copy.deepcopy(self._state), 0, 0
+        start = state.root_start
+
+        def done() -> bool:  # (document) the document the probe began in is complete
+            return document and (state.root_start != start or not state.in_document())
+
         try:
             while not inner.is_finished():
                 if taken >= limit:
@@ -267,36 +303,64 @@ class BudgetMatcher(Matcher):
                 forced = inner.forced_tokens()[: limit - taken]
                 if forced:
                     n = inner.accept_tokens(forced)
-                    taken += n
+                    accepted += n
                     for t in forced[:n]:
                         state.feed(self._text(t))
+                        taken += 1
+                        if done():
+                            return taken
                     if n:
                         continue
+                if state.broken:
+                    return None
                 step = next((t for tier in self._tiers(state) for t in tier if inner.accept_token(t)), None)
                 if step is None:
                     return None
+                accepted += 1
                 taken += 1
                 state.feed("" if step in self._eos else self._text(step))
+                if done():
+                    return taken
             return taken
         finally:
             if fork is None:
-                inner.rollback(taken)
+                inner.rollback(accepted)
+
+    def _measure(self, key: object, left: int, document: bool) -> int | None:
+        """`need(left, document)`, or None while the end is far by the last measure under `key` (more than
+        PROBE_WINDOW beyond it, measured fewer than PROBE_WINDOW // 2 tokens ago; before any, it measures)."""
+        now = len(self._accepted)
+        last = self._measured.get(key)
+        if last is not None and left > PROBE_WINDOW + last[0] and now - last[1] < PROBE_WINDOW // 2:
+            return None
+        need = self.need(left, document)
+        if need is not None:  # (None: no measure from here, mid-escape or the like; the last one stands)
+            self._measured[key] = (need, now)
+        return need
+
+    def _rule(self, left: int, need: int | None, state: JsonState) -> str:
+        if need is None:
+            return ""
+        if left <= need + SLACK or (state.mode == _DONE and left <= need + SLACK + state.sibling_cost()):
+            return "end"  # (after a document, the next one begins without a comma)
+        if left <= need + SLACK + state.sibling_cost():
+            return "no sibling"
+        return ""
 
     def steer_ids(self) -> tuple[str, list[list[int]] | None]:
         """What the rule does now: ("end", tiers) when the budget is tight (the caller keeps the first tier the
         grammar allows), ("no sibling", None) when only one more sibling would not fit (tokens that begin one
-        are masked out), ("", None) otherwise."""
+        are masked out), ("", None) otherwise. The reply's budget, then the document's (module docstring)."""
+        state = self._state
+        if state.broken:
+            return "", None
         left = self.budget - len(self._accepted)
-        if left > PROBE_WINDOW or self._state.broken:
-            return "", None
-        need = self.need(left)
-        if need is None:
-            return "", None
-        if left <= need + SLACK or (self._state.mode == _DONE and left <= need + SLACK + self._state.sibling_cost()):
-            return "end", self._tiers(self._state)  # (after a document, the next one begins without a comma)
-        if left <= need + SLACK + self._state.sibling_cost():
-            return "no sibling", None
-        return "", None
+        what = self._rule(left, self._measure("reply", left, False), state)
+        if what != "end" and self.document_budget is not None and state.in_document():
+            left = self.document_budget - state.document_tokens()
+            doc = self._rule(left, self._measure(("document", state.root_start), left, True), state)
+            what = doc if doc == "end" or not what else what
+        return what, (self._tiers(state) if what == "end" else None)
 
     def _begins_sibling(self, text: str) -> bool:
         """Whether a token of `text` (which holds a comma) would write a `,` between values here."""
@@ -357,7 +421,7 @@ class BudgetMatcher(Matcher):
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
         kept = self._accepted[: len(self._accepted) - num_tokens]
-        self._accepted, self._state = [], JsonState()
+        self._accepted, self._state, self._measured = [], JsonState(), {}
         self._feed(kept)
 
     def forced_tokens(self) -> list[int]:
@@ -402,11 +466,21 @@ def comma_tokens(vocab) -> list[tuple[int, str]]:
     return vocab._comma_tokens
 
 
+def document_budget(compiled: CompiledGrammar) -> int | None:
+    """The most tokens each JSON document of a grammar may take: the smallest `x-max-tokens` its `%json` values
+    carry (module docstring), or None."""
+    if compiled.kind != "grammar":
+        return None
+    caps = [int(n) for n in _MAX_TOKENS.findall(compiled.spec_text)]
+    return min(caps) if caps else None
+
+
 def budget_matcher(backend: GrammarBackend, compiled: CompiledGrammar, max_new_tokens: int) -> Matcher:
     """`backend.matcher(compiled)`, held to `max_new_tokens` output tokens where the output may be JSON (json_schema,
     json_object, and grammars, which embed JSON for tool calls): BudgetMatcher closes the document in time, and
-    stays out of output that is not JSON. Regex and choices: the plain matcher."""
+    stays out of output that is not JSON; a grammar's documents also within their `x-max-tokens`. Regex and
+    choices: the plain matcher."""
     m = backend.matcher(compiled)
     if compiled.kind not in ("json_schema", "json_object", "grammar"):
         return m
-    return BudgetMatcher(m, max_new_tokens, backend)
+    return BudgetMatcher(m, max_new_tokens, backend, document_budget(compiled))

@@ -39,12 +39,15 @@ class Walk:
 
 
 def random_walk(backend: GrammarBackend, compiled: CompiledGrammar, texts: list[str], seed: int, max_tokens: int = 300,
-                p_eos: float = 0.5, p_closer: float = 0.5, matcher: Matcher | None = None) -> Walk:
+                p_eos: float = 0.5, p_closer: float = 0.5, matcher: Matcher | None = None,
+                prefer_open: str = "") -> Walk:
     """Generate under the grammar with a random sampler: each step follows forced tokens when there are
     any, else picks a random allowed token (biased towards EOS and closing punctuation so walks end).
 
     texts: the decoded text of every tokenizer id (`tokenizer.batch_decode([[i] for i in range(n)])`).
     matcher: the matcher to drive (default: a fresh `backend.matcher(compiled)`).
+    prefer_open: characters the sampler never picks while the grammar allows a token without them (with
+    p_eos = p_closer = 0 and `"]}\n,`: a model that never ends a value by choice, only where it must).
     Asserts the contract on the way: the mask is never empty, every masked-in token is accepted, and
     padding ids are never allowed.
     """
@@ -78,6 +81,10 @@ def random_walk(backend: GrammarBackend, compiled: CompiledGrammar, texts: list[
         elif rng.random() < p_closer and (closers := (allowed_mask & _closer_mask(texts, backend.vocab_size)).nonzero()).numel():
             token = int(closers[rng.randrange(closers.numel())])
         else:
+            if prefer_open:
+                avoid = set(prefer_open)
+                open_ids = [int(t) for t in allowed if int(t) not in eos and not avoid & set(texts[int(t)])]
+                allowed = torch.tensor(open_ids) if open_ids else allowed
             token = int(allowed[rng.randrange(allowed.numel())])
         assert matcher.accept_token(token), f"masked-in token {token} {texts[token]!r} was rejected"
         walk.num_sampled += 1

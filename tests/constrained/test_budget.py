@@ -12,7 +12,13 @@ import json
 import jsonschema
 import pytest
 
-from prefixrt.constrained.budget import BudgetMatcher, JsonState, budget_matcher
+from prefixrt.constrained.budget import (
+    PROBE_WINDOW,
+    BudgetMatcher,
+    JsonState,
+    budget_matcher,
+    document_budget,
+)
 from prefixrt.constrained.testing import random_walk
 
 BACKENDS = ("llguidance", "xgrammar")
@@ -144,3 +150,66 @@ def test_a_json_value_after_a_header_line_is_followed():
     assert not state.broken and state.closing_text() == '"}'
     state.feed('"}\n\n[[ ## completed ## ]]')
     assert state.broken
+
+
+def _with_cap(schema: dict, cap: int | None) -> dict:
+    compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {**schema, **({"x-max-tokens": cap} if cap is not None else {}), "x-guidance": compact}
+
+
+def _value_grammar(cap: int | None) -> str:
+    """A JSON value between two tags, as DSPy's XMLAdapter reply holds a nested field."""
+    return f'start: "<tasks>\\n" v "\\n</tasks>"\nv: %json {json.dumps(_with_cap(ITERABLE, cap))}'
+
+
+def test_document_budget_is_the_smallest_x_max_tokens(small_backends):
+    backend = small_backends["llguidance"]
+    assert document_budget(backend.compile("grammar", _value_grammar(None))) is None
+    two = _value_grammar(40) + f'\nw: %json {json.dumps(_with_cap({"type": "array"}, 24))}'
+    assert document_budget(backend.compile("grammar", two)) == 24
+    assert document_budget(backend.compile("json_schema", _with_cap(ITERABLE, 24))) is None  # grammars only
+
+
+def test_a_grammar_json_value_closes_within_its_x_max_tokens(small_backends, small_tokenizer, token_texts):
+    """A sampler that never ends a value by choice: a `%json` value with `x-max-tokens` still ends within that many
+    tokens, as a document its schema accepts, and the grammar's text after it follows; without the cap it runs on
+    (the reply's budget alone lets it take everything)."""
+    backend = small_backends["llguidance"]
+    texts = token_texts[id(small_tokenizer)]
+    longer = 0
+    for cap in (24, 48):
+        compiled = backend.compile("grammar", _value_grammar(cap))
+        plain = backend.compile("grammar", _value_grammar(None))
+        for seed in range(4):
+            walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=400, p_eos=0.0, p_closer=0.0,
+                               matcher=budget_matcher(backend, compiled, 400), prefer_open='"]},')
+            text = small_tokenizer.decode(walk.ids)
+            assert walk.finished and text.startswith("<tasks>\n") and text.endswith("\n</tasks>"), (seed, text)
+            value = text[len("<tasks>\n"):-len("\n</tasks>")]
+            jsonschema.validate(json.loads(value), ITERABLE)
+            assert len(small_tokenizer.encode(value, add_special_tokens=False)) <= cap + 1, (cap, seed, value)
+            walk = random_walk(backend, plain, texts, seed=seed, max_tokens=400, p_eos=0.0, p_closer=0.0,
+                               matcher=budget_matcher(backend, plain, 400), prefer_open='"]},')
+            longer += len(walk.ids) > cap + 16
+    assert longer == 8
+
+
+def test_the_end_is_measured_before_it_is_near(small_backends, small_tokenizer, token_texts):
+    """A document whose end needs more than PROBE_WINDOW tokens (a list, then an object of many required members):
+    the rule measures it before the last PROBE_WINDOW tokens, so a sampler that never closes still ends within
+    the budget."""
+    backend = small_backends["llguidance"]
+    texts = token_texts[id(small_tokenizer)]
+    tail = {f"member_number_{k}": {"type": "string"} for k in range(8)}
+    schema = {"type": "object", "properties": {
+        "items": {"type": "array", "items": {"type": "string"}},
+        "tail": {"type": "object", "properties": tail, "required": list(tail), "additionalProperties": False}},
+        "required": ["items", "tail"], "additionalProperties": False}
+    compiled = backend.compile("json_schema", schema)
+    assert BudgetMatcher(backend.matcher(compiled), 10_000, backend).need(10_000) > PROBE_WINDOW
+    for seed in range(4):
+        walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=300, p_eos=0.0, p_closer=0.0,
+                           matcher=budget_matcher(backend, compiled, 300), prefer_open='"]},')
+        text = small_tokenizer.decode(walk.ids)
+        assert walk.finished and len(walk.ids) <= 300, (seed, text)
+        jsonschema.validate(json.loads(text), schema)
