@@ -278,7 +278,9 @@ class BudgetMatcher(Matcher):
         elif closing:
             for lead in ("", " "):  # " ": after a `:` or `,` where the layout puts a space
                 tiers += [self._closing_ids(lead + closing[:end]) for end in range(len(closing), 0, -1)]
-        tiers += [self._closing_ids(lead + f) for lead in ("", " ") for f in FILLERS]
+        # Inside a number a digit would only lengthen it: the next member's comma comes first there.
+        fillers = FILLERS if state.mode != _NUMBER else (",", *(f for f in FILLERS if f != ","))
+        tiers += [self._closing_ids(lead + f) for lead in ("", " ") for f in fillers]
         tiers.append(self._closing_ids(" "))  # a lone space where the layout needs one and no token has it
         return [t for t in tiers if t]
 

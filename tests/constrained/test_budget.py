@@ -213,3 +213,21 @@ def test_the_end_is_measured_before_it_is_near(small_backends, small_tokenizer, 
         text = small_tokenizer.decode(walk.ids)
         assert walk.finished and len(walk.ids) <= 300, (seed, text)
         jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_number_that_would_run_on_is_ended(small_backends, small_tokenizer, token_texts, backend_name):
+    """A sampler that never ends a number by choice, with more members required after it: the rule ends the number
+    (the next member's comma, not one more digit) and the object within the budget."""
+    backend = small_backends[backend_name]
+    texts = token_texts[id(small_tokenizer)]
+    schema = {"type": "object", "properties": {"rating": {"type": "number"}, "count": {"type": "integer"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["rating", "count", "tags"], "additionalProperties": False}
+    compiled = backend.compile("json_schema", schema)
+    for seed in range(4):
+        walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=48, p_eos=0.0, p_closer=0.0,
+                           matcher=budget_matcher(backend, compiled, 48), prefer_open='"]},')
+        text = small_tokenizer.decode(walk.ids)
+        assert walk.finished and len(walk.ids) <= 48, (seed, text)
+        jsonschema.validate(json.loads(text), schema)
