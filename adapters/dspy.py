@@ -155,10 +155,13 @@ def _openai_tools(request: Request) -> tuple[list[dict], Any]:
     return tools, "required"
 
 
-def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict], dict, ToolPlan | None]:
+def lower_request(request: Request, reasoning: bool = False, tokenizer: Any = None
+                  ) -> tuple[list[dict], dict, ToolPlan | None]:
     """Request -> (chat messages, SamplingParams dict, the tool plan when tools constrain the reply).
 
-    reasoning: the LM has a reasoning parser. A request's reasoning config (DSPy's `reasoning_effort`) is then
+    tokenizer: the model's, where the provider has it (in-process): DSPy's reply formats then count their own text
+    in its tokens (else in bytes, which leaves the values less of max_tokens). reasoning: the LM has a reasoning
+    parser. A request's reasoning config (DSPy's `reasoning_effort`) is then
     accepted (the model thinks as its template says; the effort is not a knob it has), and DSPy's own reply
     formats are not imposed by decoding, which would hold the reply from its first token and leave no room to
     think (an explicit response_format or tool plan still is).
@@ -206,12 +209,20 @@ def lower_request(request: Request, reasoning: bool = False) -> tuple[list[dict]
         if not reasoning and not any(params.get(k) not in (None, False) for k in CONSTRAINT_FIELDS):
             # ChatAdapter / XMLAdapter: their reply format, from the prompt, so the reply parses first time.
             params.update(output_format_constraint(messages, params.get("max_new_tokens"),
-                                                   nested_schemas=caller_nested_schemas(messages)))
+                                                   nested_schemas=caller_nested_schemas(messages),
+                                                   count_tokens=_token_count(tokenizer)))
         if images:  # image parts back in place for the engine (dspy.Image fields)
             messages = restore_images(messages, images)
     except InvalidRequest as e:
         raise InvalidRequestError(str(e), provider=_PROVIDER) from e
     return messages, params, lowered.tools
+
+
+def _token_count(tokenizer: Any):
+    """A text's token count under `tokenizer` (no special tokens), or None without one."""
+    if tokenizer is None:
+        return None
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
 def caller_nested_schemas(messages: list[dict]) -> dict[str, dict]:
@@ -378,7 +389,8 @@ class PrefixRTEngine:
 
     def _lower(self, request: Request) -> tuple[list[dict], dict, ToolPlan | None]:
         """lower_request, under the LoRA adapter the LM's model names (if it names one of the provider's)."""
-        messages, params, tools = lower_request(request, self.parser is not None)
+        messages, params, tools = lower_request(request, self.parser is not None,
+                                                getattr(self.provider, "tokenizer", None))
         lora = self.handle.lora()
         if lora is not None:
             params["lora"] = lora

@@ -30,6 +30,24 @@ enough to rebuild the format as a grammar (llguidance Lark):
 
 `output_format_constraint(messages)` returns {"grammar": ...} or {} when no adapter format is recognised
 (plain prompts are left unconstrained); `json_adapter_schema(messages)` the JSONAdapter reply's schema or None.
+
+The budget (ChatAdapter, XMLAdapter). Given the request's max_tokens, the longest reply the grammar allows fits
+it, counted in tokens, so a reply is never cut before its last field (a small model otherwise writes one value
+until max_tokens, and DSPy calls the LM again). Every part of the reply is bounded:
+- the format's own text (headers, tags, what lies between the fields): at most its length in bytes (a token
+  holds at least one byte), or, with the model's tokenizer at hand (`count_tokens`, the in-process LM), its
+  tokens and _BOUNDARY_TOKENS for the merges at its ends, where that is less;
+- a bounded value (True/False, a choice, an int of at most 19 digits, a float of at most 15 + 15 digits and a
+  3-digit exponent): its longest spelling in bytes, as a model may spell it a byte a token;
+- the free values share the rest (`value_caps`): each gets the same room beyond its shortest spelling (a text
+  value: 1 token; a JSON value: the longest shortest-spelling of the reply's JSON values, `_shortest_json`, as
+  they share one cap). A text value is one lexeme capped with llguidance's `max_tokens`, which ends it after that
+  many tokens (XMLAdapter's entity references are then kept where a cut cannot split them: `_xml_capped`). A
+  JSON value's schema carries `x-max-tokens`, and the engine's BudgetMatcher (prefixrt/constrained/budget.py)
+  closes each document within it, strings, arrays and numbers alike, as a document the schema accepts.
+A tight max_tokens leaves the free values little room, down to their shortest spelling; where not even the
+shortest reply fits, output_format_constraint raises InvalidRequest with the budget it takes. JSONAdapter's reply is one JSON document, which the
+BudgetMatcher closes within max_tokens; `text_cap` only keeps its first string from taking it all.
 """
 
 from __future__ import annotations
@@ -43,7 +61,9 @@ from typing import Any
 from xml.etree import ElementTree as ET
 from xml.sax.saxutils import escape as xml_escape
 
+from prefixrt.constrained.budget import MAX_TOKENS_KEY
 from prefixrt.constrained.spec import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
+from prefixrt.errors import InvalidRequest
 from prefixrt.lowering.json_schema import strict_schema
 
 _CHAT_REQUEST = re.compile(r"Respond with the corresponding output fields, starting with the field (.*?), and then "
@@ -73,8 +93,12 @@ _XML_GUARD = r" & ~/(?s:.*\]\]>.*)/"  # intersected with a text lexeme: no `]]>`
 # A JSON string inside XML character data (a nested field's JSON value): JSON escapes control characters, but
 # `<`, `&` and U+FFFE / U+FFFF would be written as they are.
 _XML_SAFE_STRING = "^[^<&\uFFFE\uFFFF]*$"
-_INT = r"/-?[0-9]+/"
-_NUMBER = r"/-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+# Numbers have a bounded spelling (19 digits hold any int64; 15 + 15 digits and a 3-digit exponent any float a model
+# means), so their share of the reply is their longest spelling in bytes (`_bounded`).
+_INT = r"/-?[0-9]{1,19}/"
+_NUMBER = r"/-?[0-9]{1,15}(\.[0-9]{1,15})?([eE][-+]?[0-9]{1,3})?/"
+_INT_BYTES = 20
+_NUMBER_BYTES = 37
 
 
 def _lit(text: str) -> str:
@@ -108,13 +132,33 @@ def _react_tools(system: str) -> dict[str, dict]:
     return tools
 
 
+def _chat_capped(nxt: str, cap: int) -> str:
+    """ChatAdapter's text value as a lexeme capped at `cap` tokens (`_value_rule`): it keeps an optional final
+    newline, and no line of it begins with `nxt` (the suffix's next character)."""
+    return _TEXT.replace(r"|\n[^\n\[", rf"|\n[^\n\[{nxt}").replace(")*/", r")*\n?/")
+
+
+def _xml_capped(nxt: str, cap: int) -> str:
+    """XMLAdapter's text value as a lexeme capped at `cap` tokens. llguidance ends a capped lexeme after its cap-th
+    token wherever it is, also inside an entity reference (`&am`), which XML refuses; so a reference only stands
+    where it ends within the value's first cap - 1 bytes, all of them ASCII (a token holds at least one byte, so
+    such a reference is complete before the cut): `&` later on is refused, the rest of the text is as
+    `_XML_TEXT`. As `_chat_capped`, an optional final newline and no line beginning with `nxt`."""
+    n, e = _NOT_XML_CHAR, _XML_ENTITY
+    unit = rf"[^\n\[<&{n}]|\n[^\n\[<&{n}{nxt}]|\[[^\[\n<&{n}]"
+    with_refs = rf"/([^\s\[<&{n}]|{e})({unit}|{e}|\n{e}|\[{e})*/ & /[\x00-\x7F]{{1,{max(1, cap - 1)}}}/"
+    return rf"(({with_refs}) /({unit})*\n?/ | /[^\s\[<&{n}]({unit})*\n?/){_XML_GUARD}"
+
+
 @dataclass(frozen=True)
 class _Form:
     """How an adapter's reply spells a value: `text` the regex of a text value, `guard` what every text lexeme is
-    also intersected with (llguidance's `&` / `~`), `json_schema` the schema a JSON value is held to (the field's,
-    made safe for where it stands), `literal` a choice's spelling."""
+    also intersected with (llguidance's `&` / `~`), `capped(nxt, cap)` a text value capped at `cap` tokens (guard
+    included), `json_schema` the schema a JSON value is held to (the field's, made safe for where it stands),
+    `literal` a choice's spelling."""
 
     text: str
+    capped: Callable[[str, int], str]
     guard: str = ""
     json_schema: Callable[[dict], dict] = lambda schema: schema
     literal: Callable[[str], str] = lambda value: value
@@ -133,41 +177,57 @@ def xml_safe_schema(schema: Any) -> Any:
     return out
 
 
-_CHAT = _Form(_TEXT)
-_XML = _Form(_XML_TEXT, _XML_GUARD, xml_safe_schema, lambda value: xml_escape(value))
+_CHAT = _Form(_TEXT, _chat_capped)
+_XML = _Form(_XML_TEXT, _xml_capped, _XML_GUARD, xml_safe_schema, lambda value: xml_escape(value))
 
 
-def _json_rule(rule: str, schema: dict, suffix: str, rules: list[str], form: _Form = _CHAT) -> str:
-    schema = {**form.json_schema(strict_schema(schema)), "x-guidance": {
-        "whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR, "key_separator": JSON_KEY_SEPARATOR}}
-    rules.append(f"{rule}: %json {json.dumps(schema, ensure_ascii=False)} {_lit(suffix)}")
+def _json_schema_of(schema: dict, form: _Form, cap: int | None = None) -> dict:
+    """The `%json` schema of a JSON value: the strict-mode rule, made safe for `form`, `x-max-tokens` its cap
+    (prefixrt/constrained/budget.py closes the document within it), the reply's compact layout."""
+    out = form.json_schema(strict_schema(schema))
+    if cap is not None:
+        out = {**out, MAX_TOKENS_KEY: cap}
+    return {**out, "x-guidance": {"whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR,
+                                  "key_separator": JSON_KEY_SEPARATOR}}
+
+
+def _json_rule(rule: str, schema: dict, suffix: str, rules: list[str], form: _Form = _CHAT,
+               cap: int | None = None) -> str:
+    rules.append(f"{rule}: %json {json.dumps(_json_schema_of(schema, form, cap), ensure_ascii=False)} {_lit(suffix)}")
     return rule
 
 
 def _tool_call_rule(options: list[str], tools: dict[str, dict], between: str, suffix: str,
-                    rules: list[str], form: _Form = _CHAT) -> str:
+                    rules: list[str], form: _Form = _CHAT, cap: int | None = None) -> str:
     """ReAct's `next_tool_name` then `next_tool_args` as one rule: each tool name followed by arguments under
     that tool's schema (an open object was closed `{}` at once by a small model, and the call failed)."""
     alts = []
     for k, name in enumerate(options):
-        args = _json_rule(f"args_{k}", tools[name], suffix, rules, form)
+        args = _json_rule(f"args_{k}", tools[name], suffix, rules, form, cap)
         alts.append(f"{_lit(form.literal(name) + between)} {args}")
     rules.append("v_next_tool_name: " + " | ".join(alts))
     return "v_next_tool_name"
 
 
-def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: int | None = None,
-                form: _Form = _CHAT) -> str:
-    """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned. text_cap: the
-    most tokens a text value may take (then its suffix is forced), or None. form: how the reply spells values."""
+def _json_note_schema(note: str) -> dict | None:
+    """The schema of a field whose note is DSPy's "must adhere to the JSON schema: {...}", else None."""
+    if not note.startswith(_JSON_NOTE):
+        return None
+    try:
+        schema = json.loads(note[len(_JSON_NOTE):])
+    except ValueError:
+        return None
+    return schema if isinstance(schema, dict) else None
+
+
+def _value_rule(name: str, note: str, suffix: str, rules: list[str], cap: int | None = None,
+                json_cap: int | None = None, form: _Form = _CHAT) -> str:
+    """A rule for one field's value followed by `suffix`; appended to `rules`, its name returned. cap, json_cap: the
+    most tokens a text value, a JSON value may take (`value_caps`), or None. form: how the reply spells values."""
     rule = f"v_{name}"
-    if note.startswith(_JSON_NOTE):
-        try:
-            schema = json.loads(note[len(_JSON_NOTE):])
-        except ValueError:
-            schema = None
-        if isinstance(schema, dict):
-            return _json_rule(rule, schema, suffix, rules, form)
+    schema = _json_note_schema(note)
+    if schema is not None:
+        return _json_rule(rule, schema, suffix, rules, form, json_cap)
     guard = ""
     if note == "must be True or False":
         body = "/True|False/"
@@ -175,34 +235,136 @@ def _value_rule(name: str, note: str, suffix: str, rules: list[str], text_cap: i
         body = _INT
     elif note in ("must be a single float value",):
         body = _NUMBER
-    elif note.startswith("must exactly match (no extra characters) one of: ") or note.startswith("must be one of: "):
-        options = note.split(": ", 1)[1].split("; ")
-        alts = " | ".join(_lit(form.literal(o)) for o in options)
+    elif _options(note) is not None:
+        alts = " | ".join(_lit(form.literal(o)) for o in _options(note))
         rules.append(f"{rule}: ({alts}) {_lit(suffix)}")
         return rule
     else:
         body, guard = form.text, form.guard
-        if text_cap is not None and suffix.startswith("\n") and len(suffix) > 1:
+        if cap is not None and suffix.startswith("\n") and len(suffix) > 1:
             # llguidance ends a capped suffix-lexeme without its suffix, so the suffix is written out after a
             # greedy text lexeme. Its lexer looks one byte ahead and never backs up: the text keeps an optional
             # final newline and no line of it begins as the suffix's next line does, so the text can end at
             # that newline (before the cap) and the suffix's rest follows.
             nxt = "" if suffix[1] == "\n" else re.escape(suffix[1]).replace("/", "\\/")
-            capped = body.replace(r"|\n[^\n\[", rf"|\n[^\n\[{nxt}").replace(")*/", r")*\n?/")
             rules += [f"{rule}: {rule}_text {_lit(suffix[1:])}",
-                      f"{rule}_text[max_tokens={text_cap}]: {capped}{guard}"]
+                      f"{rule}_text[max_tokens={cap}]: {form.capped(nxt, cap)}"]
             return rule
     rules.append(f"{rule}[suffix={_lit(suffix)}]: {body}{guard}")
     return rule
 
 
-# Tokens a field header and the separators around it take (`\n\n[[ ## name ## ]]\n`: 8 to 12 in common vocabularies).
+# ------------------------------------------------------------------------------------------------ the budget
+
+# What `_shortest_json` takes for a string it cannot tell the shortest of (one with a pattern or format).
+_UNKNOWN_STRING = '"' + "x" * 14 + '"'
+
+
+# Tokens a fixed text may take beyond its own tokenization where the reply is counted with the tokenizer: the tokens
+# at its two ends may merge with the values around it.
+_BOUNDARY_TOKENS = 2
+
+
+def _size(text: str) -> int:
+    return len(text.encode())
+
+
+def _fixed(text: str, count: Callable[[str], int] | None) -> int:
+    """The most tokens a text the grammar writes itself (a header, a tag, the shortest JSON of a value) takes: its
+    bytes (a token holds at least one), or fewer with the tokenizer's `count`: its tokens and _BOUNDARY_TOKENS."""
+    return min(_size(text), count(text) + _BOUNDARY_TOKENS) if count is not None else _size(text)
+
+
+def _shortest_json(schema: Any, root: Any = None, depth: int = 0) -> str:
+    """The shortest JSON text `schema` accepts (near enough: a string with a pattern or format is a guess), in the
+    reply's layout (`, ` and `: `). Objects write their required members, arrays their minItems."""
+    root = schema if root is None else root
+    if not isinstance(schema, dict) or depth > 32:
+        return "0"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target = root
+        for part in ref[2:].split("/"):
+            target = target.get(part, {}) if isinstance(target, dict) else {}
+        return _shortest_json(target, root, depth + 1)
+    if "const" in schema:
+        return json.dumps(schema["const"], ensure_ascii=False)
+    if schema.get("enum"):
+        return min((json.dumps(v, ensure_ascii=False) for v in schema["enum"]), key=_size)
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            return min((_shortest_json(b, root, depth + 1) for b in schema[key]), key=_size)
+    if schema.get("allOf"):
+        return max((_shortest_json(b, root, depth + 1) for b in schema["allOf"]), key=_size)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return min((_shortest_json({**schema, "type": k}, root, depth + 1) for k in kind), key=_size)
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        members = [f"{json.dumps(k, ensure_ascii=False)}{JSON_KEY_SEPARATOR}"
+                   f"{_shortest_json(props.get(k, {}), root, depth + 1)}" for k in schema.get("required") or []]
+        return "{" + JSON_ITEM_SEPARATOR.join(members) + "}"
+    if kind == "array":
+        item = _shortest_json(schema.get("items", {}), root, depth + 1)
+        return "[" + JSON_ITEM_SEPARATOR.join([item] * int(schema.get("minItems", 0))) + "]"
+    if kind == "string":
+        if schema.keys() & {"format"} or schema.get("pattern") not in (None, _XML_SAFE_STRING):
+            return _UNKNOWN_STRING
+        return '"' + "x" * int(schema.get("minLength", 0)) + '"'
+    if kind in ("integer", "number"):
+        low = schema.get("minimum", schema.get("exclusiveMinimum"))
+        return json.dumps(low) if isinstance(low, (int, float)) and low > 0 else "0"
+    if kind == "boolean":
+        return "true"
+    if kind == "null":
+        return "null"
+    return "0"
+
+
+def _bounded(note: str, form: _Form) -> int | None:
+    """The longest spelling of a bounded value (True/False, an int, a float, a choice) in bytes (a model may spell
+    it a byte a token), or None for a free value (text, JSON)."""
+    if note == "must be True or False":
+        return _size("False")
+    if note == "must be a single int value":
+        return _INT_BYTES
+    if note == "must be a single float value":
+        return _NUMBER_BYTES
+    if _options(note) is not None:
+        return max(_size(form.literal(o)) for o in _options(note))
+    return None
+
+
+def value_caps(max_tokens: int | None, fixed: int, bounded: int, texts: int, jsons: list[int]
+               ) -> tuple[int | None, int | None]:
+    """(the most tokens each text value may take, the most each JSON value may take) so that the reply fits
+    `max_tokens` (module docstring, "The budget"): what the format's own text (`fixed` tokens) and the bounded
+    values (`bounded` tokens) leave is shared equally, as room beyond each free value's shortest spelling (a text:
+    1 token; a JSON value: the longest of `jsons`, the shortest spellings of the reply's JSON values, as they share
+    one cap); a tight budget leaves them little room, down to none. (None, None) without max_tokens or free
+    values. Raises InvalidRequest where not even the shortest reply fits."""
+    if not max_tokens:
+        return None, None
+    skeleton = max(jsons, default=0)
+    free = texts + len(jsons)
+    least = fixed + bounded + texts + skeleton * len(jsons)
+    if max_tokens < least:
+        raise InvalidRequest(
+            f"max_tokens={max_tokens} is too small for this DSPy reply format: its shortest reply takes {least} "
+            f"tokens ({fixed} for the format's own text, {bounded} for the longest bool, number and choice values, "
+            f"{least - fixed - bounded} for the shortest text and JSON values)", param="max_tokens")
+    room = (max_tokens - least) // free if free else 0
+    return (1 + room if texts else None), (skeleton + room if jsons else None)
+
+
+# (JSONAdapter, `text_cap`) Tokens a field's key and the separators around it take, roughly.
 _HEADER_TOKENS = 12
 
 
 def text_cap(fields: list[str], max_tokens: int | None) -> int | None:
-    """The most tokens each text value may take so that every field and the end marker fit in `max_tokens`:
-    an equal share of what the headers leave (at least 8). None without a budget."""
+    """JSONAdapter's cap on each plain string, in characters: an equal share of what the field names and the
+    separators leave of `max_tokens` (at least 8); None without a budget. (The reply is one JSON document, which
+    BudgetMatcher closes within max_tokens; the cap keeps the first string from taking it all.)"""
     if not max_tokens:
         return None
     return max(8, (max_tokens - _HEADER_TOKENS * (len(fields) + 1)) // max(1, len(fields)))
@@ -216,51 +378,77 @@ def _options(note: str) -> list[str] | None:
 
 
 def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict], first: str, after,
-                    max_tokens: int | None = None, form: _Form = _CHAT) -> str:
+                    max_tokens: int | None = None, form: _Form = _CHAT, count: Callable[[str], int] | None = None
+                    ) -> str:
     """`first` then each field's value followed by `after(k)` (the text between field k and the next, or the
-    end). dspy.ReAct's next_tool_name + next_tool_args pair becomes one rule when every option is a known tool.
-    form: how the reply spells values."""
-    rules: list[str] = []
-    seq = []
+    end), each free value capped by `value_caps` within max_tokens. dspy.ReAct's next_tool_name +
+    next_tool_args pair becomes one rule when every option is a known tool. form: how the reply spells values.
+    count: the tokenizer's token count of a text, or None (`_fixed`)."""
+    slots = []  # (k, tool-call pair?)
     k = 0
     while k < len(fields):
-        name = fields[k]
-        options = _options(notes.get(name, ""))
-        if (name == "next_tool_name" and fields[k + 1:k + 2] == ["next_tool_args"] and options
-                and all(o in tools for o in options)):
-            seq.append(_tool_call_rule(options, tools, after(k), after(k + 1), rules, form))
-            k += 2
+        options = _options(notes.get(fields[k], ""))
+        pair = (fields[k] == "next_tool_name" and fields[k + 1:k + 2] == ["next_tool_args"] and options
+                and all(o in tools for o in options))
+        slots.append((k, bool(pair)))
+        k += 2 if pair else 1
+    fixed = _fixed(first, count) + sum(_fixed(after(k), count) for k in range(len(fields)))
+    bounded, texts, jsons = 0, 0, []
+    for k, pair in slots:
+        if pair:
+            options = _options(notes[fields[k]])
+            bounded += max(_size(form.literal(o)) for o in options)
+            jsons.append(max(_fixed(_shortest_json(_json_schema_of(tools[o], form)), count) for o in options))
             continue
-        seq.append(_value_rule(name, notes.get(name, ""), after(k), rules, text_cap(fields, max_tokens), form))
-        k += 1
+        note = notes.get(fields[k], "")
+        schema = _json_note_schema(note)
+        if schema is not None:
+            jsons.append(_fixed(_shortest_json(_json_schema_of(schema, form)), count))
+        elif _bounded(note, form) is not None:
+            bounded += _bounded(note, form)
+        else:
+            texts += 1
+    text_cap, json_cap = value_caps(max_tokens, fixed, bounded, texts, jsons)
+    rules: list[str] = []
+    seq = []
+    for k, pair in slots:
+        if pair:
+            seq.append(_tool_call_rule(_options(notes[fields[k]]), tools, after(k), after(k + 1), rules, form,
+                                       json_cap))
+        else:
+            seq.append(_value_rule(fields[k], notes.get(fields[k], ""), after(k), rules, text_cap, json_cap, form))
     return "\n".join([f"start: {_lit(first)} " + " ".join(seq), *rules])
 
 
 def chat_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None,
-                         max_tokens: int | None = None) -> str:
+                         max_tokens: int | None = None, count_tokens: Callable[[str], int] | None = None) -> str:
     def after(k: int) -> str:
         return f"\n\n[[ ## {fields[k + 1]} ## ]]\n" if k + 1 < len(fields) else "\n\n[[ ## completed ## ]]"
 
-    return _fields_grammar(fields, notes, tools or {}, f"[[ ## {fields[0]} ## ]]\n", after, max_tokens)
+    return _fields_grammar(fields, notes, tools or {}, f"[[ ## {fields[0]} ## ]]\n", after, max_tokens,
+                           count=count_tokens)
 
 
 def xml_adapter_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, dict] | None = None,
-                        max_tokens: int | None = None) -> str:
+                        max_tokens: int | None = None, count_tokens: Callable[[str], int] | None = None) -> str:
     """notes: as _notes reads them, with a nested field's (nested_field_schemas) as a JSON-schema note: its value
     is JSON text, which XMLAdapter reads as the field's value when the element holds no child elements."""
     def after(k: int) -> str:
         return f"\n</{fields[k]}>" + (f"\n<{fields[k + 1]}>\n" if k + 1 < len(fields) else "")
 
-    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after, max_tokens, _XML)
+    return _fields_grammar(fields, notes, tools or {}, f"<{fields[0]}>\n", after, max_tokens, _XML, count_tokens)
 
 
 def output_format_constraint(messages: list[dict], max_tokens: int | None = None,
-                             nested_schemas: dict[str, dict] | None = None) -> dict:
+                             nested_schemas: dict[str, dict] | None = None,
+                             count_tokens: Callable[[str], int] | None = None) -> dict:
     """{"grammar": ...} for the reply format a DSPy adapter asked for in `messages`, or {}. max_tokens: the
-    reply's budget; each text value is then capped (`text_cap`) so that every field is written within it (a
-    small model otherwise writes the first text field until max_tokens, and the reply does not parse).
-    nested_schemas: for XMLAdapter, the JSON schemas of its nested fields where the caller knows them (the
-    signature's types); otherwise they are read from the prompt (`nested_field_schemas`)."""
+    reply's budget; every free value is then capped (`value_caps`) so that the whole reply fits it (a small model
+    otherwise writes the first text field until max_tokens, and the reply does not parse); InvalidRequest where
+    it cannot. nested_schemas: for XMLAdapter, the JSON schemas of its nested fields where the caller knows them
+    (the signature's types); otherwise they are read from the prompt (`nested_field_schemas`). count_tokens: the
+    model's tokenizer as a count of a text's tokens, where the caller has it (the format's own text is otherwise
+    counted in bytes, a bound for any tokenizer)."""
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         return {}
@@ -270,8 +458,8 @@ def output_format_constraint(messages: list[dict], max_tokens: int | None = None
     if m:
         fields = _CHAT_FIELD.findall(m.group(1))
         if fields:
-            notes = {k: _capped_note(v, text_cap(fields, max_tokens)) for k, v in _notes(system).items()}
-            return {"grammar": chat_adapter_grammar(fields, notes, _react_tools(system), max_tokens)}
+            return {"grammar": chat_adapter_grammar(fields, _notes(system), _react_tools(system), max_tokens,
+                                                    count_tokens)}
     m = _XML_REQUEST.search(last)
     if m:
         fields = _XML_FIELD.findall(m.group(1))
@@ -280,8 +468,7 @@ def output_format_constraint(messages: list[dict], max_tokens: int | None = None
             for name, schema in nested_field_schemas(last, system, nested_schemas).items():
                 if name in fields:
                     notes[name] = _JSON_NOTE + json.dumps(schema, ensure_ascii=False)
-            notes = {k: _capped_note(v, text_cap(fields, max_tokens)) for k, v in notes.items()}
-            return {"grammar": xml_adapter_grammar(fields, notes, _react_tools(system), max_tokens)}
+            return {"grammar": xml_adapter_grammar(fields, notes, _react_tools(system), max_tokens, count_tokens)}
     return {}
 
 
@@ -339,18 +526,6 @@ def _skeleton_schema(element: ET.Element) -> dict:
             "required": [c.tag for c in children], "additionalProperties": False}
 
 
-def _capped_note(note: str, cap: int | None) -> str:
-    """A JSON-schema note with its free strings capped at `cap` characters (`_capped`, through the tree), so a
-    nested value closes within the reply's budget; other notes as they are."""
-    if cap is None or not note.startswith(_JSON_NOTE):
-        return note
-    try:
-        schema = json.loads(note[len(_JSON_NOTE):])
-    except ValueError:
-        return note
-    return _JSON_NOTE + json.dumps(_capped_tree(schema, cap), ensure_ascii=False)
-
-
 def _capped_tree(schema: Any, cap: int) -> Any:
     if isinstance(schema, list):
         return [_capped_tree(v, cap) for v in schema]
@@ -400,8 +575,8 @@ def json_adapter_schema(messages: list[dict], max_tokens: int | None = None) -> 
     """The JSON schema of the reply JSONAdapter asked for in `messages` (its output fields, in order, typed from
     their notes, all required, no others), or None when the messages are not JSONAdapter's. max_tokens: the
     reply's budget; each plain string (a text field, a ReAct tool's string argument) then has a maxLength of
-    `text_cap` characters (a character takes at most one token), so the object closes within the budget (a small
-    model otherwise writes its first text field until max_tokens, and the reply does not parse)."""
+    `text_cap` characters, so the first text field leaves the others room (a small model otherwise writes it until
+    max_tokens); the engine's BudgetMatcher closes the object within the budget."""
     users = [m for m in messages if m.get("role") == "user"]
     if not users:
         return None

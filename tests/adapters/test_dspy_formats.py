@@ -251,3 +251,140 @@ def test_xml_nested_fields_are_json_the_adapter_reads(backend):
     assert not _accepts(backend, typed, reply.replace('"x": 3', '"x": "three"'))  # an int leaf
     assert not _accepts(backend, typed, reply.replace('"a"', '"a<b"'))
     assert not _accepts(backend, typed, reply.replace('"a"', '"a&b"'))
+
+
+# ------------------------------------------------------------------------------------------------ the budget
+
+def _mixed_format(adapter, max_tokens, count_tokens=None):
+    """The reply grammar of the noise test's signature (str, int, float, bool, list[str] and a nested model), with
+    the caller's leaf types for XMLAdapter's nested fields as prefixrt.LM gives them."""
+    import pydantic
+
+    from tests.adapters.test_dspy_noise import Mixed
+
+    nested = {name: pydantic.TypeAdapter(f.annotation).json_schema() for name, f in Mixed.output_fields.items()
+              if name in ("words", "m")} if isinstance(adapter, dspy.XMLAdapter) else None
+    messages = adapter.format(Mixed, demos=[], inputs={"question": "q?"})
+    return Mixed, output_format_constraint(messages, max_tokens, nested_schemas=nested,
+                                           count_tokens=count_tokens)["grammar"]
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["bytes", "tokenizer"])
+@pytest.mark.parametrize("max_tokens", [400, 1000])
+@pytest.mark.parametrize("adapter", [dspy.ChatAdapter(), dspy.XMLAdapter()], ids=["chat", "xml"])
+def test_a_reply_that_never_ends_a_value_fits_max_tokens(backend, adapter, max_tokens, counted):
+    """The longest reply the grammar allows fits max_tokens: a sampler that never ends a value by choice (never a
+    newline, quote, bracket, brace, comma, `<` or `;` while anything else is allowed) still writes a complete reply
+    within it, as the engine runs it (the BudgetMatcher closes each JSON value within its `x-max-tokens`), and
+    DSPy's own parser takes it. Before, an int's digits ran on until max_tokens, a list's strings too, and the
+    reply was cut before its last field."""
+    import xml.etree.ElementTree as ET
+
+    from prefixrt.constrained.budget import budget_matcher
+    from prefixrt.constrained.testing import random_walk
+
+    tok = backend.tokenizer
+    count = (lambda text: len(tok.encode(text, add_special_tokens=False))) if counted else None
+    sig, grammar = _mixed_format(adapter, max_tokens, count)
+    compiled = backend.compile("grammar", grammar)
+    texts = tok.batch_decode([[i] for i in range(len(tok))])
+    for seed in range(4):
+        walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=max_tokens, p_eos=0.0, p_closer=0.0,
+                           matcher=budget_matcher(backend, compiled, max_tokens), prefer_open='\n"]},<;')
+        reply = tok.decode(walk.ids)
+        assert walk.finished and len(walk.ids) <= max_tokens, (seed, len(walk.ids), reply[-300:])
+        out = adapter.parse(sig, reply)
+        assert isinstance(out["i"], int) and isinstance(out["m"].inner.score, int), reply
+        if isinstance(adapter, dspy.XMLAdapter):
+            ET.fromstring(f"<root>{reply}</root>")
+
+
+@pytest.fixture(scope="module")
+def qwen_backend():
+    """llguidance on Qwen's 151k vocabulary (tests/constrained/conftest.py builds it offline): a real model's
+    tokens, several bytes each."""
+    from prefixrt.constrained.llguidance_backend import LLGuidanceBackend
+    from tests.constrained.conftest import QWEN_EOS, QWEN_MODEL_VOCAB, _build_qwen
+
+    return LLGuidanceBackend(_build_qwen(), vocab_size=QWEN_MODEL_VOCAB, eos_token_ids=list(QWEN_EOS))
+
+
+@pytest.mark.parametrize("adapter", [dspy.ChatAdapter(), dspy.XMLAdapter()], ids=["chat", "xml"])
+def test_a_real_reply_has_room(qwen_backend, adapter):
+    """At max_tokens=400, counted with the model's tokenizer as the in-process LM does, a model's plain answer (a
+    sentence, a 3-item list of short strings, a nested object with a 3-item list) is written whole: every token is
+    one the engine's mask allows (no value reaches its cap), and DSPy parses it."""
+    import json as _json
+
+    from prefixrt.constrained.budget import budget_matcher
+    from prefixrt.constrained.logits import allocate_bitmask, unpack_bitmask
+
+    tok = qwen_backend.tokenizer
+    sig, grammar = _mixed_format(adapter, 400, lambda text: len(tok.encode(text, add_special_tokens=False)))
+    m = {"title": "Dune", "inner": {"name": "Frank Herbert", "score": 9}, "tags": ["sci-fi", "classic", "desert"]}
+    xml = isinstance(adapter, dspy.XMLAdapter)
+    values = {"s": "Paris is the capital of France, on the Seine.", "i": "42", "f": "3.14", "b": "True",
+              "words": _json.dumps(["apple", "banana", "cherry"]),
+              # (members in the schema's order: ChatAdapter's field note gives it with sorted keys)
+              "m": _json.dumps(m, sort_keys=not xml)}
+    if xml:
+        reply = "\n".join(f"<{k}>\n{v}\n</{k}>" for k, v in values.items())
+    else:
+        reply = "\n\n".join(f"[[ ## {k} ## ]]\n{v}" for k, v in values.items()) + "\n\n[[ ## completed ## ]]"
+    compiled = qwen_backend.compile("grammar", grammar)
+    matcher = budget_matcher(qwen_backend, compiled, 400)
+    bitmask = allocate_bitmask(1, qwen_backend.vocab_size)
+    for t in tok.encode(reply, add_special_tokens=False):
+        matcher.fill_bitmask(bitmask, 0)
+        assert unpack_bitmask(bitmask, qwen_backend.vocab_size)[0, t], tok.decode([t])
+        assert matcher.accept_token(t)
+    assert matcher.is_finished()
+    out = adapter.parse(sig, reply)
+    assert out["words"] == ["apple", "banana", "cherry"] and out["m"].model_dump() == m
+
+
+@pytest.mark.parametrize("adapter", [dspy.ChatAdapter(), dspy.XMLAdapter()], ids=["chat", "xml"])
+def test_a_max_tokens_too_small_for_the_fields_is_an_error(backend, adapter):
+    """A max_tokens that cannot hold the shortest reply is an InvalidRequest naming the budget it takes; at that
+    budget the values have no room beyond their shortest spelling, and a reply still fits and parses."""
+    import re as _re
+
+    from prefixrt.constrained.budget import budget_matcher
+    from prefixrt.constrained.testing import random_walk
+    from prefixrt.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="too small") as error:
+        _mixed_format(adapter, 100)
+    least = int(_re.search(r"its shortest reply takes (\d+) tokens", str(error.value)).group(1))
+    assert least > 100
+    with pytest.raises(InvalidRequest):
+        _mixed_format(adapter, least - 1)
+    sig, grammar = _mixed_format(adapter, least)
+    compiled = backend.compile("grammar", grammar)
+    texts = backend.tokenizer.batch_decode([[i] for i in range(len(backend.tokenizer))])
+    for seed in range(2):
+        walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=least, p_eos=0.0, p_closer=0.0,
+                           matcher=budget_matcher(backend, compiled, least), prefer_open='\n"]},<;')
+        assert walk.finished and len(walk.ids) <= least
+        adapter.parse(sig, backend.tokenizer.decode(walk.ids))
+
+
+def test_a_capped_xml_value_keeps_its_references_where_a_cut_cannot_split_them(backend):
+    """llguidance ends a capped text value after its cap-th token wherever it is, `&am` included, which XML
+    refuses: an entity reference stands only within the value's first cap - 1 bytes, while they are ASCII (a
+    token holds at least one byte, so it is complete before the cut)."""
+    import re as _re
+
+    sig = dspy.Signature("question -> answer")
+    grammar = output_format_constraint(dspy.XMLAdapter().format(sig, demos=[], inputs={"question": "q"}), 64)[
+        "grammar"]
+    cap = int(_re.search(r"v_answer_text\[max_tokens=(\d+)\]", grammar).group(1))
+
+    def reply(text):
+        return f"<answer>\n{text}\n</answer>"
+
+    assert _accepts(backend, grammar, reply("AT&amp;T and more"))
+    assert _accepts(backend, grammar, reply("x" * (cap - 6) + "&amp;"))  # ends at byte cap - 1
+    assert not _accepts(backend, grammar, reply("x" * (cap - 5) + "&amp;"))
+    assert not _accepts(backend, grammar, reply("é &amp;"))  # a byte count no longer bounds the tokens
+    assert _accepts(backend, grammar, reply("é, AT and T"))
