@@ -1,5 +1,5 @@
 """Driving a Scheduler step by step with the loop's bookkeeping and no forward, for tests of admission over the
-host tier (tests/engine/test_first_token_preemption.py, test_session_prefetch.py)."""
+host tier (tests/engine/loop/test_first_token_preemption.py, tests/cache/test_session_prefetch.py)."""
 
 from __future__ import annotations
 
