@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from tests.bench.test_benchmark_scripts import REPO
+from tests.benchmarks.test_benchmark_scripts import REPO
 
 
 def test_gpu_lora_smoke(tmp_path):
