@@ -204,3 +204,4 @@ def test_metrics_per_adapter(server):
     assert lines['prefixrt_lora_loads_total{adapter="b"}'] >= 1
     assert lines["prefixrt_lora_slots"] == 2 and 1 <= lines["prefixrt_lora_resident_adapters"] <= 2
     assert lines["prefixrt_lora_slot_loads_total"] >= 2 and lines["prefixrt_lora_slot_load_seconds_total"] > 0
+    assert 0 < lines["prefixrt_lora_slot_load_busy_seconds_total"] <= lines["prefixrt_lora_slot_load_seconds_total"]
