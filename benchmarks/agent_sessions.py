@@ -15,7 +15,7 @@ the server's usage. One server per run (`python -m prefixrt.cli serve`, the engi
 trace (tool times, texts) is the same in every run (--seed).
 
     # the GPU host (Llama-3.1-8B shape, dummy bf16 weights; wheels: see the module's notes in docs/benchmarks.md)
-    PYTHONPATH=$PWD python benchmarks/agent_sessions.py --model llama-3-8b --load-format dummy --shape agents16
+    PYTHONPATH=$PWD python benchmarks/agent_sessions.py --model llama-3.1-8b --load-format dummy --shape agents16
     # the CPU, a tiny model folder (tests/helpers builds one), tiny shapes
     PYTHONPATH=$PWD python benchmarks/agent_sessions.py --smoke /path/to/tiny-hf-folder
 Writes $OUT/agent-sessions-<shape>.json when $OUT (or --json) is set.
@@ -278,7 +278,7 @@ def parse_run(spec: str) -> tuple[str, Fraction, bool, bool]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--model", default="llama-3.1-8b", help="a config-only shape with a context that holds the shape's sessions")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--smoke", metavar="FOLDER", help="a tiny HF folder: the smoke shape on the CPU")
     p.add_argument("--shape", default="agents16", choices=sorted(SHAPES))

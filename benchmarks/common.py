@@ -6,7 +6,7 @@ CPU time from /proc.
 Scripts import it as `benchmarks.common` (run from the repo root with PYTHONPATH=$PWD). It imports torch and
 prefixrt only inside the functions that need them, so a script's `--help` never loads a model or touches CUDA.
 What they observe of the engine they read through its public probes (`Engine.probes`, prefixrt/engine/probes.py;
-docs/api.md "Probes"), never its internals (tests/bench/test_public_api_only.py checks every script).
+docs/api.md "Probes"), never its internals (tests/benchmarks/test_public_api_only.py checks every script).
 """
 
 from __future__ import annotations

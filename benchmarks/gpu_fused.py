@@ -272,7 +272,7 @@ def engine_sections(smoke):
     RESULTS["engine_start_s"] = round(time.perf_counter() - t, 1)
     log(f"engine up in {RESULTS['engine_start_s']}s")
     model = eng.probes.model
-    runner = eng.core.runner  # (the b1 step profile's kernel counts: see tests/bench/test_public_api_only.py)
+    runner = eng.core.runner  # (the b1 step profile's kernel counts: see tests/benchmarks/test_public_api_only.py)
     vocab = eng.vocab_size
     rng = random.Random(5)
     R.run_workload(eng, W.random_prompts(vocab, 4, 64, 8, seed=99), "warm-up", show_progress=False)

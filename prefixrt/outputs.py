@@ -192,12 +192,14 @@ class EngineStats:
     # cached_tokens_total (hits, all tiers), evicted_tokens_total (pool), kv_cached_tokens (now, pool).
     salts: dict = field(default_factory=dict)
     # LoRA adapters (EngineConfig.lora_adapters / enable_lora; all 0 when off): GPU slots, adapters resident in them
-    # now, slot loads and their seconds; per loaded adapter (name -> requests_total, prompt_tokens_total,
+    # now, slot loads and their seconds (summed over loads; lora_load_busy_seconds_total: seconds with at least one
+    # load in flight, the union of their intervals, so its share of a run's wall time); per loaded adapter (name -> requests_total, prompt_tokens_total,
     # cached_tokens_total, generated_tokens_total, cache_hit_rate, loads_total, load_seconds_total, resident, rank)
     lora_slots: int = 0
     lora_resident_adapters: int = 0
     lora_loads_total: int = 0
     lora_load_seconds_total: float = 0.0
+    lora_load_busy_seconds_total: float = 0.0
     lora_adapters: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

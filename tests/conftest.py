@@ -22,7 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers.engines import assert_idle_and_clean, make_tiny_tokenizer  # noqa: E402
+from tests.helpers.engines import assert_idle_and_clean, check_and_shut_down, make_tiny_tokenizer  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -96,13 +96,7 @@ def make_engine(tiny_checkpoints, tiny_tokenizer):
         return eng
 
     yield make
-    try:
-        for eng in engines:
-            if not eng._stopped:  # (a test that restarts an engine checks and shuts the first one down itself)
-                assert_idle_and_clean(eng)
-    finally:
-        for eng in engines:
-            eng.shutdown()
+    check_and_shut_down(*engines, skip_stopped=True)  # (a test that restarts an engine checks the first one itself)
 
 
 @pytest.fixture(scope="session")

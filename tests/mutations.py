@@ -61,7 +61,7 @@ MUTATIONS = (
         "retraction-drops-its-kv", "a request retracted for memory frees its decoded K/V instead of publishing it",
         "prefixrt/cache/kv_manager.py", "        if self.cache.retains:\n            self.cache_unfinished(req)\n",
         "        if self.cache.retains:\n            if not to_host:\n                self.cache_unfinished(req)\n",
-        ("tests/engine/test_scheduler.py::test_out_of_memory_retracts_lowest_priority_and_it_resumes_on_its_published_kv",
+        ("tests/engine/loop/test_scheduler.py::test_out_of_memory_retracts_lowest_priority_and_it_resumes_on_its_published_kv",
          "tests/engine/test_engine.py::test_a_request_retracted_for_memory_resumes_on_its_own_kv")),
     Mutation(
         "no-nan-poison", "debug mode no longer poisons freed slots with NaN (a read before a load lands goes unseen)",
@@ -107,12 +107,12 @@ MUTATIONS = (
         "prefixes used since", "prefixrt/cache/tier_loads.py",
         "        m = cache.match_prefix(ids, salt, touch=False)\n        if not m.host_length:\n            return None\n",
         "        m = cache.match_prefix(ids, salt)\n        if not m.host_length:\n            return None\n",
-        ("tests/engine/test_session_prefetch.py::test_prefetch_keeps_the_prefix_recency",)),
+        ("tests/cache/test_session_prefetch.py::test_prefetch_keeps_the_prefix_recency",)),
     Mutation(
         "session-prefetch-ignores-running-need", "session prefetch takes every free page, the running requests' "
         "remaining need included", "prefixrt/engine/loop/scheduler.py",
         "        sp.run(kv.allocator.free_pages - reserved)", "        sp.run(kv.allocator.free_pages)",
-        ("tests/engine/test_session_prefetch.py::"
+        ("tests/cache/test_session_prefetch.py::"
          "test_prefetch_takes_free_pages_only_never_a_running_request_or_a_cached_prefix",)),
     # ---- caught before the checks above were made exact (they must stay caught)
     Mutation(

@@ -28,9 +28,12 @@ ACTIVATION_RESERVE_BYTES = 2 << 30  # GPU memory kept out of the KV pool for act
 
 def pool_slots(settings: CacheSettings, bytes_per_token: int, device: torch.device) -> int:
     """KV pool slots (a multiple of the page size, the padding page included) for this device: kv_cache_tokens,
-    else what mem_fraction of the GPU leaves, else the CPU default."""
+    else what mem_fraction of the GPU leaves, else the CPU default. A kv_cache_tokens the GPU cannot hold is a
+    ValueError that names what fits (not a CUDA out-of-memory error halfway through the build)."""
     if settings.kv_cache_tokens is not None:
         num_slots = settings.kv_cache_tokens + settings.page_size  # + the reserved padding page
+        if device.type == "cuda":
+            check_pool_fits(num_slots, bytes_per_token, torch.cuda.mem_get_info(device)[0], settings.page_size)
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         spare = total * settings.mem_fraction - (total - free) - ACTIVATION_RESERVE_BYTES
@@ -38,6 +41,18 @@ def pool_slots(settings: CacheSettings, bytes_per_token: int, device: torch.devi
     else:
         num_slots = CPU_DEFAULT_KV_TOKENS + settings.page_size
     return num_slots // settings.page_size * settings.page_size
+
+
+def check_pool_fits(num_slots: int, bytes_per_token: int, free_bytes: int, page_size: int) -> None:
+    """ValueError when a pool of num_slots needs more than the GPU's free memory less the activations' reserve."""
+    room = free_bytes - ACTIVATION_RESERVE_BYTES
+    if num_slots * bytes_per_token > room:
+        fits = max(int(room // bytes_per_token) // page_size * page_size - page_size, 0)
+        raise ValueError(
+            f"kv_cache_tokens={num_slots - page_size} needs {num_slots * bytes_per_token / 2**30:.1f} GiB of KV; "
+            f"the GPU has {free_bytes / 2**30:.1f} GiB free after the weights, {ACTIVATION_RESERVE_BYTES / 2**30:.0f} "
+            f"GiB of it kept for activations: at most kv_cache_tokens={fits} fits (or leave it unset: mem_fraction "
+            f"sizes the pool)")
 
 
 def make_kv_manager(settings: CacheSettings, pool: KVPool, table: ReqToTokenTable, say,

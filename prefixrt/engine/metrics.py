@@ -31,6 +31,9 @@ _COUNTERS = {  # EngineStats field -> (metric name without _total, help)
     "lora_loads_total": ("prefixrt_lora_slot_loads", "LoRA adapter loads into GPU slots (all adapters, unloaded ones "
                                                      "included)."),
     "lora_load_seconds_total": ("prefixrt_lora_slot_load_seconds", "Seconds of LoRA adapter loads into GPU slots."),
+    "lora_load_busy_seconds_total": ("prefixrt_lora_slot_load_busy_seconds",
+                                     "Seconds with at least one LoRA adapter load in flight (loads that overlap "
+                                     "count once)."),
     "spec_verify_rows_total": ("prefixrt_spec_verify_rows", "Speculating rows verified (one per request per forward)."),
     "spec_draft_tokens_total": ("prefixrt_spec_draft_tokens", "Tokens drafted by speculative decoding."),
     "spec_accepted_tokens_total": ("prefixrt_spec_accepted_tokens", "Drafted tokens accepted by verification."),

@@ -32,7 +32,7 @@ class StepOutput:
     def __reduce__(self):
         # Pickled as a constructor call with the fields in order (an engine process sends one per request per
         # step): half the time to pickle and a third of the time to unpickle of the default field-name dict.
-        # tests/engine/test_process_boundary.py checks that every field is here, in order.
+        # tests/engine/process/test_process_boundary.py checks that every field is here, in order.
         return (StepOutput, (self.index, self.token_ids, self.text, self.logprobs, self.finished, self.finish_reason,
                              self.matched_stop, self.prompt_tokens, self.cached_tokens, self.error,
                              self.choice_scores, self.final_text, self.input_logprobs, self.timing,

@@ -127,23 +127,30 @@ class LoraManager:
 
     def admissible(self, req: Req) -> bool:
         """Whether req may be admitted now: the base model's always; an adapter's once it is resident with its load
-        complete (else its load is started, when a slot can take it, and the request waits: others go on)."""
+        complete (its load starts in `prefetch`, which the scheduler calls first in every pass; meanwhile the
+        request waits and others go on)."""
         packed = req.adapter
-        if packed is None or self.slots.ready(packed.digest):
-            return True
-        self.slots.request(packed.digest, packed.copy_into)
-        return False
+        return packed is None or self.slots.ready(packed.digest)
 
     def prefetch(self, waiting: list[Req]) -> None:
-        """Start the loads of the adapters waiting requests need, in their order, while slots can take them."""
+        """Start the loads of the adapters waiting requests need, in their order (the scheduler's admission order),
+        while slots can take them. A load never evicts an adapter that a request ahead of it in line needs: an
+        adapter loaded for a waiting request stays until that request is admitted, however many requests behind it
+        want a slot (else a load completing between two passes would be evicted by the next pass's loads, before
+        its request could run, and the slots would thrash); and evicts one that a request behind it needs only when
+        no other slot is idle."""
+        wanted = {r.adapter.digest for r in waiting if r.adapter is not None}
+        ahead: set[str] = set()
         started = 0
         for r in waiting:
             packed = r.adapter
-            if packed is None or self.slots.slot_of(packed.digest) is not None:
+            if packed is None:
                 continue
-            if started == self.num_slots or not self.slots.request(packed.digest, packed.copy_into):
-                return
-            started += 1
+            if self.slots.slot_of(packed.digest) is None:
+                if started == self.num_slots or not self.slots.request(packed.digest, packed.copy_into, ahead, wanted):
+                    return
+                started += 1
+            ahead.add(packed.digest)
 
     def acquire(self, req: Req) -> None:
         """An admitted request holds its adapter's slot until release (finish or retraction)."""
@@ -178,7 +185,7 @@ class LoraManager:
 
     def snapshot(self) -> dict:
         """Per loaded adapter (by name): its counters, cache_hit_rate and whether it is resident now; and the slots'
-        totals. Loop thread."""
+        totals (load_busy_seconds_total: seconds with at least one load in flight). Loop thread."""
         resident = {d for d, i in self.slots.by_digest.items() if self.slots.ready(d)}
         with self._lock:
             counts = {name: dict(c) for name, c in self._counts.items()}
@@ -194,7 +201,8 @@ class LoraManager:
             c["rank"] = packed.rank
             adapters[name] = c
         return {"adapters": adapters, "slots": self.num_slots, "resident": len(resident),
-                "loads_total": self.slots.loads_total, "load_seconds_total": self.slots.load_seconds_total}
+                "loads_total": self.slots.loads_total, "load_seconds_total": self.slots.load_seconds_total,
+                "load_busy_seconds_total": self.slots.load_busy_seconds_total}
 
     def check(self, idle: bool = False) -> None:
         """Debug: the slot table agrees with itself; idle: no request holds a slot or counts as in use."""

@@ -49,6 +49,11 @@ class AdapterSlots:
         self.loads_total = 0
         self.load_seconds_total = 0.0
         self.load_seconds: dict[str, float] = {}  # digest -> seconds of its loads so far
+        # Seconds with at least one load in flight (the union of the loads' intervals, not their sum): a run's
+        # share of wall time spent loading adapters, however many loads overlap one another
+        self._busy_done = 0.0  # of the busy periods that have ended
+        self._busy_since: float | None = None  # start of the busy period now (None: no load in flight)
+        self._in_flight = 0
         # (start, seen complete) of recent loads, time.perf_counter(): how much of a run had a load in flight
         self.load_intervals: collections.deque = collections.deque(maxlen=1 << 16)
         self.on_loaded = None  # callback(digest, seconds) when a load completes (the manager's stats)
@@ -59,6 +64,12 @@ class AdapterSlots:
         """Slots holding a completely loaded adapter."""
         self._poll_all()
         return sum(1 for s in self.slots if s.digest is not None and s.load is None)
+
+    @property
+    def load_busy_seconds_total(self) -> float:
+        """Seconds so far with at least one load in flight (the current busy period up to now included)."""
+        since = self._busy_since
+        return self._busy_done + (time.perf_counter() - since if since is not None else 0.0)
 
     def slot_of(self, digest: str) -> int | None:
         return self.by_digest.get(digest)
@@ -86,6 +97,10 @@ class AdapterSlots:
         self.loads_total += 1
         self.load_seconds_total += spent
         self.load_seconds[slot.digest] = self.load_seconds.get(slot.digest, 0.0) + spent
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._busy_done += now - self._busy_since
+            self._busy_since = None
         if self.on_loaded is not None:
             self.on_loaded(slot.digest, spent)
         return True
@@ -96,13 +111,15 @@ class AdapterSlots:
                 self._poll(s)
 
     # ------------------------------------------------------------------ loads
-    def request(self, digest: str, copy_into) -> bool:
+    def request(self, digest: str, copy_into, keep: frozenset[str] | set[str] = frozenset(),
+                spare: frozenset[str] | set[str] = frozenset()) -> bool:
         """Make the adapter resident: True if it is (or its load has started), False if no slot can take it now
-        (every slot is held by admitted requests or loading). copy_into(slot) writes its weights into a slot (on the
-        load stream / worker)."""
+        (every slot is held by admitted requests, loading, or holds an adapter in `keep`: those the requests ahead
+        in line need). Slots holding an adapter in `spare` (others waiting requests need) go last. copy_into(slot)
+        writes its weights into a slot (on the load stream / worker)."""
         if digest in self.by_digest:
             return True
-        victim = self._victim()
+        victim = self._victim(keep, spare)
         if victim is None:
             return False
         slot = self.slots[victim]
@@ -127,16 +144,20 @@ class AdapterSlots:
                 copy_into(victim)
 
             slot.load = self._worker.submit(run)
+        if self._in_flight == 0:
+            self._busy_since = slot.load_started
+        self._in_flight += 1
         return True
 
-    def _victim(self) -> int | None:
-        """A free slot, else the least recently used one that nothing holds and that is not loading."""
+    def _victim(self, keep: frozenset[str] | set[str], spare: frozenset[str] | set[str]) -> int | None:
+        """A free slot, else the least recently used one that nothing holds, that is not loading and whose adapter
+        is not in keep, one whose adapter is not in spare first."""
         free = [i for i, s in enumerate(self.slots) if s.digest is None]
         if free:
             return free[0]
         self._poll_all()
-        idle = [i for i, s in enumerate(self.slots) if s.refs == 0 and s.load is None]
-        return min(idle, key=lambda i: self.slots[i].last_used) if idle else None
+        idle = [i for i, s in enumerate(self.slots) if s.refs == 0 and s.load is None and s.digest not in keep]
+        return min(idle, key=lambda i: (self.slots[i].digest in spare, self.slots[i].last_used)) if idle else None
 
     # ------------------------------------------------------------------ holding
     def acquire(self, digest: str) -> int:

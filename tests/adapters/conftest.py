@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.engines import check_and_shut_down
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_NAME = "tiny-llama"
@@ -171,10 +171,7 @@ def tiny_engine(tiny_checkpoint, tiny_tokenizer):
     eng = Engine(TINY_NAME, _parts=(model, tiny_tokenizer, resolved), device="cpu", debug=True,
                  kv_cache_tokens=16384, seed=0)
     yield eng
-    try:
-        assert_idle_and_clean(eng)
-    finally:
-        eng.shutdown()
+    check_and_shut_down(eng)
 
 
 @pytest.fixture(scope="session")

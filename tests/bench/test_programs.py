@@ -41,7 +41,7 @@ def long_folder(tmp_path_factory):
 def make_long_engine(long_folder):
     """make_long_engine(**engine_kwargs) -> Engine on long_folder (CPU, fp32, debug), clean at teardown."""
     from prefixrt.engine.engine import Engine
-    from tests.helpers.engines import assert_idle_and_clean
+    from tests.helpers.engines import check_and_shut_down
 
     engines = []
 
@@ -52,12 +52,7 @@ def make_long_engine(long_folder):
         return eng
 
     yield make
-    try:
-        for eng in engines:
-            assert_idle_and_clean(eng)
-    finally:
-        for eng in engines:
-            eng.shutdown()
+    check_and_shut_down(*engines)
 
 
 def test_ideal_hit_rate_reuses_prompts_and_outputs_in_order():

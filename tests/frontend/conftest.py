@@ -3,11 +3,9 @@ shared 128-token checkpoints allow), checked for KV accounting at teardown like 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.engines import check_and_shut_down, tiny_llama_1k
 
 
 @pytest.fixture(scope="session")
@@ -29,26 +27,12 @@ def long_checkpoint(tmp_path_factory):
 @pytest.fixture
 def make_frontend_engine(long_checkpoint, tiny_tokenizer):
     """make_frontend_engine(**engine_kwargs) -> Engine on the 1k-context tiny llama (CPU, fp32)."""
-    from prefixrt.engine.engine import Engine
-    from prefixrt.hub.loader import load_model
-
     engines = []
 
     def make(**kwargs):
-        path, _ = long_checkpoint
-        model = load_model(path, dtype="float32", device="cpu")
-        resolved = SimpleNamespace(name="tiny-llama-1k", revision="test", extra_eos_token_ids=(), path=str(path))
-        kwargs.setdefault("device", "cpu")
-        kwargs.setdefault("debug", True)
-        kwargs.setdefault("kv_cache_tokens", 8192)
-        eng = Engine("tiny-llama-1k", _parts=(model, tiny_tokenizer, resolved), **kwargs)
+        eng = tiny_llama_1k(long_checkpoint, tiny_tokenizer, **kwargs)
         engines.append(eng)
         return eng
 
     yield make
-    try:
-        for eng in engines:
-            assert_idle_and_clean(eng)
-    finally:
-        for eng in engines:
-            eng.shutdown()
+    check_and_shut_down(*engines)

@@ -25,7 +25,7 @@ from prefixrt.frontend import (
     user,
 )
 from prefixrt.remote import RemoteEngine
-from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.engines import check_and_shut_down, tiny_llama_1k
 from tests.helpers.live_server import LiveServer
 
 TIMEOUT = 60
@@ -47,21 +47,9 @@ def judge(s, essay):
 
 @pytest.fixture(scope="module")
 def engine(long_checkpoint, tiny_tokenizer):
-    from types import SimpleNamespace
-
-    from prefixrt.engine.engine import Engine
-    from prefixrt.hub.loader import load_model
-
-    path, _ = long_checkpoint
-    model = load_model(path, dtype="float32", device="cpu")
-    resolved = SimpleNamespace(name="tiny-llama-1k", revision="test", extra_eos_token_ids=(), path=str(path))
-    eng = Engine("tiny-llama-1k", _parts=(model, tiny_tokenizer, resolved), device="cpu", debug=True,
-                 kv_cache_tokens=8192)
+    eng = tiny_llama_1k(long_checkpoint, tiny_tokenizer)
     yield eng
-    try:
-        assert_idle_and_clean(eng)
-    finally:
-        eng.shutdown()
+    check_and_shut_down(eng)
 
 
 @pytest.fixture(scope="module")

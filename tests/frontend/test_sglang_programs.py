@@ -22,7 +22,7 @@ import prefixrt as pr
 from prefixrt.errors import InvalidRequest
 from prefixrt.frontend import OpenAIBackend, ProviderBackend
 from tests.frontend import sglang_programs as P
-from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.engines import check_and_shut_down, tiny_llama_1k
 from tests.helpers.fake_openai import ScriptedModel, client_for
 from tests.server.conftest import ServeProcess
 
@@ -32,21 +32,9 @@ TIMEOUT = 300
 # ---------------------------------------------------------------------- backends
 @pytest.fixture(scope="module")
 def tiny_engine(long_checkpoint, tiny_tokenizer):
-    from types import SimpleNamespace
-
-    from prefixrt.engine.engine import Engine
-    from prefixrt.hub.loader import load_model
-
-    path, _ = long_checkpoint
-    model = load_model(path, dtype="float32", device="cpu")
-    resolved = SimpleNamespace(name="tiny-llama-1k", revision="test", extra_eos_token_ids=(), path=str(path))
-    eng = Engine("tiny-llama-1k", _parts=(model, tiny_tokenizer, resolved), device="cpu", debug=True,
-                 kv_cache_tokens=16384)
+    eng = tiny_llama_1k(long_checkpoint, tiny_tokenizer, kv_cache_tokens=16384)
     yield eng
-    try:
-        assert_idle_and_clean(eng)
-    finally:
-        eng.shutdown()
+    check_and_shut_down(eng)
 
 
 @pytest.fixture(scope="module")

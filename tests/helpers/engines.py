@@ -39,3 +39,30 @@ def assert_idle_and_clean(engine) -> None:
     assert s.cache_audit_mismatches_total == 0, s  # cache_audit_rate > 0: recomputed K/V equals the cache
     assert s.kv_host_free + s.kv_host_cached == s.kv_host_total, s  # the host tier's idle invariant
     engine.check_integrity()
+
+
+def check_and_shut_down(*engines, skip_stopped: bool = False) -> None:
+    """The end of an engine fixture: each engine idle and clean (assert_idle_and_clean), then every one shut down,
+    even when a check fails. skip_stopped: an engine a test already shut down (a restart test checks it itself)."""
+    try:
+        for eng in engines:
+            if not (skip_stopped and eng._stopped):
+                assert_idle_and_clean(eng)
+    finally:
+        for eng in engines:
+            eng.shutdown()
+
+
+def tiny_llama_1k(long_checkpoint, tokenizer, **options):
+    """An Engine on the frontend tests' tiny llama with a 1024-token context (tests/frontend/conftest.py's
+    long_checkpoint), CPU, fp32, debug checks on; options override the defaults."""
+    from types import SimpleNamespace
+
+    from prefixrt.engine.engine import Engine
+    from prefixrt.hub.loader import load_model
+
+    path, _ = long_checkpoint
+    model = load_model(path, dtype="float32", device="cpu")
+    resolved = SimpleNamespace(name="tiny-llama-1k", revision="test", extra_eos_token_ids=(), path=str(path))
+    options = {"device": "cpu", "debug": True, "kv_cache_tokens": 8192, **options}
+    return Engine("tiny-llama-1k", _parts=(model, tokenizer, resolved), **options)

@@ -10,7 +10,7 @@ import shutil
 import httpx
 import pytest
 
-from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.engines import check_and_shut_down
 from tests.helpers.serve import ServeProcess, assert_clean
 from tests.lora.conftest import TARGET_SETS, hf_greedy
 
@@ -34,10 +34,7 @@ def engine(tiny_checkpoints, tiny_tokenizer, adapters):
     eng = build_engine(tiny_checkpoints, tiny_tokenizer, "llama", enable_lora=True,
                        lora_adapters={n: str(f) for n, (f, _) in adapters.items()})
     yield eng
-    try:
-        assert_idle_and_clean(eng)
-    finally:
-        eng.shutdown()
+    check_and_shut_down(eng)
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +204,4 @@ def test_metrics_per_adapter(server):
     assert lines['prefixrt_lora_loads_total{adapter="b"}'] >= 1
     assert lines["prefixrt_lora_slots"] == 2 and 1 <= lines["prefixrt_lora_resident_adapters"] <= 2
     assert lines["prefixrt_lora_slot_loads_total"] >= 2 and lines["prefixrt_lora_slot_load_seconds_total"] > 0
+    assert 0 < lines["prefixrt_lora_slot_load_busy_seconds_total"] <= lines["prefixrt_lora_slot_load_seconds_total"]

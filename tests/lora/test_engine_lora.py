@@ -165,6 +165,8 @@ def test_a_request_waits_for_its_adapters_load_while_the_batch_runs(make_engine,
     assert eng.generate(p, {**GREEDY, "lora": "a"}).token_ids == hf_greedy(pa, p, NEW)
     s = eng.stats()
     assert s.lora_loads_total == 3 and s.lora_load_seconds_total >= 3 * 2.0
+    # one slot: the loads never overlapped, so the seconds with a load in flight are their sum
+    assert 3 * 2.0 <= s.lora_load_busy_seconds_total <= s.lora_load_seconds_total + 1e-6
     assert s.lora_adapters["a"]["loads_total"] == 2 and s.lora_resident_adapters == 1
 
 
@@ -243,6 +245,78 @@ def test_adapters_made_in_memory(make_engine):
     assert s.lora_adapters["r1"]["rank"] == 8 and s.lora_loads_total == 3
     intervals = list(manager.slots.load_intervals)
     assert len(intervals) == 3 and all(start <= end for start, end in intervals)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+def test_slots_do_not_thrash_when_adapters_outnumber_them(make_engine, policy):
+    """More adapters than slots, requests spread over all of them (round-robin, 4 in flight): an adapter loaded for
+    a waiting request stays until that request runs, so the loads are about one per request (every request's
+    adapter is evicted by others before its turn comes back). Before loads skipped the adapters of the requests
+    ahead in line, this run took ~8 loads a request: loads completing between two passes were evicted by the next
+    pass's loads for requests behind. lpm reorders the waiting requests as their prefixes get cached (an adapter
+    loaded for a request may go to one that moved ahead of it): still at most one load a request here."""
+    from prefixrt.lora.peft_format import random_adapter
+    from prefixrt.lora.registry import target_dims
+
+    eng = make_engine("llama", enable_lora=True, max_lora_rank=8, max_loras=2, schedule_policy=policy)
+    manager = eng.core.scheduler.adapters
+    num_layers = 1 + max(layer for layer, _ in manager.linears)
+    names = [f"t{i}" for i in range(6)]
+    for i, name in enumerate(names):
+        eng.load_lora_adapter(name, random_adapter(name, num_layers, target_dims(manager.linears), 8, seed=i))
+    rng = random.Random(4)
+    prefixes = [[1] + [rng.randrange(3, 320) for _ in range(20)] for _ in names]
+    jobs = [(name, prefixes[i] + [rng.randrange(3, 320) for _ in range(4)]) for _ in range(2)
+            for i, name in enumerate(names)]
+
+    async def run_all():
+        sem = asyncio.Semaphore(4)
+
+        async def one(name, p):
+            async with sem:
+                return await eng.agenerate(p, {**GREEDY, "lora": name})
+
+        return await asyncio.gather(*[one(name, p) for name, p in jobs])
+
+    outs = asyncio.run(run_all())
+    assert all(len(c.token_ids) == NEW for c in outs)
+    s = eng.stats()
+    assert len(names) <= s.lora_loads_total <= len(jobs), s.lora_loads_total
+    assert sum(c["requests_total"] for c in s.lora_adapters.values()) == len(jobs)
+
+
+def test_load_busy_seconds_count_overlapping_loads_once():
+    """Two loads in flight together count once in load_busy_seconds_total (the union of their intervals, from the
+    first start to the last completion seen), unlike load_seconds_total (their sum); a later load adds its own."""
+    import torch
+
+    from prefixrt.lora.slots import AdapterSlots
+
+    slots = AdapterSlots(2, torch.device("cpu"), load_delay_s=0.2)  # one worker: the second load ends ~0.2 s later
+    written = []
+
+    def wait_ready(*digests):
+        deadline = time.monotonic() + 10
+        while not all(slots.ready(d) for d in digests):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    assert slots.request("a", written.append) and slots.request("b", written.append)
+    assert slots.load_busy_seconds_total > 0  # (a load in flight counts up to now)
+    wait_ready("a", "b")
+    (s0, e0), (s1, e1) = slots.load_intervals
+    assert sorted(written) == [0, 1] and slots.loads_total == 2
+    assert slots.load_busy_seconds_total == pytest.approx(max(e0, e1) - min(s0, s1), abs=1e-9)
+    assert slots.load_busy_seconds_total < slots.load_seconds_total - 0.15  # the overlap counted once
+    first = slots.load_busy_seconds_total
+    time.sleep(0.05)
+    assert slots.load_busy_seconds_total == first  # nothing in flight: no time counts
+    slots.drop("a")
+    assert slots.request("c", written.append)
+    wait_ready("c")
+    s2, e2 = slots.load_intervals[-1]
+    assert slots.load_busy_seconds_total == pytest.approx(first + (e2 - s2), abs=1e-9)
+    slots.close()
 
 
 def test_lora_over_fp8_refuses_smoothing():

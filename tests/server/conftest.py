@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers.engines import assert_idle_and_clean
+from tests.helpers.engines import check_and_shut_down
 from tests.helpers.serve import ServeProcess, assert_clean, cli, cli_env, free_port  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,10 +70,7 @@ def server(model_dirs, tmp_path_factory):
 def engine(tiny_checkpoints, tiny_tokenizer):
     eng = build_engine(tiny_checkpoints, tiny_tokenizer, "llama")
     yield eng
-    try:
-        assert_idle_and_clean(eng)
-    finally:
-        eng.shutdown()
+    check_and_shut_down(eng)
 
 
 @pytest.fixture(params=["http", "shim"])

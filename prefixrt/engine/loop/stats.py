@@ -68,6 +68,7 @@ def snapshot(counters: EngineStats, kv, scheduler, auditor=None, lora=None) -> E
         s.lora_adapters = snap["adapters"]
         s.lora_slots, s.lora_resident_adapters = snap["slots"], snap["resident"]
         s.lora_loads_total, s.lora_load_seconds_total = snap["loads_total"], snap["load_seconds_total"]
+        s.lora_load_busy_seconds_total = snap["load_busy_seconds_total"]
     if auditor is not None:
         s.cache_audits_total = auditor.audits_total
         s.cache_audit_mismatches_total = auditor.mismatches_total

@@ -14,7 +14,7 @@
 
 The non-blocking send writes multiprocessing.Connection's frame itself (a 4-byte big-endian signed length, then
 the bytes: what Connection.send_bytes writes for messages under 2 GiB, and what the engine process's
-Connection.recv reads) on the Pipe's socket. tests/engine/test_pipe_writer.py checks that Connection reads
+Connection.recv reads) on the Pipe's socket. tests/engine/process/test_pipe_writer.py checks that Connection reads
 those frames back.
 """
 

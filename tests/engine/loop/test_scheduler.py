@@ -16,8 +16,9 @@ from prefixrt.config.engine_config import SchedulerSettings
 from prefixrt.engine.loop.scheduler import PREFIX_DEDUP_MIN_TOKENS, Scheduler
 from prefixrt.params import SamplingParams
 from prefixrt.request import Req, ReqState
+from tests.helpers import scheduler_steps
 
-SAMPLED = 3  # the token the fake loop "samples"
+SAMPLED = scheduler_steps.SAMPLED  # the token the fake loop "samples"
 
 
 def make_scheduler(num_slots: int = 256, page_size: int = 1, rows: int = 8, **config) -> Scheduler:
@@ -35,15 +36,8 @@ def req(ids, rid: str, arrival: float = 0.0, **params) -> Req:
 
 
 def step(s: Scheduler):
-    """schedule(), then what EngineCore does with the batch's requests (minus the forward)."""
-    b = s.schedule()
-    for r, n, sample in zip(b.reqs, b.num_tokens, b.sample):
-        if sample:
-            r.append_output([SAMPLED])
-        if n > 1:
-            s.kv.cache_unfinished(r)
-    s.kv.check_integrity()
-    return b
+    """schedule(), then what EngineCore does with the batch's requests (minus the forward), no request finished."""
+    return scheduler_steps.step(s, finish=False)
 
 
 def rows(b) -> list[tuple[str, int, int, bool]]:
