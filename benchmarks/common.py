@@ -208,6 +208,23 @@ def replay_ms(graph, iters: int = 20) -> float:
     return (time.perf_counter() - t0) / iters * 1000
 
 
+def device_ms(fn, iters: int = 20, warm: int = 3) -> float:
+    """fn's CUDA time per call (events around iters back-to-back calls after warm ones): ms. Eager launches
+    included, so a short kernel's figure is mostly its launch."""
+    import torch
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
 class PhaseTimer:
     """Wall time per step of each loop unit (schedule, build, draw, launch, process, prepare_sample), the wait for
     the device inside process, and the host work left after removing that wait: Engine.probes.time_units(),

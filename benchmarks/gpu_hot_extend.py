@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from benchmarks.common import HotPrefix, log, script_parser
+from benchmarks.common import HotPrefix, device_ms, log, script_parser
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -76,16 +76,7 @@ def sweep_case(prefix: int, new: int, bucket: int):
 
 
 def timed_us(fn, n: int = 200) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n * 1000
+    return device_ms(fn, iters=n, warm=5) * 1000
 
 
 def sweep() -> None:

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, log_table, rel_err, run_section, script_parser, write_results
+from benchmarks.common import device_ms, log, log_table, rel_err, run_section, script_parser, write_results
 
 RESULTS: dict = {}
 SUMMARY: list[tuple[str, str, str]] = []  # (what, value, note)
@@ -224,16 +224,7 @@ def kernel_checks(smoke: bool, dev, dims: dict, num_layers: int) -> dict:
             for x, y, a, b, scale, tiles, split in args:
                 K.lora_apply(x, y, a, b, scale, tiles, *idx, block_m=bm, split_k=split)
 
-        for _ in range(3):
-            layer()
-        iters = 20
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            layer()
-        end.record()
-        torch.cuda.synchronize()
-        per_step = start.elapsed_time(end) / iters * num_layers
+        per_step = device_ms(layer) * num_layers
         out["decode64_update_ms_per_step"] = round(per_step, 3)
         under = len({s for s in slots if s >= 0})
         SUMMARY.append((f"LoRA update, decode b{len(lens)} ({under} adapters)", f"{per_step:.2f} ms/step",
@@ -444,9 +435,9 @@ def many_adapters(smoke: bool, model: str, kw: dict, folders: list[str], shape: 
         out["load_share_of_wall"] = round(out["load_busy_seconds"] / wall, 4)
         out["load_sum_over_wall"] = round(out["load_seconds_sum"] / wall, 4)
         out["mean_load_ms"] = round(out["load_seconds_sum"] / max(1, out["loads"]) * 1000, 2)
-        device_ms = [row["device_ms"] for row in forwards.rows if row.get("device_ms") is not None]
+        busy_ms = [row["device_ms"] for row in forwards.rows if row.get("device_ms") is not None]
         out["forwards"] = len(forwards.rows)
-        out["device_busy_share"] = round(sum(device_ms) / 1000 / wall, 4) if device_ms else None
+        out["device_busy_share"] = round(sum(busy_ms) / 1000 / wall, 4) if busy_ms else None
         out["resident_after"] = after["resident"]
         hits = r["hits"]
         out["hit_rate"] = round(sum(h[0] for h in hits.values()) / max(1, sum(h[1] for h in hits.values())), 4)

@@ -207,11 +207,17 @@ def test_the_end_is_measured_before_it_is_near(small_backends, small_tokenizer, 
         "required": ["items", "tail"], "additionalProperties": False}
     compiled = backend.compile("json_schema", schema)
     assert BudgetMatcher(backend.matcher(compiled), 10_000, backend).need(10_000) > PROBE_WINDOW
-    for seed in range(4):
-        walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=300, p_eos=0.0, p_closer=0.0,
-                           matcher=budget_matcher(backend, compiled, 300), prefer_open='"]},')
-        text = small_tokenizer.decode(walk.ids)
-        assert walk.finished and len(walk.ids) <= 300, (seed, text)
+    assert_open_walks_close(backend, compiled, texts, small_tokenizer, schema, budget=300)
+
+
+def assert_open_walks_close(backend, compiled, texts, tokenizer, schema, budget: int, seeds: int = 4) -> None:
+    """Walks by a sampler that never ends a value by choice (prefer_open), under the budget rule: each finishes
+    within the budget with a document the schema accepts."""
+    for seed in range(seeds):
+        walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=budget, p_eos=0.0, p_closer=0.0,
+                           matcher=budget_matcher(backend, compiled, budget), prefer_open='"]},')
+        text = tokenizer.decode(walk.ids)
+        assert walk.finished and len(walk.ids) <= budget, (seed, text)
         jsonschema.validate(json.loads(text), schema)
 
 
@@ -225,9 +231,4 @@ def test_a_number_that_would_run_on_is_ended(small_backends, small_tokenizer, to
                                                "tags": {"type": "array", "items": {"type": "string"}}},
               "required": ["rating", "count", "tags"], "additionalProperties": False}
     compiled = backend.compile("json_schema", schema)
-    for seed in range(4):
-        walk = random_walk(backend, compiled, texts, seed=seed, max_tokens=48, p_eos=0.0, p_closer=0.0,
-                           matcher=budget_matcher(backend, compiled, 48), prefer_open='"]},')
-        text = small_tokenizer.decode(walk.ids)
-        assert walk.finished and len(walk.ids) <= 48, (seed, text)
-        jsonschema.validate(json.loads(text), schema)
+    assert_open_walks_close(backend, compiled, texts, small_tokenizer, schema, budget=48)
