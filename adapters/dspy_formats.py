@@ -97,8 +97,22 @@ _XML_SAFE_STRING = "^[^<&\uFFFE\uFFFF]*$"
 # means), so their share of the reply is their longest spelling in bytes (`_bounded`).
 _INT = r"/-?[0-9]{1,19}/"
 _NUMBER = r"/-?[0-9]{1,15}(\.[0-9]{1,15})?([eE][-+]?[0-9]{1,3})?/"
-_INT_BYTES = 20
-_NUMBER_BYTES = 37
+
+
+@dataclass(frozen=True)
+class _Scalar:
+    """How DSPy's note of a scalar type is written: the value's regex, its longest spelling in bytes, its schema."""
+
+    regex: str
+    most_bytes: int
+    schema: dict
+
+
+_SCALARS = {
+    "must be True or False": _Scalar("/True|False/", len("False"), {"type": "boolean"}),
+    "must be a single int value": _Scalar(_INT, 1 + 19, {"type": "integer"}),  # sign, digits
+    "must be a single float value": _Scalar(_NUMBER, 1 + 15 + 1 + 15 + 2 + 3, {"type": "number"}),  # sign, ".", "e-"
+}
 
 
 def _lit(text: str) -> str:
@@ -229,14 +243,11 @@ def _value_rule(name: str, note: str, suffix: str, rules: list[str], cap: int | 
     if schema is not None:
         return _json_rule(rule, schema, suffix, rules, form, json_cap)
     guard = ""
-    if note == "must be True or False":
-        body = "/True|False/"
-    elif note in ("must be a single int value",):
-        body = _INT
-    elif note in ("must be a single float value",):
-        body = _NUMBER
-    elif _options(note) is not None:
-        alts = " | ".join(_lit(form.literal(o)) for o in _options(note))
+    options = _options(note)
+    if note in _SCALARS:
+        body = _SCALARS[note].regex
+    elif options is not None:
+        alts = " | ".join(_lit(form.literal(o)) for o in options)
         rules.append(f"{rule}: ({alts}) {_lit(suffix)}")
         return rule
     else:
@@ -324,14 +335,11 @@ def _shortest_json(schema: Any, root: Any = None, depth: int = 0) -> str:
 def _bounded(note: str, form: _Form) -> int | None:
     """The longest spelling of a bounded value (True/False, an int, a float, a choice) in bytes (a model may spell
     it a byte a token), or None for a free value (text, JSON)."""
-    if note == "must be True or False":
-        return _size("False")
-    if note == "must be a single int value":
-        return _INT_BYTES
-    if note == "must be a single float value":
-        return _NUMBER_BYTES
-    if _options(note) is not None:
-        return max(_size(form.literal(o)) for o in _options(note))
+    if note in _SCALARS:
+        return _SCALARS[note].most_bytes
+    options = _options(note)
+    if options is not None:
+        return max(_size(form.literal(o)) for o in options)
     return None
 
 
@@ -404,8 +412,8 @@ def _fields_grammar(fields: list[str], notes: dict[str, str], tools: dict[str, d
         schema = _json_note_schema(note)
         if schema is not None:
             jsons.append(_fixed(_shortest_json(_json_schema_of(schema, form)), count))
-        elif _bounded(note, form) is not None:
-            bounded += _bounded(note, form)
+        elif (most := _bounded(note, form)) is not None:
+            bounded += most
         else:
             texts += 1
     text_cap, json_cap = value_caps(max_tokens, fixed, bounded, texts, jsons)
@@ -553,18 +561,10 @@ def _json_notes(system: str) -> dict[str, str]:
 
 
 def _note_schema(note: str) -> dict:
-    if note.startswith("must adhere to the JSON schema: "):
-        try:
-            schema = json.loads(note[len("must adhere to the JSON schema: "):])
-        except ValueError:
-            return {}
-        return schema if isinstance(schema, dict) else {}
-    if note == "must be True or False":
-        return {"type": "boolean"}
-    if note == "must be a single int value":
-        return {"type": "integer"}
-    if note == "must be a single float value":
-        return {"type": "number"}
+    if note.startswith(_JSON_NOTE):
+        return _json_note_schema(note) or {}
+    if note in _SCALARS:
+        return dict(_SCALARS[note].schema)
     options = _options(note)
     if options is not None:
         return {"enum": options}
