@@ -193,8 +193,9 @@ def _fp8_gemm_kernel(
                     x = _quantize_tile(x, x_scale)
                 part = tl.dot(x, w)  # [BM, BN] fp32: the e4m3 products are exact, their sum is fp32
             else:
-                if not QUANTIZE_INPUT:
-                    g_scale = tl.load(XScale + offs_m.to(tl.int64) * stride_xsm + ks // GROUP, mask=mask_m, other=1.0)
+                if not QUANTIZE_INPUT:  # a sub-tile past K (its x and w are 0) reads the last group's scale
+                    g_col = tl.minimum(ks, K - 1) // GROUP
+                    g_scale = tl.load(XScale + offs_m.to(tl.int64) * stride_xsm + g_col, mask=mask_m, other=1.0)
                 elif SUB_K == GROUP:  # the sub-tile is the whole group
                     g_scale = _tile_scales(x)
                 else:  # the group is wider than the tile: its amax from the whole group (x is small, in L2)

@@ -67,6 +67,14 @@ def test_quantize_activations_matches_reference_bytes(activation_scale):
     assert torch.all(x_q[3].float() == 0)
 
 
+def nan_after(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a buffer whose memory after t holds NaN: a kernel reading past t's end (a K tile's tail past
+    the last scale column) turns its output into NaN instead of reading whatever memory follows."""
+    buf = torch.full((t.numel() + 256,), float("nan"), dtype=t.dtype, device=t.device)
+    buf[: t.numel()] = t.flatten()
+    return buf[: t.numel()].view(t.shape)
+
+
 def gemm_case(m: int, k: int, block_scales: bool, quantize_input: bool, split_k: int, seed: int,
               activation_scale: str = "group"):  # fmt: skip
     """(y from fp8_gemm, the reference's product, the float product) for random x [m, k] bf16, W [n, k] (n 200
@@ -83,7 +91,7 @@ def gemm_case(m: int, k: int, block_scales: bool, quantize_input: bool, split_k:
         y = fp8_gemm(x.to(DEVICE), *args, config=config, activation_scale=activation_scale)
     else:
         x_q, x_scale = quantize_activations(x.to(DEVICE), activation_scale)
-        y = fp8_gemm(x_q, *args, config=config, x_scale=x_scale, activation_scale=activation_scale)
+        y = fp8_gemm(x_q, *args, config=config, x_scale=nan_after(x_scale), activation_scale=activation_scale)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     expected = fp8_ref.fp8_linear(x, w_q, w_scale, bias, activation_scale)
     return y.cpu(), expected, x.float() @ w.T + bias.float()
@@ -164,7 +172,7 @@ def test_fp8_gemm_group_scales_are_tight(k, block_k, quantize_input, split_k):
             y = fp8_gemm(x.to(DEVICE), *args, config=config)
         else:
             x_q, x_scale = quantize_activations(x.to(DEVICE))
-            y = fp8_gemm(x_q, *args, config=config, x_scale=x_scale, out_dtype=torch.float32)
+            y = fp8_gemm(x_q, *args, config=config, x_scale=nan_after(x_scale), out_dtype=torch.float32)
         expected = fp8_ref.fp8_linear(x, w_q, w_scale, bias)
         assert rel_err(y.cpu(), expected) < 1e-5
         assert rel_err(fp8_ref.fp8_linear(x, w_q, w_scale, bias, "token"), expected) > 1e-3
@@ -184,7 +192,7 @@ def test_fp8_gemm_group_scales_with_block_weights(k, block_k, quantize_input):
         y = fp8_gemm(x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE), config=config)
     else:
         x_q, x_scale = quantize_activations(x.to(DEVICE))
-        y = fp8_gemm(x_q, w_q.to(DEVICE), w_scale.to(DEVICE), config=config, x_scale=x_scale, out_dtype=torch.float32)
+        y = fp8_gemm(x_q, w_q.to(DEVICE), w_scale.to(DEVICE), config=config, x_scale=nan_after(x_scale), out_dtype=torch.float32)
     assert rel_err(y.cpu(), fp8_ref.fp8_linear(x, w_q, w_scale)) < 1e-5
 
 
