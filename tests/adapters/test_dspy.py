@@ -18,17 +18,16 @@ from prefixrt.adapters.dspy import AsyncPrefixRTEngine, PrefixRTEngine, lower_re
 
 import prefixrt
 
-pytestmark = pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")
-
 SYSTEM = "You are a terse assistant for a library catalogue. " * 8  # a long shared prefix
 
 
 class Ask(dspy.Module):
-    """Calls the LM directly with a shared system prompt (no output parsing: works on a random model)."""
+    """Calls the LM directly with a prompt that opens with a long shared text (no output parsing: works on a random
+    model)."""
 
     def forward(self, question: str):
         lm = dspy.settings.lm
-        out = lm(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+        out = lm(f"{SYSTEM}\n{question}")
         return dspy.Prediction(answer=out[0], usage=lm.history[-1]["usage"])
 
 
@@ -49,12 +48,16 @@ def test_constructs_an_lm_on_the_engine_interface(tiny_target):
 
 
 def test_usage_reports_cache_reads(tiny_target):
-    lm = tiny_target.lm(max_tokens=4)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which shelf?"}]
+    from dspy.lm15 import Config, Message, Request
+
+    lm = tiny_target.lm()
+    request = Request(model=lm.model, system=SYSTEM, messages=(Message.user("Which shelf?"),),
+                      config=Config(max_tokens=4))
     with dspy.context(lm=lm, track_usage=True):
-        lm(messages=messages)
-        lm(messages=messages)
+        lm(request)
+        response = lm(request)
         usage = lm.history[-1]["usage"]
+    assert response.usage.output_tokens == 4 and response.usage.cache_read_tokens == usage["prompt_tokens"] - 1
     assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
 

@@ -149,10 +149,10 @@ def test_dspy_lm_reaches_an_adapter_by_model_name(server, engine):
     want = _want(engine, "a")
     for lm in (prefixrt.LM(model="a", engine=engine, max_tokens=NEW, cache=False),
                prefixrt.LM(model="a", base_url=server.url, max_tokens=NEW, cache=False)):
-        assert lm(messages=MESSAGES)[0] == want
+        assert lm(MESSAGES[0]["content"])[0] == want  # one user message
         assert lm.model.startswith("prefixrt/a@")  # DSPy's cache key tells adapters apart
     base = prefixrt.LM(engine=engine, max_tokens=NEW, cache=False)
-    assert base(messages=MESSAGES)[0] == _want(engine, None) != want
+    assert base(MESSAGES[0]["content"])[0] == _want(engine, None) != want
     with pytest.raises(ValueError, match="nor one of its LoRA adapters"):
         prefixrt.LM(model="nope", engine=engine, max_tokens=NEW, cache=False)
 
