@@ -129,11 +129,12 @@ def _gemv_kernel(
         pdl_wait(USE_PDL)
         pdl_trigger(USE_PDL)
         x0 = _load_x(x_rows, k_lo + offs_kb, mask_m, k_hi, K, ACT, dtype)
+        k_s = tl.minimum(k_lo, K - 1)  # an empty split (its tile is 0) reads the last block scale, not past it
         if SWAP_AB:
-            acc_t += _scaled_part(mma(w0, tl.trans(x0), DOT_PRECISION, UPCAST_DOT), WScale, offs_n, mask_n, k_lo,
+            acc_t += _scaled_part(mma(w0, tl.trans(x0), DOT_PRECISION, UPCAST_DOT), WScale, offs_n, mask_n, k_s,
                                   stride_wsn, W_SCALE, True)
         else:
-            acc += _scaled_part(mma(x0, tl.trans(w0), DOT_PRECISION, UPCAST_DOT), WScale, offs_n, mask_n, k_lo,
+            acc += _scaled_part(mma(x0, tl.trans(w0), DOT_PRECISION, UPCAST_DOT), WScale, offs_n, mask_n, k_s,
                                 stride_wsn, W_SCALE, False)
         k_first = k_lo + BLOCK_K
     for k0 in range(k_first, k_hi, BLOCK_K):
