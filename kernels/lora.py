@@ -61,12 +61,14 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     XA, B, Scale, Y, SortedTokens, BlockSlot, BlockStart, BlockEnd, TileShard, TileFirst, TileEnd,
-    R, NUM_SHARDS, stride_xas, stride_xam, stride_bs, stride_bn, stride_ym,
+    R, NUM_SHARDS, NUM_TILES, stride_xas, stride_xam, stride_bs, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
+    # One block of rows, TILES_PER_PROGRAM consecutive column tiles (each inside one shard): the block's rows and
+    # its slot are read once for all of them.
     pid_b = tl.program_id(0)
-    pid_t = tl.program_id(1)
+    pid_g = tl.program_id(1)
     slot = tl.load(BlockSlot + pid_b)
     if slot >= 0:
         start = tl.load(BlockStart + pid_b)
@@ -74,46 +76,50 @@ def _expand_kernel(
         offs_m = start + tl.arange(0, BLOCK_M)
         mask_m = offs_m < end
         rows = tl.load(SortedTokens + offs_m, mask=mask_m, other=0).to(tl.int64)
-        shard = tl.load(TileShard + pid_t)
-        offs_n = tl.load(TileFirst + pid_t) + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < tl.load(TileEnd + pid_t)
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        xa_ptr = XA + rows[:, None] * stride_xam + shard * R + offs_r[None, :]  # [BLOCK_M, BLOCK_R]
         mask_xa = mask_m[:, None] & mask_r[None, :]
-        xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):  # the shrink's K partials, summed in a fixed order
-            xa += tl.load(xa_ptr + s * stride_xas, mask=mask_xa, other=0.0)
-        b_ptr = B + slot.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :]
-        b = tl.load(b_ptr, mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
-        delta = mma(xa.to(b.dtype), tl.trans(b), DOT_PRECISION, UPCAST_DOT)  # [BLOCK_M, BLOCK_N] float32
-        delta = delta * tl.load(Scale + slot * NUM_SHARDS + shard)
-        y_ptr = Y + rows[:, None] * stride_ym + offs_n[None, :]
-        mask = mask_m[:, None] & mask_n[None, :]
-        y = tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr, (y + delta).to(Y.dtype.element_ty), mask=mask)
+        b_slot = B + slot.to(tl.int64) * stride_bs
+        y_rows = Y + rows[:, None] * stride_ym
+        t_lo = pid_g * TILES_PER_PROGRAM
+        for t in range(t_lo, tl.minimum(t_lo + TILES_PER_PROGRAM, NUM_TILES)):
+            shard = tl.load(TileShard + t)
+            offs_n = tl.load(TileFirst + t) + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < tl.load(TileEnd + t)
+            xa_ptr = XA + rows[:, None] * stride_xam + shard * R + offs_r[None, :]  # [BLOCK_M, BLOCK_R]
+            xa = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # the shrink's K partials, summed in a fixed order
+                xa += tl.load(xa_ptr + s * stride_xas, mask=mask_xa, other=0.0)
+            b_ptr = b_slot + offs_n.to(tl.int64)[:, None] * stride_bn + offs_r[None, :]
+            b = tl.load(b_ptr, mask=mask_n[:, None] & mask_r[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+            delta = mma(xa.to(b.dtype), tl.trans(b), DOT_PRECISION, UPCAST_DOT)  # [BLOCK_M, BLOCK_N] float32
+            delta = delta * tl.load(Scale + slot * NUM_SHARDS + shard)
+            y_ptr = y_rows + offs_n[None, :]
+            mask = mask_m[:, None] & mask_n[None, :]
+            y = tl.load(y_ptr, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr, (y + delta).to(Y.dtype.element_ty), mask=mask)
 
 
 def _block_r(width: int) -> int:
     return max(16, triton.next_power_of_2(width))
 
 
-def shrink_split(num_blocks: int, k: int, num_sms: int, block_k: int) -> int:
-    """K splits of the shrink: enough programs for about two per SM when the plan has few blocks (a decode batch
-    of few adapters), at most 8 and never more than K's tiles. Depends on the plan's size alone, so a graph's
-    choice is fixed at capture."""
+def shrink_split(num_blocks: int, k: int, num_sms: int, block_k: int, per_sm: int = 2, max_split: int = 8) -> int:
+    """K splits of the shrink: enough programs for about `per_sm` per SM when the plan has few blocks (a decode
+    batch of few adapters), at most max_split and never more than K's tiles. Depends on the plan's size alone, so
+    a graph's choice is fixed at capture."""
     if num_sms <= 0:
         return 1
-    want = -(-2 * num_sms // max(num_blocks, 1))
+    want = -(-per_sm * num_sms // max(num_blocks, 1))
     split = 1
-    while split * 2 <= min(want, 8, max(1, k // block_k)):
+    while split * 2 <= min(want, max_split, max(1, k // block_k)):
         split *= 2
     return split
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, block_slot: torch.Tensor,
                 block_start: torch.Tensor, block_end: torch.Tensor, block_m: int, split_k: int = 1,
-                block_k: int | None = None) -> torch.Tensor:  # fmt: skip
+                block_k: int | None = None, stages: int = 2) -> torch.Tensor:  # fmt: skip
     """xa partials [split_k, T, num_shards * R] float32 (rows outside every block are left unwritten)."""
     num_tokens, k = x.shape
     num_slots, rt, ka = a.shape
@@ -129,7 +135,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, b
     _shrink_kernel[grid](
         x, a, xa, sorted_tokens, block_slot, block_start, block_end, k, rt,
         x.stride(0), a.stride(0), a.stride(1), xa.stride(0), xa.stride(1),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=split_k, num_warps=4, num_stages=stages,
         **dot_args(x.dtype),
     )  # fmt: skip
     return xa
@@ -137,9 +143,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, sorted_tokens: torch.Tensor, b
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, tiles: torch.Tensor,
                 sorted_tokens: torch.Tensor, block_slot: torch.Tensor, block_start: torch.Tensor,
-                block_end: torch.Tensor, block_m: int) -> torch.Tensor:  # fmt: skip
+                block_end: torch.Tensor, block_m: int, tiles_per_program: int = 1) -> torch.Tensor:  # fmt: skip
     """y (updated in place) += each block's (xa of its shard) @ B_s^T * scale. tiles: [3, NT] int32 from
-    lora_plan.expand_tiles(shard_sizes, BLOCK_N)."""
+    lora_plan.expand_tiles(shard_sizes, BLOCK_N); tiles_per_program: column tiles one program adds (the same
+    result: a launch parameter, fewer and longer programs)."""
     num_slots, n, rank = b.shape
     num_shards = scale.shape[1]
     if y.shape[1] != n or xa.shape[2] != num_shards * rank or not b.is_contiguous() or y.stride(-1) != 1:
@@ -147,12 +154,15 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scale: torch
     num_blocks = block_slot.shape[0]
     if y.shape[0] == 0 or num_blocks == 0:
         return y
-    grid = (num_blocks, tiles.shape[1])
+    if tiles_per_program < 1:
+        raise ValueError(f"tiles_per_program must be at least 1, got {tiles_per_program}")
+    num_tiles = tiles.shape[1]
+    grid = (num_blocks, triton.cdiv(num_tiles, tiles_per_program))
     _expand_kernel[grid](
         xa, b, scale, y, sorted_tokens, block_slot, block_start, block_end, tiles[0], tiles[1], tiles[2],
-        rank, num_shards, xa.stride(0), xa.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank), SPLIT_K=xa.shape[0], num_warps=4, num_stages=1,
-        **dot_args(y.dtype),
+        rank, num_shards, num_tiles, xa.stride(0), xa.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(rank), SPLIT_K=xa.shape[0],
+        TILES_PER_PROGRAM=tiles_per_program, num_warps=4, num_stages=1, **dot_args(y.dtype),
     )  # fmt: skip
     return y
 
@@ -164,7 +174,10 @@ def tile_table(shard_sizes: list[int], device) -> torch.Tensor:
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
                tiles: torch.Tensor, sorted_tokens: torch.Tensor, block_slot: torch.Tensor, block_start: torch.Tensor,
-               block_end: torch.Tensor, block_m: int, split_k: int = 1) -> torch.Tensor:  # fmt: skip
-    """Shrink then expand (the kernels' counterpart of lora_reference.lora_apply): y updated in place."""
-    xa = lora_shrink(x, a, sorted_tokens, block_slot, block_start, block_end, block_m, split_k)
-    return lora_expand(y, xa, b, scale, tiles, sorted_tokens, block_slot, block_start, block_end, block_m)
+               block_end: torch.Tensor, block_m: int, split_k: int = 1, tiles_per_program: int = 1,
+               shrink_stages: int = 2) -> torch.Tensor:  # fmt: skip
+    """Shrink then expand (the kernels' counterpart of lora_reference.lora_apply): y updated in place. split_k,
+    tiles_per_program and shrink_stages are launch parameters (the same result)."""
+    xa = lora_shrink(x, a, sorted_tokens, block_slot, block_start, block_end, block_m, split_k, stages=shrink_stages)
+    return lora_expand(y, xa, b, scale, tiles, sorted_tokens, block_slot, block_start, block_end, block_m,
+                       tiles_per_program)

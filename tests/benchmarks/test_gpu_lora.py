@@ -21,6 +21,8 @@ def test_gpu_lora_smoke(tmp_path):
     doc = json.loads((tmp_path / "gpu-lora.json").read_text())
     assert "FAILED" not in p.stdout and "SKIPPED" not in p.stdout, p.stdout[-3000:]
     assert doc["kernels"]["ok"] and doc["kernels"]["base_rows_changed"] == 0
+    variants = doc["kernels"]["decode64_launch_variants"]
+    assert "current" in variants and len(variants) >= 2 and all(v["rel_err"] < 2e-2 for v in variants.values())
 
     rag = doc["adapters64"]
     trace = rag["trace"]

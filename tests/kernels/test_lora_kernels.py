@@ -61,9 +61,10 @@ def test_expand_tiles_never_straddle_shards():
     assert shard == [0, 0, 1, 2] and first == [0, 64, 128, 160] and end == [128, 128, 160, 192]
 
 
+@pytest.mark.parametrize("tiles_per_program", [1, 3, 64])  # one tile a program; 2-4 tiles in 1-2 programs; all
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shards,rank,split_k", [([96], 8, 1), ([64, 32, 32], 16, 2), ([80, 80], 64, 1)])
-def test_kernels_equal_reference(dtype, shards, rank, split_k):
+def test_kernels_equal_reference(dtype, shards, rank, split_k, tiles_per_program):
     torch.manual_seed(0)
     rng = random.Random(1)
     k, num_slots = 48, 4
@@ -84,7 +85,8 @@ def test_kernels_equal_reference(dtype, shards, rank, split_k):
     idx = _plan_tensors(plan)
     want = lora_apply_reference(x.float(), y0.float().clone(), a.float(), b.float(), scale, shards, *idx)
     tiles = lora_kernels.tile_table(shards, "cpu")
-    got = lora_kernels.lora_apply(x, y0.clone(), a, b, scale, tiles, *idx, block_m=bm, split_k=split_k)
+    got = lora_kernels.lora_apply(x, y0.clone(), a, b, scale, tiles, *idx, block_m=bm, split_k=split_k,
+                                  tiles_per_program=tiles_per_program)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, atol=tol * max(1.0, want.abs().max().item()), rtol=tol)
     base_rows = [r for r, s in zip(range(len(lens)), slots) if s < 0]
