@@ -17,8 +17,6 @@ dspy = pytest.importorskip("dspy")
 
 import prefixrt  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")
-
 QUESTIONS = ["What is the capital of France?", "What color is the sky?", "How many legs does a dog have?",
              "What is 2 plus 3?", "Who wrote Hamlet?", "What is the largest planet?",
              "What language is spoken in Spain?", "What is frozen water called?", "How many days are in a week?",

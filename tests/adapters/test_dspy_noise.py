@@ -18,7 +18,6 @@ import pytest
 dspy = pytest.importorskip("dspy")
 pydantic = pytest.importorskip("pydantic")
 
-pytestmark = pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")
 
 
 class Inner(pydantic.BaseModel):

@@ -13,7 +13,6 @@ import pytest
 dspy = pytest.importorskip("dspy")
 jsonschema = pytest.importorskip("jsonschema")
 
-pytestmark = pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")
 
 RUNS = int(os.environ.get("PREFIXRT_TEST_REACT_RUNS", "100"))
 

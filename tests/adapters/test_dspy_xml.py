@@ -14,8 +14,6 @@ dspy = pytest.importorskip("dspy")
 
 from tests.adapters.test_dspy_first_call import QUESTIONS  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning")
-
 
 @pytest.mark.parametrize("signature", ["question -> answer", "question -> reasoning, answer"])
 def test_xml_adapter_one_lm_call_per_predict(gemma_target, signature):

@@ -209,7 +209,7 @@ def test_append_does_not_block(engine):
         s.read_seconds = time.monotonic() - t0
 
     st = prog.run(backend=Slow(), timeout=TIMEOUT)
-    assert st.enqueue_seconds < 0.1 and st.read_seconds >= 0.3
+    assert st.enqueue_seconds < 0.2 and st.read_seconds >= 0.3  # enqueue does not wait for the 0.3 s call
 
 
 def test_unknown_variable_raises_with_state(engine):
