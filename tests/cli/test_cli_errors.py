@@ -20,6 +20,19 @@ def _run(*args: str, env: dict | None = None, timeout: float = 120) -> tuple[sub
     return r, time.monotonic() - started
 
 
+def _import_blocker(package: str) -> str:
+    """Python source that makes `package` (and its submodules) unimportable, as in an installation without it."""
+    return textwrap.dedent(f"""
+        import sys
+        class _Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == {package!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+                return None
+        sys.meta_path.insert(0, _Block())
+    """)
+
+
 def _assert_one_line(r: subprocess.CompletedProcess, *needles: str) -> str:
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr
@@ -75,15 +88,7 @@ def test_cuda_device_on_cpu_torch():
 
 def test_serve_without_the_server_extra_names_the_pip_command(tmp_path):
     # A site hook that makes uvicorn unimportable, as in an installation without prefixrt[server].
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
-        import sys
-        class _Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "uvicorn":
-                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-                return None
-        sys.meta_path.insert(0, _Block())
-    """))
+    (tmp_path / "sitecustomize.py").write_text(_import_blocker("uvicorn"))
     env = cli_env()
     env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
     r, _ = _run("serve", "--port", "0", env=env)
@@ -91,14 +96,7 @@ def test_serve_without_the_server_extra_names_the_pip_command(tmp_path):
 
 
 def test_openai_shim_without_httpx_names_the_pip_command(tmp_path):
-    code = textwrap.dedent("""
-        import sys
-        class _Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "httpx":
-                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-                return None
-        sys.meta_path.insert(0, _Block())
+    code = _import_blocker("httpx") + textwrap.dedent("""
         try:
             import prefixrt.openai
         except ModuleNotFoundError as e:
